@@ -1,0 +1,3 @@
+from flashnode.cli import main
+
+main()

@@ -1,0 +1,234 @@
+"""The main loop: register, node heartbeat, claim, hand attempts to the slot, drain.
+
+It imports no edge: the coordinator, the runner, the clock and the way attempts are started are
+all given to it, so tests drive it with fakes and a fake clock. Signal handlers (in the CLI) only
+call ``request_stop``; the loop acts on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flashnode.attempt import Attempt, AttemptContext, Outcome
+from flashnode.clock import Clock
+from flashnode.errors import CoordinatorError, CoordinatorUnavailable, Unregistered
+from flashnode.wire import NodeHeartbeat, NodeRegistration
+
+log = logging.getLogger(__name__)
+
+TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
+
+
+class AgentCoordinator(Protocol):
+    def register(self, registration: NodeRegistration) -> str: ...
+    def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None: ...
+    def claim(self, node_id: str) -> dict[str, Any] | None: ...
+
+
+class Backoff:
+    """Capped exponential backoff with jitter (each delay drawn from [0.8, 1.0] times the step)."""
+
+    def __init__(self, first: float, cap: float, rng: random.Random) -> None:
+        self.first, self.cap, self.rng = first, cap, rng
+        self.step = first
+
+    def reset(self) -> None:
+        self.step = self.first
+
+    def next(self) -> float:
+        delay = self.step * self.rng.uniform(0.8, 1.0)
+        self.step = min(self.step * 2, self.cap)
+        return delay
+
+
+@dataclass
+class Stats:
+    started: int = 0
+    outcomes: dict[str, int] | None = None
+
+    def count(self, outcome: Outcome) -> None:
+        if self.outcomes is None:
+            self.outcomes = {}
+        self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
+
+
+class Agent:
+    def __init__(
+        self,
+        ctx: AttemptContext,
+        coordinator: AgentCoordinator,
+        registration: Callable[[], NodeRegistration],
+        clock: Clock | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.coordinator = coordinator
+        self.registration = registration
+        self.clock = clock or ctx.clock
+        rng = ctx.rng
+        s = self.settings
+        self.claim_backoff = Backoff(s.claim_backoff_min_seconds, s.claim_backoff_max_seconds, rng)
+        self.error_backoff = Backoff(1.0, s.error_backoff_max_seconds, rng)
+        self.node_id = ""
+        self.stats = Stats()
+        self.running: dict[int, Attempt] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._registered = False
+        self._unreachable_since: float | None = None
+        self._next_heartbeat = 0.0
+        self._next_claim = 0.0
+        self._draining = False
+        self._drain_deadline = 0.0
+        self._stop_now = False
+
+    # --- control (safe to call from a signal handler: sets flags only) ------------------------
+
+    def request_stop(self) -> None:
+        """First call: drain. Second call: stop now, still cleaning up."""
+        if self._draining:
+            self._stop_now = True
+        self._draining = True
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until drained, stopped, or ``max_tasks`` attempts have finished."""
+        s = self.settings
+        self.ctx.runner.reconcile()
+        while not self._registered and not self._draining:
+            self._register()
+            if not self._registered:
+                self.clock.wait(self._wake, self._error_pause())
+        drain_started = False
+        while True:
+            now = self.clock.monotonic()
+            if self._draining and not drain_started:
+                drain_started = True
+                self._drain_deadline = now + s.drain_seconds
+                log.info("draining: no new claims; %d attempt(s) running", len(self.running))
+                self._next_heartbeat = now
+            if self._stop_now:
+                self._cancel_all("agent stopping", grace=0.0)
+            elif self._draining and now >= self._drain_deadline:
+                self._cancel_all("node draining", grace=s.kill_grace_seconds)
+            if not self.running and (self._draining or self._quota_spent()):
+                break
+            if now >= self._next_heartbeat:
+                self._heartbeat()
+            if self._may_claim() and now >= self._next_claim:
+                self._claim()
+                continue
+            wake_at = self._next_heartbeat
+            if self._may_claim():
+                wake_at = min(wake_at, self._next_claim)
+            self.clock.wait(self._wake, min(max(wake_at - now, 0.0), TICK))
+            self._wake.clear()
+        log.info("agent stopped: %s", self.stats.outcomes or {})
+
+    def _quota_spent(self) -> bool:
+        m = self.settings.max_tasks
+        return m is not None and self.stats.started >= m
+
+    def _may_claim(self) -> bool:
+        return (
+            self._registered and not self._draining and not self._quota_spent() and not self.running
+        )
+
+    # --- coordinator conversations ------------------------------------------------------------
+
+    def _register(self) -> None:
+        try:
+            self.node_id = self.coordinator.register(self.registration())
+        except CoordinatorUnavailable as exc:
+            self._unreachable(exc)
+            return
+        except CoordinatorError as exc:
+            if isinstance(exc, Unregistered):  # pragma: no cover - register never says so
+                raise
+            self._unreachable(exc)
+            return
+        self._registered = True
+        self._reachable()
+        log.info("registered as node %s", self.node_id)
+
+    def _heartbeat(self) -> None:
+        self._next_heartbeat = self.clock.monotonic() + self.settings.heartbeat_seconds
+        heartbeat = NodeHeartbeat(
+            node_id=self.node_id, status="draining" if self._draining else "online"
+        )
+        try:
+            self.coordinator.node_heartbeat(heartbeat)
+        except Unregistered:
+            log.info("coordinator forgot this node; registering again")
+            self._registered = False
+            self._register()
+            return
+        except CoordinatorError as exc:
+            self._unreachable(exc)
+            return
+        self._reachable()
+
+    def _claim(self) -> None:
+        now = self.clock.monotonic()
+        try:
+            lease = self.coordinator.claim(self.node_id)
+        except Unregistered:
+            log.info("coordinator refused the claim as unregistered; registering again")
+            self._registered = False
+            self._register()
+            self._next_claim = now if self._registered else now + self._error_pause()
+            return
+        except CoordinatorError as exc:
+            self._unreachable(exc)
+            self._next_claim = now + self._error_pause()
+            return
+        self._reachable()
+        if lease is None:
+            self._next_claim = now + self.claim_backoff.next()
+            return
+        self.claim_backoff.reset()
+        self.stats.started += 1
+        attempt = Attempt(self.ctx, lease)
+        key = self.stats.started
+        with self._lock:
+            self.running[key] = attempt
+        self.ctx.start_thread(lambda: self._run_attempt(key, attempt), f"attempt-{key}")
+
+    def _run_attempt(self, key: int, attempt: Attempt) -> None:
+        try:
+            outcome = attempt.run()
+        finally:
+            with self._lock:
+                self.running.pop(key, None)
+            self._next_claim = self.clock.monotonic()  # claim again at once
+            self._wake.set()
+        self.stats.count(outcome)
+
+    def _cancel_all(self, reason: str, grace: float) -> None:
+        with self._lock:
+            attempts = list(self.running.values())
+        for attempt in attempts:
+            attempt.cancel(reason, grace)
+
+    # --- reachability: one log line per state change ------------------------------------------
+
+    def _error_pause(self) -> float:
+        return self.error_backoff.next()
+
+    def _unreachable(self, exc: Exception) -> None:
+        if self._unreachable_since is None:
+            self._unreachable_since = self.clock.monotonic()
+            log.warning("coordinator unreachable: %s", exc)
+
+    def _reachable(self) -> None:
+        self.error_backoff.reset()
+        if self._unreachable_since is not None:
+            down = self.clock.monotonic() - self._unreachable_since
+            self._unreachable_since = None
+            log.info("coordinator reachable again after %.0f s", down)

@@ -1,0 +1,191 @@
+"""The ``flashnode`` command: flags/env/config → Settings → wiring; exit codes; logging setup."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+
+from flashnode import __version__, inventory
+from flashnode.agent import Agent
+from flashnode.attempt import AttemptContext
+from flashnode.clock import SystemClock
+from flashnode.coordinator import Coordinator
+from flashnode.errors import (
+    ConfigError,
+    CredentialsError,
+    ExitCode,
+    FlashnodeError,
+    PrerequisiteError,
+)
+from flashnode.ledger import Ledger
+from flashnode.runners.base import Runner
+from flashnode.runners.trusted import TrustedRunner
+from flashnode.settings import Settings, load
+
+log = logging.getLogger("flashnode")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(log_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_json:
+        handler.setFormatter(JsonFormatter())
+    elif os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"):
+        # journald stamps each line itself; the <N> prefix sets its priority.
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _fail(code: ExitCode, message: str) -> None:
+    click.echo(f"flashnode: {message}", err=True)
+    sys.exit(int(code))
+
+
+@click.group()
+@click.version_option(__version__, prog_name="flashnode")
+def main() -> None:
+    """flashnode: the volunteer node agent of the flashruntime distributed ML runtime."""
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path),
+    help="TOML config file [default: /etc/flashnode/flashnode.toml when present].",
+)
+@click.option("--coordinator", help="Coordinator base URL [env FLASHNODE_COORDINATOR].")
+@click.option(
+    "--runner",
+    type=click.Choice(["trusted", "docker"]),
+    help="How tasks run: docker (sandboxed, default) or trusted (host, pool-only).",
+)
+@click.option(
+    "--pool",
+    "pools",
+    multiple=True,
+    help="A team pool this node serves; repeatable [env FLASHNODE_POOLS, comma-separated].",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    help="State directory [default: /var/lib/flashnode as root, else ~/.local/state/flashnode].",
+)
+@click.option("--node-id", help="Node id [default: generated once, kept in the state dir].")
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path),
+    help="File holding the bearer token (mode 0600) [or env FLASHNODE_TOKEN].",
+)
+@click.option(
+    "--join-code-file",
+    type=click.Path(path_type=Path),
+    help="File holding the join code (mode 0600) [or env FLASHNODE_JOIN_CODE].",
+)
+@click.option("--max-tasks", type=int, help="Finish this many attempts, then exit 0.")
+@click.option("--log-json", is_flag=True, default=None, help="Log JSON lines.")
+def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None:
+    """Register with the coordinator, then claim, run and commit tasks until stopped."""
+    if pools:
+        flags["pools"] = pools
+    try:
+        settings = load(flags, os.environ, config_file)
+    except ConfigError as exc:
+        _fail(ExitCode.CONFIG, f"configuration error: {exc}")
+    setup_logging(settings.log_json)
+    try:
+        run_agent(settings)
+    except ConfigError as exc:
+        _fail(ExitCode.CONFIG, f"configuration error: {exc}")
+    except CredentialsError as exc:
+        _fail(ExitCode.CREDENTIALS, f"credentials refused: {exc}")
+    except PrerequisiteError as exc:
+        _fail(ExitCode.UNAVAILABLE, str(exc))
+    except FlashnodeError as exc:
+        _fail(ExitCode.FAILURE, str(exc))
+
+
+def make_runner(settings: Settings) -> Runner:
+    if settings.runner == "trusted":
+        if os.geteuid() != 0:
+            log.info("trusted tasks run as this agent's own user (uid %d)", os.geteuid())
+        return TrustedRunner(settings.pools, settings.log_max_bytes)
+    raise PrerequisiteError(
+        "the docker runner is not available in this build; use --runner trusted"
+    )
+
+
+def _thread(fn: Callable[[], None], name: str) -> None:
+    threading.Thread(target=fn, name=name, daemon=True).start()
+
+
+def run_agent(settings: Settings) -> None:
+    try:
+        inventory.ensure_state_dir(settings.state_dir)
+        node = inventory.node_id(settings)
+    except OSError as exc:
+        raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
+    runner = make_runner(settings)
+    coordinator = Coordinator(
+        settings.coordinator,
+        token=settings.token.get_secret_value() if settings.token else None,
+        join_code=settings.join_code.get_secret_value() if settings.join_code else None,
+    )
+    ctx = AttemptContext(
+        coordinator=coordinator,
+        runner=runner,
+        settings=settings,
+        clock=SystemClock(),
+        ledger=Ledger(settings.state_dir / "ledger.jsonl"),
+        start_thread=_thread,
+        rng=random.Random(),
+    )
+    agent = Agent(ctx, coordinator, lambda: inventory.registration(settings, node))
+    log.info(
+        "flashnode %s: node %s, %s runner, pools %s, coordinator %s",
+        __version__,
+        node,
+        settings.runner,
+        ",".join(settings.pools) or "-",
+        settings.coordinator,
+    )
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        agent.request_stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        agent.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        coordinator.close()

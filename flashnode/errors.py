@@ -1,0 +1,73 @@
+"""The error families of the agent and its named exit codes.
+
+Edges translate what they see (HTTP statuses, OS errors, bad payloads) into these exceptions at the
+boundary, so the loop in the middle handles a small, documented set of outcomes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes; documented in the README (Operations)."""
+
+    OK = 0
+    FAILURE = 1  # an unexpected error: a bug, reported with a traceback
+    USAGE = 2  # click's code for a bad command line
+    UNAVAILABLE = 69  # a prerequisite is missing (EX_UNAVAILABLE), e.g. no Docker engine
+    CREDENTIALS = 77  # the coordinator refused the join code or token (EX_NOPERM)
+    CONFIG = 78  # the configuration is invalid (EX_CONFIG); systemd must not restart
+
+
+class FlashnodeError(Exception):
+    """Base of every error the agent raises on purpose."""
+
+
+class ConfigError(FlashnodeError):
+    """The configuration (flags, environment, file) is invalid; the agent cannot start."""
+
+
+class CredentialsError(FlashnodeError):
+    """The coordinator refused this node's join code or token."""
+
+
+class PrerequisiteError(FlashnodeError):
+    """Something the chosen runner needs is missing on this host."""
+
+
+# --- coordinator outcomes --------------------------------------------------------------------
+
+
+class CoordinatorError(FlashnodeError):
+    """The coordinator answered something the agent cannot act on (a 4xx, a malformed body)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """Transport error, timeout or 5xx: retry later with backoff."""
+
+
+class Unregistered(CoordinatorError):
+    """The coordinator does not know this node (it restarted): register again."""
+
+
+class LeaseLost(CoordinatorError):
+    """The lease is no longer live (410, or 403 in token mode): stop, discard, report nothing."""
+
+
+class PayloadTooLarge(CoordinatorError):
+    """The coordinator refused an upload as too large (413)."""
+
+
+# --- attempt outcomes ------------------------------------------------------------------------
+
+
+class AttemptFailed(FlashnodeError):
+    """The attempt cannot succeed; the reason is reported to the coordinator with ``fail``.
+
+    The message is the reason: it must be short, specific and free of secrets.
+    """

@@ -1,0 +1,63 @@
+"""This machine's capabilities and opt-ins → NodeRegistration."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import secrets
+import socket
+from pathlib import Path
+
+import psutil
+
+from flashnode import __version__
+from flashnode.settings import Settings
+from flashnode.wire import NodeCapabilities, NodeRegistration
+
+ARCHITECTURES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def node_id(settings: Settings) -> str:
+    """The configured node id, else the one generated on first start and kept in the state dir."""
+    if settings.node_id:
+        return settings.node_id
+    path = settings.state_dir / "node-id"
+    try:
+        existing = path.read_text().strip()
+    except FileNotFoundError:
+        existing = ""
+    if existing:
+        return existing
+    host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "node"
+    new = f"{host}-{secrets.token_hex(4)}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(new + "\n")
+    os.replace(tmp, path)
+    return new
+
+
+def registration(settings: Settings, node: str) -> NodeRegistration:
+    machine = platform.machine().lower()
+    return NodeRegistration(
+        node_id=node,
+        hostname=socket.gethostname(),
+        capabilities=NodeCapabilities(
+            cpu_cores=float(os.cpu_count() or 1),
+            memory_bytes=psutil.virtual_memory().total,
+            gpus=[],
+            pools=list(settings.pools),
+            os=platform.system().lower(),
+            architecture=ARCHITECTURES.get(machine, machine),
+        ),
+        unsandboxed_argv_capable=settings.unsandboxed_argv_capable,
+        argv_capable=False,
+        sandbox_capable=False,
+        can_install_dependencies=False,
+        module_capable=False,
+        agent_version=__version__,
+    )
+
+
+def ensure_state_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -1,0 +1,239 @@
+"""Process-tree ownership for trusted tasks: the only module that starts or signals processes.
+
+A task's processes belong to its attempt until the attempt ends, including children that leave
+the process group (``setsid``, double fork) to escape. Each task gets:
+
+* its own session and process group (signals go to the whole group);
+* a random ownership token in its environment (``FLASHNODE_OWNER``), so that a scan of
+  ``/proc/*/environ`` finds every descendant of the task's user even after it detached.
+
+Termination is TERM → grace → KILL over both, repeated until nothing carrying the token is left.
+Output goes through pipes to reader threads that keep a size-capped head and a short tail on disk;
+the attempt never waits for a pipe held open by a detached descendant: it ends when the main
+process exits, and its leftovers are then killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OWNER_ENV = "FLASHNODE_OWNER"
+TAIL_BYTES = 8 * 1024
+READ_CHUNK = 64 * 1024
+KILL_ROUNDS_S = 5.0
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+class Capture:
+    """Copies a pipe into a file: the first ``cap`` bytes, then a marker and the last bytes."""
+
+    def __init__(self, fd: int, path: Path, cap: int) -> None:
+        self._fd, self._path, self._cap = fd, path, cap
+        self._stop = threading.Event()
+        self.total = 0
+        self.tail = b""
+        self._thread = threading.Thread(target=self._run, name=f"capture-{path.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._path.open("wb") as out:
+            try:
+                while True:
+                    ready, _, _ = select.select([self._fd], [], [], 0.2)
+                    if not ready:
+                        if self._stop.is_set():
+                            break
+                        continue
+                    chunk = os.read(self._fd, READ_CHUNK)
+                    if not chunk:
+                        break
+                    room = self._cap - self.total
+                    if room > 0:
+                        out.write(chunk[:room])
+                    self.total += len(chunk)
+                    self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+            finally:
+                os.close(self._fd)
+                over = self.total - self._cap
+                if over > 0:
+                    kept = self.tail[-over:]
+                    out.write(
+                        f"\n[flashnode: {over} bytes over the {self._cap}-byte cap not kept;"
+                        f" the last {len(kept)} follow]\n".encode()
+                    )
+                    out.write(kept)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop reading (after draining what is already there) and wait for the file."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+
+class TaskProcess:
+    """A started task: its main process, its group, its token and its captured output."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        stdout: Path,
+        stderr: Path,
+        log_max_bytes: int,
+        on_exit: Callable[[], None],
+    ) -> None:
+        self.token = env[OWNER_ENV]
+        self.uid = os.geteuid()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            self._popen = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                close_fds=True,
+                umask=0o077,
+            )
+        except BaseException:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        os.close(out_w)
+        os.close(err_w)
+        self.pid = self._popen.pid
+        self.exited = threading.Event()
+        self._on_exit = on_exit
+        self.stdout = Capture(out_r, stdout, log_max_bytes)
+        self.stderr = Capture(err_r, stderr, log_max_bytes)
+        threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+
+    def _wait(self) -> None:
+        self._popen.wait()
+        self.exited.set()
+        self._on_exit()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode if self.exited.is_set() else None
+
+    def terminate(self, grace: float) -> None:
+        """SIGTERM to the group and every token holder, up to ``grace`` seconds for them to go,
+        then SIGKILL until none is left. Idempotent."""
+        if self._signal_all(signal.SIGTERM):
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and self._alive():
+                time.sleep(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL everything the task owns, repeating while something still answers."""
+        deadline = time.monotonic() + KILL_ROUNDS_S
+        while self._signal_all(signal.SIGKILL) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.exited.wait(KILL_ROUNDS_S)
+
+    def close(self) -> None:
+        self.stdout.close()
+        self.stderr.close()
+
+    def _alive(self) -> bool:
+        return not self.exited.is_set() or any(True for _ in self.members())
+
+    def members(self) -> Iterator[int]:
+        """Live (non-zombie) processes of the task: its group, and every token holder."""
+        return find_owned(self.token, self.uid, self.pid)
+
+    def _signal_all(self, sig: signal.Signals) -> bool:
+        """Signal the group and every token holder; True if anything alive was there."""
+        with contextlib.suppress(OSError):
+            os.killpg(self.pid, sig)
+        hit = False
+        for pid in self.members():
+            hit = signal_if_owned(pid, self.token, self.pid, sig) or hit
+        return hit
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of a pid, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[2])
+
+
+def _environ_has(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            data = b"\0" + fh.read()
+    except OSError:
+        return False
+    return needle in data
+
+
+def _needle(token: str) -> bytes:
+    return f"\0{OWNER_ENV}={token}\0".encode()
+
+
+def _owned(pid: int, needle: bytes, pgid: int | None) -> bool:
+    st = _stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return False
+    return (pgid is not None and st[1] == pgid) or _environ_has(pid, needle)
+
+
+def find_owned(token: str, uid: int, pgid: int | None = None) -> Iterator[int]:
+    """Pids of live processes of ``uid`` that carry the ownership token in their environment or
+    belong to process group ``pgid``."""
+    needle = _needle(token)
+    me = os.getpid()
+    with contextlib.suppress(FileNotFoundError), os.scandir("/proc") as it:
+        for entry in it:
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if entry.stat().st_uid != uid:
+                    continue
+            except OSError:
+                continue
+            if _owned(int(entry.name), needle, pgid):
+                yield int(entry.name)
+
+
+def signal_if_owned(pid: int, token: str, pgid: int | None, sig: signal.Signals) -> bool:
+    """Signal ``pid`` only if it still belongs to the task, pinning its identity with a pidfd
+    first so that a reused pid is never touched."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if not _owned(pid, _needle(token), pgid):
+            return False
+        signal.pidfd_send_signal(pidfd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(pidfd)

@@ -1,0 +1,49 @@
+"""The runner contract.
+
+* ``check`` refuses a task this runner must not run (raises AttemptFailed) before anything starts.
+* ``start`` returns a Handle or raises after undoing everything it began.
+* A Handle's ``terminate`` is idempotent and escalates (polite signal, grace, kill); ``finish``
+  removes whatever the task left behind once its main process has exited, and closes its logs.
+* ``reconcile`` runs at agent start and removes what an earlier run of this agent left behind.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Protocol
+
+from flashnode.wire import Task
+from flashnode.workspace import Workspace
+
+
+class Handle(Protocol):
+    @property
+    def returncode(self) -> int | None:
+        """The main process's exit status (negative: killed by that signal), None while it runs."""
+
+    @property
+    def image_digest(self) -> str:
+        """Digest of the image that ran; "" when no container ran."""
+
+    def terminate(self, grace: float) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def stderr_tail(self) -> str:
+        """The last lines the task wrote to stderr, for a failure reason."""
+
+
+class Runner(ABC):
+    name: str
+
+    @abstractmethod
+    def check(self, task: Task) -> None:
+        """Raise AttemptFailed if this runner must not run ``task``."""
+
+    @abstractmethod
+    def start(self, task: Task, workspace: Workspace, on_exit: Callable[[], None]) -> Handle:
+        """Start the task; ``on_exit`` is called (from any thread) when its main process exits."""
+
+    def reconcile(self) -> None:  # noqa: B027 - optional hook
+        """Remove leftovers of an earlier run of this agent."""

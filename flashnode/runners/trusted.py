@@ -1,0 +1,120 @@
+"""The trusted runner: argv tasks of the owner's team pools, on the host, without a container.
+
+Arbitrary code on the host is pool-only, three locks together (DESIGN.md §5): this node runs
+trusted with at least one pool, the task's ``pool`` is one of them, and its isolation says
+``allowFallback: true``. The coordinator checks this at placement; ``check`` checks it again.
+
+The task sees its workspace as ``/work``: an argument or ``env`` value that is ``/work`` or starts
+with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten to the attempt
+directory. Its environment is built, never inherited: a short allowlist from the agent's own
+environment, then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``
+and the ownership token.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+from flashnode import procs
+from flashnode.errors import AttemptFailed
+from flashnode.runners.base import Handle, Runner
+from flashnode.wire import Task
+from flashnode.workspace import Workspace
+
+INHERITED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+WORK = "/work"
+
+
+def map_work(value: str, root: str) -> str:
+    """Rewrite a ``/work`` path (alone, or after the first '=') to the attempt directory."""
+    if value == WORK or value.startswith(WORK + "/"):
+        return root + value[len(WORK) :]
+    head, eq, tail = value.partition("=")
+    if eq and (tail == WORK or tail.startswith(WORK + "/")):
+        return head + eq + root + tail[len(WORK) :]
+    return value
+
+
+def task_env(task: Task, ws: Workspace, token: str, agent_env: Mapping[str, str]) -> dict[str, str]:
+    root = str(ws.root)
+    env = {k: agent_env[k] for k in INHERITED if k in agent_env}
+    env.update({k: map_work(v, root) for k, v in task.env.items()})
+    env.update(
+        PATH=agent_env.get("PATH", DEFAULT_PATH),
+        HOME=root,
+        TMPDIR=str(ws.tmp),
+        FLASHML_WORK_DIR=root,
+    )
+    env[procs.OWNER_ENV] = token
+    return env
+
+
+class TrustedHandle:
+    def __init__(self, proc: procs.TaskProcess) -> None:
+        self._proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    @property
+    def image_digest(self) -> str:
+        return ""
+
+    def terminate(self, grace: float) -> None:
+        self._proc.terminate(grace)
+
+    def finish(self) -> None:
+        self._proc.kill()
+        self._proc.close()
+
+    def stderr_tail(self) -> str:
+        return self._proc.stderr.tail.decode("utf-8", "replace")
+
+
+class TrustedRunner(Runner):
+    name = "trusted"
+
+    def __init__(
+        self, pools: tuple[str, ...], log_max_bytes: int, agent_env: Mapping[str, str] | None = None
+    ) -> None:
+        self.pools = pools
+        self.log_max_bytes = log_max_bytes
+        self.agent_env = dict(os.environ if agent_env is None else agent_env)
+
+    def check(self, task: Task) -> None:
+        if task.argv is None:
+            raise AttemptFailed("the trusted runner runs argv tasks only")
+        if not self.pools:
+            raise AttemptFailed("refused: this node serves no pool, so it runs no trusted work")
+        if not task.pool:
+            raise AttemptFailed(
+                "refused: trusted argv work must name a pool, and this task names none"
+            )
+        if task.pool not in self.pools:
+            raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
+        if task.isolation is None or not task.isolation.allow_fallback:
+            raise AttemptFailed(
+                "refused: the task's isolation does not allow running outside a sandbox"
+            )
+
+    def start(self, task: Task, workspace: Workspace, on_exit: Callable[[], None]) -> Handle:
+        assert task.argv is not None
+        root = str(workspace.root)
+        token = procs.new_token()
+        argv = [map_work(a, root) for a in task.argv]
+        try:
+            proc = procs.TaskProcess(
+                argv,
+                task_env(task, workspace, token, self.agent_env),
+                cwd=workspace.root,
+                stdout=workspace.logs / "stdout.txt",
+                stderr=workspace.logs / "stderr.txt",
+                log_max_bytes=self.log_max_bytes,
+                on_exit=on_exit,
+            )
+        except OSError as exc:
+            raise AttemptFailed(f"cannot start {argv[0][:100]!r}: {exc.strerror or exc}") from None
+        return TrustedHandle(proc)
