@@ -12,15 +12,16 @@ import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.clock import Clock
-from flashnode.errors import CoordinatorError, CoordinatorUnavailable, Unregistered
+from flashnode.errors import CoordinatorError, Unregistered
 from flashnode.wire import NodeHeartbeat, NodeRegistration
 
 log = logging.getLogger(__name__)
 
+Status = Literal["online", "draining", "terminating"]
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
 
 
@@ -73,14 +74,17 @@ class Agent:
         rng = ctx.rng
         s = self.settings
         self.claim_backoff = Backoff(s.claim_backoff_min_seconds, s.claim_backoff_max_seconds, rng)
-        self.error_backoff = Backoff(1.0, s.error_backoff_max_seconds, rng)
+        # Each conversation has its own error backoff: a working heartbeat must not hurry a
+        # failing claim.
+        self.register_errors = Backoff(1.0, s.error_backoff_max_seconds, rng)
+        self.claim_errors = Backoff(1.0, s.error_backoff_max_seconds, rng)
         self.node_id = ""
         self.stats = Stats()
         self.running: dict[int, Attempt] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._registered = False
-        self._unreachable_since: float | None = None
+        self._problems: dict[str, float] = {}  # conversation -> since when it fails
         self._next_heartbeat = 0.0
         self._next_claim = 0.0
         self._draining = False
@@ -104,7 +108,7 @@ class Agent:
         while not self._registered and not self._draining:
             self._register()
             if not self._registered:
-                self.clock.wait(self._wake, self._error_pause())
+                self.clock.wait(self._wake, self.register_errors.next())
         drain_started = False
         while True:
             now = self.clock.monotonic()
@@ -129,6 +133,8 @@ class Agent:
                 wake_at = min(wake_at, self._next_claim)
             self.clock.wait(self._wake, min(max(wake_at - now, 0.0), TICK))
             self._wake.clear()
+        if self._registered:
+            self._heartbeat("terminating")
         log.info("agent stopped: %s", self.stats.outcomes or {})
 
     def _quota_spent(self) -> bool:
@@ -145,22 +151,18 @@ class Agent:
     def _register(self) -> None:
         try:
             self.node_id = self.coordinator.register(self.registration())
-        except CoordinatorUnavailable as exc:
-            self._unreachable(exc)
-            return
         except CoordinatorError as exc:
-            if isinstance(exc, Unregistered):  # pragma: no cover - register never says so
-                raise
-            self._unreachable(exc)
+            self._failing("registration", exc)
             return
         self._registered = True
-        self._reachable()
+        self._working("registration")
+        self.register_errors.reset()
         log.info("registered as node %s", self.node_id)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, status: Status | None = None) -> None:
         self._next_heartbeat = self.clock.monotonic() + self.settings.heartbeat_seconds
         heartbeat = NodeHeartbeat(
-            node_id=self.node_id, status="draining" if self._draining else "online"
+            node_id=self.node_id, status=status or ("draining" if self._draining else "online")
         )
         try:
             self.coordinator.node_heartbeat(heartbeat)
@@ -170,9 +172,9 @@ class Agent:
             self._register()
             return
         except CoordinatorError as exc:
-            self._unreachable(exc)
+            self._failing("node heartbeat", exc)
             return
-        self._reachable()
+        self._working("node heartbeat")
 
     def _claim(self) -> None:
         now = self.clock.monotonic()
@@ -182,13 +184,14 @@ class Agent:
             log.info("coordinator refused the claim as unregistered; registering again")
             self._registered = False
             self._register()
-            self._next_claim = now if self._registered else now + self._error_pause()
+            self._next_claim = now if self._registered else now + self.register_errors.next()
             return
         except CoordinatorError as exc:
-            self._unreachable(exc)
-            self._next_claim = now + self._error_pause()
+            self._failing("claim", exc)
+            self._next_claim = now + self.claim_errors.next()
             return
-        self._reachable()
+        self._working("claim")
+        self.claim_errors.reset()
         if lease is None:
             self._next_claim = now + self.claim_backoff.next()
             return
@@ -216,19 +219,14 @@ class Agent:
         for attempt in attempts:
             attempt.cancel(reason, grace)
 
-    # --- reachability: one log line per state change ------------------------------------------
+    # --- one log line per state change -------------------------------------------------------
 
-    def _error_pause(self) -> float:
-        return self.error_backoff.next()
+    def _failing(self, what: str, exc: Exception) -> None:
+        if what not in self._problems:
+            self._problems[what] = self.clock.monotonic()
+            log.warning("%s failing, retrying with backoff: %s", what, exc)
 
-    def _unreachable(self, exc: Exception) -> None:
-        if self._unreachable_since is None:
-            self._unreachable_since = self.clock.monotonic()
-            log.warning("coordinator unreachable: %s", exc)
-
-    def _reachable(self) -> None:
-        self.error_backoff.reset()
-        if self._unreachable_since is not None:
-            down = self.clock.monotonic() - self._unreachable_since
-            self._unreachable_since = None
-            log.info("coordinator reachable again after %.0f s", down)
+    def _working(self, what: str) -> None:
+        since = self._problems.pop(what, None)
+        if since is not None:
+            log.info("%s works again after %.0f s", what, self.clock.monotonic() - since)

@@ -225,7 +225,7 @@ def _unzip(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
             budget.member()
             path = _member_path(dest, info.filename, name)
             unix_mode = info.external_attr >> 16
-            if unix_mode and not (stat.S_ISREG(unix_mode) or stat.S_ISDIR(unix_mode)):
+            if stat.S_IFMT(unix_mode) not in (0, stat.S_IFREG, stat.S_IFDIR):
                 raise AttemptFailed(
                     f"input {name!r}: member {info.filename[:100]!r} is not a regular file"
                 )

@@ -1,0 +1,193 @@
+"""Fakes for the loop in the middle: a clock that jumps, a scripted coordinator, a runner that
+writes outputs without starting a process."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashnode.attempt import AttemptContext
+from flashnode.errors import AttemptFailed
+from flashnode.ledger import Ledger
+from flashnode.runners.base import Handle, Runner
+from flashnode.settings import Settings
+from flashnode.wire import ExecutionEvidence, NodeHeartbeat, NodeRegistration, Task
+from flashnode.workspace import Workspace
+
+
+class FakeClock:
+    """Time moves only when someone waits for it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return 1.7e9 + self.now
+
+    def wait(self, event: threading.Event, timeout: float) -> bool:
+        if event.is_set():
+            return True
+        self.now += max(timeout, 0.0)
+        return event.is_set()
+
+
+@dataclass
+class FakeCoordinator:
+    clock: FakeClock
+    claims: list[Any] = field(default_factory=list)  # answers in order: dict, None or an exception
+    heartbeat_errors: list[Exception] = field(default_factory=list)
+    calls: list[tuple[float, str, Any]] = field(default_factory=list)
+    uploads: dict[str, bytes] = field(default_factory=dict)
+    accept: bool = True
+
+    def _log(self, name: str, arg: Any = None) -> None:
+        self.calls.append((self.clock.now, name, arg))
+
+    def names(self, name: str) -> list[float]:
+        return [t for t, n, _ in self.calls if n == name]
+
+    def register(self, registration: NodeRegistration) -> str:
+        self._log("register", registration)
+        return registration.node_id
+
+    def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None:
+        self._log("node_heartbeat", heartbeat.status)
+        if self.heartbeat_errors:
+            raise self.heartbeat_errors.pop(0)
+
+    def claim(self, node_id: str) -> dict[str, Any] | None:
+        self._log("claim")
+        answer = self.claims.pop(0) if self.claims else None
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    def attempt_heartbeat(self, lease_id: str) -> None:
+        self._log("attempt_heartbeat", lease_id)
+
+    def complete(
+        self, lease_id: str, output_sha256: str, evidence: ExecutionEvidence
+    ) -> tuple[bool, str]:
+        self._log("complete", (lease_id, output_sha256, evidence))
+        return self.accept, ""
+
+    def fail(self, lease_id: str, reason: str) -> None:
+        self._log("fail", (lease_id, reason))
+
+    def upload(self, key: str, path: Path) -> str:
+        import hashlib
+
+        data = path.read_bytes()
+        self.uploads[key] = data
+        self._log("upload", key)
+        return hashlib.sha256(data).hexdigest()
+
+    def download(self, key: str, dest: Path, max_bytes: int) -> int:
+        self._log("download", key)
+        dest.write_bytes(b"input")
+        return 5
+
+
+class FakeHandle:
+    def __init__(self, code: int) -> None:
+        self._code = code
+
+    @property
+    def returncode(self) -> int | None:
+        return self._code
+
+    @property
+    def image_digest(self) -> str:
+        return ""
+
+    def terminate(self, grace: float) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def stderr_tail(self) -> str:
+        return "some error\nlast line"
+
+
+class FakeRunner(Runner):
+    """Runs nothing: writes ``metrics`` to out/ and reports ``code``."""
+
+    name = "fake"
+
+    def __init__(
+        self, code: int = 0, metrics: dict[str, Any] | None = None, refuse: str = ""
+    ) -> None:
+        self.code, self.metrics, self.refuse = (
+            code,
+            metrics if metrics is not None else {"ok": 1},
+            refuse,
+        )
+        self.started: list[Task] = []
+
+    def check(self, task: Task) -> None:
+        if self.refuse:
+            raise AttemptFailed(self.refuse)
+
+    def start(self, task: Task, workspace: Workspace, on_exit: Callable[[], None]) -> Handle:
+        self.started.append(task)
+        (workspace.out / "metrics.json").write_text(json.dumps(self.metrics))
+        on_exit()
+        return FakeHandle(self.code)
+
+
+def lease(n: int = 0, **payload: Any) -> dict[str, Any]:
+    body = {
+        "argv": ["true"],
+        "env": {},
+        "inputs": {},
+        "output_prefix": f"jobs/j1/task-{n:03d}/",
+        "task_id": f"task-{n:03d}",
+        "isolation": {"tier": "sandboxed", "allowFallback": True},
+        "pool": "team-a",
+        "workload_type": "command",
+    }
+    body.update(payload)
+    return {
+        "lease_id": f"ls-{n:012d}",
+        "task_id": f"task-{n:03d}",
+        "job_id": "j1",
+        "attempt_number": 1,
+        "lease_seconds": 60.0,
+        "payload": body,
+    }
+
+
+def inline_threads(fn: Callable[[], None], name: str) -> None:
+    """Run attempts inline; lease keepers are not run (nothing renews in these tests)."""
+    if name.startswith("attempt-"):
+        fn()
+
+
+def context(
+    tmp_path: Path, clock: FakeClock, coordinator: FakeCoordinator, runner: Runner, **settings: Any
+) -> AttemptContext:
+    s = Settings(
+        coordinator="http://127.0.0.1:1",
+        runner="trusted",
+        pools=("team-a",),
+        state_dir=tmp_path,
+        **settings,
+    )
+    return AttemptContext(
+        coordinator=coordinator,
+        runner=runner,
+        settings=s,
+        clock=clock,
+        ledger=Ledger(tmp_path / "ledger.jsonl"),
+        start_thread=inline_threads,
+        rng=random.Random(7),
+    )

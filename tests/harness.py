@@ -1,0 +1,257 @@
+"""Real parts for the tests: a flashruntime coordinator under uvicorn on 127.0.0.1, and the agent
+as a subprocess, with helpers that poll with a deadline instead of sleeping."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+API = "/v1alpha1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(
+    what: str, check: Callable[[], T | None], timeout: float = 30.0, every: float = 0.1
+) -> T:
+    """Poll ``check`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+class CoordinatorServer:
+    """flashruntime 0.6.1's service app, started with uvicorn as in PROTOCOL.md §1.1."""
+
+    def __init__(
+        self, root: Path, env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
+        self.root = root
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = httpx.Client(base_url=self.url + API, timeout=10.0)
+
+    def start(self) -> None:
+        data = self.root / "data"
+        env = {
+            **os.environ,
+            "FLASHML_ENABLE_KUBERAY": "0",
+            "FLASHML_LEDGER_PATH": str(data / "flashruntime.db"),
+            "FLASHML_LOCAL_ARTIFACTS_DIR": str(data / "artifacts"),
+            **self.extra_env,
+        }
+        log = (self.root / "coordinator.log").open("ab")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "flashruntime.service.app:app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        wait_for("the coordinator to answer", self._healthy, timeout=30)
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"coordinator exited: {(self.root / 'coordinator.log').read_text()}"
+            )
+        try:
+            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def close(self) -> None:
+        self.stop()
+        self.http.close()
+
+    # --- the job API (unauthenticated in every mode) ------------------------------------------
+
+    def submit(self, spec: dict[str, Any]) -> str:
+        r = self.http.post("/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        return str(r.json()["job_id"])
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return dict(self.http.get(f"/jobs/{job_id}").json())
+
+    def tasks(self, job_id: str) -> list[dict[str, Any]]:
+        return list(self.http.get(f"/jobs/{job_id}/tasks").json())
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return list(self.http.get(f"/jobs/{job_id}/events").json())
+
+    def artifacts(self, job_id: str) -> list[str]:
+        return [a["key"] for a in self.http.get(f"/jobs/{job_id}/artifacts").json()]
+
+    def artifact(self, key: str) -> bytes:
+        r = self.http.get(f"/artifacts/{key}")
+        assert r.status_code == 200, r.text
+        return r.content
+
+    def put_artifact(self, key: str, data: bytes) -> None:
+        r = self.http.put(f"/artifacts/{key}", content=data)
+        assert r.status_code == 200, r.text
+
+    def cancel(self, job_id: str) -> None:
+        assert self.http.post(f"/jobs/{job_id}/cancel").status_code == 200
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float = 60.0) -> str:
+        return wait_for(
+            f"job {job_id} to reach {states}",
+            lambda: (s := self.job(job_id)["state"]) in states and s,
+            timeout=timeout,
+        )
+
+
+def argv_job(
+    command: list[str],
+    pool: str | None = "team-a",
+    params: list[dict[str, Any]] | None = None,
+    allow_fallback: bool = True,
+    max_attempts: int = 2,
+    lease_seconds: int = 60,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A pool-scoped argv job in the shape of PROTOCOL.md §1.5 example B."""
+    spec: dict[str, Any] = {
+        "apiVersion": "flashml.dev/v1alpha1",
+        "kind": "Job",
+        "metadata": {"name": "test-argv"},
+        "spec": {
+            "execution": {"backend": "leases"},
+            "image": {"repository": "python", "tag": "3.11-slim"},
+            "isolation": {"tier": "sandboxed", "allowFallback": allow_fallback},
+            "retryPolicy": {"maxTaskAttempts": max_attempts},
+            "workload": {
+                "type": "command",
+                "parameters": {"command": command, "lease_seconds": lease_seconds, **extra},
+            },
+        },
+    }
+    if pool:
+        spec["spec"]["placement"] = {"pool": pool}
+    if params is not None:
+        spec["spec"]["workload"]["parameters"]["task_params"] = params
+    return spec
+
+
+class AgentProcess:
+    """``python -m flashnode work`` as a subprocess, its log in a file."""
+
+    def __init__(
+        self, root: Path, coordinator_url: str, *args: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.root = root
+        self.state_dir = root / "state"
+        self.log_path = root / "agent.log"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flashnode",
+                "work",
+                "--coordinator",
+                coordinator_url,
+                "--state-dir",
+                str(self.state_dir),
+                *args,
+            ],
+            env=full_env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, text: str, timeout: float = 30.0) -> None:
+        wait_for(f"agent log line {text!r}", lambda: text in self.log or self._dead(), timeout)
+        assert text in self.log, self.log
+
+    def _dead(self) -> bool:
+        return self.proc.poll() is not None
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent still running after {timeout} s:\n{self.log}") from None
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def ledger(self) -> list[dict[str, Any]]:
+        path = self.state_dir / "ledger.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")

@@ -1,0 +1,130 @@
+"""The main loop against a fake coordinator, a fake runner and a fake clock."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+
+from flashnode.agent import Agent
+from flashnode.errors import CoordinatorUnavailable, CredentialsError, Unregistered
+from flashnode.inventory import registration
+
+
+def make_agent(
+    tmp_path: Path, coordinator: FakeCoordinator, clock: FakeClock, **settings: object
+) -> Agent:
+    ctx = context(tmp_path, clock, coordinator, FakeRunner(), **settings)
+    return Agent(ctx, coordinator, lambda: registration(ctx.settings, "node-1"))
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [round(b - a, 3) for a, b in zip(times, times[1:])]
+
+
+def test_empty_queue_backs_off_with_jitter_up_to_the_cap_and_resets_on_work(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[None] * 8 + [lease(0)] + [None, None] + [lease(1)])
+    agent = make_agent(tmp_path, coord, clock, max_tasks=2)
+    agent.run()
+    claims = coord.names("claim")
+    idle = gaps(claims[:9])
+    # Doubling from ~0.5 s, each step jittered into [0.8, 1.0] of itself, capped at 6 s.
+    steps = [0.5, 1, 2, 4, 6, 6, 6, 6]
+    for gap, step in zip(idle, steps):
+        assert 0.8 * step - 1e-6 <= gap <= step + 1e-6
+    # After work the backoff starts over at ~0.5 s.
+    after_work = gaps(claims[9:12])
+    assert after_work[0] <= 0.5 + 1e-6
+
+
+def test_claims_again_at_once_after_an_attempt_ends(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0), lease(1), lease(2)])
+    agent = make_agent(tmp_path, coord, clock, max_tasks=3)
+    agent.run()
+    assert [c[1] for c in coord.calls if c[1] in ("claim", "complete")] == ["claim", "complete"] * 3
+    completes, claims = coord.names("complete"), coord.names("claim")
+    assert claims[1] == completes[0] and claims[2] == completes[1]
+    assert agent.stats.outcomes == {"committed": 3}
+
+
+def test_transport_errors_back_off_exponentially_and_log_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    errors = [CoordinatorUnavailable("connection refused") for _ in range(12)]
+    coord = FakeCoordinator(clock, claims=[*errors, lease(0)])
+    agent = make_agent(tmp_path, coord, clock, max_tasks=1)
+    with caplog.at_level(logging.INFO):
+        agent.run()
+    claims = coord.names("claim")
+    assert len(claims) == 13
+    g = gaps(claims)
+    assert g[0] >= 0.8 and max(g) <= 60 + 1e-6
+    assert all(b >= a * 0.79 for a, b in zip(g, g[1:]))  # non-decreasing up to jitter
+    assert sum(g) > 200  # no tight loop: 12 failures spread over minutes
+    assert sum("claim failing" in r.message for r in caplog.records) == 1
+    assert sum("claim works again" in r.message for r in caplog.records) == 1
+
+
+def test_claim_403_unregistered_registers_again_and_claims(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[Unregistered("unregistered node"), lease(0)])
+    agent = make_agent(tmp_path, coord, clock, max_tasks=1)
+    agent.run()
+    names = [c[1] for c in coord.calls]
+    assert names[:2] == ["register", "node_heartbeat"]
+    i = names.index("claim")
+    assert names[i : i + 3] == ["claim", "register", "claim"]
+    assert agent.stats.outcomes == {"committed": 1}
+
+
+def test_node_heartbeat_404_registers_again(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, heartbeat_errors=[Unregistered("unknown node")])
+    agent = make_agent(tmp_path, coord, clock)
+    coord.claims = [None] * 3
+
+    def stop_after_ten_seconds() -> None:
+        if clock.now > 1010:
+            agent.request_stop()
+
+    original = coord.claim
+    coord.claim = lambda node_id: (stop_after_ten_seconds(), original(node_id))[1]  # type: ignore[method-assign]
+    agent.run()
+    registers = coord.names("register")
+    assert len(registers) == 2
+    heartbeats = coord.names("node_heartbeat")
+    assert gaps(heartbeats)[1:] and all(4.99 <= g <= 5.01 for g in gaps(heartbeats)[1:-1])
+
+
+def test_node_heartbeat_every_five_seconds_while_idle_and_a_last_one_on_exit(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    agent = make_agent(tmp_path, coord, clock)
+    original = coord.claim
+
+    def claim(node_id: str) -> object:
+        if clock.now > 1030:
+            agent.request_stop()
+        return original(node_id)
+
+    coord.claim = claim  # type: ignore[method-assign,assignment]
+    agent.run()
+    beats = coord.names("node_heartbeat")
+    assert len(beats) >= 6
+    assert all(abs(g - 5.0) < 1e-6 for g in gaps(beats)[:-1])
+    assert [c[2] for c in coord.calls if c[1] == "node_heartbeat"][-1] == "terminating"
+
+
+def test_refused_credentials_end_the_agent(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[CredentialsError("401 invalid or missing node token")])
+    agent = make_agent(tmp_path, coord, clock)
+    with pytest.raises(CredentialsError):
+        agent.run()

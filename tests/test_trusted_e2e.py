@@ -1,0 +1,217 @@
+"""The agent's core end to end: the real coordinator, the real agent process, real tasks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
+
+from flashnode.coordinator import Coordinator
+from flashnode.inventory import registration
+from flashnode.settings import Settings
+
+FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
+TRUSTED = ("--runner", "trusted", "--pool", "team-a")
+PY = "python3"
+
+
+def test_pool_job_of_three_tasks_commits_every_output(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    script = (
+        "import json,sys,os; os.makedirs(os.path.dirname(sys.argv[2]), exist_ok=True);"
+        " json.dump(dict(result={n}*2), open(sys.argv[1],'w'));"
+        " open(sys.argv[2],'w').write('hello {n}')"
+    )
+    job = coordinator.submit(
+        argv_job(
+            [PY, "-c", script, "/work/out/metrics.json", "/work/out/notes/hello.txt"],
+            params=[{"n": 1}, {"n": 2}, {"n": 3}],
+            validators={"keys": ["result"]},
+        )
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "3", env=FAST)
+    assert agent.wait() == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    assert [t["state"] for t in coordinator.tasks(job)] == ["COMPLETED"] * 3
+
+    records = {r["task_id"]: r for r in agent.ledger()}
+    for n, task in enumerate(["task-000", "task-001", "task-002"], start=1):
+        metrics = coordinator.artifact(f"jobs/{job}/{task}/metrics.json")
+        assert json.loads(metrics) == {"result": 2 * n}
+        assert hashlib.sha256(metrics).hexdigest() == records[task]["output_sha256"]
+        assert coordinator.artifact(f"jobs/{job}/{task}/notes/hello.txt") == f"hello {n}".encode()
+        assert records[task]["outcome"] == "committed"
+        evidence = records[task]["evidence"]
+        assert evidence["exit_code"] == 0 and evidence["image_digest"] == ""
+        assert evidence["wall_seconds"] > 0 and evidence["gpu_util_percent_mean"] is None
+
+
+def test_agent_outside_the_pool_never_gets_the_tasks(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    job = coordinator.submit(argv_job([PY, "-c", "pass"]))
+    outsider = start_agent(coordinator.url, "--runner", "trusted", "--pool", "team-b", env=FAST)
+    outsider.wait_log("registered as node")
+    # The outsider polls several times a second; give it a bounded window to (wrongly) claim.
+    with __import__("pytest").raises(AssertionError):
+        wait_for(
+            "a claim by the outsider", lambda: coordinator.tasks(job)[0]["attempts"] > 0, timeout=3
+        )
+    assert coordinator.tasks(job)[0]["state"] == "PENDING"
+    assert "claimed" not in outsider.log
+
+
+def test_pool_member_without_the_trusted_opt_in_is_refused(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    job = coordinator.submit(argv_job([PY, "-c", "pass"]))
+    # What a pool member without --runner trusted registers: no unsandboxed opt-in, so the
+    # coordinator places no trusted argv work on it.
+    settings = Settings(
+        coordinator=coordinator.url, runner="docker", pools=("team-a",), state_dir=tmp_path
+    )
+    reg = registration(settings, "no-opt-in")
+    assert reg.unsandboxed_argv_capable is False and reg.argv_capable is False
+    client = Coordinator(coordinator.url)
+    try:
+        node = client.register(reg)
+        assert client.claim(node) is None
+    finally:
+        client.close()
+    assert coordinator.tasks(job)[0]["attempts"] == 0
+    # And the trusted runner with no pool cannot start at all: a configuration error.
+    agent = start_agent(coordinator.url, "--runner", "trusted")
+    assert agent.wait() == 78
+    assert "trusted needs at least one --pool" in agent.log
+
+
+def test_failing_task_ends_failed_with_its_reason_in_the_events(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = coordinator.submit(
+        argv_job(["sh", "-c", "echo starting; echo boom-from-task >&2; exit 3"], max_attempts=2)
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env=FAST)
+    assert agent.wait() == 0, agent.log
+    assert coordinator.wait_state(job, {"FAILED", "SUCCEEDED"}) == "FAILED"
+    failures = [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert len(failures) == 2
+    assert all("exit code 3" in e["message"] and "boom-from-task" in e["message"] for e in failures)
+    assert any(e["type"] == "TASK_EXHAUSTED" for e in coordinator.events(job))
+    # The failed attempt's logs were kept for the operator.
+    assert b"boom-from-task" in coordinator.artifact(f"jobs/{job}/task-000/logs/stderr.txt")
+
+
+def test_lost_lease_kills_the_task_tree_and_sends_no_complete(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pids"
+    # The task and a child of it each record their pid, then run long.
+    script = f"sleep 300 & echo $! >> {pidfile}; echo $$ >> {pidfile}; wait"
+    lease_seconds = 30
+    job = coordinator.submit(argv_job(["sh", "-c", script], lease_seconds=lease_seconds))
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    pids = wait_for(
+        "the task's pids",
+        lambda: (
+            (p := pidfile.read_text().split() if pidfile.exists() else []) and len(p) == 2 and p
+        ),
+    )
+    pids = [int(p) for p in pids]
+    assert all(pid_alive(p) for p in pids)
+    coordinator.cancel(job)
+    wait_for(
+        "the task's processes to be gone",
+        lambda: not any(pid_alive(p) for p in pids),
+        timeout=lease_seconds / 3 + 2,
+        every=0.05,
+    )
+    agent.wait_log("lost, nothing more is reported")
+    types = [e["type"] for e in coordinator.events(job)]
+    assert "TASK_COMMIT_REJECTED" not in types and "TASK_ATTEMPT_FAILED" not in types
+    assert coordinator.artifacts(job) == []
+    assert agent.ledger()[-1]["outcome"] == "lost"
+    assert agent.proc.poll() is None  # the agent carries on
+
+
+def test_agent_reregisters_after_a_coordinator_restart(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    agent.wait_log("registered as node")
+    coordinator.stop()
+    coordinator.start()  # same port, same data dirs: it has forgotten the node
+    job = coordinator.submit(
+        argv_job([PY, "-c", "import json; json.dump({'ok': 1}, open('out/metrics.json', 'w'))"])
+    )
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    assert "registering again" in agent.log
+
+
+def test_symlink_out_of_the_workspace_fails_and_uploads_nothing(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("not for the coordinator")
+    script = f"echo '{{{{\"x\": 1}}}}' > out/metrics.json && ln -s {secret} out/leak.txt"
+    job = coordinator.submit(argv_job(["sh", "-c", script], max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait() == 0, agent.log
+    assert coordinator.wait_state(job, {"FAILED", "SUCCEEDED"}) == "FAILED"
+    failed = [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert "out/leak.txt is a symlink" in failed[0]["message"]
+    assert coordinator.artifacts(job) == []
+
+
+def test_task_environment_holds_no_agent_secrets(
+    tmp_path: Path, start_agent: Callable[..., AgentProcess]
+) -> None:
+    token, join_code = "tok-" + os.urandom(8).hex(), "join-" + os.urandom(8).hex()
+    server = CoordinatorServer(
+        tmp_path / "tokcoord",
+        env={"FLASHML_NODE_TOKENS": f"node-x:{token}", "FLASHML_JOIN_CODE": join_code},
+    )
+    server.root.mkdir()
+    server.start()
+    try:
+        token_file = tmp_path / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        script = "import json,os; json.dump(dict(os.environ), open('out/metrics.json','w'))"
+        job = server.submit(argv_job([PY, "-c", script]))
+        agent = start_agent(
+            server.url,
+            *TRUSTED,
+            "--node-id",
+            "node-x",
+            "--token-file",
+            str(token_file),
+            "--max-tasks",
+            "1",
+            env={**FAST, "FLASHNODE_JOIN_CODE": join_code},
+        )
+        assert agent.wait() == 0, agent.log
+        assert server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+        env = json.loads(server.artifact(f"jobs/{job}/task-000/metrics.json"))
+        dumped = json.dumps(env)
+        assert token not in dumped and join_code not in dumped
+        assert not any(k.startswith("FLASHNODE_") and k != "FLASHNODE_OWNER" for k in env)
+        assert env["HOME"] == env["FLASHML_WORK_DIR"]
+        assert token not in agent.log and join_code not in agent.log
+    finally:
+        server.close()
+
+
+def test_sigterm_while_idle_exits_zero(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    agent.wait_log("registered as node")
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(20) == 0

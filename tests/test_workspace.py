@@ -1,0 +1,152 @@
+"""Input archives and the output walk: nothing escapes, nothing odd is uploaded."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import stat
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from flashnode.errors import AttemptFailed
+from flashnode.workspace import Workspace
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    return Workspace.create(tmp_path / "attempts", "ls-1")
+
+
+def tar_with(path: Path, *members: tuple[tarfile.TarInfo, bytes | None], mode: str = "w") -> Path:
+    with tarfile.open(path, mode) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info
+
+
+def test_a_good_tar_and_zip_unpack_into_inputs(ws: Workspace, tmp_path: Path) -> None:
+    t = tar_with(tmp_path / "a.tar.gz", (member("code/train.py"), b"print(1)"), mode="w:gz")
+    ws.unpack(t, "code", 1 << 20)
+    assert (ws.inputs / "code" / "code" / "train.py").read_bytes() == b"print(1)"
+    z = tmp_path / "b.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("d/x.txt", "hello")
+    ws.unpack(z, "data", 1 << 20)
+    assert (ws.inputs / "data" / "d" / "x.txt").read_text() == "hello"
+
+
+@pytest.mark.parametrize(
+    ("info", "reason"),
+    [
+        (member("../evil.txt"), "escapes with '..'"),
+        (member("a/../../evil.txt"), "escapes with '..'"),
+        (member("/tmp/evil.txt"), "absolute path"),
+        (member("link", tarfile.SYMTYPE, "/etc/passwd"), "is a symlink"),
+        (member("hard", tarfile.LNKTYPE, "/etc/passwd"), "is a hardlink"),
+        (member("dev", tarfile.CHRTYPE), "device or FIFO"),
+        (member("fifo", tarfile.FIFOTYPE), "device or FIFO"),
+    ],
+)
+def test_hostile_tar_members_are_refused(
+    ws: Workspace, tmp_path: Path, info: tarfile.TarInfo, reason: str
+) -> None:
+    data = b"x" if info.type == tarfile.REGTYPE else None
+    archive = tar_with(tmp_path / "bad.tar", (info, data))
+    with pytest.raises(AttemptFailed, match=reason):
+        ws.unpack(archive, "code", 1 << 20)
+    assert not (tmp_path / "evil.txt").exists() and not (ws.inputs / "code").exists()
+
+
+def test_symlink_then_write_through_it_is_refused(ws: Workspace, tmp_path: Path) -> None:
+    archive = tar_with(
+        tmp_path / "bad.tar",
+        (member("d", tarfile.SYMTYPE, str(tmp_path)), None),
+        (member("d/evil"), b"x"),
+    )
+    with pytest.raises(AttemptFailed):
+        ws.unpack(archive, "code", 1 << 20)
+    assert not (tmp_path / "evil").exists()
+
+
+def test_hostile_zip_members_are_refused(ws: Workspace, tmp_path: Path) -> None:
+    for name, reason in [
+        ("../evil.txt", "escapes"),
+        ("/abs.txt", "absolute"),
+        ("..\\evil.txt", "escapes"),
+    ]:
+        z = tmp_path / "bad.zip"
+        with zipfile.ZipFile(z, "w") as zf:
+            zf.writestr(name, "x")
+        with pytest.raises(AttemptFailed, match=reason):
+            ws.unpack(z, "data", 1 << 20)
+    z = tmp_path / "link.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        info = zipfile.ZipInfo("link")
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+        zf.writestr(info, "/etc/passwd")
+    with pytest.raises(AttemptFailed, match="not a regular file"):
+        ws.unpack(z, "data", 1 << 20)
+
+
+def test_decompression_bomb_stops_at_the_cap(ws: Workspace, tmp_path: Path) -> None:
+    z = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(z, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("zeros", b"\0" * (64 << 20))
+    assert z.stat().st_size < 1 << 20
+    with pytest.raises(AttemptFailed, match="unpacks to more than"):
+        ws.unpack(z, "data", 8 << 20)
+    assert not (ws.inputs / "data").exists()
+
+
+def test_not_an_archive(ws: Workspace, tmp_path: Path) -> None:
+    (tmp_path / "plain").write_bytes(b"just text")
+    with pytest.raises(AttemptFailed, match="not a tar or zip"):
+        ws.unpack(tmp_path / "plain", "x", 1 << 20)
+
+
+def test_outputs_lists_regular_files_with_metrics_last(ws: Workspace) -> None:
+    (ws.out / "metrics.json").write_text("{}")
+    (ws.out / "a").mkdir()
+    (ws.out / "a" / "b.txt").write_text("b")
+    (ws.out / "z.txt").write_text("z")
+    assert [f.rel for f in ws.outputs(100, 1000)] == ["a/b.txt", "z.txt", "metrics.json"]
+
+
+def test_outputs_refuse_links_fifos_sockets_and_oversize(ws: Workspace, tmp_path: Path) -> None:
+    (ws.out / "metrics.json").write_text("{}")
+    (ws.out / "sub").mkdir()
+    os.symlink("/etc/passwd", ws.out / "sub" / "leak")
+    with pytest.raises(AttemptFailed, match="out/sub/leak is a symlink"):
+        ws.outputs(100, 1000)
+    os.unlink(ws.out / "sub" / "leak")
+    os.mkfifo(ws.out / "fifo")
+    with pytest.raises(AttemptFailed, match="FIFO"):
+        ws.outputs(100, 1000)
+    os.unlink(ws.out / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(ws.out / "sock"))
+    with pytest.raises(AttemptFailed, match="socket"):
+        ws.outputs(100, 1000)
+    sock.close()
+    os.unlink(ws.out / "sock")
+    (ws.out / "big").write_bytes(b"x" * 101)
+    with pytest.raises(AttemptFailed, match="larger than 100 bytes"):
+        ws.outputs(100, 1000)
+    with pytest.raises(AttemptFailed, match="in all"):
+        ws.outputs(1000, 102)
+    os.unlink(ws.out / "metrics.json")
+    with pytest.raises(AttemptFailed, match="no out/metrics.json"):
+        ws.outputs(1000, 1000)
