@@ -215,3 +215,37 @@ def test_sigterm_while_idle_exits_zero(
     agent.wait_log("registered as node")
     agent.signal(signal.SIGTERM)
     assert agent.wait(20) == 0
+
+
+def test_inputs_are_staged_and_a_missing_input_fails_naming_its_key(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        code = b"import json,sys; json.dump({'data': open(sys.argv[1]).read()}, open(sys.argv[2], 'w'))"
+        info = tarfile.TarInfo("run.py")
+        info.size = len(code)
+        tar.addfile(info, io.BytesIO(code))
+    coordinator.put_artifact("shared/code.tar.gz", buf.getvalue())
+    coordinator.put_artifact("shared/data.txt", b"forty-two")
+    command = [PY, "/work/inputs/code/run.py", "/work/inputs/data.txt", "/work/out/metrics.json"]
+    good = coordinator.submit(
+        argv_job(
+            command,
+            inputs={"code": "artifact://shared/code.tar.gz", "data": "artifact://shared/data.txt"},
+            unpack_inputs=["code"],
+        )
+    )
+    missing = coordinator.submit(
+        argv_job(command, inputs={"code": "artifact://shared/nope.tar.gz"}, unpack_inputs=["code"], max_attempts=1)
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env=FAST)
+    assert agent.wait() == 0, agent.log
+    assert coordinator.wait_state(good, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    assert json.loads(coordinator.artifact(f"jobs/{good}/task-000/metrics.json")) == {"data": "forty-two"}
+    assert coordinator.wait_state(missing, {"SUCCEEDED", "FAILED"}) == "FAILED"
+    failed = [e["message"] for e in coordinator.events(missing) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert "input 'code' is missing" in failed[0] and "shared/nope.tar.gz" in failed[0]
