@@ -18,6 +18,7 @@ from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.clock import Clock
 from flashnode.errors import CoordinatorError, Unregistered
 from flashnode.wire import NodeHeartbeat, NodeRegistration
+from flashnode.workspace import remove_stale_workspaces
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class Agent:
     def run(self) -> None:
         """Run until drained, stopped, or ``max_tasks`` attempts have finished."""
         s = self.settings
-        self.ctx.runner.reconcile()
+        self.recover()
         while not self._registered and not self._draining:
             self._register()
             if not self._registered:
@@ -136,6 +137,29 @@ class Agent:
         if self._registered:
             self._heartbeat("terminating")
         log.info("agent stopped: %s", self.stats.outcomes or {})
+
+    def recover(self) -> None:
+        """Before any claim: reap what an earlier run of this agent left running, commit the
+        results it finished (the outbox), fail the attempts it left unfinished, and remove
+        workspaces no record names."""
+        journal = self.ctx.journal
+        for lease_id in journal.leases():
+            record = journal.read(lease_id)
+            if record is None:
+                journal.remove(lease_id)
+                continue
+            identity = record.get("process")
+            if isinstance(identity, dict):
+                self.ctx.runner.reap(identity)
+            attempt = Attempt(self.ctx, record.get("lease"))
+            if record.get("state") == "finished":
+                outcome = attempt.resume(record)
+            else:
+                outcome = attempt.abandon("agent restarted")
+            journal.remove(lease_id)
+            self.stats.count(outcome)
+        self.ctx.runner.reconcile()
+        remove_stale_workspaces(self.settings.state_dir / "attempts", keep=set(journal.leases()))
 
     def _quota_spent(self) -> bool:
         m = self.settings.max_tasks

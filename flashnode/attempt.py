@@ -28,6 +28,7 @@ from flashnode.errors import (
     LeaseLost,
     PayloadTooLarge,
 )
+from flashnode.journal import Journal
 from flashnode.ledger import Ledger
 from flashnode.runners.base import Handle, Runner
 from flashnode.sampler import CpuWindow
@@ -71,6 +72,7 @@ class AttemptContext:
     settings: Settings
     clock: Clock
     ledger: Ledger
+    journal: Journal
     start_thread: Callable[[Callable[[], None], str], None]
     rng: random.Random = field(default_factory=random.Random)
     cpu_window: Callable[[], CpuWindow] = CpuWindow
@@ -155,6 +157,7 @@ class Attempt:
     # --- the pipeline -------------------------------------------------------------------------
 
     def run(self) -> Outcome:
+        """Claim to commit, for a freshly claimed lease."""
         started = self.ctx.clock.wall()
         try:
             self.lease = parse_lease(self.data)
@@ -168,11 +171,57 @@ class Attempt:
             lease.task_id,
             lease.attempt_number,
         )
+        self.ctx.journal.write(lease.lease_id, {"lease": self.data, "state": "running"})
+        return self._guarded(self._pipeline, started)
+
+    def resume(self, record: dict[str, Any]) -> Outcome:
+        """Upload and commit an attempt that finished before the agent restarted (the outbox).
+
+        The outputs are checked again; if the lease died meanwhile, the result is recorded as
+        lost."""
+        started = self.ctx.clock.wall()
+        try:
+            self.lease = parse_lease(self.data)
+            self.evidence = ExecutionEvidence.model_validate(record.get("evidence"))
+        except (ValueError, TypeError):
+            return self._drop("unreadable outbox record", started)
+        log.info("lease %s: resuming the commit of a finished attempt", self.lease.lease_id)
+        return self._guarded(self._resumed_pipeline, started)
+
+    def abandon(self, reason: str) -> Outcome:
+        """Fail an attempt a previous run of the agent left unfinished; nothing is run."""
+        started = self.ctx.clock.wall()
+        try:
+            self.lease = parse_lease(self.data)
+        except ValueError as exc:
+            return self._drop(str(exc), started)
+        self.ws = Workspace(self.ctx.settings.state_dir / "attempts" / self.lease.lease_id)
+        log.warning("lease %s: %s; failing it", self.lease.lease_id, reason)
+        outcome = Outcome.FAILED
+        for pause in (0.5, 1.0, 0.0):
+            try:
+                self.ctx.coordinator.fail(self.lease.lease_id, reason)
+                break
+            except CoordinatorUnavailable:
+                self.ctx.clock.wait(self._wake, pause)
+            except CoordinatorError:
+                outcome = Outcome.LOST
+                break
+        self.ws.remove()
+        self.ctx.journal.remove(self.lease.lease_id)
+        self._record(outcome, reason, started)
+        return outcome
+
+    def _guarded(self, body: Callable[[], tuple[Outcome, str]], started: float) -> Outcome:
+        """Run ``body`` under a lease keeper; every way out ends in one outcome, one ledger
+        record, a removed workspace and a removed journal record."""
+        assert self.lease is not None
+        lease = self.lease
         self.keeper = LeaseKeeper(self.ctx.coordinator, lease, self.ctx.clock, self._wake.set)
         self.ctx.start_thread(self.keeper.run, f"keeper-{lease.lease_id}")
         reason = ""
         try:
-            outcome, reason = self._pipeline()
+            outcome, reason = body()
         except LeaseLost as exc:
             outcome, reason = Outcome.LOST, (self.keeper.reason or str(exc) or "lease lost")
             log.warning("lease %s: lost, nothing more is reported: %s", lease.lease_id, reason)
@@ -185,6 +234,7 @@ class Attempt:
             self.keeper.stop()
             if self.ws is not None:
                 self.ws.remove()
+            self.ctx.journal.remove(lease.lease_id)
         self._record(outcome, reason, started)
         return outcome
 
@@ -198,16 +248,37 @@ class Attempt:
         self.ws = ws = Workspace.create(s.state_dir / "attempts", self.lease.lease_id)
         self._stage(task, ws)
         self._execute(task, ws)
+        files = self._checked_outputs(task, ws)
+        assert self.evidence is not None
+        # The outbox: from here on a restart of the agent resumes the commit instead of
+        # losing the result.
+        self.ctx.journal.update(
+            self.lease.lease_id, state="finished", evidence=self.evidence.model_dump()
+        )
+        return self._commit(task, files)
+
+    def _resumed_pipeline(self) -> tuple[Outcome, str]:
+        assert self.lease is not None
+        self.task = task = parse_task(self.lease)
+        self.ws = ws = Workspace(self.ctx.settings.state_dir / "attempts" / self.lease.lease_id)
+        self._ran = True
+        return self._commit(task, self._checked_outputs(task, ws))
+
+    def _checked_outputs(self, task: Task, ws: Workspace) -> list[OutputFile]:
+        s = self.ctx.settings
         files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes)
         if task.workload_type == "command":
             _check_metrics_object(ws.out / "metrics.json")
-        self._lost_check()
         logs = [
             OutputFile(f"logs/{p.name}", p, p.stat().st_size)
             for p in (ws.logs / "stdout.txt", ws.logs / "stderr.txt")
             if p.exists() and p.stat().st_size > 0
         ]
-        for f in logs + files:  # metrics.json is last in files: the commit anchor goes up last
+        return logs + files  # metrics.json is last: the commit anchor goes up last
+
+    def _commit(self, task: Task, files: list[OutputFile]) -> tuple[Outcome, str]:
+        self._lost_check()
+        for f in files:
             key = task.output_prefix + f.rel
             try:
                 sha = self._retrying(
@@ -267,7 +338,10 @@ class Attempt:
         self._lost_check()
         cpu = self.ctx.cpu_window()
         cpu.start()
-        handle: Handle = self.ctx.runner.start(task, ws, self._wake.set)
+        lease_id = self.lease_id
+        handle: Handle = self.ctx.runner.start(
+            task, ws, self._wake.set, lambda ident: self.ctx.journal.update(lease_id, process=ident)
+        )
         self._ran = True
         t0 = clock.monotonic()
         deadline = t0 + timeout
@@ -307,6 +381,9 @@ class Attempt:
         self._lost_check()
         if stopped:
             raise AttemptFailed(stopped)
+        cause = handle.failure()
+        if cause:
+            raise AttemptFailed(cause)
         code = handle.returncode
         if code != 0:
             what = (

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -16,7 +18,7 @@ from typing import Any
 
 import click
 
-from flashnode import __version__, inventory
+from flashnode import __version__, cgroups, inventory
 from flashnode.agent import Agent
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
@@ -28,7 +30,9 @@ from flashnode.errors import (
     FlashnodeError,
     PrerequisiteError,
 )
+from flashnode.journal import Journal
 from flashnode.ledger import Ledger
+from flashnode.procs import TaskUser
 from flashnode.runners.base import Runner
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.settings import Settings, load
@@ -134,11 +138,52 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         _fail(ExitCode.FAILURE, str(exc))
 
 
+def task_user(settings: Settings) -> TaskUser | None:
+    """The user trusted tasks run as: required (and not root) when the agent runs as root."""
+    if os.geteuid() != 0:
+        if settings.task_user:
+            raise ConfigError("task_user needs the agent to run as root")
+        log.info("trusted tasks run as this agent's own user (uid %d)", os.geteuid())
+        return None
+    if not settings.task_user:
+        raise ConfigError(
+            "running as root: set task_user to an unprivileged user for trusted tasks"
+        )
+    try:
+        pw = pwd.getpwnam(settings.task_user)
+    except KeyError:
+        raise ConfigError(f"task_user {settings.task_user!r} does not exist") from None
+    if pw.pw_uid == 0:
+        raise ConfigError(f"task_user {settings.task_user!r} is root")
+    _check_reachable(settings.state_dir, pw.pw_uid, pw.pw_gid, settings.task_user)
+    if not shutil.which("setpriv"):
+        raise PrerequisiteError("setpriv (util-linux) is needed to run tasks as task_user")
+    log.info("trusted tasks run as %s (uid %d)", pw.pw_name, pw.pw_uid)
+    return TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
+
+
+def _check_reachable(state_dir: Path, uid: int, gid: int, user: str) -> None:
+    """The task user must be able to enter every directory above its workspace."""
+    for d in [state_dir.resolve(), *state_dir.resolve().parents][1:]:
+        st = d.stat()
+        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+        if not st.st_mode & bit:
+            raise ConfigError(
+                f"task_user {user!r} cannot enter {d}, above the state dir {state_dir}:"
+                " choose another state_dir or allow search (chmod o+x)"
+            )
+
+
 def make_runner(settings: Settings) -> Runner:
     if settings.runner == "trusted":
-        if os.geteuid() != 0:
-            log.info("trusted tasks run as this agent's own user (uid %d)", os.geteuid())
-        return TrustedRunner(settings.pools, settings.log_max_bytes)
+        user = task_user(settings)
+        hierarchy, why = cgroups.detect()
+        if hierarchy is None:
+            log.warning("no per-task cgroups (%s): limits rely on process groups and tokens", why)
+        else:
+            log.info("per-task cgroups in %s", hierarchy.describe())
+        limits = cgroups.Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
+        return TrustedRunner(settings.pools, settings.log_max_bytes, hierarchy, limits, user)
     raise PrerequisiteError(
         "the docker runner is not available in this build; use --runner trusted"
     )
@@ -166,6 +211,7 @@ def run_agent(settings: Settings) -> None:
         settings=settings,
         clock=SystemClock(),
         ledger=Ledger(settings.state_dir / "ledger.jsonl"),
+        journal=Journal(settings.state_dir / "journal"),
         start_thread=_thread,
         rng=random.Random(),
     )

@@ -25,7 +25,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from flashnode.cgroups import AttemptCgroup
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +87,52 @@ class Capture:
         self._thread.join(timeout)
 
 
+@dataclass(frozen=True)
+class TaskUser:
+    """The unprivileged user trusted tasks run as when the agent is root."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+# Joins the attempt's cgroup in every hierarchy before the task's first instruction, so that not
+# even its first fork escapes: $1 holds the cgroup.procs files, the rest is the command.
+CGROUP_TRAMPOLINE = (
+    'for f in $1; do echo $$ > "$f" || { echo "flashnode: cannot join cgroup $f" >&2; exit 125; };'
+    ' done; shift; exec "$@"'
+)
+
+
+def command(argv: Sequence[str], cgroup: AttemptCgroup | None, user: TaskUser | None) -> list[str]:
+    """The command line that starts ``argv`` in ``cgroup`` as ``user``."""
+    cmd = list(argv)
+    if user is not None:
+        # setpriv drops to the task user with no supplementary groups and no_new_privs set, so
+        # no setuid binary can raise the task's privileges again.
+        cmd = [
+            "setpriv",
+            f"--reuid={user.uid}",
+            f"--regid={user.gid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--",
+            *cmd,
+        ]
+    if cgroup is not None:
+        cmd = [
+            "/bin/sh",
+            "-c",
+            CGROUP_TRAMPOLINE,
+            "flashnode-task",
+            " ".join(cgroup.procs_files),
+            *cmd,
+        ]
+    return cmd
+
+
 class TaskProcess:
-    """A started task: its main process, its group, its token and its captured output."""
+    """A started task: its main process, its group, its token, its cgroup and its output."""
 
     def __init__(
         self,
@@ -96,14 +143,17 @@ class TaskProcess:
         stderr: Path,
         log_max_bytes: int,
         on_exit: Callable[[], None],
+        cgroup: AttemptCgroup | None = None,
+        user: TaskUser | None = None,
     ) -> None:
         self.token = env[OWNER_ENV]
-        self.uid = os.geteuid()
+        self.uid = user.uid if user else os.geteuid()
+        self.cgroup = cgroup
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             self._popen = subprocess.Popen(
-                list(argv),
+                command(argv, cgroup, user),
                 env=dict(env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
@@ -120,11 +170,23 @@ class TaskProcess:
         os.close(out_w)
         os.close(err_w)
         self.pid = self._popen.pid
+        self.start_time = start_time(self.pid)
         self.exited = threading.Event()
         self._on_exit = on_exit
         self.stdout = Capture(out_r, stdout, log_max_bytes)
         self.stderr = Capture(err_r, stderr, log_max_bytes)
         threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+
+    def identity(self) -> dict[str, object]:
+        """What a restarted agent needs to find this task's processes again."""
+        return {
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "token": self.token,
+            "uid": self.uid,
+            "cgroup": {k: str(v) for k, v in self.cgroup.paths.items()} if self.cgroup else None,
+            "cgroup_version": self.cgroup.version if self.cgroup else None,
+        }
 
     def _wait(self) -> None:
         self._popen.wait()
@@ -145,10 +207,13 @@ class TaskProcess:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL everything the task owns, repeating while something still answers."""
+        """SIGKILL everything the task owns, repeating while something still answers: the
+        group, every token holder, then everything in its cgroup."""
         deadline = time.monotonic() + KILL_ROUNDS_S
         while self._signal_all(signal.SIGKILL) and time.monotonic() < deadline:
             time.sleep(0.02)
+        if self.cgroup is not None:
+            self.cgroup.kill()
         self.exited.wait(KILL_ROUNDS_S)
 
     def close(self) -> None:
@@ -181,6 +246,40 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
     fields = data[data.rfind(b")") + 2 :].split()
     return fields[0].decode(), int(fields[2])
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with the pid, its identity."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    return int(data[data.rfind(b")") + 2 :].split()[19])
+
+
+def reap(identity: Mapping[str, object]) -> int:
+    """Kill what an earlier run of the agent left of a task, from its recorded identity: every
+    process carrying its token, the recorded main process if its start time still matches (a
+    reused pid never does), and everything in its cgroup. Returns how many were signalled."""
+    token, uid = identity.get("token"), identity.get("uid")
+    pid, started = identity.get("pid"), identity.get("start_time")
+    count = 0
+    deadline = time.monotonic() + KILL_ROUNDS_S
+    while time.monotonic() < deadline:
+        hit = 0
+        if isinstance(token, str) and isinstance(uid, int):
+            for p in find_owned(token, uid):
+                hit += signal_if_owned(p, token, None, signal.SIGKILL)
+        if isinstance(pid, int) and started is not None and start_time(pid) == started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                hit += 1
+        if not hit:
+            break
+        count += hit
+        time.sleep(0.02)
+    return count
 
 
 def _environ_has(pid: int, needle: bytes) -> bool:

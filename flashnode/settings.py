@@ -67,6 +67,10 @@ class Settings(BaseModel):
     max_task_seconds: float = Field(default=24 * 3600.0, gt=0)
     kill_grace_seconds: float = Field(default=10.0, ge=0)
     drain_seconds: float = Field(default=300.0, ge=0)
+    task_user: str | None = None
+    task_memory_bytes: int | None = Field(default=None, ge=4 * MiB)
+    task_cpus: float | None = Field(default=None, gt=0)
+    task_pids: int | None = Field(default=4096, ge=8)
     log_max_bytes: int = Field(default=8 * MiB, ge=0)
     max_output_file_bytes: int = Field(default=256 * MiB, ge=1)
     max_output_total_bytes: int = Field(default=4096 * MiB, ge=1)

@@ -61,6 +61,22 @@ class Workspace:
             d.mkdir(mode=0o700)
         return ws
 
+    def hand_over(self, uid: int, gid: int) -> None:
+        """Give the task's user its directory, out/ and tmp/; inputs/ and logs/ stay the
+        agent's (readable inputs, logs the task cannot rewrite)."""
+        for parent in (self.root.parent, self.root.parent.parent):  # attempts/ and the state dir
+            parent.chmod(stat.S_IMODE(parent.stat().st_mode) | 0o111)
+        for d in (self.root, self.out, self.tmp):
+            os.chown(d, uid, gid)
+        self.inputs.chmod(0o755)
+        for dirpath, dirnames, filenames in os.walk(self.inputs):
+            for name in dirnames:
+                os.chmod(os.path.join(dirpath, name), 0o755)
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                executable = os.lstat(path).st_mode & 0o100
+                os.chmod(path, 0o755 if executable else 0o644, follow_symlinks=False)
+
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -112,6 +128,17 @@ class Workspace:
         # metrics.json goes last: it is the commit anchor, uploaded once everything else is there.
         files.sort(key=lambda f: (f.rel == "metrics.json", f.rel))
         return files
+
+
+def remove_stale_workspaces(attempts_dir: Path, keep: set[str]) -> None:
+    """Remove attempt directories whose lease is not in ``keep``."""
+    try:
+        entries = list(attempts_dir.iterdir())
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.name not in keep and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _walk(top: Path) -> Iterator[tuple[str, os.stat_result]]:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,14 +29,28 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     agents: list[AgentProcess] = []
 
     def start(
-        url: str, *args: str, env: dict[str, str] | None = None, name: str = "agent"
+        url: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        name: str = "agent",
+        state_dir: Path | None = None,
     ) -> AgentProcess:
         root = tmp_path / f"{name}-{len(agents)}"
         root.mkdir()
-        agent = AgentProcess(root, url, *args, env=env)
+        agent = AgentProcess(root, url, *args, env=env, state_dir=state_dir)
         agents.append(agent)
         return agent
 
     yield start
     for agent in agents:
         agent.stop()
+
+
+@pytest.fixture
+def drop_dir() -> Iterator[Path]:
+    """A directory outside the test's private tmp_path that a task (running as the task user
+    when the tests run as root) can write to, e.g. to report its pids."""
+    path = Path(tempfile.mkdtemp(prefix="flashnode-drop-"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 from flashnode.attempt import AttemptContext
 from flashnode.errors import AttemptFailed
+from flashnode.journal import Journal
 from flashnode.ledger import Ledger
 from flashnode.runners.base import Handle, Runner
 from flashnode.settings import Settings
@@ -117,6 +118,9 @@ class FakeHandle:
     def stderr_tail(self) -> str:
         return "some error\nlast line"
 
+    def failure(self) -> str | None:
+        return None
+
 
 class FakeRunner(Runner):
     """Runs nothing: writes ``metrics`` to out/ and reports ``code``."""
@@ -137,8 +141,15 @@ class FakeRunner(Runner):
         if self.refuse:
             raise AttemptFailed(self.refuse)
 
-    def start(self, task: Task, workspace: Workspace, on_exit: Callable[[], None]) -> Handle:
+    def start(
+        self,
+        task: Task,
+        workspace: Workspace,
+        on_exit: Callable[[], None],
+        record: Callable[[dict[str, Any]], None],
+    ) -> Handle:
         self.started.append(task)
+        record({"fake": True})
         (workspace.out / "metrics.json").write_text(json.dumps(self.metrics))
         on_exit()
         return FakeHandle(self.code)
@@ -188,6 +199,7 @@ def context(
         settings=s,
         clock=clock,
         ledger=Ledger(tmp_path / "ledger.jsonl"),
+        journal=Journal(tmp_path / "journal"),
         start_thread=inline_threads,
         rng=random.Random(7),
     )

@@ -3,12 +3,15 @@ as a subprocess, with helpers that poll with a deadline instead of sleeping."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +21,7 @@ import httpx
 
 T = TypeVar("T")
 API = "/v1alpha1"
+TASK_USER = "flashnode-task"  # .ci/run creates it; agents started as root run tasks as it
 
 
 def free_port() -> int:
@@ -183,13 +187,22 @@ class AgentProcess:
     """``python -m flashnode work`` as a subprocess, its log in a file."""
 
     def __init__(
-        self, root: Path, coordinator_url: str, *args: str, env: dict[str, str] | None = None
+        self,
+        root: Path,
+        coordinator_url: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.root = root
-        self.state_dir = root / "state"
+        # Not under pytest's private tmp dir: a task user must be able to reach its workspace.
+        self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="flashnode-state-"))
         self.log_path = root / "agent.log"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
-        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        full_env["PYTHONUNBUFFERED"] = "1"
+        if os.geteuid() == 0:
+            full_env["FLASHNODE_TASK_USER"] = TASK_USER
+        full_env.update(env or {})
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [
@@ -232,13 +245,18 @@ class AgentProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            # Drain, then (once the agent says it drains: two signals at once coalesce) stop now.
             self.proc.send_signal(signal.SIGTERM)
-            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                wait_for("the agent to drain", lambda: "draining" in self.log or self._dead(), 10)
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def ledger(self) -> list[dict[str, Any]]:
         path = self.state_dir / "ledger.jsonl"
@@ -255,3 +273,19 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live pids whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and pid_alive(int(entry)):
+            found.append(int(entry))
+    return found

@@ -109,9 +109,9 @@ def test_failing_task_ends_failed_with_its_reason_in_the_events(
 
 
 def test_lost_lease_kills_the_task_tree_and_sends_no_complete(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
 ) -> None:
-    pidfile = tmp_path / "pids"
+    pidfile = drop_dir / "pids"
     # The task and a child of it each record their pid, then run long.
     script = f"sleep 300 & echo $! >> {pidfile}; echo $$ >> {pidfile}; wait"
     lease_seconds = 30
@@ -240,12 +240,21 @@ def test_inputs_are_staged_and_a_missing_input_fails_naming_its_key(
         )
     )
     missing = coordinator.submit(
-        argv_job(command, inputs={"code": "artifact://shared/nope.tar.gz"}, unpack_inputs=["code"], max_attempts=1)
+        argv_job(
+            command,
+            inputs={"code": "artifact://shared/nope.tar.gz"},
+            unpack_inputs=["code"],
+            max_attempts=1,
+        )
     )
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env=FAST)
     assert agent.wait() == 0, agent.log
     assert coordinator.wait_state(good, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
-    assert json.loads(coordinator.artifact(f"jobs/{good}/task-000/metrics.json")) == {"data": "forty-two"}
+    assert json.loads(coordinator.artifact(f"jobs/{good}/task-000/metrics.json")) == {
+        "data": "forty-two"
+    }
     assert coordinator.wait_state(missing, {"SUCCEEDED", "FAILED"}) == "FAILED"
-    failed = [e["message"] for e in coordinator.events(missing) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    failed = [
+        e["message"] for e in coordinator.events(missing) if e["type"] == "TASK_ATTEMPT_FAILED"
+    ]
     assert "input 'code' is missing" in failed[0] and "shared/nope.tar.gz" in failed[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from flashnode.wire import Task
 from flashnode.workspace import Workspace
@@ -33,6 +33,10 @@ class Handle(Protocol):
     def stderr_tail(self) -> str:
         """The last lines the task wrote to stderr, for a failure reason."""
 
+    def failure(self) -> str | None:
+        """A cause of failure the exit status does not tell (e.g. "out of memory"), once
+        finished."""
+
 
 class Runner(ABC):
     name: str
@@ -42,8 +46,20 @@ class Runner(ABC):
         """Raise AttemptFailed if this runner must not run ``task``."""
 
     @abstractmethod
-    def start(self, task: Task, workspace: Workspace, on_exit: Callable[[], None]) -> Handle:
-        """Start the task; ``on_exit`` is called (from any thread) when its main process exits."""
+    def start(
+        self,
+        task: Task,
+        workspace: Workspace,
+        on_exit: Callable[[], None],
+        record: Callable[[dict[str, Any]], None],
+    ) -> Handle:
+        """Start the task. ``on_exit`` is called (from any thread) when its main process exits;
+        ``record`` is given what a restarted agent needs to find the task again, before and
+        after anything is started."""
+
+    def reap(self, identity: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Remove what an earlier run of this agent left of one task, from its recorded
+        identity (what ``start`` passed to ``record``)."""
 
     def reconcile(self) -> None:  # noqa: B027 - optional hook
-        """Remove leftovers of an earlier run of this agent."""
+        """Remove leftovers of an earlier run of this agent that no record names."""

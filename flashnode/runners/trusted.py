@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 from flashnode import procs
+from flashnode.cgroups import AttemptCgroup, Hierarchy, Limits
 from flashnode.errors import AttemptFailed
 from flashnode.runners.base import Handle, Runner
 from flashnode.wire import Task
@@ -37,12 +40,16 @@ def map_work(value: str, root: str) -> str:
     return value
 
 
-def task_env(task: Task, ws: Workspace, token: str, agent_env: Mapping[str, str]) -> dict[str, str]:
+def task_env(
+    task: Task, ws: Workspace, token: str, agent_env: Mapping[str, str], own_user: bool = True
+) -> dict[str, str]:
+    """The task's environment. A task run as another user gets the system PATH: the agent's
+    may name directories only the agent's user can enter."""
     root = str(ws.root)
     env = {k: agent_env[k] for k in INHERITED if k in agent_env}
     env.update({k: map_work(v, root) for k, v in task.env.items()})
     env.update(
-        PATH=agent_env.get("PATH", DEFAULT_PATH),
+        PATH=agent_env.get("PATH", DEFAULT_PATH) if own_user else DEFAULT_PATH,
         HOME=root,
         TMPDIR=str(ws.tmp),
         FLASHML_WORK_DIR=root,
@@ -54,6 +61,7 @@ def task_env(task: Task, ws: Workspace, token: str, agent_env: Mapping[str, str]
 class TrustedHandle:
     def __init__(self, proc: procs.TaskProcess) -> None:
         self._proc = proc
+        self._oom = False
 
     @property
     def returncode(self) -> int | None:
@@ -69,19 +77,34 @@ class TrustedHandle:
     def finish(self) -> None:
         self._proc.kill()
         self._proc.close()
+        if self._proc.cgroup is not None:
+            self._oom = self._proc.cgroup.oom_killed()
+            self._proc.cgroup.remove()
 
     def stderr_tail(self) -> str:
         return self._proc.stderr.tail.decode("utf-8", "replace")
+
+    def failure(self) -> str | None:
+        return "out of memory" if self._oom else None
 
 
 class TrustedRunner(Runner):
     name = "trusted"
 
     def __init__(
-        self, pools: tuple[str, ...], log_max_bytes: int, agent_env: Mapping[str, str] | None = None
+        self,
+        pools: tuple[str, ...],
+        log_max_bytes: int,
+        cgroups: Hierarchy | None = None,
+        limits: Limits | None = None,
+        user: procs.TaskUser | None = None,
+        agent_env: Mapping[str, str] | None = None,
     ) -> None:
         self.pools = pools
         self.log_max_bytes = log_max_bytes
+        self.cgroups = cgroups
+        self.limits = limits or Limits()
+        self.user = user
         self.agent_env = dict(os.environ if agent_env is None else agent_env)
 
     def check(self, task: Task) -> None:
@@ -100,21 +123,56 @@ class TrustedRunner(Runner):
                 "refused: the task's isolation does not allow running outside a sandbox"
             )
 
-    def start(self, task: Task, workspace: Workspace, on_exit: Callable[[], None]) -> Handle:
+    def start(
+        self,
+        task: Task,
+        workspace: Workspace,
+        on_exit: Callable[[], None],
+        record: Callable[[dict[str, Any]], None],
+    ) -> Handle:
         assert task.argv is not None
         root = str(workspace.root)
         token = procs.new_token()
         argv = [map_work(a, root) for a in task.argv]
+        uid = self.user.uid if self.user else os.geteuid()
+        record({"token": token, "uid": uid})
+        if self.user is not None:
+            workspace.hand_over(self.user.uid, self.user.gid)
+        cgroup = None
+        if self.cgroups is not None:
+            try:
+                cgroup = self.cgroups.create(workspace.root.name, self.limits)
+            except OSError as exc:
+                raise AttemptFailed(f"cannot create the task's cgroup: {exc.strerror}") from None
+            record(
+                {
+                    "token": token,
+                    "uid": uid,
+                    "cgroup": {k: str(v) for k, v in cgroup.paths.items()},
+                    "cgroup_version": cgroup.version,
+                }
+            )
         try:
             proc = procs.TaskProcess(
                 argv,
-                task_env(task, workspace, token, self.agent_env),
+                task_env(task, workspace, token, self.agent_env, own_user=self.user is None),
                 cwd=workspace.root,
                 stdout=workspace.logs / "stdout.txt",
                 stderr=workspace.logs / "stderr.txt",
                 log_max_bytes=self.log_max_bytes,
                 on_exit=on_exit,
+                cgroup=cgroup,
+                user=self.user,
             )
         except OSError as exc:
+            if cgroup is not None:
+                cgroup.remove()
             raise AttemptFailed(f"cannot start {argv[0][:100]!r}: {exc.strerror or exc}") from None
+        record(proc.identity())
         return TrustedHandle(proc)
+
+    def reap(self, identity: dict[str, Any]) -> None:
+        procs.reap(identity)
+        paths, version = identity.get("cgroup"), identity.get("cgroup_version")
+        if isinstance(paths, dict) and version in (1, 2):
+            AttemptCgroup(version, {k: Path(v) for k, v in paths.items()}).remove()

@@ -1,0 +1,215 @@
+"""No task process outlives its attempt: real processes that detach, ignore SIGTERM, fork-bomb
+and overrun memory, run by the real agent against the real coordinator."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, processes_with, wait_for
+
+from flashnode import cgroups
+
+FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
+TRUSTED = ("--runner", "trusted", "--pool", "team-a")
+METRICS = "echo '{\"ok\": 1}' > out/metrics.json"
+
+
+def marker() -> str:
+    """A unique sleep duration, so this test's sleepers are told apart from everything else."""
+    return f"600.{secrets.randbelow(10**6):06d}"
+
+
+def finished(agent: AgentProcess) -> dict[str, object]:
+    return wait_for("an attempt in the ledger", lambda: agent.ledger() and agent.ledger()[-1])
+
+
+@pytest.mark.parametrize("holds_pipes", [False, True], ids=["quiet-child", "child-holds-stdout"])
+def test_detached_double_fork_is_killed_and_the_attempt_commits_at_once(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], holds_pipes: bool
+) -> None:
+    m = marker()
+    redirect = "" if holds_pipes else " >/dev/null 2>&1"
+    script = f'setsid sh -c "sleep {m}{redirect} &"; nohup sleep {m}{redirect} & {METRICS}'
+    job = coordinator.submit(argv_job(["sh", "-c", script]))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(30) == 0, agent.log
+    record = agent.ledger()[-1]
+    assert record["outcome"] == "committed"
+    assert float(record["ended_at"]) - float(record["started_at"]) < 2.0  # type: ignore[arg-type]
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    assert processes_with(f"sleep {m}") == []
+
+
+@pytest.mark.parametrize("how", ["timeout", "lease-lost"])
+def test_child_ignoring_sigterm_is_gone_after_the_grace(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    drop_dir: Path,
+    how: str,
+) -> None:
+    m = marker()
+    pidfile = drop_dir / "pid"
+    script = f"trap '' TERM; sleep {m} & echo $! > {pidfile}; wait"
+    job = coordinator.submit(argv_job(["sh", "-c", script], max_attempts=1, lease_seconds=30))
+    # The coordinator refuses timeout_seconds below 30 s; the agent's own cap is what times out.
+    limit = {"FLASHNODE_MAX_TASK_SECONDS": "2"} if how == "timeout" else {}
+    agent = start_agent(coordinator.url, *TRUSTED, env={**FAST, **limit})
+    pid = int(wait_for("the child's pid", lambda: pidfile.exists() and pidfile.read_text().strip()))
+    assert pid_alive(pid)
+    if how == "lease-lost":
+        coordinator.cancel(job)
+        wait_for("the child to be gone", lambda: not pid_alive(pid), timeout=30 / 3 + 2, every=0.05)
+        assert finished(agent)["outcome"] == "lost"
+    else:
+        wait_for("the child to be gone", lambda: not pid_alive(pid), timeout=2 + 1 + 3, every=0.05)
+        record = finished(agent)
+        assert record["outcome"] == "failed" and record["reason"] == "timed out after 2 s"
+    assert processes_with(f"sleep {m}") == []
+
+
+def test_restarted_agent_reaps_leftovers_before_claiming_and_spares_reused_pids(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
+) -> None:
+    m = marker()
+    pidfile = drop_dir / "pids"
+    script = f'setsid sh -c "sleep {m} >/dev/null 2>&1 & echo \\$! >> {pidfile}"; sleep {m} & echo $! >> {pidfile}; wait'
+    job = coordinator.submit(argv_job(["sh", "-c", script], max_attempts=2))
+    first = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    pids = wait_for(
+        "two leftover pids",
+        lambda: pidfile.exists() and len(p := pidfile.read_text().split()) == 2 and p,
+    )
+    first.proc.kill()  # SIGKILL: no cleanup at all
+    first.proc.wait()
+    assert all(pid_alive(int(p)) for p in pids)
+
+    # A bystander with no token stands in for a process that reused the task's recorded pid.
+    bystander = subprocess.Popen(["sleep", m])
+    journal = first.state_dir / "journal"
+    [record_path] = list(journal.glob("*.json"))
+    record = json.loads(record_path.read_text())
+    record["process"]["pid"] = bystander.pid
+    record_path.write_text(json.dumps(record))
+    try:
+        second = start_agent(coordinator.url, *TRUSTED, env=FAST, state_dir=first.state_dir)
+        second.wait_log("registered as node")
+        assert not any(pid_alive(int(p)) for p in pids)  # reaped before registering and claiming
+        assert bystander.poll() is None  # no token, no matching start time: untouched
+        assert second.log.index("agent restarted") < second.log.index("registered as node")
+        failed = [
+            e["message"] for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"
+        ]
+        assert failed == ["agent restarted"]
+        assert not (first.state_dir / "attempts" / record_path.stem).exists()  # workspace cleaned
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+needs_cgroups = pytest.mark.skipif(
+    os.geteuid() != 0 or cgroups.detect()[0] is None,
+    reason="per-task cgroups need root and a cgroup v1 or delegated v2 hierarchy on this host",
+)
+
+FORKS = (
+    "import os, json, time\n"
+    "n = 0\n"
+    "try:\n"
+    "    while n < 500:\n"
+    "        if os.fork() == 0:\n"
+    "            time.sleep(60); os._exit(0)\n"
+    "        n += 1\n"
+    "except OSError:\n"
+    "    pass\n"
+    "json.dump({'forks': n}, open('out/metrics.json', 'w'))\n"
+)
+
+
+@needs_cgroups
+def test_fork_bomb_stops_at_the_pids_limit(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = coordinator.submit(argv_job(["python3", "-c", FORKS]))
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--max-tasks", "1", env={**FAST, "FLASHNODE_TASK_PIDS": "32"}
+    )
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    forks = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))["forks"]
+    assert 0 < forks < 32
+    assert processes_with("python3 -c import os, json, time") == []
+
+
+@needs_cgroups
+def test_allocating_past_the_memory_limit_fails_with_out_of_memory(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    script = "b = bytearray(512 << 20); open('out/metrics.json', 'w').write('{}')"
+    job = coordinator.submit(argv_job(["python3", "-c", script], max_attempts=1))
+    agent = start_agent(
+        coordinator.url,
+        *TRUSTED,
+        "--max-tasks",
+        "1",
+        env={**FAST, "FLASHNODE_TASK_MEMORY_BYTES": str(64 << 20)},
+    )
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED"
+    failed = [e["message"] for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert failed == ["out of memory"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="tasks run as task_user only when the agent is root")
+def test_task_user_cannot_read_the_credentials_or_the_agent_environment(
+    tmp_path: Path, start_agent: Callable[..., AgentProcess], drop_dir: Path
+) -> None:
+    token, join_code = "tok-" + secrets.token_hex(8), "join-" + secrets.token_hex(8)
+    server = CoordinatorServer(
+        tmp_path / "tokcoord",
+        env={"FLASHML_NODE_TOKENS": f"node-x:{token}", "FLASHML_JOIN_CODE": join_code},
+    )
+    server.root.mkdir()
+    server.start()
+    try:
+        token_file = (
+            drop_dir / "token"
+        )  # in a directory the task can enter: only the mode protects it
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        probe = (
+            "import json, os\n"
+            "def read(p):\n"
+            "    try:\n"
+            "        return open(p, errors='replace').read()\n"
+            "    except OSError as e:\n"
+            "        return 'denied: ' + e.strerror\n"
+            f"r = {{'token': read({str(token_file)!r}), 'agent_env': read('/proc/%d/environ' % os.getppid()),"
+            " 'uid': os.getuid()}\n"
+            "json.dump(r, open('out/metrics.json', 'w'))\n"
+        )
+        job = server.submit(argv_job(["python3", "-c", probe]))
+        agent = start_agent(
+            server.url,
+            *TRUSTED,
+            "--node-id",
+            "node-x",
+            "--token-file",
+            str(token_file),
+            "--max-tasks",
+            "1",
+            env={**FAST, "FLASHNODE_JOIN_CODE": join_code},
+        )
+        assert agent.wait(30) == 0, agent.log
+        assert server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+        seen = json.loads(server.artifact(f"jobs/{job}/task-000/metrics.json"))
+        assert seen["uid"] != 0
+        assert seen["token"].startswith("denied") and seen["agent_env"].startswith("denied")
+        assert token not in json.dumps(seen) and join_code not in json.dumps(seen)
+    finally:
+        server.close()
