@@ -16,7 +16,8 @@ from typing import Any, Literal, Protocol
 
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.clock import Clock
-from flashnode.errors import CoordinatorError, Unregistered
+from flashnode.errors import CoordinatorError, FlashnodeError, Unregistered
+from flashnode.settings import Settings
 from flashnode.wire import NodeHeartbeat, NodeRegistration
 from flashnode.workspace import remove_stale_workspaces
 
@@ -64,13 +65,19 @@ class Agent:
         self,
         ctx: AttemptContext,
         coordinator: AgentCoordinator,
-        registration: Callable[[], NodeRegistration],
+        registration: Callable[[Settings], NodeRegistration],
         clock: Clock | None = None,
+        reload: Callable[[], Settings] | None = None,
+        free_bytes: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.coordinator = coordinator
         self.registration = registration
+        self._reload_settings = reload
+        self._free_bytes = free_bytes
+        self._reload_requested = False
+        self._low_disk = False
         self.clock = clock or ctx.clock
         rng = ctx.rng
         s = self.settings
@@ -100,6 +107,10 @@ class Agent:
             self._stop_now = True
         self._draining = True
 
+    def request_reload(self) -> None:
+        """Re-read the configuration (pools, limits) and register again."""
+        self._reload_requested = True
+
     # --- the loop -----------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -124,6 +135,9 @@ class Agent:
                 self._cancel_all("node draining", grace=s.kill_grace_seconds)
             if not self.running and (self._draining or self._quota_spent()):
                 break
+            if self._reload_requested:
+                self._reload_requested = False
+                self._reload()
             if now >= self._next_heartbeat:
                 self._heartbeat()
             if self._may_claim() and now >= self._next_claim:
@@ -174,7 +188,7 @@ class Agent:
 
     def _register(self) -> None:
         try:
-            self.node_id = self.coordinator.register(self.registration())
+            self.node_id = self.coordinator.register(self.registration(self.settings))
         except CoordinatorError as exc:
             self._failing("registration", exc)
             return
@@ -200,8 +214,45 @@ class Agent:
             return
         self._working("node heartbeat")
 
+    def _reload(self) -> None:
+        if self._reload_settings is None:
+            return
+        try:
+            new = self._reload_settings()
+        except FlashnodeError as exc:
+            log.error("reload refused, keeping the running configuration: %s", exc)
+            return
+        fixed = ("coordinator", "runner", "state_dir", "node_id", "token", "join_code", "task_user")
+        changed = [k for k in fixed if getattr(new, k) != getattr(self.settings, k)]
+        if changed:
+            log.error("reload refused: changing %s needs a restart", ", ".join(changed))
+            return
+        self.settings = self.ctx.settings = new
+        self.ctx.runner.reconfigure(new)
+        log.info("configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-")
+        self._registered = False
+        self._register()
+        self._next_claim = self.clock.monotonic()
+
+    def _disk_ok(self) -> bool:
+        free, floor = self._free_bytes(), self.settings.min_free_bytes
+        low = free is not None and free < floor
+        if low and not self._low_disk:
+            log.warning(
+                "not claiming: %d MiB free in the state dir, below the %d MiB floor",
+                (free or 0) >> 20,
+                floor >> 20,
+            )
+        elif self._low_disk and not low:
+            log.info("free space is back above the floor; claiming again")
+        self._low_disk = low
+        return not low
+
     def _claim(self) -> None:
         now = self.clock.monotonic()
+        if not self._disk_ok():
+            self._next_claim = now + self.settings.heartbeat_seconds
+            return
         try:
             lease = self.coordinator.claim(self.node_id)
         except Unregistered:

@@ -253,7 +253,11 @@ class Attempt:
         # The outbox: from here on a restart of the agent resumes the commit instead of
         # losing the result.
         self.ctx.journal.update(
-            self.lease.lease_id, state="finished", evidence=self.evidence.model_dump()
+            self.lease.lease_id,
+            state="finished",
+            evidence=self.evidence.model_dump(),
+            outputs={f.rel: f.size for f in files},
+            metrics_sha256=_sha256(ws.out / "metrics.json"),
         )
         return self._commit(task, files)
 
@@ -262,7 +266,13 @@ class Attempt:
         self.task = task = parse_task(self.lease)
         self.ws = ws = Workspace(self.ctx.settings.state_dir / "attempts" / self.lease.lease_id)
         self._ran = True
-        return self._commit(task, self._checked_outputs(task, ws))
+        record = self.ctx.journal.read(self.lease.lease_id) or {}
+        files = self._checked_outputs(task, ws)
+        if {f.rel: f.size for f in files} != record.get("outputs") or _sha256(
+            ws.out / "metrics.json"
+        ) != record.get("metrics_sha256"):
+            raise AttemptFailed("outputs changed on disk after the attempt finished")
+        return self._commit(task, files)
 
     def _checked_outputs(self, task: Task, ws: Workspace) -> list[OutputFile]:
         s = self.ctx.settings
@@ -485,6 +495,14 @@ class Attempt:
                 "ended_at": self.ctx.clock.wall(),
             }
         )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _check_metrics_object(path: Path) -> None:

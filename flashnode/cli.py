@@ -127,7 +127,7 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
     setup_logging(settings.log_json)
     try:
-        run_agent(settings)
+        run_agent(settings, reload=lambda: load(flags, os.environ, config_file))
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
     except CredentialsError as exc:
@@ -193,7 +193,14 @@ def _thread(fn: Callable[[], None], name: str) -> None:
     threading.Thread(target=fn, name=name, daemon=True).start()
 
 
-def run_agent(settings: Settings) -> None:
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def run_agent(settings: Settings, reload: Callable[[], Settings] | None = None) -> None:
     try:
         inventory.ensure_state_dir(settings.state_dir)
         node = inventory.node_id(settings)
@@ -215,7 +222,13 @@ def run_agent(settings: Settings) -> None:
         start_thread=_thread,
         rng=random.Random(),
     )
-    agent = Agent(ctx, coordinator, lambda: inventory.registration(settings, node))
+    agent = Agent(
+        ctx,
+        coordinator,
+        lambda current: inventory.registration(current, node),
+        reload=reload,
+        free_bytes=lambda: _free_bytes(settings.state_dir),
+    )
     log.info(
         "flashnode %s: node %s, %s runner, pools %s, coordinator %s",
         __version__,
@@ -228,7 +241,11 @@ def run_agent(settings: Settings) -> None:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         agent.request_stop()
 
+    def on_hangup(signum: int, frame: FrameType | None) -> None:
+        agent.request_reload()
+
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hangup)
     try:
         agent.run()
     finally:

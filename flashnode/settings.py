@@ -67,6 +67,7 @@ class Settings(BaseModel):
     max_task_seconds: float = Field(default=24 * 3600.0, gt=0)
     kill_grace_seconds: float = Field(default=10.0, ge=0)
     drain_seconds: float = Field(default=300.0, ge=0)
+    min_free_bytes: int = Field(default=1024 * MiB, ge=0)
     task_user: str | None = None
     task_memory_bytes: int | None = Field(default=None, ge=4 * MiB)
     task_cpus: float | None = Field(default=None, gt=0)

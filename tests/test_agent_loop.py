@@ -17,7 +17,7 @@ def make_agent(
     tmp_path: Path, coordinator: FakeCoordinator, clock: FakeClock, **settings: object
 ) -> Agent:
     ctx = context(tmp_path, clock, coordinator, FakeRunner(), **settings)
-    return Agent(ctx, coordinator, lambda: registration(ctx.settings, "node-1"))
+    return Agent(ctx, coordinator, lambda current: registration(current, "node-1"))
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -128,3 +128,25 @@ def test_refused_credentials_end_the_agent(tmp_path: Path) -> None:
     agent = make_agent(tmp_path, coord, clock)
     with pytest.raises(CredentialsError):
         agent.run()
+
+
+def test_low_disk_stops_claims_and_says_why_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0)])
+    free = {"bytes": 10 << 20}
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1)
+    agent = Agent(ctx, coord, lambda current: registration(current, "node-1"), free_bytes=lambda: free["bytes"])
+    original = coord.node_heartbeat
+
+    def heartbeat(hb: object) -> None:
+        if clock.now > 1030:
+            free["bytes"] = 10 << 30
+        original(hb)  # type: ignore[arg-type]
+
+    coord.node_heartbeat = heartbeat  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.INFO):
+        agent.run()
+    claims = coord.names("claim")
+    assert claims and claims[0] > 1030  # no claim while below the floor
+    assert sum("below the" in r.message for r in caplog.records) == 1
+    assert sum("claiming again" in r.message for r in caplog.records) == 1

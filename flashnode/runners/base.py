@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from flashnode.settings import Settings
 from flashnode.wire import Task
 from flashnode.workspace import Workspace
 
@@ -56,6 +57,9 @@ class Runner(ABC):
         """Start the task. ``on_exit`` is called (from any thread) when its main process exits;
         ``record`` is given what a restarted agent needs to find the task again, before and
         after anything is started."""
+
+    def reconfigure(self, settings: Settings) -> None:  # noqa: B027 - optional hook
+        """Take a reloaded configuration (pools, limits)."""
 
     def reap(self, identity: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Remove what an earlier run of this agent left of one task, from its recorded

@@ -22,6 +22,7 @@ from flashnode import procs
 from flashnode.cgroups import AttemptCgroup, Hierarchy, Limits
 from flashnode.errors import AttemptFailed
 from flashnode.runners.base import Handle, Runner
+from flashnode.settings import Settings
 from flashnode.wire import Task
 from flashnode.workspace import Workspace
 
@@ -106,6 +107,11 @@ class TrustedRunner(Runner):
         self.limits = limits or Limits()
         self.user = user
         self.agent_env = dict(os.environ if agent_env is None else agent_env)
+
+    def reconfigure(self, settings: Settings) -> None:
+        self.pools = settings.pools
+        self.log_max_bytes = settings.log_max_bytes
+        self.limits = Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
 
     def check(self, task: Task) -> None:
         if task.argv is None:

@@ -1,0 +1,127 @@
+"""Never lose a computed result: coordinator outages and restarts, agent restarts, drain, reload.
+Real coordinator, real agent processes, and a TCP proxy that stalls or resets connections."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+from proxy import Proxy
+
+FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
+TRUSTED = ("--runner", "trusted", "--pool", "team-a")
+METRICS = "echo '{\"ok\": 1}' > out/metrics.json"
+
+
+def slow_task(seconds: int) -> list[str]:
+    return ["sh", "-c", f"sleep {seconds}; {METRICS}"]
+
+
+def journal_state(agent: AgentProcess) -> str | None:
+    records = list((agent.state_dir / "journal").glob("*.json"))
+    if not records:
+        return None
+    try:
+        return str(json.loads(records[0].read_text()).get("state"))
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture
+def proxy(coordinator: CoordinatorServer) -> Iterator[Proxy]:
+    p = Proxy(coordinator.port)
+    yield p
+    p.close()
+
+
+def test_result_computed_across_a_coordinator_outage_commits(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = coordinator.submit(argv_job(slow_task(10), lease_seconds=60))
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
+    coordinator.stop()
+    time.sleep(20)  # the outage itself: the task finishes while the coordinator is away
+    coordinator.start()  # same port and data: it forgot the node, it kept the lease
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
+    [task] = coordinator.tasks(job)
+    assert task["attempts"] == 1  # committed by the attempt that ran through the outage
+    assert agent.ledger()[-1]["outcome"] == "committed"
+
+
+def test_agent_killed_before_its_commit_commits_after_restart(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], proxy: Proxy
+) -> None:
+    job = coordinator.submit(argv_job(slow_task(2), lease_seconds=60))
+    first = start_agent(proxy.url, *TRUSTED, env=FAST)
+    wait_for("the claim", lambda: journal_state(first) == "running")
+    proxy.set_mode("stall")  # the upload will hang
+    wait_for("the task to finish (outbox)", lambda: journal_state(first) == "finished", timeout=30)
+    first.proc.kill()
+    first.proc.wait()
+    proxy.set_mode("forward")
+    second = start_agent(proxy.url, *TRUSTED, env=FAST, state_dir=first.state_dir)
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
+    assert coordinator.tasks(job)[0]["attempts"] == 1
+    wait_for("the resumed commit in the ledger", lambda: second.ledger()[-1]["outcome"] == "committed")
+    assert "resuming the commit" in second.log
+
+
+def test_sigterm_lets_a_running_task_finish_and_commit(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = coordinator.submit(argv_job(slow_task(5)))
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(30) == 0, agent.log
+    assert coordinator.job(job)["state"] == "SUCCEEDED"
+    assert "draining" in agent.log
+
+
+def test_sigterm_past_the_drain_deadline_fails_the_task_with_node_draining(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = coordinator.submit(argv_job(slow_task(60), max_attempts=2))
+    agent = start_agent(coordinator.url, *TRUSTED, env={**FAST, "FLASHNODE_DRAIN_SECONDS": "1"})
+    wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(30) == 0, agent.log
+    failed = [e["message"] for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert failed == ["node draining"]
+    assert coordinator.tasks(job)[0]["state"] == "PENDING"  # requeued for another node
+
+
+def test_connection_resets_for_30_s_lose_nothing_and_stay_bounded(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], proxy: Proxy
+) -> None:
+    job = coordinator.submit(argv_job(slow_task(15), lease_seconds=60))
+    agent = start_agent(proxy.url, *TRUSTED, env=FAST)
+    wait_for("the claim", lambda: journal_state(agent) == "running")
+    proxy.set_mode("reset")
+    time.sleep(30)  # the outage itself: the task finishes while every connection is reset
+    proxy.set_mode("forward")
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
+    assert coordinator.tasks(job)[0]["attempts"] == 1
+    # Node heartbeats every 5 s, lease renewals and upload retries with backoff: no tight loop.
+    assert 3 <= proxy.connections["reset"] <= 40, proxy.connections
+
+
+def test_sighup_reloads_pools_and_takes_the_new_pools_work(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    config = tmp_path / "flashnode.toml"
+    config.write_text('runner = "trusted"\npools = ["team-a"]\n')
+    job = coordinator.submit(argv_job(["sh", "-c", METRICS], pool="team-b"))
+    agent = start_agent(coordinator.url, "--config", str(config), env=FAST)
+    agent.wait_log("registered as node")
+    assert coordinator.tasks(job)[0]["attempts"] == 0
+    config.write_text('runner = "trusted"\npools = ["team-a", "team-b"]\n')
+    agent.signal(signal.SIGHUP)
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=30) == "SUCCEEDED"
+    assert "configuration reloaded: pools team-a,team-b" in agent.log
