@@ -49,7 +49,9 @@ class Coordinator:
         join_code: str | None = None,
         transport: httpx.BaseTransport | None = None,
         timeout: float = 30.0,
+        answer_deadline: float = ANSWER_DEADLINE_S,
     ) -> None:
+        self._answer_deadline = answer_deadline
         headers = {"User-Agent": f"flashnode/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -191,7 +193,7 @@ class Coordinator:
 
     def _call(self, method: str, path: str, **kwargs: Any) -> tuple[int, bytes]:
         """One request; the body is read with a size cap and a total deadline."""
-        deadline = time.monotonic() + ANSWER_DEADLINE_S
+        deadline = time.monotonic() + self._answer_deadline
         try:
             with self._client.stream(method, path, **kwargs) as resp:
                 chunks: list[bytes] = []

@@ -130,12 +130,19 @@ def test_refused_credentials_end_the_agent(tmp_path: Path) -> None:
         agent.run()
 
 
-def test_low_disk_stops_claims_and_says_why_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_low_disk_stops_claims_and_says_why_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     clock = FakeClock()
     coord = FakeCoordinator(clock, claims=[lease(0)])
     free = {"bytes": 10 << 20}
     ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1)
-    agent = Agent(ctx, coord, lambda current: registration(current, "node-1"), free_bytes=lambda: free["bytes"])
+    agent = Agent(
+        ctx,
+        coord,
+        lambda current: registration(current, "node-1"),
+        free_bytes=lambda: free["bytes"],
+    )
     original = coord.node_heartbeat
 
     def heartbeat(hb: object) -> None:

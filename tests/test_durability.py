@@ -68,7 +68,9 @@ def test_agent_killed_before_its_commit_commits_after_restart(
     second = start_agent(proxy.url, *TRUSTED, env=FAST, state_dir=first.state_dir)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
     assert coordinator.tasks(job)[0]["attempts"] == 1
-    wait_for("the resumed commit in the ledger", lambda: second.ledger()[-1]["outcome"] == "committed")
+    wait_for(
+        "the resumed commit in the ledger", lambda: second.ledger()[-1]["outcome"] == "committed"
+    )
     assert "resuming the commit" in second.log
 
 
