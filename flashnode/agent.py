@@ -179,10 +179,19 @@ class Agent:
         m = self.settings.max_tasks
         return m is not None and self.stats.started >= m
 
+    @property
+    def slots(self) -> int:
+        """Attempts run at once: ``slots``, or with ``auto`` one per GPU (1 without GPUs)."""
+        if self.settings.slots == "auto":
+            return max(1, len(self.ctx.gpus.devices))
+        return self.settings.slots
+
     def _may_claim(self) -> bool:
-        return (
-            self._registered and not self._draining and not self._quota_spent() and not self.running
-        )
+        """Claim only with a free slot that could serve a task: on a GPU node, a free GPU."""
+        if not self._registered or self._draining or self._quota_spent():
+            return False
+        gpus = self.ctx.gpus
+        return len(self.running) < self.slots and (not gpus.devices or gpus.free > 0)
 
     # --- coordinator conversations ------------------------------------------------------------
 

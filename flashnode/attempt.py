@@ -31,8 +31,9 @@ from flashnode.errors import (
 from flashnode.journal import Journal
 from flashnode.ledger import Ledger
 from flashnode.runners.base import Handle, Runner
-from flashnode.sampler import CpuWindow
+from flashnode.sampler import CpuWindow, GpuReader, Sampler
 from flashnode.settings import Settings
+from flashnode.slots import Device, GpuPool
 from flashnode.wire import SAFE_ID, ExecutionEvidence, Lease, Task, parse_lease, parse_task
 from flashnode.workspace import OutputFile, Workspace
 
@@ -76,6 +77,8 @@ class AttemptContext:
     start_thread: Callable[[Callable[[], None], str], None]
     rng: random.Random = field(default_factory=random.Random)
     cpu_window: Callable[[], CpuWindow] = CpuWindow
+    gpu: GpuReader | None = None
+    gpus: GpuPool = field(default_factory=GpuPool)
 
 
 class LeaseKeeper:
@@ -141,6 +144,8 @@ class Attempt:
         self._wake = threading.Event()
         self._cancel_reason: str | None = None
         self._cancel_grace = 0.0
+        self.devices: list[Device] = []
+        self.task_usage: dict[str, float | None] = {}
         self._ran = False
 
     @property
@@ -232,6 +237,7 @@ class Attempt:
             outcome, reason = self._report_failure(f"agent error ({type(exc).__name__})")
         finally:
             self.keeper.stop()
+            self.ctx.gpus.release(self.devices)
             if self.ws is not None:
                 self.ws.remove()
             self.ctx.journal.remove(lease.lease_id)
@@ -243,8 +249,7 @@ class Attempt:
         s = self.ctx.settings
         self.task = task = parse_task(self.lease)
         self.ctx.runner.check(task)
-        if task.gpus:
-            raise AttemptFailed(f"task asks for {task.gpus} GPU(s); this node has none to give")
+        self.devices = self.ctx.gpus.acquire(task.gpus)
         self.ws = ws = Workspace.create(s.state_dir / "attempts", self.lease.lease_id)
         self._stage(task, ws)
         self._execute(task, ws)
@@ -350,9 +355,17 @@ class Attempt:
         cpu.start()
         lease_id = self.lease_id
         handle: Handle = self.ctx.runner.start(
-            task, ws, self._wake.set, lambda ident: self.ctx.journal.update(lease_id, process=ident)
+            task,
+            ws,
+            self._wake.set,
+            lambda ident: self.ctx.journal.update(lease_id, process=ident),
+            self.devices,
         )
         self._ran = True
+        sampler = Sampler(
+            clock, s.sample_seconds, handle, self.ctx.gpu, self.ctx.gpus.devices, self.devices
+        )
+        self.ctx.start_thread(sampler.run, f"sampler-{lease_id}")
         t0 = clock.monotonic()
         deadline = t0 + timeout
         stopped = ""
@@ -379,12 +392,19 @@ class Attempt:
                 clock.wait(self._wake, deadline - now)
                 self._wake.clear()
             wall = clock.monotonic() - t0
+            host_gpu, task_gpu = sampler.finish()
+            task_cpu = handle.cpu_seconds()
         finally:
+            sampler.finish()
             handle.finish()
+        self.task_usage = {
+            "cpu_percent_mean": round(task_cpu / wall * 100, 2) if task_cpu and wall > 0 else None,
+            "gpu_util_percent_mean": task_gpu,
+        }
         self.evidence = ExecutionEvidence(
             wall_seconds=round(wall, 4),
             cpu_percent_mean=cpu.stop(),
-            gpu_util_percent_mean=None,
+            gpu_util_percent_mean=host_gpu,
             image_digest=handle.image_digest,
             exit_code=handle.returncode,
         )
@@ -488,6 +508,8 @@ class Attempt:
                 "payload_sha256": digest,
                 "runner": self.ctx.runner.name,
                 "evidence": self.evidence.model_dump() if self.evidence else None,
+                "task_usage": self.task_usage or None,
+                "gpus": [d.visible for d in self.devices],
                 "output_sha256": self.output_sha256,
                 "outcome": outcome.value,
                 "reason": reason,

@@ -103,6 +103,24 @@ class AttemptCgroup:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.01)
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time used by everything that ran in this cgroup, if the host accounts it."""
+        if self.version == 2:
+            try:
+                for line in (self.paths["unified"] / "cpu.stat").read_text().splitlines():
+                    if line.startswith("usage_usec "):
+                        return int(line.split()[1]) / 1e6
+            except OSError:
+                return None
+            return None
+        acct = self.paths.get("cpuacct") or self.paths.get("cpu")
+        if acct is None:
+            return None
+        try:
+            return int((acct / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
+
     def oom_killed(self) -> bool:
         for path in self.paths.values():
             for name in ("memory.events", "memory.oom_control"):
@@ -164,6 +182,11 @@ def detect(root: Path = ROOT) -> tuple[Hierarchy | None, str]:
         if not mount.is_dir() or controller not in own:
             return None, f"no cgroup v1 '{controller}' hierarchy is mounted"
         bases[controller] = mount / own[controller].lstrip("/") / "flashnode"
+    # CPU accounting, for task-scoped evidence: where "cpu,cpuacct" are mounted together the
+    # cpu directory accounts; else the cpuacct hierarchy, when there is one.
+    acct = root / "cpuacct"
+    if "cpuacct" in own and acct.is_dir() and not (root / "cpu" / "cpuacct.usage").exists():
+        bases["cpuacct"] = acct / own["cpuacct"].lstrip("/") / "flashnode"
     return _probe(Hierarchy(1, bases))
 
 

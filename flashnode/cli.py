@@ -30,12 +30,15 @@ from flashnode.errors import (
     FlashnodeError,
     PrerequisiteError,
 )
+from flashnode.gpu import Nvml
 from flashnode.journal import Journal
 from flashnode.ledger import Ledger
 from flashnode.procs import TaskUser
 from flashnode.runners.base import Runner
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.settings import Settings, load
+from flashnode.slots import GpuPool
+from flashnode.wire import NodeRegistration
 
 log = logging.getLogger("flashnode")
 
@@ -174,7 +177,7 @@ def _check_reachable(state_dir: Path, uid: int, gid: int, user: str) -> None:
             )
 
 
-def make_runner(settings: Settings) -> Runner:
+def make_runner(settings: Settings, pool: GpuPool) -> Runner:
     if settings.runner == "trusted":
         user = task_user(settings)
         hierarchy, why = cgroups.detect()
@@ -183,7 +186,7 @@ def make_runner(settings: Settings) -> Runner:
         else:
             log.info("per-task cgroups in %s", hierarchy.describe())
         limits = cgroups.Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
-        return TrustedRunner(settings.pools, settings.log_max_bytes, hierarchy, limits, user)
+        return TrustedRunner(settings.pools, settings.log_max_bytes, hierarchy, limits, user, pool)
     raise PrerequisiteError(
         "the docker runner is not available in this build; use --runner trusted"
     )
@@ -206,7 +209,9 @@ def run_agent(settings: Settings, reload: Callable[[], Settings] | None = None) 
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
-    runner = make_runner(settings)
+    pool = GpuPool()
+    runner = make_runner(settings, pool)
+    nvml = Nvml.open(settings.nvml_library)
     coordinator = Coordinator(
         settings.coordinator,
         token=settings.token.get_secret_value() if settings.token else None,
@@ -221,11 +226,19 @@ def run_agent(settings: Settings, reload: Callable[[], Settings] | None = None) 
         journal=Journal(settings.state_dir / "journal"),
         start_thread=_thread,
         rng=random.Random(),
+        gpu=nvml,
+        gpus=pool,
     )
+
+    def registration(current: Settings) -> NodeRegistration:
+        devices = nvml.refresh() if nvml is not None else []
+        pool.set_devices(devices)
+        return inventory.registration(current, node, [d.info for d in devices])
+
     agent = Agent(
         ctx,
         coordinator,
-        lambda current: inventory.registration(current, node),
+        registration,
         reload=reload,
         free_bytes=lambda: _free_bytes(settings.state_dir),
     )

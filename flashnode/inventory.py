@@ -13,7 +13,7 @@ import psutil
 
 from flashnode import __version__
 from flashnode.settings import Settings
-from flashnode.wire import NodeCapabilities, NodeRegistration
+from flashnode.wire import GpuInfo, NodeCapabilities, NodeRegistration
 
 ARCHITECTURES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
@@ -37,7 +37,9 @@ def node_id(settings: Settings) -> str:
     return new
 
 
-def registration(settings: Settings, node: str) -> NodeRegistration:
+def registration(
+    settings: Settings, node: str, gpus: list[GpuInfo] | None = None
+) -> NodeRegistration:
     machine = platform.machine().lower()
     return NodeRegistration(
         node_id=node,
@@ -45,7 +47,7 @@ def registration(settings: Settings, node: str) -> NodeRegistration:
         capabilities=NodeCapabilities(
             cpu_cores=float(os.cpu_count() or 1),
             memory_bytes=psutil.virtual_memory().total,
-            gpus=[],
+            gpus=list(gpus or []),
             pools=list(settings.pools),
             os=platform.system().lower(),
             architecture=ARCHITECTURES.get(machine, machine),

@@ -36,6 +36,7 @@ OWNER_ENV = "FLASHNODE_OWNER"
 TAIL_BYTES = 8 * 1024
 READ_CHUNK = 64 * 1024
 KILL_ROUNDS_S = 5.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def new_token() -> str:
@@ -171,11 +172,33 @@ class TaskProcess:
         os.close(err_w)
         self.pid = self._popen.pid
         self.start_time = start_time(self.pid)
+        self._ticks: dict[tuple[int, int], int] = {}
         self.exited = threading.Event()
         self._on_exit = on_exit
         self.stdout = Capture(out_r, stdout, log_max_bytes)
         self.stderr = Capture(err_r, stderr, log_max_bytes)
         threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+
+    def pids(self) -> set[int]:
+        """The task's live processes now (its cgroup, else its group and token holders); each
+        is also sampled for CPU time, for hosts without cgroup accounting."""
+        found = self.cgroup.pids() if self.cgroup is not None else set(self.members())
+        for pid in found:
+            sample = cpu_ticks(pid)
+            if sample is not None:
+                key, ticks = (pid, sample[0]), sample[1]
+                self._ticks[key] = max(ticks, self._ticks.get(key, 0))
+        return found
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the task used so far: exact from its cgroup, else what sampling saw."""
+        if self.cgroup is not None:
+            exact = self.cgroup.cpu_seconds()
+            if exact is not None:
+                return exact
+        if not self._ticks:
+            return None
+        return sum(self._ticks.values()) / CLOCK_TICKS
 
     def identity(self) -> dict[str, object]:
         """What a restarted agent needs to find this task's processes again."""
@@ -246,6 +269,17 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
     fields = data[data.rfind(b")") + 2 :].split()
     return fields[0].decode(), int(fields[2])
+
+
+def cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """(start time, user + system clock ticks) of one process, not counting its children."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    return int(fields[19]), int(fields[11]) + int(fields[12])
 
 
 def start_time(pid: int) -> int | None:

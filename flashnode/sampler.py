@@ -1,16 +1,30 @@
-"""Readings → the CPU figures of ExecutionEvidence.
+"""Readings → the figures of ExecutionEvidence (DESIGN.md §6).
 
-The rule: None means not measured, 0 means measured zero. Host-wide CPU use over a run is the
-busy share of the host's CPU time between two readings of the cumulative counters, taken at the
-start and the end of the run: exact over the run, with no thread and no first-reading artefact.
+The rule: None means not measured, 0 means measured zero; a figure any of whose readings failed
+is None for the whole run.
+
+* Host-wide CPU: the busy share of the host's cumulative CPU counters between the start and the
+  end of the run: exact over the run, with no first-reading artefact.
+* Task CPU: the task's CPU seconds (its cgroup's accounting, else what sampling its processes
+  saw) over the run's wall time, in percent of one core.
+* GPU, host-wide and task-scoped: sampled every ``interval`` seconds while the task runs, and
+  once more at its end so that a run shorter than one interval still has a reading.
+  Host-wide is the mean over all of this node's GPUs; task-scoped is the SM utilisation of the
+  task's processes on the GPUs it was given, averaged over those GPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import psutil
+
+from flashnode.clock import Clock
+from flashnode.slots import Device
 
 CpuTimes = Callable[[], tuple[float, float]]  # (busy seconds, total seconds), host-wide
 
@@ -28,7 +42,6 @@ class CpuWindow:
 
     read: CpuTimes = host_cpu_times
     _start: tuple[float, float] | None = None
-    percent: float | None = None
 
     def start(self) -> None:
         self._start = self._safe_read()
@@ -41,11 +54,106 @@ class CpuWindow:
         total = end[1] - self._start[1]
         if total <= 0:
             return None  # shorter than one clock tick: not measured
-        self.percent = round(min(max(busy / total * 100.0, 0.0), 100.0), 2)
-        return self.percent
+        return round(min(max(busy / total * 100.0, 0.0), 100.0), 2)
 
     def _safe_read(self) -> tuple[float, float] | None:
         try:
             return self.read()
         except Exception:  # an unreadable counter is "not measured", never a crash
             return None
+
+
+class GpuReader(Protocol):
+    def utilization(self, device: Device) -> float | None: ...
+    def process_utilization(
+        self, device: Device, since_us: int
+    ) -> list[tuple[int, float, int]] | None: ...
+
+
+class TaskProbe(Protocol):
+    def pids(self) -> set[int]: ...
+
+
+@dataclass
+class _Series:
+    values: list[float] = field(default_factory=list)
+    failed: bool = False
+
+    def add(self, value: float | None) -> None:
+        if value is None:
+            self.failed = True
+        else:
+            self.values.append(value)
+
+    def mean(self) -> float | None:
+        if self.failed or not self.values:
+            return None
+        return round(sum(self.values) / len(self.values), 2)
+
+
+class Sampler:
+    """Samples one running attempt on its own thread until ``finish``."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        interval: float,
+        probe: TaskProbe,
+        gpu: GpuReader | None = None,
+        host_devices: list[Device] | None = None,
+        task_devices: list[Device] | None = None,
+    ) -> None:
+        self._clock, self._interval, self._probe = clock, interval, probe
+        self._gpu = gpu
+        self._host = list(host_devices or []) if gpu else []
+        self._task = list(task_devices or []) if gpu else []
+        self._since = {d.visible: 0 for d in self._task}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._seen: set[int] = set()  # every pid the task ever had: samples outlive processes
+        self._readings = 0
+        self.host_gpu, self.task_gpu = _Series(), _Series()
+
+    def run(self) -> None:
+        self._remember_pids()
+        while not self._clock.wait(self._stop, self._interval):
+            self.sample()
+
+    def finish(self) -> tuple[float | None, float | None]:
+        """Stop and return (host GPU mean, task GPU mean). A run that ended before its first
+        reading gets one now."""
+        self._stop.set()
+        with self._lock:
+            taken = self._readings
+        if not taken:
+            self.sample()
+        return self.host_gpu.mean(), self.task_gpu.mean()
+
+    def _remember_pids(self) -> None:
+        with contextlib.suppress(Exception):  # gone or unreadable: keep what was seen
+            self._seen.update(self._probe.pids())
+
+    def sample(self) -> None:
+        with self._lock:
+            self._readings += 1
+            self._remember_pids()
+            if self._gpu is None:
+                return
+            if self._host:
+                readings = [self._gpu.utilization(d) for d in self._host]
+                ok = [r for r in readings if r is not None]
+                self.host_gpu.add(sum(ok) / len(ok) if len(ok) == len(readings) else None)
+            if self._task:
+                total = 0.0
+                for d in self._task:
+                    samples = self._gpu.process_utilization(d, self._since[d.visible])
+                    if samples is None:
+                        self.task_gpu.add(None)
+                        return
+                    per_pid: dict[int, list[float]] = {}
+                    for pid, sm, ts in samples:
+                        if pid in self._seen:
+                            per_pid.setdefault(pid, []).append(sm)
+                            self._since[d.visible] = max(self._since[d.visible], ts)
+                    total += sum(sum(v) / len(v) for v in per_pid.values())
+                self.task_gpu.add(min(total / len(self._task), 100.0))

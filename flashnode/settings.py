@@ -67,6 +67,9 @@ class Settings(BaseModel):
     max_task_seconds: float = Field(default=24 * 3600.0, gt=0)
     kill_grace_seconds: float = Field(default=10.0, ge=0)
     drain_seconds: float = Field(default=300.0, ge=0)
+    slots: int | Literal["auto"] = 1
+    sample_seconds: float = Field(default=1.0, ge=0.05)
+    nvml_library: str | None = None
     min_free_bytes: int = Field(default=1024 * MiB, ge=0)
     task_user: str | None = None
     task_memory_bytes: int | None = Field(default=None, ge=4 * MiB)
@@ -89,6 +92,15 @@ class Settings(BaseModel):
         if parts.query or parts.fragment or parts.username or parts.password:
             raise ValueError("must not carry credentials, a query or a fragment")
         return value.rstrip("/")
+
+    @field_validator("slots", mode="before")
+    @classmethod
+    def _slots(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError("must be at least 1, or auto")
+        return value
 
     @field_validator("pools", mode="before")
     @classmethod

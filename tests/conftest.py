@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -54,3 +55,41 @@ def drop_dir() -> Iterator[Path]:
     path.chmod(0o1777)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def recording_coordinator(tmp_path: Path) -> Iterator[CoordinatorServer]:
+    """A real coordinator whose app is wrapped to record register and complete bodies."""
+    server = CoordinatorServer(tmp_path / "coordinator", record=True)
+    server.root.mkdir()
+    server.start()
+    yield server
+    server.close()
+
+
+class FakeNvml:
+    """The stand-in libnvidia-ml (tests/fake_nvml.c), compiled for this test session."""
+
+    def __init__(self, library: Path, config: Path) -> None:
+        self.library, self.config = library, config
+
+    def script(self, text: str) -> dict[str, str]:
+        self.config.write_text(text)
+        self.config.chmod(0o644)
+        return {"FLASHNODE_NVML_LIBRARY": str(self.library), "FAKE_NVML_CONFIG": str(self.config)}
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build the stand-in NVML library")
+    out = Path(tempfile.mkdtemp(prefix="flashnode-nvml-")) / "libnvidia-ml.so.1"
+    out.parent.chmod(0o755)
+    source = Path(__file__).parent / "fake_nvml.c"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(out), str(source)], check=True)
+    return out
+
+
+@pytest.fixture
+def fake_nvml(fake_nvml_library: Path, drop_dir: Path) -> FakeNvml:
+    return FakeNvml(fake_nvml_library, drop_dir / "nvml.conf")

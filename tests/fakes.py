@@ -121,6 +121,12 @@ class FakeHandle:
     def failure(self) -> str | None:
         return None
 
+    def pids(self) -> set[int]:
+        return set()
+
+    def cpu_seconds(self) -> float | None:
+        return None
+
 
 class FakeRunner(Runner):
     """Runs nothing: writes ``metrics`` to out/ and reports ``code``."""
@@ -147,6 +153,7 @@ class FakeRunner(Runner):
         workspace: Workspace,
         on_exit: Callable[[], None],
         record: Callable[[dict[str, Any]], None],
+        gpus: list[Any],
     ) -> Handle:
         self.started.append(task)
         record({"fake": True})

@@ -48,9 +48,14 @@ class CoordinatorServer:
     """flashruntime 0.6.1's service app, started with uvicorn as in PROTOCOL.md §1.1."""
 
     def __init__(
-        self, root: Path, env: dict[str, str] | None = None, port: int | None = None
+        self,
+        root: Path,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        record: bool = False,
     ) -> None:
         self.root = root
+        self.record_path = root / "recorded.jsonl" if record else None
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_env = env or {}
@@ -66,13 +71,18 @@ class CoordinatorServer:
             "FLASHML_LOCAL_ARTIFACTS_DIR": str(data / "artifacts"),
             **self.extra_env,
         }
+        app = "flashruntime.service.app:app"
+        if self.record_path is not None:
+            app = "recording_app:app"
+            env["FLASHNODE_TEST_RECORD"] = str(self.record_path)
+            env["PYTHONPATH"] = str(Path(__file__).parent)
         log = (self.root / "coordinator.log").open("ab")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "uvicorn",
-                "flashruntime.service.app:app",
+                app,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -111,6 +121,14 @@ class CoordinatorServer:
     def close(self) -> None:
         self.stop()
         self.http.close()
+
+    def recorded(self, path_suffix: str) -> list[dict[str, Any]]:
+        """Bodies the nodes sent to paths ending in ``path_suffix`` (record=True only)."""
+        assert self.record_path is not None
+        if not self.record_path.exists():
+            return []
+        lines = [json.loads(x) for x in self.record_path.read_text().splitlines() if x.strip()]
+        return [x["body"] for x in lines if x["path"].endswith(path_suffix)]
 
     # --- the job API (unauthenticated in every mode) ------------------------------------------
 

@@ -72,7 +72,7 @@ def test_trusted_runner_refuses_work_missing_a_lock(
         ({"timeout_seconds": "soon"}, "timeout_seconds is not a number"),
         ({"timeout_seconds": float("nan")}, "positive finite"),
         ({"gpus": True}, "gpus is not a non-negative integer"),
-        ({"gpus": 1}, "this node has none"),
+        ({"gpus": 1}, "asks for 1 GPU(s); this node has 0"),
         ({"checkpoint": {"interval_seconds": 60}}, "checkpoint relay"),
         (
             {"module": "flashml_workloads.sklearn_trial", "argv": None},

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from flashnode.settings import Settings
+from flashnode.slots import Device
 from flashnode.wire import Task
 from flashnode.workspace import Workspace
 
@@ -34,6 +35,12 @@ class Handle(Protocol):
     def stderr_tail(self) -> str:
         """The last lines the task wrote to stderr, for a failure reason."""
 
+    def pids(self) -> set[int]:
+        """The task's live processes now (host pids), for the sampler."""
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the task used so far, None where it cannot be measured."""
+
     def failure(self) -> str | None:
         """A cause of failure the exit status does not tell (e.g. "out of memory"), once
         finished."""
@@ -53,10 +60,11 @@ class Runner(ABC):
         workspace: Workspace,
         on_exit: Callable[[], None],
         record: Callable[[dict[str, Any]], None],
+        gpus: list[Device],
     ) -> Handle:
-        """Start the task. ``on_exit`` is called (from any thread) when its main process exits;
-        ``record`` is given what a restarted agent needs to find the task again, before and
-        after anything is started."""
+        """Start the task on ``gpus`` (and no other GPU). ``on_exit`` is called (from any
+        thread) when its main process exits; ``record`` is given what a restarted agent needs
+        to find the task again, before and after anything is started."""
 
     def reconfigure(self, settings: Settings) -> None:  # noqa: B027 - optional hook
         """Take a reloaded configuration (pools, limits)."""

@@ -23,6 +23,7 @@ from flashnode.cgroups import AttemptCgroup, Hierarchy, Limits
 from flashnode.errors import AttemptFailed
 from flashnode.runners.base import Handle, Runner
 from flashnode.settings import Settings
+from flashnode.slots import Device, GpuPool
 from flashnode.wire import Task
 from flashnode.workspace import Workspace
 
@@ -88,6 +89,12 @@ class TrustedHandle:
     def failure(self) -> str | None:
         return "out of memory" if self._oom else None
 
+    def pids(self) -> set[int]:
+        return self._proc.pids()
+
+    def cpu_seconds(self) -> float | None:
+        return self._proc.cpu_seconds()
+
 
 class TrustedRunner(Runner):
     name = "trusted"
@@ -99,6 +106,7 @@ class TrustedRunner(Runner):
         cgroups: Hierarchy | None = None,
         limits: Limits | None = None,
         user: procs.TaskUser | None = None,
+        pool: GpuPool | None = None,
         agent_env: Mapping[str, str] | None = None,
     ) -> None:
         self.pools = pools
@@ -106,6 +114,7 @@ class TrustedRunner(Runner):
         self.cgroups = cgroups
         self.limits = limits or Limits()
         self.user = user
+        self.pool = pool or GpuPool()
         self.agent_env = dict(os.environ if agent_env is None else agent_env)
 
     def reconfigure(self, settings: Settings) -> None:
@@ -135,11 +144,16 @@ class TrustedRunner(Runner):
         workspace: Workspace,
         on_exit: Callable[[], None],
         record: Callable[[dict[str, Any]], None],
+        gpus: list[Device],
     ) -> Handle:
         assert task.argv is not None
         root = str(workspace.root)
         token = procs.new_token()
         argv = [map_work(a, root) for a in task.argv]
+        env = task_env(task, workspace, token, self.agent_env, own_user=self.user is None)
+        if gpus or self.pool.devices:
+            # Only the GPUs this attempt was given; none at all for a task that asked for none.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.visible for d in gpus)
         uid = self.user.uid if self.user else os.geteuid()
         record({"token": token, "uid": uid})
         if self.user is not None:
@@ -161,7 +175,7 @@ class TrustedRunner(Runner):
         try:
             proc = procs.TaskProcess(
                 argv,
-                task_env(task, workspace, token, self.agent_env, own_user=self.user is None),
+                env,
                 cwd=workspace.root,
                 stdout=workspace.logs / "stdout.txt",
                 stderr=workspace.logs / "stderr.txt",

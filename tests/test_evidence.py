@@ -1,0 +1,183 @@
+"""ExecutionEvidence that holds up: CPU and GPU figures (through the real NVML binding against a
+stand-in library), None never 0 when unmeasured, what the coordinator actually receives, and
+GPU-aware slots."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import FakeNvml
+from fakes import FakeClock
+from harness import AgentProcess, CoordinatorServer, argv_job
+
+from flashnode.gpu import Nvml
+from flashnode.sampler import Sampler
+
+FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
+TRUSTED = ("--runner", "trusted", "--pool", "team-a")
+H200 = "devices 2\nname NVIDIA H200\nmemory_mb 143771\ndriver 550.54.15\ncc 9 0\nutil 0 30\nutil 1 70\n"
+
+
+def test_busy_and_idle_tasks_give_honest_cpu_figures(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    busy = "import time,json; t=time.time()\nwhile time.time()-t<3: pass\njson.dump({}, open('out/metrics.json','w'))"
+    idle = "import time,json; time.sleep(3); json.dump({}, open('out/metrics.json','w'))"
+    coordinator.submit(argv_job(["python3", "-c", busy]))
+    coordinator.submit(argv_job(["python3", "-c", idle]))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    busy_rec, idle_rec = agent.ledger()
+    cores = os.cpu_count() or 1
+    assert abs(busy_rec["evidence"]["cpu_percent_mean"] - 100 / cores) <= 15, busy_rec
+    assert abs(busy_rec["task_usage"]["cpu_percent_mean"] - 100) <= 15, busy_rec
+    assert (
+        idle_rec["task_usage"]["cpu_percent_mean"] is None
+        or idle_rec["task_usage"]["cpu_percent_mean"] <= 5
+    )
+    assert 2.9 <= busy_rec["evidence"]["wall_seconds"] < 4
+
+
+def test_without_nvml_the_node_reports_no_gpus_and_null_not_zero(
+    recording_coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = recording_coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    agent = start_agent(recording_coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    [registration] = recording_coordinator.recorded("/nodes/register")
+    assert registration["capabilities"]["gpus"] == []
+    [complete] = recording_coordinator.recorded("/complete")
+    evidence = complete["evidence"]
+    assert evidence["gpu_util_percent_mean"] is None and evidence["image_digest"] == ""
+    assert evidence["exit_code"] == 0 and evidence["wall_seconds"] > 0
+    assert "no NVIDIA GPUs" in agent.log
+
+
+# --- through the real binding, in this process ---------------------------------------------
+
+
+class Pids:
+    def __init__(self, pids: set[int]) -> None:
+        self._pids = pids
+
+    def pids(self) -> set[int]:
+        return self._pids
+
+
+def test_inventory_and_means_through_the_real_binding(
+    fake_nvml: FakeNvml, drop_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (drop_dir / "pids").write_text("4242\n")
+    env = fake_nvml.script(H200 + f"procfile 0 {drop_dir / 'pids'} 55\n")
+    monkeypatch.setenv("FAKE_NVML_CONFIG", env["FAKE_NVML_CONFIG"])
+    nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
+    assert nvml is not None
+    infos = [d.info for d in nvml.devices]
+    assert [
+        (i.index, i.name, i.memory_total_mb, i.driver_version, i.compute_capability) for i in infos
+    ] == [
+        (0, "NVIDIA H200", 143771, "550.54.15", "9.0"),
+        (1, "NVIDIA H200", 143771, "550.54.15", "9.0"),
+    ]
+    sampler = Sampler(FakeClock(), 1.0, Pids({4242}), nvml, nvml.devices, [nvml.devices[0]])
+    for _ in range(3):
+        sampler.sample()
+    assert sampler.finish() == (50.0, 55.0)
+    # A process that is not the task's is not counted.
+    other = Sampler(FakeClock(), 1.0, Pids({1}), nvml, nvml.devices, [nvml.devices[0]])
+    assert other.finish() == (50.0, 0.0)
+    nvml.close()
+
+
+def test_an_nvml_error_mid_run_gives_none_not_a_crash(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = fake_nvml.script(H200 + "fail_after 4\n")
+    monkeypatch.setenv("FAKE_NVML_CONFIG", env["FAKE_NVML_CONFIG"])
+    nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
+    assert nvml is not None
+    sampler = Sampler(FakeClock(), 1.0, Pids(set()), nvml, nvml.devices, [nvml.devices[1]])
+    for _ in range(4):
+        sampler.sample()
+    assert sampler.finish() == (None, None)
+    nvml.close()
+
+
+def test_sampler_thread_reads_at_its_interval_until_finished(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = fake_nvml.script(H200)
+    monkeypatch.setenv("FAKE_NVML_CONFIG", env["FAKE_NVML_CONFIG"])
+    nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
+    assert nvml is not None
+    clock = FakeClock()
+    sampler = Sampler(clock, 1.0, Pids(set()), nvml, nvml.devices, [])
+    done = threading.Event()
+
+    def limited_wait(event: threading.Event, timeout: float) -> bool:
+        if clock.now >= 1010:
+            done.set()
+            return True
+        return FakeClock.wait(clock, event, timeout)
+
+    clock.wait = limited_wait  # type: ignore[method-assign]
+    sampler.run()
+    assert done.is_set() and len(sampler.host_gpu.values) == 10
+    nvml.close()
+
+
+# --- end to end with stand-in GPUs ---------------------------------------------------------
+
+GPU_TASK = (
+    "import json, os, sys, time\n"
+    "open(sys.argv[2], 'a').write(f'{os.getpid()}\\n')\n"
+    "t0 = time.time(); time.sleep(3)\n"
+    "json.dump({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), 'start': t0, 'end': time.time()}, open(sys.argv[1], 'w'))\n"
+)
+
+
+def test_two_slots_run_two_gpu_tasks_at_once_on_different_gpus_and_a_third_waits(
+    recording_coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    fake_nvml: FakeNvml,
+    drop_dir: Path,
+) -> None:
+    pids = drop_dir / "gpu-pids"
+    pids.touch()
+    pids.chmod(0o666)
+    env = fake_nvml.script(H200 + f"procfile 0 {pids} 40\nprocfile 1 {pids} 40\n")
+    spec = argv_job(
+        ["python3", "-c", GPU_TASK, "/work/out/metrics.json", str(pids)], params=[{}, {}, {}]
+    )
+    spec["spec"]["resources"] = {"gpuPerTask": 1}
+    job = recording_coordinator.submit(spec)
+    agent = start_agent(
+        recording_coordinator.url,
+        *TRUSTED,
+        "--max-tasks",
+        "3",
+        env={**FAST, **env, "FLASHNODE_SLOTS": "auto"},
+    )
+    assert agent.wait(90) == 0, agent.log
+    assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    runs = [
+        json.loads(recording_coordinator.artifact(f"jobs/{job}/task-00{i}/metrics.json"))
+        for i in range(3)
+    ]
+    first, second, third = sorted(runs, key=lambda r: r["start"])
+    assert first["start"] < second["end"] and second["start"] < first["end"]  # ran at once
+    assert {first["cvd"], second["cvd"]} == {"0", "1"}
+    assert third["start"] >= min(first["end"], second["end"]) - 0.05  # waited for a free slot
+    [registration] = recording_coordinator.recorded("/nodes/register")
+    assert [g["name"] for g in registration["capabilities"]["gpus"]] == ["NVIDIA H200"] * 2
+    for complete in recording_coordinator.recorded("/complete"):
+        assert complete["evidence"]["gpu_util_percent_mean"] == 50.0  # host-wide: (30 + 70) / 2
+    for record in agent.ledger():
+        assert record["task_usage"]["gpu_util_percent_mean"] == 40.0
+        assert len(record["gpus"]) == 1
