@@ -191,7 +191,9 @@ class Agent:
         if not self._registered or self._draining or self._quota_spent():
             return False
         gpus = self.ctx.gpus
-        return len(self.running) < self.slots and (not gpus.devices or gpus.free > 0)
+        if len(self.running) >= self.slots or (gpus.devices and gpus.free == 0):
+            return False
+        return self.ctx.runner.ready()
 
     # --- coordinator conversations ------------------------------------------------------------
 

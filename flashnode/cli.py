@@ -35,6 +35,7 @@ from flashnode.journal import Journal
 from flashnode.ledger import Ledger
 from flashnode.procs import TaskUser
 from flashnode.runners.base import Runner
+from flashnode.runners.container import ContainerRunner
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.settings import Settings, load
 from flashnode.slots import GpuPool
@@ -177,7 +178,7 @@ def _check_reachable(state_dir: Path, uid: int, gid: int, user: str) -> None:
             )
 
 
-def make_runner(settings: Settings, pool: GpuPool) -> Runner:
+def make_runner(settings: Settings, pool: GpuPool, node: str) -> Runner:
     if settings.runner == "trusted":
         user = task_user(settings)
         hierarchy, why = cgroups.detect()
@@ -187,9 +188,9 @@ def make_runner(settings: Settings, pool: GpuPool) -> Runner:
             log.info("per-task cgroups in %s", hierarchy.describe())
         limits = cgroups.Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
         return TrustedRunner(settings.pools, settings.log_max_bytes, hierarchy, limits, user, pool)
-    raise PrerequisiteError(
-        "the docker runner is not available in this build; use --runner trusted"
-    )
+    if not settings.allowed_images:
+        log.warning("allowed_images is empty: this node will refuse every container task")
+    return ContainerRunner(settings, node, pool)
 
 
 def _thread(fn: Callable[[], None], name: str) -> None:
@@ -210,7 +211,7 @@ def run_agent(settings: Settings, reload: Callable[[], Settings] | None = None) 
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
     pool = GpuPool()
-    runner = make_runner(settings, pool)
+    runner = make_runner(settings, pool, node)
     nvml = Nvml.open(settings.nvml_library)
     coordinator = Coordinator(
         settings.coordinator,

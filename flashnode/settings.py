@@ -67,6 +67,11 @@ class Settings(BaseModel):
     max_task_seconds: float = Field(default=24 * 3600.0, gt=0)
     kill_grace_seconds: float = Field(default=10.0, ge=0)
     drain_seconds: float = Field(default=300.0, ge=0)
+    allowed_images: tuple[str, ...] = ()
+    pull_images: bool = False
+    container_user: str | None = None
+    docker_host: str = "unix:///var/run/docker.sock"
+    container_tmp_bytes: int = Field(default=256 * MiB, ge=MiB)
     slots: int | Literal["auto"] = 1
     sample_seconds: float = Field(default=1.0, ge=0.05)
     nvml_library: str | None = None
@@ -102,7 +107,7 @@ class Settings(BaseModel):
             raise ValueError("must be at least 1, or auto")
         return value
 
-    @field_validator("pools", mode="before")
+    @field_validator("pools", "allowed_images", mode="before")
     @classmethod
     def _split_pools(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -244,6 +249,10 @@ def _check_consistency(settings: Settings) -> None:
         raise ConfigError(
             f"refusing plain http to {settings.coordinator}: use https, or set allow_insecure_http"
         )
+    if settings.container_user is not None and not re.match(
+        r"^[1-9][0-9]*:[0-9]+$", settings.container_user
+    ):
+        raise ConfigError("container_user must be uid:gid of a non-root user, e.g. 65534:65534")
     if settings.claim_backoff_min_seconds > settings.claim_backoff_max_seconds:
         raise ConfigError("claim_backoff_min_seconds is larger than claim_backoff_max_seconds")
 

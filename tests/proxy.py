@@ -12,12 +12,22 @@ from collections import Counter
 
 
 class Proxy:
-    def __init__(self, target_port: int) -> None:
+    """TCP to ``target_port`` on 127.0.0.1, or, with ``unix_target``, a unix socket at
+    ``unix_listen`` to the one at ``unix_target``."""
+
+    def __init__(self, target_port: int = 0, unix_listen: str = "", unix_target: str = "") -> None:
+        self.unix_target = unix_target
         self.target = ("127.0.0.1", target_port)
         self.mode = "forward"
         self.connections: Counter[str] = Counter()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
+        if unix_listen:
+            self._listener = socket.socket(socket.AF_UNIX)
+            self._listener.bind(unix_listen)
+            self._listener.listen(64)
+            self.port = 0
+        else:
+            self._listener = socket.create_server(("127.0.0.1", 0))
+            self.port = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._stop = threading.Event()
         self._held: list[socket.socket] = []
@@ -58,7 +68,11 @@ class Proxy:
 
     def _pipe(self, client: socket.socket) -> None:
         try:
-            upstream = socket.create_connection(self.target, timeout=5)
+            if self.unix_target:
+                upstream = socket.socket(socket.AF_UNIX)
+                upstream.connect(self.unix_target)
+            else:
+                upstream = socket.create_connection(self.target, timeout=5)
         except OSError:
             self._reset(client)
             return

@@ -77,7 +77,9 @@ def test_pool_member_without_the_trusted_opt_in_is_refused(
         coordinator=coordinator.url, runner="docker", pools=("team-a",), state_dir=tmp_path
     )
     reg = registration(settings, "no-opt-in")
-    assert reg.unsandboxed_argv_capable is False and reg.argv_capable is False
+    assert reg.unsandboxed_argv_capable is False
+    # Without the container tier either (argv_capable), nothing may run its argv work.
+    reg = reg.model_copy(update={"argv_capable": False, "sandbox_capable": False})
     client = Coordinator(coordinator.url)
     try:
         node = client.register(reg)

@@ -66,6 +66,10 @@ class Runner(ABC):
         thread) when its main process exits; ``record`` is given what a restarted agent needs
         to find the task again, before and after anything is started."""
 
+    def ready(self) -> bool:
+        """Whether the runner can take a task now (e.g. its container engine answers)."""
+        return True
+
     def reconfigure(self, settings: Settings) -> None:  # noqa: B027 - optional hook
         """Take a reloaded configuration (pools, limits)."""
 

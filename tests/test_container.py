@@ -1,0 +1,289 @@
+"""The docker runner against the real Docker engine: a locked-down container per task."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import secrets
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from badcoord import BadCoordinator, lease_answer
+from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+from proxy import Proxy
+
+docker = pytest.importorskip("docker")
+
+IMAGE = "flashnode-test/busybox:1"
+LABEL = "dev.flashnode.node"
+APPLETS = [
+    "sh",
+    "ls",
+    "cat",
+    "id",
+    "echo",
+    "grep",
+    "sleep",
+    "touch",
+    "mkdir",
+    "env",
+    "true",
+    "false",
+    "printf",
+    "head",
+    "wc",
+    "tr",
+]
+FAST = {
+    "FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5",
+    "FLASHNODE_KILL_GRACE_SECONDS": "1",
+    "FLASHNODE_ALLOWED_IMAGES": IMAGE,
+}
+
+
+def _engine() -> Any:
+    try:
+        client = docker.from_env(timeout=30)
+        client.ping()
+        return client
+    except Exception as exc:
+        pytest.skip(f"no Docker engine answers ({type(exc).__name__}); .ci/run starts one")
+
+
+@pytest.fixture(scope="session")
+def engine() -> Any:
+    return _engine()
+
+
+@pytest.fixture(scope="session")
+def image(engine: Any) -> str:
+    """A busybox image imported from a local rootfs: no registry is needed."""
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("busybox (busybox-static) is needed to build the test image")
+    try:
+        engine.images.get(IMAGE)
+        return IMAGE
+    except docker.errors.ImageNotFound:
+        pass
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for d in ("bin", "tmp", "work", "proc", "sys", "dev"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+            tar.addfile(info)
+        tar.add(busybox, "bin/busybox")
+        for applet in APPLETS:
+            info = tarfile.TarInfo(f"bin/{applet}")
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+    repo, tag = IMAGE.split(":")
+    engine.api.import_image_from_data(buf.getvalue(), repository=repo, tag=tag)
+    return IMAGE
+
+
+def ours(engine: Any, node: str) -> list[Any]:
+    return list(engine.containers.list(all=True, filters={"label": f"{LABEL}={node}"}))
+
+
+def box_job(command: list[str], image: str = IMAGE, **extra: Any) -> dict[str, Any]:
+    spec = argv_job(command, pool=None, allow_fallback=False, **extra)
+    repo, _, tag = image.partition(":")
+    spec["spec"]["image"] = {"repository": repo, "tag": tag}
+    return spec
+
+
+def unique(name: str) -> str:
+    """A node id no earlier run used: leftovers of other runs never match this test's label."""
+    return f"{name}-{secrets.token_hex(3)}"
+
+
+def start(
+    start_agent: Callable[..., AgentProcess],
+    url: str,
+    node: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    **kw: Any,
+) -> AgentProcess:
+    return start_agent(
+        url, "--runner", "docker", "--node-id", node, *args, env={**FAST, **(env or {})}, **kw
+    )
+
+
+PROBE = (
+    'printf \'{"uid": %s, "nets": "%s", "cap": "%s", "rootfs_writable": %s, "tmp_writable": %s, "inputs_writable": %s}\''
+    " $(id -u) \"$(ls /sys/class/net | tr '\\n' ' ')\" \"$(grep CapEff /proc/self/status | tr -d '\\t' | cut -d: -f2 2>/dev/null || grep CapEff /proc/self/status)\""
+    " $(touch /x 2>/dev/null && echo true || echo false) $(touch /tmp/x 2>/dev/null && echo true || echo false)"
+    " $(touch /work/inputs/x 2>/dev/null && echo true || echo false) > /work/out/metrics.json"
+)
+
+
+def test_allowed_image_runs_locked_down_and_commits_with_its_digest(
+    engine: Any,
+    image: str,
+    recording_coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    job = recording_coordinator.submit(box_job(["sh", "-c", PROBE]))
+    node = unique("dock")
+    agent = start(start_agent, recording_coordinator.url, node, "--max-tasks", "1")
+    assert agent.wait(60) == 0, agent.log
+    assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    seen = json.loads(recording_coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert seen["uid"] != 0
+    assert seen["nets"].split() == ["lo"]
+    assert set(seen["cap"].replace("CapEff", "").strip()) == {"0"}
+    assert seen["rootfs_writable"] is False and seen["inputs_writable"] is False
+    assert seen["tmp_writable"] is True
+    [complete] = recording_coordinator.recorded("/complete")
+    assert complete["evidence"]["image_digest"] == engine.images.get(image).id
+    [registration] = recording_coordinator.recorded("/nodes/register")
+    assert registration["argv_capable"] and registration["sandbox_capable"]
+    assert not registration["unsandboxed_argv_capable"]
+    assert ours(engine, node) == []
+
+
+@pytest.mark.parametrize("how", ["timeout", "lease-lost"])
+def test_stopped_containers_are_removed(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    how: str,
+) -> None:
+    job = coordinator.submit(box_job(["sleep", "600"], max_attempts=1, lease_seconds=30))
+    env = {"FLASHNODE_MAX_TASK_SECONDS": "2"} if how == "timeout" else {}
+    node = unique(f"dock-{how}")
+    agent = start(start_agent, coordinator.url, node, env=env)
+    wait_for("the container", lambda: ours(engine, node))
+    if how == "lease-lost":
+        coordinator.cancel(job)
+    wait_for("the container to be removed", lambda: not ours(engine, node), timeout=30 / 3 + 5)
+    record = wait_for("the attempt's record", lambda: agent.ledger() and agent.ledger()[-1])
+    assert record["outcome"] == ("failed" if how == "timeout" else "lost")
+    if how == "timeout":
+        assert record["reason"] == "timed out after 2 s"
+
+
+def test_images_not_allowed_or_latest_are_refused_without_a_container(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    job = coordinator.submit(box_job(["true"], image="python:3.11-slim", max_attempts=1))
+    node = unique("dock-policy")
+    agent = start(start_agent, coordinator.url, node, "--max-tasks", "1")
+    assert agent.wait(60) == 0, agent.log
+    [failed] = [e["message"] for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert "not on this node's allowed_images" in failed
+    bad = (
+        BadCoordinator()
+    )  # the real coordinator refuses latest at submission; a hostile one may not
+    try:
+        bad.claims = [
+            lease_answer(
+                1, image="flashnode-test/busybox:latest", pool=None, isolation={"tier": "sandboxed"}
+            ),
+            lease_answer(
+                2, image="flashnode-test/busybox", pool=None, isolation={"tier": "sandboxed"}
+            ),
+        ]
+        agent = start(
+            start_agent,
+            bad.url,
+            node,
+            "--max-tasks",
+            "2",
+            env={
+                "FLASHNODE_ALLOWED_IMAGES": f"{IMAGE},flashnode-test/busybox:latest,flashnode-test/busybox"
+            },
+        )
+        assert agent.wait(60) == 0, agent.log
+        reasons = dict(bad.fails)
+        assert (
+            "tagged latest" in reasons["ls-000000000001"]
+            and "has no tag" in reasons["ls-000000000002"]
+        )
+    finally:
+        bad.close()
+    assert ours(engine, node) == []
+
+
+def test_restarted_agent_removes_its_leftover_container_and_nothing_else(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    coordinator.submit(box_job(["sleep", "600"], max_attempts=2))
+    bystanders = [
+        engine.containers.create(image, ["sleep", "600"], labels={LABEL: "another-node"}),
+        engine.containers.create(image, ["sleep", "600"]),
+    ]
+    try:
+        node = unique("dock-restart")
+        first = start(start_agent, coordinator.url, node)
+        [leftover] = wait_for("the container", lambda: ours(engine, node))
+        first.proc.kill()
+        first.proc.wait()
+        assert [c.id for c in ours(engine, node)] == [leftover.id]
+        second = start(start_agent, coordinator.url, node, state_dir=first.state_dir)
+        second.wait_log("registered as node")
+        assert leftover.id not in [c.id for c in ours(engine, node)]
+        for b in bystanders:
+            b.reload()  # still there: not this node's
+    finally:
+        for b in bystanders:
+            b.remove(force=True)
+
+
+@pytest.fixture
+def engine_proxy() -> Iterator[Proxy]:
+    path = Path(tempfile.mkdtemp(prefix="flashnode-engine-")) / "docker.sock"
+    proxy = Proxy(unix_listen=str(path), unix_target="/var/run/docker.sock")
+    yield proxy
+    proxy.close()
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def test_engine_going_away_fails_the_attempt_and_claims_resume_when_it_is_back(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    engine_proxy: Proxy,
+) -> None:
+    if not os.path.exists("/var/run/docker.sock"):
+        pytest.skip("the engine is not on /var/run/docker.sock")
+    socket_path = engine_proxy._listener.getsockname()
+    job = coordinator.submit(box_job(["sleep", "600"], max_attempts=1))
+    node = unique("dock-engine")
+    agent = start(
+        start_agent,
+        coordinator.url,
+        node,
+        env={"FLASHNODE_DOCKER_HOST": f"unix://{socket_path}"},
+    )
+    wait_for(
+        "the container to run",
+        lambda: [c for c in ours(engine, node) if c.status == "running"],
+    )
+    engine_proxy.set_mode("reset")  # the engine goes away, as far as the agent can tell
+    agent.wait_log("container engine stopped answering", timeout=60)
+    assert coordinator.wait_state(job, {"FAILED", "SUCCEEDED"}, timeout=60) == "FAILED"
+    [failed] = [e["message"] for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert "container engine unavailable" in failed
+    second = coordinator.submit(box_job(["sh", "-c", "echo '{}' > /work/out/metrics.json"]))
+    assert coordinator.tasks(second)[0]["attempts"] == 0  # no claims while the engine is away
+    engine_proxy.set_mode("forward")
+    assert coordinator.wait_state(second, {"FAILED", "SUCCEEDED"}, timeout=60) == "SUCCEEDED"
+    wait_for("the orphaned container to be removed", lambda: not ours(engine, node), timeout=30)
+    assert agent.proc.poll() is None
