@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from flashnode.checks import check_fedavg
 from flashnode.clock import Clock
 from flashnode.errors import (
     AttemptFailed,
@@ -282,8 +283,10 @@ class Attempt:
     def _checked_outputs(self, task: Task, ws: Workspace) -> list[OutputFile]:
         s = self.ctx.settings
         files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes)
-        if task.workload_type == "command":
-            _check_metrics_object(ws.out / "metrics.json")
+        metrics = _read_metrics(ws.out / "metrics.json")
+        if task.workload_type == "command" and not isinstance(metrics, dict):
+            raise AttemptFailed("out/metrics.json is not a JSON object")
+        check_fedavg(ws.out, metrics)
         logs = [
             OutputFile(f"logs/{p.name}", p, p.stat().st_size)
             for p in (ws.logs / "stdout.txt", ws.logs / "stderr.txt")
@@ -527,16 +530,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_metrics_object(path: Path) -> None:
-    """Command jobs must commit a JSON object; say so here rather than as a refused commit."""
+_NOT_JSON = object()
+
+
+def _read_metrics(path: Path) -> Any:
+    """metrics.json parsed, or a marker when it is not JSON (any bytes do for module kinds)."""
     if path.stat().st_size > METRICS_MAX_BYTES:
         raise AttemptFailed(f"out/metrics.json is larger than {METRICS_MAX_BYTES} bytes")
     try:
-        value = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError):
-        raise AttemptFailed("out/metrics.json is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise AttemptFailed("out/metrics.json is not a JSON object")
+        return _NOT_JSON
 
 
 def _last_lines(text: str, n: int = 5) -> str:

@@ -187,7 +187,11 @@ def make_runner(settings: Settings, pool: GpuPool, node: str) -> Runner:
         else:
             log.info("per-task cgroups in %s", hierarchy.describe())
         limits = cgroups.Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
-        return TrustedRunner(settings.pools, settings.log_max_bytes, hierarchy, limits, user, pool)
+        runner = TrustedRunner(
+            settings.pools, settings.log_max_bytes, hierarchy, limits, user, pool
+        )
+        runner.reconfigure(settings)  # task_python: are module tasks on?
+        return runner
     if not settings.allowed_images:
         log.warning("allowed_images is empty: this node will refuse every container task")
     return ContainerRunner(settings, node, pool)
@@ -234,7 +238,9 @@ def run_agent(settings: Settings, reload: Callable[[], Settings] | None = None) 
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []
         pool.set_devices(devices)
-        return inventory.registration(current, node, [d.info for d in devices])
+        return inventory.registration(
+            current, node, [d.info for d in devices], runner.module_capable
+        )
 
     agent = Agent(
         ctx,

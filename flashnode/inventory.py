@@ -38,7 +38,7 @@ def node_id(settings: Settings) -> str:
 
 
 def registration(
-    settings: Settings, node: str, gpus: list[GpuInfo] | None = None
+    settings: Settings, node: str, gpus: list[GpuInfo] | None = None, module_capable: bool = False
 ) -> NodeRegistration:
     machine = platform.machine().lower()
     return NodeRegistration(
@@ -56,7 +56,7 @@ def registration(
         argv_capable=settings.runner == "docker",
         sandbox_capable=settings.runner == "docker",
         can_install_dependencies=False,
-        module_capable=False,
+        module_capable=module_capable,
         agent_version=__version__,
     )
 

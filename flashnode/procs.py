@@ -271,6 +271,20 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return fields[0].decode(), int(fields[2])
 
 
+def python_imports(python: str, modules: Sequence[str], user: TaskUser | None) -> str | None:
+    """None if ``python`` (run as ``user``) imports every module; else why not."""
+    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+    cmd = command([python, "-c", code, *modules], None, user)
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=120, env={"PATH": os.defpath})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return type(exc).__name__
+    if done.returncode != 0:
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        return lines[-1][:200] if lines else f"exit code {done.returncode}"
+    return None
+
+
 def cpu_ticks(pid: int) -> tuple[int, int] | None:
     """(start time, user + system clock ticks) of one process, not counting its children."""
     try:

@@ -77,6 +77,7 @@ class Settings(BaseModel):
     nvml_library: str | None = None
     min_free_bytes: int = Field(default=1024 * MiB, ge=0)
     task_user: str | None = None
+    task_python: str | None = None
     task_memory_bytes: int | None = Field(default=None, ge=4 * MiB)
     task_cpus: float | None = Field(default=None, gt=0)
     task_pids: int | None = Field(default=4096, ge=8)

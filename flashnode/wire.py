@@ -22,6 +22,13 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
 ARTIFACT_SCHEME = "artifact://"
 MAX_ARGV_BYTES = 128 * 1024
 MAX_ENV_BYTES = 128 * 1024
+# The only modules a module task may run (PROTOCOL.md §5.3): installed code, not task code.
+MODULES = (
+    "flashml_workloads.sklearn_trial",
+    "flashml_workloads.kmeans_shard",
+    "flashml_workloads.sgd_trainer",
+    "flashml_workloads.fedavg_worker",
+)
 
 
 # --- outgoing --------------------------------------------------------------------------------
@@ -205,8 +212,13 @@ def parse_task(lease: Lease) -> Task:
         raise AttemptFailed("payload must carry exactly one of argv and module")
     if argv is not None:
         argv = _argv(argv)
+    params: Any = {}
     if module is not None:
-        raise AttemptFailed("module tasks are not supported by this node")
+        if not isinstance(module, str) or module not in MODULES:
+            raise AttemptFailed(f"module {str(module)[:80]!r} is not on this node's allowlist")
+        params = p.get("params", {})
+        if not isinstance(params, dict):
+            raise AttemptFailed("payload params is not an object")
 
     task_id = _opt_str(p, "task_id") or lease.task_id
     if task_id != lease.task_id:
@@ -238,6 +250,8 @@ def parse_task(lease: Lease) -> Task:
         task_id=task_id,
         output_prefix=output_prefix,
         argv=argv,
+        module=module,
+        params=params,
         env=_env(p.get("env")),
         inputs=_inputs(p.get("inputs"), p.get("unpack_inputs")),
         image=_opt_str(p, "image") or "",

@@ -16,6 +16,7 @@ with a reason (AttemptFailed).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
@@ -24,7 +25,7 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from flashnode.errors import AttemptFailed
 
@@ -60,6 +61,14 @@ class Workspace:
         for d in (ws.inputs, ws.out, ws.logs, ws.tmp, ws.stage):
             d.mkdir(mode=0o700)
         return ws
+
+    def write_spec(self, task_id: str, params: dict[str, Any], inputs: dict[str, str]) -> Path:
+        """The spec.json of a module task: its id, params, and inputs as local paths."""
+        path = self.root / "spec.json"
+        spec = {"task_id": task_id, "params": params, "inputs": inputs}
+        path.write_text(json.dumps(spec, sort_keys=True))
+        path.chmod(0o644)
+        return path
 
     def hand_over(self, uid: int, gid: int) -> None:
         """Give the task's user its directory, out/ and tmp/; inputs/ and logs/ stay the

@@ -51,7 +51,10 @@ def test_result_computed_across_a_coordinator_outage_commits(
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     [task] = coordinator.tasks(job)
     assert task["attempts"] == 1  # committed by the attempt that ran through the outage
-    assert agent.ledger()[-1]["outcome"] == "committed"
+    wait_for(
+        "the commit in the ledger",
+        lambda: agent.ledger() and agent.ledger()[-1]["outcome"] == "committed",
+    )
 
 
 def test_agent_killed_before_its_commit_commits_after_restart(
@@ -69,7 +72,8 @@ def test_agent_killed_before_its_commit_commits_after_restart(
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
     assert coordinator.tasks(job)[0]["attempts"] == 1
     wait_for(
-        "the resumed commit in the ledger", lambda: second.ledger()[-1]["outcome"] == "committed"
+        "the resumed commit in the ledger",
+        lambda: second.ledger() and second.ledger()[-1]["outcome"] == "committed",
     )
     assert "resuming the commit" in second.log
 

@@ -138,7 +138,9 @@ def test_lost_lease_kills_the_task_tree_and_sends_no_complete(
     types = [e["type"] for e in coordinator.events(job)]
     assert "TASK_COMMIT_REJECTED" not in types and "TASK_ATTEMPT_FAILED" not in types
     assert coordinator.artifacts(job) == []
-    assert agent.ledger()[-1]["outcome"] == "lost"
+    wait_for(
+        "the loss in the ledger", lambda: agent.ledger() and agent.ledger()[-1]["outcome"] == "lost"
+    )
     assert agent.proc.poll() is None  # the agent carries on
 
 

@@ -48,6 +48,7 @@ class Handle(Protocol):
 
 class Runner(ABC):
     name: str
+    module_capable: bool = False  # runs allowlisted `python -m` module tasks
 
     @abstractmethod
     def check(self, task: Task) -> None:

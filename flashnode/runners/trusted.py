@@ -13,6 +13,7 @@ and the ownership token.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,8 +25,10 @@ from flashnode.errors import AttemptFailed
 from flashnode.runners.base import Handle, Runner
 from flashnode.settings import Settings
 from flashnode.slots import Device, GpuPool
-from flashnode.wire import Task
+from flashnode.wire import MODULES, Task
 from flashnode.workspace import Workspace
+
+log = logging.getLogger(__name__)
 
 INHERITED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -115,16 +118,39 @@ class TrustedRunner(Runner):
         self.limits = limits or Limits()
         self.user = user
         self.pool = pool or GpuPool()
+        self.task_python: str | None = None
+        self.module_capable = False
         self.agent_env = dict(os.environ if agent_env is None else agent_env)
 
     def reconfigure(self, settings: Settings) -> None:
         self.pools = settings.pools
         self.log_max_bytes = settings.log_max_bytes
         self.limits = Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
+        self.task_python = settings.task_python
+        self.module_capable = False
+        if self.task_python:
+            why = procs.python_imports(self.task_python, MODULES, self.user)
+            self.module_capable = why is None
+            if why:
+                log.warning(
+                    "module tasks off: %s cannot import the allowlisted modules (%s)",
+                    self.task_python,
+                    why,
+                )
+            else:
+                log.info("module tasks on, under %s", self.task_python)
 
     def check(self, task: Task) -> None:
+        if task.module is not None:
+            # Allowlisted installed code, not the task's own: no sandbox fallback needed, but a
+            # task placed for a pool still has to be one of ours.
+            if not self.module_capable:
+                raise AttemptFailed("refused: this node runs no module tasks (task_python)")
+            if task.pool is not None and task.pool not in self.pools:
+                raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
+            return
         if task.argv is None:
-            raise AttemptFailed("the trusted runner runs argv tasks only")
+            raise AttemptFailed("the trusted runner runs argv and module tasks only")
         if not self.pools:
             raise AttemptFailed("refused: this node serves no pool, so it runs no trusted work")
         if not task.pool:
@@ -146,10 +172,24 @@ class TrustedRunner(Runner):
         record: Callable[[dict[str, Any]], None],
         gpus: list[Device],
     ) -> Handle:
-        assert task.argv is not None
         root = str(workspace.root)
         token = procs.new_token()
-        argv = [map_work(a, root) for a in task.argv]
+        if task.module is not None:
+            assert self.task_python is not None
+            inputs = {i.name: str(workspace.inputs / i.dest) for i in task.inputs}
+            spec = workspace.write_spec(task.task_id, task.params, inputs)
+            argv = [
+                self.task_python,
+                "-m",
+                task.module,
+                "--spec",
+                str(spec),
+                "--out",
+                str(workspace.out),
+            ]
+        else:
+            assert task.argv is not None
+            argv = [map_work(a, root) for a in task.argv]
         env = task_env(task, workspace, token, self.agent_env, own_user=self.user is None)
         if gpus or self.pool.devices:
             # Only the GPUs this attempt was given; none at all for a task that asked for none.
