@@ -8,16 +8,20 @@ call ``request_stop``; the loop acts on it.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.clock import Clock
 from flashnode.errors import CoordinatorError, FlashnodeError, Unregistered
 from flashnode.settings import Settings
+from flashnode.status import StatusSink
 from flashnode.wire import NodeHeartbeat, NodeRegistration
 from flashnode.workspace import remove_stale_workspaces
 
@@ -31,6 +35,19 @@ class AgentCoordinator(Protocol):
     def register(self, registration: NodeRegistration) -> str: ...
     def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None: ...
     def claim(self, node_id: str) -> dict[str, Any] | None: ...
+
+
+class _Quiet:
+    """No systemd, no terminal: status goes nowhere."""
+
+    def status(self, text: str) -> None:
+        pass
+
+    def send(self, **fields: str | int) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
 
 
 class Backoff:
@@ -69,8 +86,15 @@ class Agent:
         clock: Clock | None = None,
         reload: Callable[[], Settings] | None = None,
         free_bytes: Callable[[], int | None] = lambda: None,
+        sink: StatusSink | None = None,
     ) -> None:
         self.ctx = ctx
+        self.sink: StatusSink = sink or _Quiet()
+        self._pid = os.getpid()
+        self._published = ""
+        self._published_beats = -1
+        self._beats = 0
+        self._last_beat_wall: float | None = None
         self.settings = ctx.settings
         self.coordinator = coordinator
         self.registration = registration
@@ -117,18 +141,24 @@ class Agent:
         """Run until drained, stopped, or ``max_tasks`` attempts have finished."""
         s = self.settings
         self.recover()
-        while not self._registered and not self._draining:
-            self._register()
-            if not self._registered:
-                self.clock.wait(self._wake, self.register_errors.next())
+        self.sink.send(READY=1)
         drain_started = False
+        next_register = extend_at = 0.0
         while True:
+            self.sink.tick()
             now = self.clock.monotonic()
             if self._draining and not drain_started:
                 drain_started = True
                 self._drain_deadline = now + s.drain_seconds
                 log.info("draining: no new claims; %d attempt(s) running", len(self.running))
+                self.sink.send(STOPPING=1)
                 self._next_heartbeat = now
+            if self._draining and now >= extend_at:
+                # Tell systemd the stop takes longer: what is left of the drain, the kill
+                # grace, and a margin for the last commits.
+                left = max(self._drain_deadline - now, 0.0) + s.kill_grace_seconds + 30
+                self.sink.send(EXTEND_TIMEOUT_USEC=int(left * 1e6))
+                extend_at = now + 5
             if self._stop_now:
                 self._cancel_all("agent stopping", grace=0.0)
             elif self._draining and now >= self._drain_deadline:
@@ -138,19 +168,71 @@ class Agent:
             if self._reload_requested:
                 self._reload_requested = False
                 self._reload()
-            if now >= self._next_heartbeat:
-                self._heartbeat()
-            if self._may_claim() and now >= self._next_claim:
-                self._claim()
-                continue
-            wake_at = self._next_heartbeat
+            if not self._registered:
+                if now >= next_register:
+                    self._register()
+                    next_register = now if self._registered else now + self.register_errors.next()
+            else:
+                if now >= self._next_heartbeat:
+                    self._heartbeat()
+                if self._may_claim() and now >= self._next_claim:
+                    self._claim()
+                    self._publish()
+                    continue
+            self._publish()
+            wake_at = self._next_heartbeat if self._registered else next_register
             if self._may_claim():
                 wake_at = min(wake_at, self._next_claim)
             self.clock.wait(self._wake, min(max(wake_at - now, 0.0), TICK))
             self._wake.clear()
         if self._registered:
             self._heartbeat("terminating")
+        self._publish(final=True)
         log.info("agent stopped: %s", self.stats.outcomes or {})
+
+    # --- what the agent is doing: systemd STATUS, the terminal line, status.json ---------------
+
+    def _status_text(self) -> str:
+        with self._lock:
+            attempts = list(self.running.values())
+        if self._draining:
+            return f"draining: {len(attempts)} attempt(s) running"
+        if self._problems:
+            since = min(self._problems.values())
+            wall = self.clock.wall() - (self.clock.monotonic() - since)
+            what = ", ".join(sorted(self._problems))
+            clock = time.strftime("%H:%M:%S", time.localtime(wall))
+            return f"coordinator unreachable since {clock} ({what})"
+        if attempts:
+            return "running " + ", ".join(a.describe() for a in attempts)
+        return "idle"
+
+    def _publish(self, final: bool = False) -> None:
+        text = "stopped" if final else self._status_text()
+        self.sink.status(text)
+        if text == self._published and self._beats == self._published_beats and not final:
+            return
+        self._published, self._published_beats = text, self._beats
+        with self._lock:
+            attempts = list(self.running.values())
+        snapshot = {
+            "pid": self._pid if not final else -1,
+            "node_id": self.node_id,
+            "coordinator": self.settings.coordinator,
+            "runner": self.settings.runner,
+            "pools": list(self.settings.pools),
+            "state": text,
+            "draining": self._draining,
+            "registered": self._registered,
+            "last_heartbeat_at": self._last_beat_wall,
+            "counters": dict(self.stats.outcomes or {}),
+            "running": [a.snapshot() for a in attempts if a.lease is not None],
+            "updated_at": self.clock.wall(),
+        }
+        try:
+            status.write(self.settings.state_dir, snapshot)
+        except OSError as exc:
+            log.debug("cannot write status.json: %s", exc)
 
     def recover(self) -> None:
         """Before any claim: reap what an earlier run of this agent left running, commit the
@@ -224,6 +306,8 @@ class Agent:
             self._failing("node heartbeat", exc)
             return
         self._working("node heartbeat")
+        self._beats += 1
+        self._last_beat_wall = self.clock.wall()
 
     def _reload(self) -> None:
         if self._reload_settings is None:

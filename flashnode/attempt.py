@@ -145,6 +145,7 @@ class Attempt:
         self._wake = threading.Event()
         self._cancel_reason: str | None = None
         self._cancel_grace = 0.0
+        self.started_at = ctx.clock.wall()
         self.devices: list[Device] = []
         self.task_usage: dict[str, float | None] = {}
         self._ran = False
@@ -152,6 +153,22 @@ class Attempt:
     @property
     def lease_id(self) -> str:
         return self.lease.lease_id if self.lease else "?"
+
+    def describe(self) -> str:
+        lease = self.lease
+        return f"{lease.lease_id} ({lease.job_id}/{lease.task_id})" if lease else "a new lease"
+
+    def snapshot(self) -> dict[str, Any]:
+        lease = self.lease
+        assert lease is not None
+        return {
+            "lease_id": lease.lease_id,
+            "job_id": lease.job_id,
+            "task_id": lease.task_id,
+            "attempt_number": lease.attempt_number,
+            "started_at": self.started_at,
+            "gpus": [d.visible for d in self.devices],
+        }
 
     def cancel(self, reason: str, grace: float) -> None:
         """Stop the task (TERM, ``grace`` seconds, KILL) and fail the attempt with ``reason``."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from flashnode import __version__, cgroups, inventory
+from flashnode import __version__, cgroups, inventory, owner
 from flashnode.agent import Agent
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
@@ -39,9 +39,42 @@ from flashnode.runners.container import ContainerRunner
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.settings import Settings, load
 from flashnode.slots import GpuPool
+from flashnode.status import Sinks, TerminalLine
+from flashnode.systemd import Notifier
 from flashnode.wire import NodeRegistration
 
 log = logging.getLogger("flashnode")
+
+
+# journald reads a "<N>" prefix as the line's priority (sd-daemon(3)).
+PRIORITY = {
+    logging.DEBUG: 7,
+    logging.INFO: 6,
+    logging.WARNING: 4,
+    logging.ERROR: 3,
+    logging.CRITICAL: 2,
+}
+
+
+class JournalFormatter(logging.Formatter):
+    """No timestamp (journald stamps each line), and the priority as a prefix."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
+
+
+class LineClearingHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Clears the terminal status line before a log line, and redraws it after."""
+
+    def __init__(self, line: TerminalLine) -> None:
+        super().__init__(line.stream)
+        self.line = line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.line.clear()
+        super().emit(record)
+        if self.line.text:
+            self.line.status(self.line.text)
 
 
 class JsonFormatter(logging.Formatter):
@@ -57,13 +90,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def setup_logging(log_json: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def setup_logging(log_json: bool, line: TerminalLine | None = None) -> None:
+    handler: logging.Handler = (
+        LineClearingHandler(line) if line else logging.StreamHandler(sys.stderr)
+    )
     if log_json:
         handler.setFormatter(JsonFormatter())
-    elif os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"):
-        # journald stamps each line itself; the <N> prefix sets its priority.
-        handler.setFormatter(logging.Formatter("%(message)s"))
+    elif os.environ.get("JOURNAL_STREAM"):
+        handler.setFormatter(JournalFormatter("%(message)s"))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s"))
     root = logging.getLogger()
@@ -82,6 +116,9 @@ def _fail(code: ExitCode, message: str) -> None:
 @click.version_option(__version__, prog_name="flashnode")
 def main() -> None:
     """flashnode: the volunteer node agent of the flashruntime distributed ML runtime."""
+
+
+owner.register(main)
 
 
 @main.command()
@@ -129,9 +166,10 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         settings = load(flags, os.environ, config_file)
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
-    setup_logging(settings.log_json)
+    line = TerminalLine() if sys.stderr.isatty() and not settings.log_json else None
+    setup_logging(settings.log_json, line)
     try:
-        run_agent(settings, reload=lambda: load(flags, os.environ, config_file))
+        run_agent(settings, reload=lambda: load(flags, os.environ, config_file), line=line)
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
     except CredentialsError as exc:
@@ -208,7 +246,11 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
-def run_agent(settings: Settings, reload: Callable[[], Settings] | None = None) -> None:
+def run_agent(
+    settings: Settings,
+    reload: Callable[[], Settings] | None = None,
+    line: TerminalLine | None = None,
+) -> None:
     try:
         inventory.ensure_state_dir(settings.state_dir)
         node = inventory.node_id(settings)
@@ -248,6 +290,7 @@ def run_agent(settings: Settings, reload: Callable[[], Settings] | None = None) 
         registration,
         reload=reload,
         free_bytes=lambda: _free_bytes(settings.state_dir),
+        sink=Sinks(Notifier(), *([line] if line else [])),
     )
     log.info(
         "flashnode %s: node %s, %s runner, pools %s, coordinator %s",

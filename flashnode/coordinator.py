@@ -52,6 +52,7 @@ class Coordinator:
         answer_deadline: float = ANSWER_DEADLINE_S,
     ) -> None:
         self._answer_deadline = answer_deadline
+        self._root = base_url
         headers = {"User-Agent": f"flashnode/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -68,6 +69,11 @@ class Coordinator:
 
     def close(self) -> None:
         self._client.close()
+
+    def health(self) -> None:
+        """GET /healthz: raises CoordinatorError unless the coordinator answers 200."""
+        status, body = self._call("GET", self._root + "/healthz")
+        self._expect(status, body, "health check")
 
     # --- nodes --------------------------------------------------------------------------------
 

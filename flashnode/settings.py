@@ -36,6 +36,22 @@ MiB = 1024 * 1024
 Runner = Literal["trusted", "docker"]
 
 
+def default_credentials_dir() -> Path:
+    """``/etc/flashnode/credentials`` as root, else ``$XDG_CONFIG_HOME/flashnode/credentials``."""
+    if os.geteuid() == 0:
+        return Path("/etc/flashnode/credentials")
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "flashnode" / "credentials"
+
+
+def credentials_file(coordinator: str, directory: Path) -> Path:
+    """The file ``flashnode login`` keeps a coordinator's token in."""
+    parts = urlsplit(coordinator.rstrip("/"))
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", parts.hostname or "coordinator")
+    return directory / f"{host}_{port}.token"
+
+
 def default_state_dir() -> Path:
     """``/var/lib/flashnode`` as root, else ``$XDG_STATE_HOME/flashnode`` (~/.local/state)."""
     if os.geteuid() == 0:
@@ -55,6 +71,7 @@ class Settings(BaseModel):
     state_dir: Path = Field(default_factory=default_state_dir)
     node_id: str | None = None
     token_file: Path | None = None
+    credentials_dir: Path = Field(default_factory=default_credentials_dir)
     join_code_file: Path | None = None
     max_tasks: int | None = Field(default=None, ge=1)
     log_json: bool = False
@@ -173,7 +190,7 @@ def load(
     if path is None and DEFAULT_CONFIG_FILE.exists():
         path = DEFAULT_CONFIG_FILE
     if path is not None:
-        merged.update(_read_config_file(path))
+        merged.update(read_config_file(path))
     for key in SETTABLE:
         raw = env.get(ENV_PREFIX + key.upper())
         if raw is not None and raw != "":
@@ -181,6 +198,15 @@ def load(
     merged.update({k: v for k, v in flags.items() if v is not None})
 
     merged["token"] = _secret(merged.get("token_file"), env.get(ENV_PREFIX + "TOKEN"), "token")
+    if merged["token"] is None and "coordinator" in merged:
+        # What `flashnode login` stored for this coordinator, if anything.
+        directory = Path(merged.get("credentials_dir") or default_credentials_dir())
+        try:
+            stored = credentials_file(str(merged["coordinator"]), directory)
+        except ValueError:
+            stored = None
+        if stored is not None and stored.exists():
+            merged["token"] = SecretStr(read_secret_file(stored, "credentials"))
     merged["join_code"] = _secret(
         merged.get("join_code_file"), env.get(ENV_PREFIX + "JOIN_CODE"), "join code"
     )
@@ -196,7 +222,7 @@ def load(
     return settings
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
             data = tomllib.load(fh)

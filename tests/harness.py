@@ -53,9 +53,13 @@ class CoordinatorServer:
         env: dict[str, str] | None = None,
         port: int | None = None,
         record: bool = False,
+        app: str = "flashruntime.service.app:app",
+        app_path: tuple[Path, ...] = (),
     ) -> None:
         self.root = root
         self.record_path = root / "recorded.jsonl" if record else None
+        self.app = app
+        self.app_path = [str(p) for p in app_path]
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_env = env or {}
@@ -71,11 +75,12 @@ class CoordinatorServer:
             "FLASHML_LOCAL_ARTIFACTS_DIR": str(data / "artifacts"),
             **self.extra_env,
         }
-        app = "flashruntime.service.app:app"
+        app = self.app
         if self.record_path is not None:
             app = "recording_app:app"
             env["FLASHNODE_TEST_RECORD"] = str(self.record_path)
-            env["PYTHONPATH"] = str(Path(__file__).parent)
+        if app != "flashruntime.service.app:app":
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *self.app_path])
         log = (self.root / "coordinator.log").open("ab")
         self.proc = subprocess.Popen(
             [

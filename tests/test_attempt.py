@@ -75,8 +75,8 @@ def test_trusted_runner_refuses_work_missing_a_lock(
         ({"gpus": 1}, "asks for 1 GPU(s); this node has 0"),
         ({"checkpoint": {"interval_seconds": 60}}, "checkpoint relay"),
         (
-            {"module": "flashml_workloads.sklearn_trial", "argv": None},
-            "module tasks are not supported",
+            {"module": "os", "argv": None},
+            "not on this node's allowlist",
         ),
     ],
 )

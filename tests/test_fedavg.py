@@ -17,7 +17,7 @@ import pytest
 from flashml_workloads.chunks import chunk_sequence, slot_start
 from flashml_workloads.fedavg_driver import HttpCoordinator, RoundPlan, run_fedavg
 from flashml_workloads.fedavg_weights import encode
-from harness import AgentProcess, CoordinatorServer, argv_job
+from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
 
 TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
 POOL = "team-fed"
@@ -85,14 +85,21 @@ def test_three_rounds_over_the_built_in_model(
     )
     assert len(rounds) == 3
     for r in rounds:
-        assert coordinator.job(r["job_id"])["state"] == "SUCCEEDED"
+        # The driver moves on once a round's chunks are covered; its last tasks may still commit.
+        assert (
+            coordinator.wait_state(r["job_id"], {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=120)
+            == "SUCCEEDED"
+        )
         assert r["clipped"] == [] and r["participants"] >= 1
     weights = [flatten(h["weights"]) if "weights" in h else None for h in result["history"]]
     if all(w is not None for w in weights):
         assert all(a != b for a, b in zip(weights, weights[1:]))
     assert all(math.isfinite(x) for x in flatten(result["weights"]))
-    ledger = [r for a in workers for r in a.ledger()]
-    assert {r["outcome"] for r in ledger} == {"committed"} and len(ledger) == 6
+    ledger = wait_for(
+        "six attempts in the ledgers",
+        lambda: len(x := [r for a in workers for r in a.ledger()]) == 6 and x,
+    )
+    assert {r["outcome"] for r in ledger} == {"committed"}
 
 
 # --- rounds built from an argv worker script (the driver's build_round hook) ----------------
@@ -162,7 +169,7 @@ def test_a_scaled_delta_is_clipped_and_named(
         build_round=argv_rounds(3, 6, [1.0, 1e6, 1.0]),
     )
     [r] = rounds
-    assert coordinator.job(r["job_id"])["state"] == "SUCCEEDED"
+    assert coordinator.wait_state(r["job_id"], {"SUCCEEDED", "FAILED", "PARTIAL"}) == "SUCCEEDED"
     assert [c["task_id"] for c in r["clipped"]] == ["task-001"]
 
 

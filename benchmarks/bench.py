@@ -1,0 +1,403 @@
+"""flashnode against flashnode 0.4.1 on the same machine and the same real coordinator.
+
+Run through ``benchmarks/run`` (it installs 0.4.1 in its own venv). Alternates the agents,
+reports medians and ratios from the one run, prints a table and writes ``benchmarks/RESULTS.md``
+with the machine's description and the raw JSON. Benchmarks, not tests: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from harness import CoordinatorServer, argv_job, wait_for  # noqa: E402
+
+OURS = [str(ROOT / ".venv" / "bin" / "python"), "-m", "flashnode", "work"]
+OLD = [str(HERE / ".venv-041" / "bin" / "flashnode"), "work"]
+TASK_USER = "flashnode-task"
+# The trivial task: it must write metrics.json to commit (a bare `true` cannot), so both agents
+# and the floor run the same one-line shell.
+TRIVIAL = ["sh", "-c", 'echo "{}" > "$1"', "sh", "/work/out/metrics.json"]
+QUICK = os.environ.get("FLASHNODE_BENCH_QUICK") == "1"
+
+
+class Agent:
+    def __init__(
+        self, kind: str, url: str, pool: str, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.kind = kind
+        self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
+        self.state.chmod(0o755)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
+        if kind == "ours":
+            cmd = [
+                *OURS,
+                "--coordinator",
+                url,
+                "--runner",
+                "trusted",
+                "--pool",
+                pool,
+                "--state-dir",
+                str(self.state),
+                *extra,
+            ]
+            if os.geteuid() == 0:
+                base["FLASHNODE_TASK_USER"] = TASK_USER
+        else:
+            cmd = [*OLD, "--coordinator", url, "--runner", "trusted", "--log-json", *extra]
+            base["FLASHNODE_STATE_DIR"] = str(self.state)
+            base["HOME"] = str(self.state)
+        base.update(env or {})
+        self.log = open(self.state / "agent.log", "wb")
+        self.before = {n["node_id"] for n in httpx.get(url + "/v1alpha1/nodes").json()}
+        self.proc = subprocess.Popen(
+            cmd, env=base, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL
+        )
+        self.ps = psutil.Process(self.proc.pid)
+        self.url, self.pool = url, pool
+        self.node = wait_for(f"{kind} to register", self._registered, timeout=60)
+        if kind == "old":
+            # 0.4.1 reports no team pools; the coordinator takes them from a heartbeat, as a
+            # control-plane proxy would send them.
+            httpx.post(
+                f"{url}/v1alpha1/nodes/{self.node}/heartbeat",
+                json={"node_id": self.node, "pools": [pool]},
+            )
+
+    def _registered(self) -> str | None:
+        new = [
+            n["node_id"]
+            for n in httpx.get(self.url + "/v1alpha1/nodes").json()
+            if n["node_id"] not in self.before
+        ]
+        return new[0] if new else None
+
+    def cpu_seconds(self) -> float:
+        t = self.ps.cpu_times()
+        return float(t.user + t.system)
+
+    def rss(self) -> int:
+        return int(self.ps.memory_info().rss)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+def events_by_task(server: CoordinatorServer, job: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for e in server.events(job):
+        task = (e.get("data") or {}).get("task_id")
+        if task:
+            ts = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+            out.setdefault(task, {})[e["type"]] = ts
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+# --- 1. per-task overhead ---------------------------------------------------------------------
+
+
+def overhead_run(server: CoordinatorServer, kind: str, n: int) -> dict[str, float]:
+    pool = f"p{random.randrange(10**9)}"
+    agent = None if kind == "floor" else Agent(kind, server.url, pool, "--max-tasks", str(n))
+    job_spec = argv_job(TRIVIAL, pool=pool, params=[{} for _ in range(n)], max_attempts=1)
+    start = time.monotonic()
+    job = server.submit(job_spec)
+    if kind == "floor":
+        floor_client(server.url, pool, n)
+    server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=600)
+    wall = time.monotonic() - start
+    if agent:
+        agent.stop()
+    ev = events_by_task(server, job)
+    cycles = [
+        v["TASK_COMMIT_ACCEPTED"] - v["LEASE_CLAIMED"]
+        for v in ev.values()
+        if "TASK_COMMIT_ACCEPTED" in v and "LEASE_CLAIMED" in v
+    ]
+    return {
+        "per_task_ms": wall / n * 1000,
+        "p50_ms": pct(cycles, 0.5) * 1000,
+        "p95_ms": pct(cycles, 0.95) * 1000,
+        "committed": len(cycles),
+    }
+
+
+def floor_client(url: str, pool: str, n: int) -> None:
+    """No agent: claim -> spawn the task -> PUT metrics.json -> complete, nothing else."""
+    import hashlib
+
+    api = url + "/v1alpha1"
+    node = f"floor-{random.randrange(10**9)}"
+    with httpx.Client() as c:
+        c.post(
+            api + "/nodes/register",
+            json={
+                "node_id": node,
+                "kubernetes_node": "",
+                "hostname": "floor",
+                "capabilities": {"pools": [pool]},
+                "unsandboxed_argv_capable": True,
+                "module_capable": False,
+            },
+        )
+        done = 0
+        work = Path(tempfile.mkdtemp(prefix="bench-floor-"))
+        while done < n:
+            r = c.post(api + "/leases/claim", json={"node_id": node})
+            if r.status_code == 204:
+                time.sleep(0.01)
+                continue
+            lease = r.json()
+            (work / "out").mkdir(exist_ok=True)
+            argv = [a.replace("/work", str(work)) for a in lease["payload"]["argv"]]
+            subprocess.run(argv, check=True)
+            data = (work / "out" / "metrics.json").read_bytes()
+            c.put(f"{api}/artifacts/{lease['payload']['output_prefix']}metrics.json", content=data)
+            c.post(
+                f"{api}/attempts/{lease['lease_id']}/complete",
+                json={"output_sha256": hashlib.sha256(data).hexdigest()},
+            )
+            done += 1
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --- 2. dispatch latency ------------------------------------------------------------------------
+
+STAMP = [
+    "sh",
+    "-c",
+    'date +%s.%N > "$1"; cp "$1" "$2"',
+    "sh",
+    "/work/out/t",
+    "/work/out/metrics.json",
+]
+
+
+def dispatch(server: CoordinatorServer, kind: str, samples: int) -> list[float]:
+    pool = f"p{random.randrange(10**9)}"
+    agent = Agent(kind, server.url, pool)
+    out = []
+    try:
+        for _ in range(samples):
+            time.sleep(random.uniform(4, 8))  # a quiet period: the agent backs off to its idle pace
+            t0 = time.time()
+            job = server.submit(argv_job(STAMP, pool=pool, max_attempts=1))
+            server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60)
+            started = float(server.artifact(f"jobs/{job}/task-000/metrics.json"))
+            out.append(started - t0)
+    finally:
+        agent.stop()
+    return out
+
+
+# --- 3. idle cost -------------------------------------------------------------------------------
+
+
+def idle(
+    server: CoordinatorServer, count_file: Path, kind: str, seconds: float
+) -> dict[str, float]:
+    agent = Agent(kind, server.url, f"p{random.randrange(10**9)}")
+    try:
+        time.sleep(3)  # past start-up
+        before = len(count_file.read_text().splitlines())
+        cpu0, t0 = agent.cpu_seconds(), time.monotonic()
+        rss = []
+        end = t0 + seconds
+        while time.monotonic() < end:
+            rss.append(agent.rss())
+            time.sleep(1)
+        elapsed = time.monotonic() - t0
+        cpu = agent.cpu_seconds() - cpu0
+        requests = len(count_file.read_text().splitlines()) - before
+    finally:
+        agent.stop()
+    return {
+        "requests_per_min": requests / elapsed * 60,
+        "cpu_percent": cpu / elapsed * 100,
+        "rss_mb": statistics.median(rss) / 2**20,
+    }
+
+
+# --- 4. large output ----------------------------------------------------------------------------
+
+BIG = [
+    "sh",
+    "-c",
+    'head -c 209715200 /dev/zero > "$1"; echo "{}" > "$2"',
+    "sh",
+    "/work/out/big.bin",
+    "/work/out/metrics.json",
+]
+
+
+def large_output(server: CoordinatorServer, kind: str) -> dict[str, float]:
+    pool = f"p{random.randrange(10**9)}"
+    agent = Agent(kind, server.url, pool, "--max-tasks", "1")
+    base = agent.rss()
+    peak = [base]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], agent.rss())
+            except psutil.Error:
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+    job = server.submit(argv_job(BIG, pool=pool, max_attempts=1))
+    state = server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=600)
+    stop.set()
+    agent.stop()
+    ev = events_by_task(server, job).get("task-000", {})
+    took = ev.get("TASK_COMMIT_ACCEPTED", 0) - ev.get("LEASE_CLAIMED", 0)
+    return {
+        "state": state,
+        "claim_to_commit_s": took,
+        "peak_rss_increase_mb": (peak[0] - base) / 2**20,
+    }
+
+
+# --- 5. sampler cost ----------------------------------------------------------------------------
+
+
+def sampler_cost(server: CoordinatorServer, kind: str, interval: str | None, seconds: int) -> float:
+    pool = f"p{random.randrange(10**9)}"
+    env = {"FLASHNODE_SAMPLE_SECONDS": interval} if interval else {}
+    agent = Agent(kind, server.url, pool, "--max-tasks", "1", env=env)
+    job = server.submit(
+        argv_job(
+            ["sh", "-c", f'sleep {seconds}; echo "{{}}" > "$1"', "sh", "/work/out/metrics.json"],
+            pool=pool,
+            max_attempts=1,
+        )
+    )
+    wait_for("the task to run", lambda: server.tasks(job)[0]["state"] == "LEASED", timeout=30)
+    time.sleep(1)
+    cpu0, t0 = agent.cpu_seconds(), time.monotonic()
+    time.sleep(seconds - 3)
+    cpu = (agent.cpu_seconds() - cpu0) / (time.monotonic() - t0) * 100
+    server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=120)
+    agent.stop()
+    return cpu
+
+
+def main() -> int:
+    root = Path(tempfile.mkdtemp(prefix="flashnode-bench-"))
+    count_file = root / "requests.log"
+    count_file.touch()
+    server = CoordinatorServer(
+        root,
+        env={"FLASHNODE_BENCH_COUNT": str(count_file)},
+        app="counting_app:app",
+        app_path=(HERE,),
+    )
+    server.start()
+    n = 20 if QUICK else 100
+    rounds = 1 if QUICK else 2
+    raw: dict[str, Any] = {"overhead": {"floor": [], "ours": [], "old": []}}
+    try:
+        for _ in range(rounds):  # alternate, so that drift hits every contender alike
+            for kind in ("floor", "ours", "old"):
+                raw["overhead"][kind].append(overhead_run(server, kind, n))
+        samples = 5 if QUICK else 20
+        raw["dispatch_s"] = {kind: dispatch(server, kind, samples) for kind in ("ours", "old")}
+        idle_s = 20 if QUICK else 60
+        raw["idle"] = {kind: idle(server, count_file, kind, idle_s) for kind in ("ours", "old")}
+        raw["large_output"] = {kind: large_output(server, kind) for kind in ("ours", "old")}
+        sleep_s = 12 if QUICK else 30
+        raw["sampler_cpu_percent"] = {
+            "ours_sampler_on": sampler_cost(server, "ours", None, sleep_s),
+            "ours_sampler_off": sampler_cost(server, "ours", "3600", sleep_s),
+            "old": sampler_cost(server, "old", None, sleep_s),
+        }
+    finally:
+        server.close()
+    report = summarise(raw, n)
+    print(report)
+    (HERE / "RESULTS.md").write_text(
+        report + "\n## Raw\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n"
+    )
+    return 0
+
+
+def med(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def summarise(raw: dict[str, Any], n: int) -> str:
+    o = raw["overhead"]
+    floor, ours, old = (med(o[k], "per_task_ms") for k in ("floor", "ours", "old"))
+    d_ours, d_old = (statistics.median(raw["dispatch_s"][k]) for k in ("ours", "old"))
+    i_ours, i_old = raw["idle"]["ours"], raw["idle"]["old"]
+    l_ours, l_old = raw["large_output"]["ours"], raw["large_output"]["old"]
+    s = raw["sampler_cpu_percent"]
+
+    def goal(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    cores = os.cpu_count()
+    mem = psutil.virtual_memory().total / 2**30
+    lines = [
+        "# Benchmarks: flashnode against flashnode 0.4.1",
+        "",
+        f"Run {datetime.now().strftime('%Y-%m-%d %H:%M')} on {platform.node()}: {platform.machine()}, {cores} cores, "
+        f"{mem:.0f} GiB, Linux {platform.release()}, Python {platform.python_version()}; the real flashruntime 0.6.1 "
+        "coordinator on 127.0.0.1. Medians; ratios from this one run. This machine is shared and noisy.",
+        "",
+        "| measure | floor | flashnode (ours) | 0.4.1 | ours / reference | goal |",
+        "|---|---|---|---|---|---|",
+        f"| per-task cycle, {n} trivial tasks (ms/task) | {floor:.1f} | {ours:.1f} | {old:.1f} | {ours / floor:.2f} x floor | <= 1.2 x floor: {goal(ours <= 1.2 * floor)} |",
+        f"| claim -> commit p50 / p95 (ms) | {med(o['floor'], 'p50_ms'):.1f} / {med(o['floor'], 'p95_ms'):.1f} | {med(o['ours'], 'p50_ms'):.1f} / {med(o['ours'], 'p95_ms'):.1f} | {med(o['old'], 'p50_ms'):.1f} / {med(o['old'], 'p95_ms'):.1f} | | |",
+        f"| dispatch latency after a quiet period, p50 (s) | | {d_ours:.2f} | {d_old:.2f} | {d_ours / d_old:.2f} x 0.4.1 | <= 3 s: {goal(d_ours <= 3)} |",
+        f"| idle requests to the coordinator (per min) | | {i_ours['requests_per_min']:.1f} | {i_old['requests_per_min']:.1f} | {i_ours['requests_per_min'] / i_old['requests_per_min']:.2f} x 0.4.1 | <= 0.33 x: {goal(i_ours['requests_per_min'] <= 0.33 * i_old['requests_per_min'])} |",
+        f"| idle CPU (% of a core) | | {i_ours['cpu_percent']:.2f} | {i_old['cpu_percent']:.2f} | | |",
+        f"| idle resident memory (MB) | | {i_ours['rss_mb']:.0f} | {i_old['rss_mb']:.0f} | {i_ours['rss_mb'] / i_old['rss_mb']:.2f} x 0.4.1 | <= 1.0 x: {goal(i_ours['rss_mb'] <= i_old['rss_mb'])} |",
+        f"| 200 MB output: claim -> commit (s) | | {l_ours['claim_to_commit_s']:.2f} | {l_old['claim_to_commit_s']:.2f} | | |",
+        f"| 200 MB output: peak memory increase (MB) | | {l_ours['peak_rss_increase_mb']:.0f} | {l_old['peak_rss_increase_mb']:.0f} | | <= 32 MB: {goal(l_ours['peak_rss_increase_mb'] <= 32)} |",
+        f"| agent CPU during a sleeping task (% of a core), sampler on / off | | {s['ours_sampler_on']:.2f} / {s['ours_sampler_off']:.2f} | {s['old']:.2f} | | sampler < 0.5 %: {goal(s['ours_sampler_on'] - s['ours_sampler_off'] < 0.5)} |",
+        "",
+        "Notes: the trivial task writes `{}` to out/metrics.json (a bare `true` cannot commit); the floor is a",
+        "bare client with no agent doing claim -> spawn -> PUT metrics.json -> complete. 0.4.1 reports no team",
+        "pools, so the benchmark hands its node the pool by a heartbeat, as a control-plane proxy would.",
+        "Our agent, run as root, runs tasks as an unprivileged task user in their own cgroup.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

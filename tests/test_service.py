@@ -1,0 +1,265 @@
+"""Running as a service: sd_notify, the systemd unit, the packages, and the owner's commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
+TRUSTED = ("--runner", "trusted", "--pool", "team-a")
+
+
+def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "flashnode", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, **(env or {})},
+    )
+
+
+class NotifySocket:
+    """A datagram socket standing in for systemd's $NOTIFY_SOCKET, recording what arrives."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            for line in data.decode().splitlines():
+                self.messages.append((time.monotonic(), line))
+
+    def lines(self, prefix: str) -> list[tuple[float, str]]:
+        return [(t, m) for t, m in self.messages if m.startswith(prefix)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def notify(tmp_path: Path) -> Iterator[NotifySocket]:
+    n = NotifySocket(tmp_path / "notify.sock")
+    yield n
+    n.close()
+
+
+def test_sd_notify_ready_status_watchdog_and_stopping(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], notify: NotifySocket
+) -> None:
+    job = coordinator.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > out/metrics.json"]))
+    agent = start_agent(
+        coordinator.url,
+        *TRUSTED,
+        env={**FAST, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"},
+    )
+    wait_for("READY=1", lambda: notify.lines("READY=1"))
+    wait_for(
+        "a running status", lambda: any("running ls-" in m for _, m in notify.lines("STATUS="))
+    )
+    assert any(m == "STATUS=idle" for _, m in notify.lines("STATUS=")) or coordinator.tasks(job)
+    time.sleep(2.2)  # a window to count watchdog pings in
+    pings = [t for t, _ in notify.lines("WATCHDOG=1")]
+    gaps = [b - a for a, b in zip(pings, pings[1:])]
+    assert len(pings) >= 4 and all(0.3 <= g <= 1.0 for g in gaps[1:]), gaps  # half of 1 s
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(30) == 0, agent.log
+    assert notify.lines("STOPPING=1")
+    extend = notify.lines("EXTEND_TIMEOUT_USEC=")
+    assert extend and int(extend[0][1].split("=")[1]) > 300 * 1_000_000
+    assert coordinator.job(job)["state"] == "SUCCEEDED"  # the drained task still committed
+
+
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (.ci/run installs systemd)")
+    unit = (ROOT / "systemd" / "flashnode.service").read_text()
+    # verify wants the ExecStart binary to exist: point it at this checkout's agent.
+    exe = shutil.which("flashnode") or str(Path(sys.executable).parent / "flashnode")
+    path = tmp_path / "flashnode.service"
+    path.write_text(unit.replace("/opt/flashnode/bin/flashnode", exe))
+    done = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "flashnode.service" not in done.stderr, done.stderr  # no warnings about our unit
+    for directive in (
+        "Type=notify",
+        "WatchdogSec=",
+        "KillMode=mixed",
+        "RestartPreventExitStatus=77 78",
+        "StateDirectory=flashnode",
+        "Restart=on-failure",
+    ):
+        assert directive in unit
+    stop = int(unit.split("TimeoutStopSec=")[1].split()[0])
+    assert stop > 300 + 10  # longer than the default drain deadline plus the kill grace
+
+
+@pytest.fixture(scope="module")
+def packages() -> list[Path]:
+    if os.geteuid() != 0 or shutil.which("dpkg") is None or not Path("/usr/bin/python3").exists():
+        pytest.skip("building and installing the packages needs root, dpkg and /usr/bin/python3")
+    done = subprocess.run(
+        [str(ROOT / "packaging" / "build")], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return sorted((ROOT / "dist").glob("flashnode*"))
+
+
+def test_deb_installs_and_runs(packages: list[Path], tmp_path: Path) -> None:
+    [deb] = [p for p in packages if p.suffix == ".deb"]
+    try:
+        done = subprocess.run(["dpkg", "-i", str(deb)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        version = subprocess.run(
+            ["/opt/flashnode/bin/flashnode", "--version"], capture_output=True, text=True
+        )
+        assert version.returncode == 0 and "flashnode, version" in version.stdout
+        config = Path("/etc/flashnode/flashnode.toml")
+        assert config.exists() and "coordinator" in config.read_text()
+        doctor = subprocess.run(
+            ["/opt/flashnode/bin/flashnode", "doctor"],
+            capture_output=True,
+            text=True,
+            env={
+                "PATH": os.defpath,
+                "FLASHNODE_COORDINATOR": "http://127.0.0.1:9",
+                "FLASHNODE_STATE_DIR": str(tmp_path / "state"),
+            },
+        )
+        assert doctor.returncode == 1  # nothing answers on port 9: a failure, with its fix
+        assert "FAIL  coordinator" in doctor.stdout and "fix:" in doctor.stdout
+        assert Path("/usr/lib/systemd/system/flashnode.service").exists()
+        assert subprocess.run(["id", "flashnode"], capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["dpkg", "--purge", "flashnode"], capture_output=True)
+
+
+def test_rpm_builds_with_the_right_files(packages: list[Path]) -> None:
+    [rpm] = [p for p in packages if p.suffix == ".rpm"]
+    if shutil.which("rpm") is None:
+        pytest.skip("the rpm tool is not installed (.ci/run installs it)")
+    files = subprocess.run(["rpm", "-qlp", str(rpm)], capture_output=True, text=True).stdout.split()
+    for expected in (
+        "/opt/flashnode/bin/flashnode",
+        "/usr/lib/systemd/system/flashnode.service",
+        "/usr/lib/sysusers.d/flashnode.conf",
+        "/etc/flashnode/flashnode.toml",
+    ):
+        assert expected in files
+    configs = subprocess.run(
+        ["rpm", "-qcp", str(rpm)], capture_output=True, text=True
+    ).stdout.split()
+    assert configs == ["/etc/flashnode/flashnode.toml"]
+    scripts = subprocess.run(
+        ["rpm", "-qp", "--scripts", str(rpm)], capture_output=True, text=True
+    ).stdout
+    assert "systemd-sysusers" in scripts
+    starts = [
+        line
+        for line in scripts.splitlines()
+        if "systemctl" in line
+        and not line.strip().startswith("echo")
+        and any(verb in line for verb in ("start", "enable", "restart"))
+    ]
+    assert starts == []  # an unconfigured agent is never started
+
+
+def test_login_is_private_and_a_readable_credentials_file_is_refused(tmp_path: Path) -> None:
+    creds = tmp_path / "creds"
+    url = "http://127.0.0.1:8100"
+    done = flashnode(
+        "login", "--coordinator", url, "--token", "s3cret", "--credentials-dir", str(creds)
+    )
+    assert done.returncode == 0, done.stderr
+    [stored] = list(creds.iterdir())
+    assert stored.stat().st_mode & 0o777 == 0o600 and stored.read_text().strip() == "s3cret"
+    stored.chmod(0o644)
+    work = flashnode(
+        "work",
+        "--coordinator",
+        url,
+        "--runner",
+        "trusted",
+        "--pool",
+        "p",
+        "--state-dir",
+        str(tmp_path / "s"),
+        env={"FLASHNODE_CREDENTIALS_DIR": str(creds)},
+    )
+    assert work.returncode == 78
+    assert "accessible to other users" in work.stderr and "chmod 600" in work.stderr
+    done = flashnode("logout", "--coordinator", url, "--credentials-dir", str(creds))
+    assert done.returncode == 0 and not stored.exists()
+
+
+def test_status_names_the_running_task_and_pools_join_reaches_the_agent(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    config = tmp_path / "flashnode.toml"
+    config.write_text('runner = "trusted"\npools = ["team-a"]\n')
+    job = coordinator.submit(argv_job(["sh", "-c", "sleep 3; echo '{}' > out/metrics.json"]))
+    other = coordinator.submit(
+        argv_job(["sh", "-c", "echo '{}' > out/metrics.json"], pool="team-z")
+    )
+    agent = start_agent(coordinator.url, "--config", str(config), env=FAST)
+    wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
+
+    def running() -> dict[str, object] | None:
+        r = flashnode("status", "--json", "--state-dir", str(agent.state_dir))
+        snap = json.loads(r.stdout) if r.returncode == 0 else None
+        return snap if snap and snap.get("running") else None
+
+    snapshot = wait_for("status naming the task", running)
+    [attempt] = snapshot["running"]  # type: ignore[index]
+    assert (
+        attempt["job_id"] == job and attempt["task_id"] == "task-000" and attempt["elapsed_s"] >= 0
+    )
+    assert snapshot["runner"] == "trusted" and snapshot["pools"] == ["team-a"]
+    assert snapshot["last_heartbeat_age_s"] is not None and snapshot["last_heartbeat_age_s"] < 10
+    human = flashnode("status", "--state-dir", str(agent.state_dir))
+    assert job in human.stdout
+
+    joined = flashnode(
+        "pools",
+        "join",
+        "team-z",
+        "--config",
+        str(config),
+        env={"FLASHNODE_STATE_DIR": str(agent.state_dir)},
+    )
+    assert joined.returncode == 0, joined.stderr
+    assert "told the running agent" in joined.stdout
+    assert coordinator.wait_state(other, {"SUCCEEDED", "FAILED"}, timeout=30) == "SUCCEEDED"
+    assert flashnode("pools", "list", "--config", str(config)).stdout.split() == [
+        "team-a",
+        "team-z",
+    ]
+    history = flashnode("history", "--state-dir", str(agent.state_dir))
+    assert "committed" in history.stdout
