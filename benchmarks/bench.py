@@ -196,14 +196,7 @@ def floor_client(url: str, pool: str, n: int) -> None:
 
 # --- 2. dispatch latency ------------------------------------------------------------------------
 
-STAMP = [
-    "sh",
-    "-c",
-    'date +%s.%N > "$1"; cp "$1" "$2"',
-    "sh",
-    "/work/out/t",
-    "/work/out/metrics.json",
-]
+STAMP = ["sh", "-c", 'printf \'{"t": %s}\' "$(date +%s.%N)" > "$1"', "sh", "/work/out/metrics.json"]
 
 
 def dispatch(server: CoordinatorServer, kind: str, samples: int) -> list[float]:
@@ -216,7 +209,7 @@ def dispatch(server: CoordinatorServer, kind: str, samples: int) -> list[float]:
             t0 = time.time()
             job = server.submit(argv_job(STAMP, pool=pool, max_attempts=1))
             server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60)
-            started = float(server.artifact(f"jobs/{job}/task-000/metrics.json"))
+            started = json.loads(server.artifact(f"jobs/{job}/task-000/metrics.json"))["t"]
             out.append(started - t0)
     finally:
         agent.stop()

@@ -35,7 +35,6 @@ from flashnode.journal import Journal
 from flashnode.ledger import Ledger
 from flashnode.procs import TaskUser
 from flashnode.runners.base import Runner
-from flashnode.runners.container import ContainerRunner
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.settings import Settings, load
 from flashnode.slots import GpuPool
@@ -232,6 +231,9 @@ def make_runner(settings: Settings, pool: GpuPool, node: str) -> Runner:
         return runner
     if not settings.allowed_images:
         log.warning("allowed_images is empty: this node will refuse every container task")
+    # Imported here: the Docker SDK costs a trusted-only agent memory it never uses.
+    from flashnode.runners.container import ContainerRunner
+
     return ContainerRunner(settings, node, pool)
 
 

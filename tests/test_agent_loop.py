@@ -31,8 +31,8 @@ def test_empty_queue_backs_off_with_jitter_up_to_the_cap_and_resets_on_work(tmp_
     agent.run()
     claims = coord.names("claim")
     idle = gaps(claims[:9])
-    # Doubling from ~0.5 s, each step jittered into [0.8, 1.0] of itself, capped at 6 s.
-    steps = [0.5, 1, 2, 4, 6, 6, 6, 6]
+    # Doubling from ~0.5 s, each step jittered into [0.8, 1.0] of itself, capped at 7 s.
+    steps = [0.5, 1, 2, 4, 7, 7, 7, 7]
     for gap, step in zip(idle, steps):
         assert 0.8 * step - 1e-6 <= gap <= step + 1e-6
     # After work the backoff starts over at ~0.5 s.

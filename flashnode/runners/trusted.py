@@ -195,7 +195,6 @@ class TrustedRunner(Runner):
             # Only the GPUs this attempt was given; none at all for a task that asked for none.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(d.visible for d in gpus)
         uid = self.user.uid if self.user else os.geteuid()
-        record({"token": token, "uid": uid})
         if self.user is not None:
             workspace.hand_over(self.user.uid, self.user.gid)
         cgroup = None
@@ -204,14 +203,15 @@ class TrustedRunner(Runner):
                 cgroup = self.cgroups.create(workspace.root.name, self.limits)
             except OSError as exc:
                 raise AttemptFailed(f"cannot create the task's cgroup: {exc.strerror}") from None
-            record(
-                {
-                    "token": token,
-                    "uid": uid,
-                    "cgroup": {k: str(v) for k, v in cgroup.paths.items()},
-                    "cgroup_version": cgroup.version,
-                }
-            )
+        # Before anything runs: what finds the task's processes again after a crash.
+        record(
+            {
+                "token": token,
+                "uid": uid,
+                "cgroup": {k: str(v) for k, v in cgroup.paths.items()} if cgroup else None,
+                "cgroup_version": cgroup.version if cgroup else None,
+            }
+        )
         try:
             proc = procs.TaskProcess(
                 argv,
