@@ -194,7 +194,6 @@ class Attempt:
             lease.task_id,
             lease.attempt_number,
         )
-        self.ctx.journal.write(lease.lease_id, {"lease": self.data, "state": "running"})
         return self._guarded(self._pipeline, started)
 
     def resume(self, record: dict[str, Any]) -> Outcome:
@@ -265,6 +264,8 @@ class Attempt:
     def _pipeline(self) -> tuple[Outcome, str]:
         assert self.lease is not None
         s = self.ctx.settings
+        # First of all: a restarted agent must know this lease was ours.
+        self.ctx.journal.write(self.lease.lease_id, {"lease": self.data, "state": "running"})
         self.task = task = parse_task(self.lease)
         self.ctx.runner.check(task)
         self.devices = self.ctx.gpus.acquire(task.gpus)

@@ -260,15 +260,20 @@ class TaskProcess:
         return hit
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, process group) of a pid, from /proc/<pid>/stat."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (field 3, the state, first)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             data = fh.read()
     except OSError:
         return None
-    fields = data[data.rfind(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[2])
+    return data[data.rfind(b")") + 2 :].split()
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of a pid."""
+    fields = _stat_fields(pid)
+    return (fields[0].decode(), int(fields[2])) if fields else None
 
 
 def python_imports(python: str, modules: Sequence[str], user: TaskUser | None) -> str | None:
@@ -287,23 +292,14 @@ def python_imports(python: str, modules: Sequence[str], user: TaskUser | None) -
 
 def cpu_ticks(pid: int) -> tuple[int, int] | None:
     """(start time, user + system clock ticks) of one process, not counting its children."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2 :].split()
-    return int(fields[19]), int(fields[11]) + int(fields[12])
+    fields = _stat_fields(pid)
+    return (int(fields[19]), int(fields[11]) + int(fields[12])) if fields else None
 
 
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot: with the pid, its identity."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    return int(data[data.rfind(b")") + 2 :].split()[19])
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
 
 
 def reap(identity: Mapping[str, object]) -> int:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,36 @@ def fake_nvml_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def fake_nvml(fake_nvml_library: Path, drop_dir: Path) -> FakeNvml:
     return FakeNvml(fake_nvml_library, drop_dir / "nvml.conf")
+
+
+@dataclass
+class TokenCoordinator:
+    """A real coordinator in enforcing mode: node `node-x` with a token, and a join code."""
+
+    server: CoordinatorServer
+    token: str
+    join_code: str
+    token_file: Path
+
+    def agent_args(self) -> tuple[str, ...]:
+        return ("--node-id", "node-x", "--token-file", str(self.token_file))
+
+    def agent_env(self) -> dict[str, str]:
+        return {"FLASHNODE_JOIN_CODE": self.join_code}
+
+
+@pytest.fixture
+def token_coordinator(tmp_path: Path, drop_dir: Path) -> Iterator[TokenCoordinator]:
+    token, join_code = "tok-" + secrets.token_hex(12), "join-" + secrets.token_hex(12)
+    server = CoordinatorServer(
+        tmp_path / "tokcoord",
+        env={"FLASHML_NODE_TOKENS": f"node-x:{token}", "FLASHML_JOIN_CODE": join_code},
+    )
+    server.root.mkdir()
+    server.start()
+    # In a directory a task can enter: only the file's mode keeps it private.
+    token_file = drop_dir / "token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    yield TokenCoordinator(server, token, join_code, token_file)
+    server.close()

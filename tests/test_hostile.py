@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -14,8 +13,9 @@ from typing import Any
 
 import pytest
 from badcoord import BadCoordinator, answer, drip, lease_answer
+from conftest import TokenCoordinator
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context
-from harness import AgentProcess, CoordinatorServer, argv_job
+from harness import AgentProcess, argv_job
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -239,43 +239,30 @@ json.dump({'found': found, 'scanned': scanned, 'argv': sys.argv[1:] and 'given'}
 
 
 def test_a_task_searching_everything_it_can_read_finds_no_secret(
-    tmp_path: Path, start_agent: Callable[..., AgentProcess], drop_dir: Path
+    token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    token, join_code = "tok-" + secrets.token_hex(12), "join-" + secrets.token_hex(12)
-    server = CoordinatorServer(
-        tmp_path / "tokcoord",
-        env={"FLASHML_NODE_TOKENS": f"node-x:{token}", "FLASHML_JOIN_CODE": join_code},
+    tc = token_coordinator
+    token, join_code = tc.token, tc.join_code
+    # The task reads the secrets' halves from its argv and looks for them whole: the needle it
+    # searches for is then in no argv of any process.
+    halves = [token[:10], token[10:], join_code[:11], join_code[11:]]
+    script = HUNT.replace(
+        "needles = [n.encode() for n in sys.argv[1:]]",
+        "a = sys.argv[1:]; needles = [(a[0] + a[1]).encode(), (a[2] + a[3]).encode()]",
     )
-    server.root.mkdir()
-    server.start()
-    try:
-        token_file = drop_dir / "token"
-        token_file.write_text(token)
-        token_file.chmod(0o600)
-        # The needles reach the task only split in halves, so the task's own argv never holds them.
-        halves = [token[:10], token[10:], join_code[:11], join_code[11:]]
-        script = HUNT.replace(
-            "needles = [n.encode() for n in sys.argv[1:]]",
-            "a = sys.argv[1:]; needles = [(a[0] + a[1]).encode(), (a[2] + a[3]).encode()]",
-        )
-        job = server.submit(argv_job(["python3", "-c", script, *halves]))
-        agent = start_agent(
-            server.url,
-            *TRUSTED,
-            "--node-id",
-            "node-x",
-            "--token-file",
-            str(token_file),
-            "--max-tasks",
-            "1",
-            env={**FAST, "FLASHNODE_JOIN_CODE": join_code},
-        )
-        assert agent.wait(60) == 0, agent.log
-        assert server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
-        report = json.loads(server.artifact(f"jobs/{job}/task-000/metrics.json"))
-        if os.geteuid() == 0:  # a task run as the agent's own user can read what the agent can
-            assert report["found"] == [], report
-        assert report["scanned"] > 10
-        assert token not in agent.log and join_code not in agent.log
-    finally:
-        server.close()
+    job = tc.server.submit(argv_job(["python3", "-c", script, *halves]))
+    agent = start_agent(
+        tc.server.url,
+        *TRUSTED,
+        *tc.agent_args(),
+        "--max-tasks",
+        "1",
+        env={**FAST, **tc.agent_env()},
+    )
+    assert agent.wait(60) == 0, agent.log
+    assert tc.server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    report = json.loads(tc.server.artifact(f"jobs/{job}/task-000/metrics.json"))
+    if os.geteuid() == 0:  # a task run as the agent's own user can read what the agent can
+        assert report["found"] == [], report
+    assert report["scanned"] > 10
+    assert token not in agent.log and join_code not in agent.log

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import TokenCoordinator
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, processes_with, wait_for
 
 from flashnode import cgroups
@@ -167,49 +168,32 @@ def test_allocating_past_the_memory_limit_fails_with_out_of_memory(
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="tasks run as task_user only when the agent is root")
 def test_task_user_cannot_read_the_credentials_or_the_agent_environment(
-    tmp_path: Path, start_agent: Callable[..., AgentProcess], drop_dir: Path
+    token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    token, join_code = "tok-" + secrets.token_hex(8), "join-" + secrets.token_hex(8)
-    server = CoordinatorServer(
-        tmp_path / "tokcoord",
-        env={"FLASHML_NODE_TOKENS": f"node-x:{token}", "FLASHML_JOIN_CODE": join_code},
+    tc = token_coordinator
+    probe = (
+        "import json, os\n"
+        "def read(p):\n"
+        "    try:\n"
+        "        return open(p, errors='replace').read()\n"
+        "    except OSError as e:\n"
+        "        return 'denied: ' + e.strerror\n"
+        f"r = {{'token': read({str(tc.token_file)!r}), 'agent_env': read('/proc/%d/environ' % os.getppid()),"
+        " 'uid': os.getuid()}\n"
+        "json.dump(r, open('out/metrics.json', 'w'))\n"
     )
-    server.root.mkdir()
-    server.start()
-    try:
-        token_file = (
-            drop_dir / "token"
-        )  # in a directory the task can enter: only the mode protects it
-        token_file.write_text(token)
-        token_file.chmod(0o600)
-        probe = (
-            "import json, os\n"
-            "def read(p):\n"
-            "    try:\n"
-            "        return open(p, errors='replace').read()\n"
-            "    except OSError as e:\n"
-            "        return 'denied: ' + e.strerror\n"
-            f"r = {{'token': read({str(token_file)!r}), 'agent_env': read('/proc/%d/environ' % os.getppid()),"
-            " 'uid': os.getuid()}\n"
-            "json.dump(r, open('out/metrics.json', 'w'))\n"
-        )
-        job = server.submit(argv_job(["python3", "-c", probe]))
-        agent = start_agent(
-            server.url,
-            *TRUSTED,
-            "--node-id",
-            "node-x",
-            "--token-file",
-            str(token_file),
-            "--max-tasks",
-            "1",
-            env={**FAST, "FLASHNODE_JOIN_CODE": join_code},
-        )
-        assert agent.wait(30) == 0, agent.log
-        assert server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
-        seen = json.loads(server.artifact(f"jobs/{job}/task-000/metrics.json"))
-        assert seen["uid"] != 0
-        assert seen["token"].startswith("denied") and seen["agent_env"].startswith("denied")
-        assert token not in json.dumps(seen) and join_code not in json.dumps(seen)
-    finally:
-        server.close()
+    job = tc.server.submit(argv_job(["python3", "-c", probe]))
+    agent = start_agent(
+        tc.server.url,
+        *TRUSTED,
+        *tc.agent_args(),
+        "--max-tasks",
+        "1",
+        env={**FAST, **tc.agent_env()},
+    )
+    assert agent.wait(30) == 0, agent.log
+    assert tc.server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    seen = json.loads(tc.server.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert seen["uid"] != 0
+    assert seen["token"].startswith("denied") and seen["agent_env"].startswith("denied")
+    assert tc.token not in json.dumps(seen) and tc.join_code not in json.dumps(seen)

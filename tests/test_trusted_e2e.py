@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
 
+from conftest import TokenCoordinator
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
 
 from flashnode.coordinator import Coordinator
@@ -174,42 +174,27 @@ def test_symlink_out_of_the_workspace_fails_and_uploads_nothing(
 
 
 def test_task_environment_holds_no_agent_secrets(
-    tmp_path: Path, start_agent: Callable[..., AgentProcess]
+    token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    token, join_code = "tok-" + os.urandom(8).hex(), "join-" + os.urandom(8).hex()
-    server = CoordinatorServer(
-        tmp_path / "tokcoord",
-        env={"FLASHML_NODE_TOKENS": f"node-x:{token}", "FLASHML_JOIN_CODE": join_code},
+    tc = token_coordinator
+    script = "import json,os; json.dump(dict(os.environ), open('out/metrics.json','w'))"
+    job = tc.server.submit(argv_job([PY, "-c", script]))
+    agent = start_agent(
+        tc.server.url,
+        *TRUSTED,
+        *tc.agent_args(),
+        "--max-tasks",
+        "1",
+        env={**FAST, **tc.agent_env()},
     )
-    server.root.mkdir()
-    server.start()
-    try:
-        token_file = tmp_path / "token"
-        token_file.write_text(token)
-        token_file.chmod(0o600)
-        script = "import json,os; json.dump(dict(os.environ), open('out/metrics.json','w'))"
-        job = server.submit(argv_job([PY, "-c", script]))
-        agent = start_agent(
-            server.url,
-            *TRUSTED,
-            "--node-id",
-            "node-x",
-            "--token-file",
-            str(token_file),
-            "--max-tasks",
-            "1",
-            env={**FAST, "FLASHNODE_JOIN_CODE": join_code},
-        )
-        assert agent.wait() == 0, agent.log
-        assert server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
-        env = json.loads(server.artifact(f"jobs/{job}/task-000/metrics.json"))
-        dumped = json.dumps(env)
-        assert token not in dumped and join_code not in dumped
-        assert not any(k.startswith("FLASHNODE_") and k != "FLASHNODE_OWNER" for k in env)
-        assert env["HOME"] == env["FLASHML_WORK_DIR"]
-        assert token not in agent.log and join_code not in agent.log
-    finally:
-        server.close()
+    assert agent.wait() == 0, agent.log
+    assert tc.server.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    env = json.loads(tc.server.artifact(f"jobs/{job}/task-000/metrics.json"))
+    dumped = json.dumps(env)
+    assert tc.token not in dumped and tc.join_code not in dumped
+    assert not any(k.startswith("FLASHNODE_") and k != "FLASHNODE_OWNER" for k in env)
+    assert env["HOME"] == env["FLASHML_WORK_DIR"]
+    assert tc.token not in agent.log and tc.join_code not in agent.log
 
 
 def test_sigterm_while_idle_exits_zero(
