@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from flashnode import status
@@ -69,11 +69,9 @@ class Backoff:
 @dataclass
 class Stats:
     started: int = 0
-    outcomes: dict[str, int] | None = None
+    outcomes: dict[str, int] = field(default_factory=dict)
 
     def count(self, outcome: Outcome) -> None:
-        if self.outcomes is None:
-            self.outcomes = {}
         self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
 
 
@@ -188,7 +186,7 @@ class Agent:
         if self._registered:
             self._heartbeat("terminating")
         self._publish(final=True)
-        log.info("agent stopped: %s", self.stats.outcomes or {})
+        log.info("agent stopped: %s", self.stats.outcomes)
 
     # --- what the agent is doing: systemd STATUS, the terminal line, status.json ---------------
 
@@ -225,7 +223,7 @@ class Agent:
             "draining": self._draining,
             "registered": self._registered,
             "last_heartbeat_at": self._last_beat_wall,
-            "counters": dict(self.stats.outcomes or {}),
+            "counters": dict(self.stats.outcomes),
             "running": [a.snapshot() for a in attempts if a.lease is not None],
             "updated_at": self.clock.wall(),
         }

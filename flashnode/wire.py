@@ -184,9 +184,6 @@ class Task(BaseModel):
     timeout_seconds: float | None = None
     gpus: int = 0
 
-    @property
-    def commit_key(self) -> str:
-        return self.output_prefix + "metrics.json"
 
 
 _UNSUPPORTED = {
