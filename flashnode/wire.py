@@ -185,7 +185,6 @@ class Task(BaseModel):
     gpus: int = 0
 
 
-
 _UNSUPPORTED = {
     "local_inputs": "lent local datasets",
     "datasets": "dataset slices",

@@ -61,15 +61,15 @@ def engine() -> Any:
     return _engine()
 
 
-@pytest.fixture(scope="session")
-def image(engine: Any) -> str:
-    """A busybox image imported from a local rootfs: no registry is needed."""
+def _import_image(engine: Any, name: str, extra: dict[str, str] | None = None) -> str:
+    """An image imported from a local busybox rootfs (no registry is needed), with ``extra``
+    executable files, path -> text."""
     busybox = shutil.which("busybox")
     if busybox is None:
         pytest.skip("busybox (busybox-static) is needed to build the test image")
     try:
-        engine.images.get(IMAGE)
-        return IMAGE
+        engine.images.get(name)
+        return name
     except docker.errors.ImageNotFound:
         pass
     buf = io.BytesIO()
@@ -83,9 +83,33 @@ def image(engine: Any) -> str:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(info)
-    repo, tag = IMAGE.split(":")
+        for path, text in (extra or {}).items():
+            data = text.encode()
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), 0o755
+            tar.addfile(info, io.BytesIO(data))
+    repo, tag = name.split(":")
     engine.api.import_image_from_data(buf.getvalue(), repository=repo, tag=tag)
-    return IMAGE
+    return name
+
+
+@pytest.fixture(scope="session")
+def image(engine: Any) -> str:
+    return _import_image(engine, IMAGE)
+
+
+# A stand-in interpreter: imports "succeed", and a module run records its spec and writes metrics.
+FAKE_PYTHON = """#!/bin/sh
+[ "$1" = "-c" ] && exit 0
+cat "$4" > "$6/spec-seen.json"
+echo "{\\"module\\": \\"$2\\"}" > "$6/metrics.json"
+"""
+PYBOX = "flashnode-test/pybox:1"
+
+
+@pytest.fixture(scope="session")
+def module_image(engine: Any) -> str:
+    return _import_image(engine, PYBOX, {"bin/python": FAKE_PYTHON})
 
 
 def ours(engine: Any, node: str) -> list[Any]:
@@ -287,3 +311,47 @@ def test_engine_going_away_fails_the_attempt_and_claims_resume_when_it_is_back(
     assert coordinator.wait_state(second, {"FAILED", "SUCCEEDED"}, timeout=60) == "SUCCEEDED"
     wait_for("the orphaned container to be removed", lambda: not ours(engine, node), timeout=30)
     assert agent.proc.poll() is None
+
+
+def test_module_tasks_run_inside_the_image_with_their_spec(
+    engine: Any,
+    module_image: str,
+    recording_coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    spec = {
+        "apiVersion": "flashml.dev/v1alpha1",
+        "kind": "Job",
+        "metadata": {"name": "hpo"},
+        "spec": {
+            "execution": {"backend": "leases"},
+            "image": {"repository": "flashnode-test/pybox", "tag": "1"},
+            "workload": {
+                "type": "hyperparameter_search",
+                "parameters": {
+                    "module": "flashml_workloads.sklearn_trial",
+                    "grid": {"C": [0.5]},
+                    "lease_seconds": 60,
+                },
+            },
+        },
+    }
+    job = recording_coordinator.submit(spec)
+    node = unique("dock-module")
+    agent = start(
+        start_agent,
+        recording_coordinator.url,
+        node,
+        "--max-tasks",
+        "1",
+        env={"FLASHNODE_ALLOWED_IMAGES": PYBOX},
+    )
+    assert agent.wait(60) == 0, agent.log
+    assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    [registration] = recording_coordinator.recorded("/nodes/register")
+    assert registration["module_capable"] is True
+    seen = json.loads(recording_coordinator.artifact(f"jobs/{job}/trial-000/spec-seen.json"))
+    assert seen["task_id"] == "trial-000" and seen["params"] == {"C": 0.5}
+    metrics = json.loads(recording_coordinator.artifact(f"jobs/{job}/trial-000/metrics.json"))
+    assert metrics == {"module": "flashml_workloads.sklearn_trial"}
+    assert ours(engine, node) == []

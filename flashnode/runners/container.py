@@ -31,13 +31,14 @@ from flashnode.errors import AttemptFailed, PrerequisiteError
 from flashnode.runners.base import Handle, Runner
 from flashnode.settings import Settings
 from flashnode.slots import Device, GpuPool
-from flashnode.wire import Task
+from flashnode.wire import MODULES, Task
 from flashnode.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
 LABEL_NODE = "dev.flashnode.node"
 LABEL_LEASE = "dev.flashnode.lease"
+LABEL_PROBE = "dev.flashnode.probe"  # the import check of module images: no task
 WAIT_POLL_S = 30
 ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
@@ -177,7 +178,6 @@ class ContainerRunner(Runner):
     ) -> None:
         self.node_id = node_id
         self.pool = pool or GpuPool()
-        self.reconfigure(settings)
         try:
             self.client = client or docker.DockerClient(base_url=settings.docker_host, timeout=60)
             self.client.ping()
@@ -190,6 +190,7 @@ class ContainerRunner(Runner):
         self._checked_at = time.monotonic()
         self._unremoved: set[str] = set()
         self._lock = threading.Lock()
+        self.reconfigure(settings)
 
     def reconfigure(self, settings: Settings) -> None:
         self.settings = settings
@@ -197,6 +198,32 @@ class ContainerRunner(Runner):
         self.user = settings.container_user or (
             "65534:65534" if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
         )
+        # Module tasks run `python -m MODULE` inside the task's image: only in allowed images
+        # present here whose python imports every allowlisted module.
+        self.module_images = {image for image in self.allowed if self._imports_modules(image)}
+        self.module_capable = bool(self.module_images)
+        if self.module_images:
+            log.info("module tasks on, in %s", ", ".join(sorted(self.module_images)))
+
+    def _imports_modules(self, image: str) -> bool:
+        if image_problem(image, self.allowed):
+            return False
+        code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+        try:
+            self.client.containers.run(
+                image,
+                ["python", "-c", code, *MODULES],
+                user=self.user,
+                network_mode="none",
+                read_only=True,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges:true"],
+                labels={LABEL_PROBE: self.node_id},
+                remove=True,
+            )
+        except ENGINE_ERRORS:
+            return False
+        return True
 
     # --- engine health ---------------------------------------------------------------------
 
@@ -231,11 +258,11 @@ class ContainerRunner(Runner):
     # --- the contract ----------------------------------------------------------------------
 
     def check(self, task: Task) -> None:
-        if task.argv is None:
-            raise AttemptFailed("the docker runner runs argv tasks only")
         problem = image_problem(task.image, self.allowed)
         if problem:
             raise AttemptFailed(f"refused: {problem}")
+        if task.module is not None and task.image not in self.module_images:
+            raise AttemptFailed(f"refused: image {task.image!r} cannot run module tasks here")
 
     def _image(self, ref: str) -> Any:
         try:
@@ -260,7 +287,6 @@ class ContainerRunner(Runner):
         record: Callable[[dict[str, Any]], None],
         gpus: list[Device],
     ) -> Handle:
-        assert task.argv is not None
         image = self._image(task.image)
         uid, _, gid = self.user.partition(":")
         if os.geteuid() == 0:
@@ -272,7 +298,7 @@ class ContainerRunner(Runner):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(gpus)))
         kwargs: dict[str, Any] = {
             "image": image.id,
-            "command": list(task.argv),
+            "command": self._command(task, workspace),
             "environment": env,
             "user": self.user,
             "working_dir": "/work",
@@ -292,6 +318,11 @@ class ContainerRunner(Runner):
                 docker.types.Mount("/work/out", str(workspace.out), type="bind", read_only=False),
             ],
         }
+        if task.module is not None:
+            spec = str(workspace.root / "spec.json")
+            kwargs["mounts"].append(
+                docker.types.Mount("/work/spec.json", spec, type="bind", read_only=True)
+            )
         if s.task_memory_bytes:
             kwargs["mem_limit"] = s.task_memory_bytes
             kwargs["memswap_limit"] = s.task_memory_bytes
@@ -322,6 +353,15 @@ class ContainerRunner(Runner):
             return AttemptFailed(f"{what} ({_brief(exc)})")
         self.engine_lost()
         return AttemptFailed(f"container engine unavailable ({type(exc).__name__})")
+
+    @staticmethod
+    def _command(task: Task, workspace: Workspace) -> list[str]:
+        if task.module is None:
+            assert task.argv is not None
+            return list(task.argv)
+        inputs = {i.name: f"/work/inputs/{i.dest}" for i in task.inputs}
+        workspace.write_spec(task.task_id, task.params, inputs)
+        return ["python", "-m", task.module, "--spec", "/work/spec.json", "--out", "/work/out"]
 
     def remove(self, container_id: str) -> None:
         """Remove one of this node's containers, now or once the engine is back."""
