@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -263,3 +265,51 @@ def test_status_names_the_running_task_and_pools_join_reaches_the_agent(
     ]
     history = flashnode("history", "--state-dir", str(agent.state_dir))
     assert "committed" in history.stdout
+
+
+def test_a_terminal_gets_a_live_status_line_that_log_lines_clear(
+    coordinator: CoordinatorServer, tmp_path: Path
+) -> None:
+    import pty
+
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("FLASHNODE_", "JOURNAL_STREAM"))
+    }
+    if os.geteuid() == 0:
+        base["FLASHNODE_TASK_USER"] = "flashnode-task"
+    state = Path(tempfile.mkdtemp(prefix="flashnode-state-"))
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the agent on a terminal
+        os.execve(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "flashnode",
+                "work",
+                "--coordinator",
+                coordinator.url,
+                *TRUSTED,
+                "--state-dir",
+                str(state),
+            ],
+            base,
+        )
+    output = b""
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline and b"\r\x1b[Kidle" not in output:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    output += os.read(fd, 4096)
+                except OSError:
+                    break
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(fd)
+        shutil.rmtree(state, ignore_errors=True)
+    text = output.decode(errors="replace")
+    assert "\r\x1b[Kidle" in text, text  # the live line, redrawn in place
+    assert "\r\x1b[K" + time.strftime("%Y") in text  # a log line clears it before printing
