@@ -19,8 +19,9 @@ from typing import Any, Literal, Protocol
 from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.clock import Clock
-from flashnode.errors import CoordinatorError, FlashnodeError, Unregistered
+from flashnode.errors import AttemptFailed, CoordinatorError, FlashnodeError, Unregistered
 from flashnode.settings import Settings
+from flashnode.slots import Device
 from flashnode.status import StatusSink
 from flashnode.wire import NodeHeartbeat, NodeRegistration
 from flashnode.workspace import remove_stale_workspaces
@@ -365,11 +366,23 @@ class Agent:
             return
         self.claim_backoff.reset()
         self.stats.started += 1
-        attempt = Attempt(self.ctx, lease)
+        attempt = Attempt(self.ctx, lease, self._reserve_gpus(lease))
         key = self.stats.started
         with self._lock:
             self.running[key] = attempt
         self.ctx.start_thread(lambda: self._run_attempt(key, attempt), f"attempt-{key}")
+
+    def _reserve_gpus(self, lease: dict[str, Any]) -> list[Device]:
+        """Take the GPUs a lease asks for now, in the loop, so that the next claim already
+        sees them held; the attempt checks the request properly (and fails it with a reason)."""
+        payload = lease.get("payload")
+        want = payload.get("gpus") if isinstance(payload, dict) else None
+        if not isinstance(want, int) or isinstance(want, bool) or want <= 0:
+            return []
+        try:
+            return self.ctx.gpus.acquire(want)
+        except AttemptFailed:
+            return []
 
     def _run_attempt(self, key: int, attempt: Attempt) -> None:
         try:

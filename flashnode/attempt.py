@@ -133,7 +133,10 @@ class LeaseKeeper:
 class Attempt:
     """Runs one claimed lease to its outcome. ``run`` never raises."""
 
-    def __init__(self, ctx: AttemptContext, lease_data: Any) -> None:
+    def __init__(
+        self, ctx: AttemptContext, lease_data: Any, reserved: list[Device] | None = None
+    ) -> None:
+        """``reserved``: GPUs the agent already took for this lease when it claimed it."""
         self.ctx = ctx
         self.data = lease_data
         self.lease: Lease | None = None
@@ -146,7 +149,7 @@ class Attempt:
         self._cancel_reason: str | None = None
         self._cancel_grace = 0.0
         self.started_at = ctx.clock.wall()
-        self.devices: list[Device] = []
+        self.devices: list[Device] = list(reserved or [])
         self.task_usage: dict[str, float | None] = {}
         self._ran = False
 
@@ -268,7 +271,10 @@ class Attempt:
         self.ctx.journal.write(self.lease.lease_id, {"lease": self.data, "state": "running"})
         self.task = task = parse_task(self.lease)
         self.ctx.runner.check(task)
-        self.devices = self.ctx.gpus.acquire(task.gpus)
+        if len(self.devices) != task.gpus:
+            self.ctx.gpus.release(self.devices)
+            self.devices = []
+            self.devices = self.ctx.gpus.acquire(task.gpus)
         self.ws = ws = Workspace.create(s.state_dir / "attempts", self.lease.lease_id)
         self._stage(task, ws)
         self._execute(task, ws)
@@ -472,6 +478,8 @@ class Attempt:
                 return
 
     def _drop(self, reason: str, started: float) -> Outcome:
+        self.ctx.gpus.release(self.devices)
+        self.devices = []
         lease_id = self.data.get("lease_id") if isinstance(self.data, dict) else None
         if isinstance(lease_id, str) and SAFE_ID.match(lease_id):
             log.error("lease %s: %s; failing it", lease_id, reason)

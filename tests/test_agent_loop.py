@@ -157,3 +157,38 @@ def test_low_disk_stops_claims_and_says_why_once(
     assert claims and claims[0] > 1030  # no claim while below the floor
     assert sum("below the" in r.message for r in caplog.records) == 1
     assert sum("claiming again" in r.message for r in caplog.records) == 1
+
+
+def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: Path) -> None:
+    import threading as th
+
+    from flashnode.slots import Device, GpuPool
+    from flashnode.wire import GpuInfo
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0, gpus=1), lease(1, gpus=1), lease(2, gpus=1)])
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=3, slots=2)
+    ctx.gpus = GpuPool([Device(GpuInfo(index=i), str(i)) for i in range(2)])
+    deferred: list[object] = []
+    seen: list[tuple[int, int]] = []
+
+    def start_later(fn: object, name: str) -> None:
+        if name.startswith("attempt-"):
+            deferred.append(fn)
+
+    ctx.start_thread = start_later  # type: ignore[assignment]
+    agent = Agent(ctx, coord, lambda current: registration(current, "node-1"))
+    original_wait = clock.wait
+
+    def wait(event: th.Event, timeout: float) -> bool:
+        if deferred:  # the attempts start only once the loop has claimed what it may
+            seen.append((len(deferred), ctx.gpus.free))
+            deferred.pop(0)()  # type: ignore[operator]
+            return True
+        return original_wait(event, timeout)
+
+    clock.wait = wait  # type: ignore[method-assign]
+    agent.run()
+    assert seen[0] == (2, 0)  # two claims, both GPUs held before either attempt ran
+    assert len(coord.names("claim")) == 3 and agent.stats.outcomes == {"committed": 3}
+    assert ctx.gpus.free == 2
