@@ -156,6 +156,7 @@ owner.register(main)
     help="File holding the join code (mode 0600) [or env FLASHNODE_JOIN_CODE].",
 )
 @click.option("--max-tasks", type=int, help="Finish this many attempts, then exit 0.")
+@click.option("--slots", help="Attempts at once: N, or auto (one per GPU) [default: 1].")
 @click.option("--log-json", is_flag=True, default=None, help="Log JSON lines.")
 def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None:
     """Register with the coordinator, then claim, run and commit tasks until stopped."""

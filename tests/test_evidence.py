@@ -162,7 +162,9 @@ def test_two_slots_run_two_gpu_tasks_at_once_on_different_gpus_and_a_third_waits
         *TRUSTED,
         "--max-tasks",
         "3",
-        env={**FAST, **env, "FLASHNODE_SLOTS": "auto"},
+        "--slots",
+        "auto",
+        env={**FAST, **env},
     )
     assert agent.wait(90) == 0, agent.log
     assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"

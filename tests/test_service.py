@@ -90,7 +90,8 @@ def test_sd_notify_ready_status_watchdog_and_stopping(
     time.sleep(2.2)  # a window to count watchdog pings in
     pings = [t for t, _ in notify.lines("WATCHDOG=1")]
     gaps = [b - a for a, b in zip(pings, pings[1:])]
-    assert len(pings) >= 4 and all(0.3 <= g <= 1.0 for g in gaps[1:]), gaps  # half of 1 s
+    # Half of WATCHDOG_USEC, give or take one turn of the loop (at most 0.5 s).
+    assert len(pings) >= 3 and all(0.3 <= g <= 1.05 for g in gaps[1:]), gaps
     agent.signal(signal.SIGTERM)
     assert agent.wait(30) == 0, agent.log
     assert notify.lines("STOPPING=1")
