@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import CoordinatorServer, argv_job, wait_for  # noqa: E402
 
-OURS = [str(ROOT / ".venv" / "bin" / "python"), "-m", "flashnode", "work"]
+OURS = [str(HERE / ".venv-ours" / "bin" / "flashnode"), "work"]
 OLD = [str(HERE / ".venv-041" / "bin" / "flashnode"), "work"]
 TASK_USER = "flashnode-task"
 # The trivial task: it must write metrics.json to commit (a bare `true` cannot), so both agents
