@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashnode.cgroups import AttemptCgroup
+from flashnode.logcap import CappedFile
 
 log = logging.getLogger(__name__)
 
 OWNER_ENV = "FLASHNODE_OWNER"
-TAIL_BYTES = 8 * 1024
 READ_CHUNK = 64 * 1024
 KILL_ROUNDS_S = 5.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -44,43 +44,34 @@ def new_token() -> str:
 
 
 class Capture:
-    """Copies a pipe into a file: the first ``cap`` bytes, then a marker and the last bytes."""
+    """Copies a pipe into a size-capped file (logcap.CappedFile) on its own thread."""
 
     def __init__(self, fd: int, path: Path, cap: int) -> None:
-        self._fd, self._path, self._cap = fd, path, cap
+        self._fd = fd
+        self._file = CappedFile(path, cap)
         self._stop = threading.Event()
-        self.total = 0
-        self.tail = b""
         self._thread = threading.Thread(target=self._run, name=f"capture-{path.name}", daemon=True)
         self._thread.start()
 
+    @property
+    def tail(self) -> bytes:
+        return self._file.tail
+
     def _run(self) -> None:
-        with self._path.open("wb") as out:
-            try:
-                while True:
-                    ready, _, _ = select.select([self._fd], [], [], 0.2)
-                    if not ready:
-                        if self._stop.is_set():
-                            break
-                        continue
-                    chunk = os.read(self._fd, READ_CHUNK)
-                    if not chunk:
+        try:
+            while True:
+                ready, _, _ = select.select([self._fd], [], [], 0.2)
+                if not ready:
+                    if self._stop.is_set():
                         break
-                    room = self._cap - self.total
-                    if room > 0:
-                        out.write(chunk[:room])
-                    self.total += len(chunk)
-                    self.tail = (self.tail + chunk)[-TAIL_BYTES:]
-            finally:
-                os.close(self._fd)
-                over = self.total - self._cap
-                if over > 0:
-                    kept = self.tail[-over:]
-                    out.write(
-                        f"\n[flashnode: {over} bytes over the {self._cap}-byte cap not kept;"
-                        f" the last {len(kept)} follow]\n".encode()
-                    )
-                    out.write(kept)
+                    continue
+                chunk = os.read(self._fd, READ_CHUNK)
+                if not chunk:
+                    break
+                self._file.write(chunk)
+        finally:
+            os.close(self._fd)
+            self._file.close()
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop reading (after draining what is already there) and wait for the file."""

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from fakes import lease
+
 Responder = Callable[[BaseHTTPRequestHandler], None]
 
 
@@ -115,28 +117,10 @@ class BadCoordinator:
 
 
 def lease_answer(n: int, lease_seconds: Any = 60.0, **payload: Any) -> Responder:
-    """A 200 claim answer for a trusted argv task that writes metrics.json."""
-    body = {
-        "argv": ["sh", "-c", "echo '{\"ok\": 1}' > out/metrics.json"],
-        "env": {},
-        "inputs": {},
-        "output_prefix": f"jobs/j1/task-{n:03d}/",
-        "task_id": f"task-{n:03d}",
-        "isolation": {"tier": "sandboxed", "allowFallback": True},
-        "pool": "team-a",
-        "workload_type": "command",
-    }
-    body.update(payload)
-    text = json.dumps(
-        {
-            "lease_id": f"ls-{n:012d}",
-            "task_id": f"task-{n:03d}",
-            "job_id": "j1",
-            "attempt_number": 1,
-            "lease_seconds": "@LS@",
-            "payload": body,
-        }
-    ).replace(
-        '"@LS@"', lease_seconds if isinstance(lease_seconds, str) else json.dumps(lease_seconds)
-    )
-    return answer(200, text.encode())
+    """A 200 claim answer for a trusted argv task that writes metrics.json. A string
+    ``lease_seconds`` goes into the JSON as it is (NaN, Infinity: what json.dumps refuses)."""
+    payload.setdefault("argv", ["sh", "-c", "echo '{\"ok\": 1}' > out/metrics.json"])
+    data = lease(n, **payload)
+    data["lease_seconds"] = "@LS@"
+    raw = lease_seconds if isinstance(lease_seconds, str) else json.dumps(lease_seconds)
+    return answer(200, json.dumps(data).replace('"@LS@"', raw).encode())

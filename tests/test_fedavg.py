@@ -148,35 +148,11 @@ def argv_rounds(
     return build
 
 
-def test_a_scaled_delta_is_clipped_and_named(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
-) -> None:
-    agents(start_agent, coordinator.url)
-    rounds: list[dict[str, Any]] = []
-    run_fedavg(
-        HttpCoordinator(coordinator.url),
-        epochs=1,
-        sync_every=1.0,
-        total_chunks=6,
-        slots=3,
-        worker_params=WORKER,
-        initial_weights=encode({"w": ([2], [0.0, 0.0])}),
-        expected_machines=3,
-        round_timeout_s=60,
-        poll_seconds=0.5,
-        pool=POOL,
-        on_round=rounds.append,
-        build_round=argv_rounds(3, 6, [1.0, 1e6, 1.0]),
-    )
-    [r] = rounds
-    assert coordinator.wait_state(r["job_id"], {"SUCCEEDED", "FAILED", "PARTIAL"}) == "SUCCEEDED"
-    assert [c["task_id"] for c in r["clipped"]] == ["task-001"]
-
-
-def test_a_nan_delta_fails_at_the_agent_and_the_round_completes_from_the_others(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
-) -> None:
-    workers = agents(start_agent, coordinator.url)
+def one_argv_round(
+    coordinator: CoordinatorServer, scales: list[float], round_timeout_s: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One real driver round over 6 chunks whose 3 slots run the argv worker with ``scales``:
+    (the round's report, the driver's result)."""
     rounds: list[dict[str, Any]] = []
     result = run_fedavg(
         HttpCoordinator(coordinator.url),
@@ -187,13 +163,30 @@ def test_a_nan_delta_fails_at_the_agent_and_the_round_completes_from_the_others(
         worker_params=WORKER,
         initial_weights=encode({"w": ([2], [0.0, 0.0])}),
         expected_machines=3,
-        round_timeout_s=15,
+        round_timeout_s=round_timeout_s,
         poll_seconds=0.5,
         pool=POOL,
         on_round=rounds.append,
-        build_round=argv_rounds(3, 6, [1.0, -1.0, 1.0]),
+        build_round=argv_rounds(3, 6, scales),
     )
     [r] = rounds
+    return dict(r), result
+
+
+def test_a_scaled_delta_is_clipped_and_named(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agents(start_agent, coordinator.url)
+    r, _ = one_argv_round(coordinator, [1.0, 1e6, 1.0], round_timeout_s=60)
+    assert coordinator.wait_state(r["job_id"], {"SUCCEEDED", "FAILED", "PARTIAL"}) == "SUCCEEDED"
+    assert [c["task_id"] for c in r["clipped"]] == ["task-001"]
+
+
+def test_a_nan_delta_fails_at_the_agent_and_the_round_completes_from_the_others(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    workers = agents(start_agent, coordinator.url)
+    r, result = one_argv_round(coordinator, [1.0, -1.0, 1.0], round_timeout_s=15)
     assert r["participants"] == 2
     assert all(math.isfinite(x) for x in flatten(result["weights"]))
     failed = [

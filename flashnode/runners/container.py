@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import docker
@@ -28,6 +29,7 @@ import docker.types
 import requests
 
 from flashnode.errors import AttemptFailed, PrerequisiteError
+from flashnode.logcap import CappedFile
 from flashnode.runners.base import Handle, Runner
 from flashnode.settings import Settings
 from flashnode.slots import Device, GpuPool
@@ -59,27 +61,26 @@ def image_problem(image: str, allowed: tuple[str, ...]) -> str | None:
 
 
 class CappedLog:
-    """Copies a byte stream into a file: the first ``cap`` bytes, then a marker and the tail."""
+    """Copies a container's log stream into a size-capped file on its own thread."""
 
-    def __init__(self, chunks: Iterator[bytes], path: os.PathLike[str], cap: int) -> None:
-        self.tail = b""
+    def __init__(self, chunks: Iterator[bytes], path: Path, cap: int) -> None:
+        self._file = CappedFile(path, cap)
         self._thread = threading.Thread(
-            target=self._run, args=(chunks, path, cap), name="container-log", daemon=True
+            target=self._run, args=(chunks,), name="container-log", daemon=True
         )
         self._thread.start()
 
-    def _run(self, chunks: Iterator[bytes], path: os.PathLike[str], cap: int) -> None:
-        total = 0
-        with open(path, "wb") as out:
+    @property
+    def tail(self) -> bytes:
+        return self._file.tail
+
+    def _run(self, chunks: Iterator[bytes]) -> None:
+        try:
             with contextlib.suppress(*ENGINE_ERRORS):
                 for chunk in chunks:
-                    if total < cap:
-                        out.write(chunk[: cap - total])
-                    total += len(chunk)
-                    self.tail = (self.tail + chunk)[-8192:]
-            if total > cap:
-                marker = f"\n[flashnode: {total - cap} bytes over the {cap}-byte cap not kept]\n"
-                out.write(marker.encode())
+                    self._file.write(chunk)
+        finally:
+            self._file.close()
 
     def join(self, timeout: float = 2.0) -> None:
         self._thread.join(timeout)
