@@ -1,15 +1,20 @@
-"""The main loop: register, node heartbeat, claim, hand attempts to the slot, drain.
+"""The main loop: register, node heartbeat, claim, hand attempts to slots, drain.
+
+``run`` has three phases, as uvicorn's server does: ``startup`` (reap what an earlier run left,
+resume the outbox), the loop, and ``shutdown``, which runs in every case (a drain, a second
+signal, refused credentials, a bug) and stops, ends and records every running attempt before the
+agent returns.
 
 It imports no edge: the coordinator, the runner, the clock and the way attempts are started are
 all given to it, so tests drive it with fakes and a fake clock. Signal handlers (in the CLI) only
-call ``request_stop``; the loop acts on it.
+call ``request_stop``/``request_reload``; the loop acts on them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -18,10 +23,19 @@ from typing import Any, Literal, Protocol
 
 from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
+from flashnode.attempt.record import State
 from flashnode.clock import Clock
-from flashnode.errors import AttemptFailed, CoordinatorError, FlashnodeError, Unregistered
+from flashnode.errors import (
+    AttemptFailed,
+    AttemptLapsed,
+    CoordinatorError,
+    CredentialsError,
+    FlashnodeError,
+    Unregistered,
+)
+from flashnode.gpupool import Device
+from flashnode.retry import Backoff, Policy
 from flashnode.settings import Settings
-from flashnode.slots import Device
 from flashnode.status import StatusSink
 from flashnode.wire import NodeHeartbeat, NodeRegistration
 from flashnode.workspace import remove_stale_workspaces
@@ -30,6 +44,7 @@ log = logging.getLogger(__name__)
 
 Status = Literal["online", "draining", "terminating"]
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
+SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
 
 
 class AgentCoordinator(Protocol):
@@ -51,22 +66,6 @@ class _Quiet:
         pass
 
 
-class Backoff:
-    """Capped exponential backoff with jitter (each delay drawn from [0.8, 1.0] times the step)."""
-
-    def __init__(self, first: float, cap: float, rng: random.Random) -> None:
-        self.first, self.cap, self.rng = first, cap, rng
-        self.step = first
-
-    def reset(self) -> None:
-        self.step = self.first
-
-    def next(self) -> float:
-        delay = self.step * self.rng.uniform(0.8, 1.0)
-        self.step = min(self.step * 2, self.cap)
-        return delay
-
-
 @dataclass
 class Stats:
     started: int = 0
@@ -86,6 +85,7 @@ class Agent:
         reload: Callable[[], Settings] | None = None,
         free_bytes: Callable[[], int | None] = lambda: None,
         sink: StatusSink | None = None,
+        on_settings: Callable[[Settings], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.sink: StatusSink = sink or _Quiet()
@@ -98,17 +98,21 @@ class Agent:
         self.coordinator = coordinator
         self.registration = registration
         self._reload_settings = reload
+        self._on_settings = on_settings
         self._free_bytes = free_bytes
         self._reload_requested = False
+        self._reloading = False
         self._low_disk = False
         self.clock = clock or ctx.clock
-        rng = ctx.rng
-        s = self.settings
-        self.claim_backoff = Backoff(s.claim_backoff_min_seconds, s.claim_backoff_max_seconds, rng)
+        rng, s = ctx.rng, self.settings
+        self.claim_backoff = Backoff(
+            Policy(s.claim_backoff_min_seconds, s.claim_backoff_max_seconds), rng
+        )
         # Each conversation has its own error backoff: a working heartbeat must not hurry a
         # failing claim.
-        self.register_errors = Backoff(1.0, s.error_backoff_max_seconds, rng)
-        self.claim_errors = Backoff(1.0, s.error_backoff_max_seconds, rng)
+        errors = Policy(1.0, s.error_backoff_max_seconds)
+        self.register_errors = Backoff(errors, rng)
+        self.claim_errors = Backoff(errors, rng)
         self.node_id = ""
         self.stats = Stats()
         self.running: dict[int, Attempt] = {}
@@ -118,8 +122,11 @@ class Agent:
         self._problems: dict[str, float] = {}  # conversation -> since when it fails
         self._next_heartbeat = 0.0
         self._next_claim = 0.0
+        self._next_register = 0.0
         self._draining = False
+        self._drain_started = False
         self._drain_deadline = 0.0
+        self._extend_at = 0.0
         self._stop_now = False
 
     # --- control (safe to call from a signal handler: sets flags only) ------------------------
@@ -134,43 +141,65 @@ class Agent:
         """Re-read the configuration (pools, limits) and register again."""
         self._reload_requested = True
 
-    # --- the loop -----------------------------------------------------------------------------
+    # --- the three phases ---------------------------------------------------------------------
 
     def run(self) -> None:
-        """Run until drained, stopped, or ``max_tasks`` attempts have finished."""
-        s = self.settings
-        self.recover()
+        """Run until drained, stopped, or ``max_tasks`` attempts have finished. Refused
+        credentials end the loop and are raised again once every attempt is stopped."""
+        self.startup()
+        fatal: BaseException | None = None
+        try:
+            self._loop()
+        except CredentialsError as exc:
+            log.error("the coordinator refused this node's credentials: %s", exc)
+            fatal = exc
+        except BaseException as exc:
+            fatal = exc
+            raise
+        finally:
+            self.shutdown(fatal is not None)
+        if fatal is not None:
+            raise fatal
+
+    def startup(self) -> None:
+        """Before any claim: reap what an earlier run of this agent left running, commit the
+        results it finished (the outbox), let the rest lapse, and remove workspaces no record
+        names."""
+        outbox = self.ctx.outbox
+        for lease_id in outbox.leases():
+            record = outbox.read(lease_id)
+            if record is None:
+                outbox.remove(lease_id)
+                continue
+            if record.process:
+                self.ctx.runner.reap(record.process)
+            attempt = Attempt(self.ctx, record.lease, record.slot, record=record)
+            if record.state is State.FINISHED:
+                outcome = attempt.resume()
+            else:
+                outcome = attempt.abandon("agent restarted")
+            self.stats.count(outcome)
+        self.ctx.runner.reconcile()
+        remove_stale_workspaces(self.settings.state_dir / "attempts", keep=set(outbox.leases()))
         self.sink.send(READY=1)
-        drain_started = False
-        next_register = extend_at = 0.0
+
+    def _loop(self) -> None:
         while True:
             self.sink.tick()
             now = self.clock.monotonic()
-            if self._draining and not drain_started:
-                drain_started = True
-                self._drain_deadline = now + s.drain_seconds
-                log.info("draining: no new claims; %d attempt(s) running", len(self.running))
-                self.sink.send(STOPPING=1)
-                self._next_heartbeat = now
-            if self._draining and now >= extend_at:
-                # Tell systemd the stop takes longer: what is left of the drain, the kill
-                # grace, and a margin for the last commits.
-                left = max(self._drain_deadline - now, 0.0) + s.kill_grace_seconds + 30
-                self.sink.send(EXTEND_TIMEOUT_USEC=int(left * 1e6))
-                extend_at = now + 5
+            self._drain_tick(now)
             if self._stop_now:
-                self._cancel_all("agent stopping", grace=0.0)
+                self._cancel_all(AttemptLapsed("agent stopping"), grace=0.0)
             elif self._draining and now >= self._drain_deadline:
-                self._cancel_all("node draining", grace=s.kill_grace_seconds)
+                self._cancel_all(AttemptLapsed("node draining"), self.settings.kill_grace_seconds)
             if not self.running and (self._draining or self._quota_spent()):
-                break
-            if self._reload_requested:
+                return
+            if self._reload_requested and not self._reloading:
                 self._reload_requested = False
                 self._reload()
             if not self._registered:
-                if now >= next_register:
+                if now >= self._next_register:
                     self._register()
-                    next_register = now if self._registered else now + self.register_errors.next()
             else:
                 if now >= self._next_heartbeat:
                     self._heartbeat()
@@ -179,15 +208,54 @@ class Agent:
                     self._publish()
                     continue
             self._publish()
-            wake_at = self._next_heartbeat if self._registered else next_register
+            wake_at = self._next_heartbeat if self._registered else self._next_register
             if self._may_claim():
                 wake_at = min(wake_at, self._next_claim)
             self.clock.wait(self._wake, min(max(wake_at - now, 0.0), TICK))
             self._wake.clear()
-        if self._registered:
-            self._heartbeat("terminating")
+
+    def shutdown(self, abrupt: bool = False) -> None:
+        """Stop every running attempt (left to lapse: not the tasks' fault), wait for each to
+        end and be recorded, say goodbye to the coordinator, publish the final status."""
+        s = self.settings
+        with self._lock:
+            left = list(self.running.values())
+        if left:
+            log.info("stopping %d running attempt(s)", len(left))
+            self._cancel_all(
+                AttemptLapsed("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds
+            )
+            deadline = self.clock.monotonic() + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
+            while self.running and self.clock.monotonic() < deadline:
+                self.sink.tick()
+                self.clock.wait(self._wake, TICK)
+                self._wake.clear()
+            if self.running:
+                log.error("%d attempt(s) did not end in time", len(self.running))
+        if self._registered and not abrupt:
+            with contextlib.suppress(CoordinatorError, CredentialsError):
+                self.coordinator.node_heartbeat(
+                    NodeHeartbeat(node_id=self.node_id, status="terminating")
+                )
         self._publish(final=True)
         log.info("agent stopped: %s", self.stats.outcomes)
+
+    # --- draining -----------------------------------------------------------------------------
+
+    def _drain_tick(self, now: float) -> None:
+        s = self.settings
+        if self._draining and not self._drain_started:
+            self._drain_started = True
+            self._drain_deadline = now + s.drain_seconds
+            log.info("draining: no new claims; %d attempt(s) running", len(self.running))
+            self.sink.send(STOPPING=1)
+            self._next_heartbeat = now
+        if self._draining and now >= self._extend_at:
+            # Tell systemd the stop takes longer: what is left of the drain, the kill grace,
+            # and a margin for the last commits.
+            left = max(self._drain_deadline - now, 0.0) + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
+            self.sink.send(EXTEND_TIMEOUT_USEC=int(left * 1e6))
+            self._extend_at = now + 5
 
     # --- what the agent is doing: systemd STATUS, the terminal line, status.json ---------------
 
@@ -215,7 +283,7 @@ class Agent:
         with self._lock:
             attempts = list(self.running.values())
         snapshot = {
-            "pid": self._pid if not final else -1,
+            "pid": None if final else self._pid,
             "node_id": self.node_id,
             "coordinator": self.settings.coordinator,
             "runner": self.settings.runner,
@@ -233,29 +301,6 @@ class Agent:
         except OSError as exc:
             log.debug("cannot write status.json: %s", exc)
 
-    def recover(self) -> None:
-        """Before any claim: reap what an earlier run of this agent left running, commit the
-        results it finished (the outbox), fail the attempts it left unfinished, and remove
-        workspaces no record names."""
-        journal = self.ctx.journal
-        for lease_id in journal.leases():
-            record = journal.read(lease_id)
-            if record is None:
-                journal.remove(lease_id)
-                continue
-            identity = record.get("process")
-            if isinstance(identity, dict):
-                self.ctx.runner.reap(identity)
-            attempt = Attempt(self.ctx, record.get("lease"))
-            if record.get("state") == "finished":
-                outcome = attempt.resume(record)
-            else:
-                outcome = attempt.abandon("agent restarted")
-            journal.remove(lease_id)
-            self.stats.count(outcome)
-        self.ctx.runner.reconcile()
-        remove_stale_workspaces(self.settings.state_dir / "attempts", keep=set(journal.leases()))
-
     def _quota_spent(self) -> bool:
         m = self.settings.max_tasks
         return m is not None and self.stats.started >= m
@@ -263,26 +308,31 @@ class Agent:
     @property
     def slots(self) -> int:
         """Attempts run at once: ``slots``, or with ``auto`` one per GPU (1 without GPUs)."""
-        if self.settings.slots == "auto":
-            return max(1, len(self.ctx.gpus.devices))
-        return self.settings.slots
+        return effective_slots(self.settings, len(self.ctx.gpus.devices))
+
+    def _free_slot(self) -> int | None:
+        with self._lock:
+            used = {a.record.slot for a in self.running.values()}
+        return next((i for i in range(self.slots) if i not in used), None)
 
     def _may_claim(self) -> bool:
         """Claim only with a free slot that could serve a task: on a GPU node, a free GPU."""
-        if not self._registered or self._draining or self._quota_spent():
+        if not self._registered or self._draining or self._quota_spent() or self._reloading:
             return False
         gpus = self.ctx.gpus
-        if len(self.running) >= self.slots or (gpus.devices and gpus.free == 0):
+        if self._free_slot() is None or (gpus.devices and gpus.free == 0):
             return False
         return self.ctx.runner.ready()
 
     # --- coordinator conversations ------------------------------------------------------------
 
     def _register(self) -> None:
+        now = self.clock.monotonic()
         try:
             self.node_id = self.coordinator.register(self.registration(self.settings))
         except CoordinatorError as exc:
             self._failing("registration", exc)
+            self._next_register = now + self.register_errors.next()
             return
         self._registered = True
         self._working("registration")
@@ -309,6 +359,8 @@ class Agent:
         self._last_beat_wall = self.clock.wall()
 
     def _reload(self) -> None:
+        """Re-read the configuration now; the runner's slow part (probes, import checks) runs
+        on its own thread while the loop, its heartbeats and the watchdog go on."""
         if self._reload_settings is None:
             return
         try:
@@ -321,12 +373,27 @@ class Agent:
         if changed:
             log.error("reload refused: changing %s needs a restart", ", ".join(changed))
             return
-        self.settings = self.ctx.settings = new
-        self.ctx.runner.reconfigure(new)
-        log.info("configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-")
-        self._registered = False
-        self._register()
-        self._next_claim = self.clock.monotonic()
+        self._reloading = True
+
+        def reconfigure() -> None:
+            try:
+                self.ctx.runner.reconfigure(new)
+            except Exception as exc:  # a reload must never take the agent down
+                log.error("reload failed, keeping the running configuration: %s", exc)
+                self._reloading = False
+                return
+            self.settings = self.ctx.settings = new
+            if self._on_settings is not None:
+                self._on_settings(new)
+            log.info(
+                "configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-"
+            )
+            self._registered = False
+            self._next_register = self._next_claim = 0.0
+            self._reloading = False
+            self._wake.set()
+
+        self.ctx.start_thread(reconfigure, "reload")
 
     def _disk_ok(self) -> bool:
         free, floor = self._free_bytes(), self.settings.min_free_bytes
@@ -353,7 +420,7 @@ class Agent:
             log.info("coordinator refused the claim as unregistered; registering again")
             self._registered = False
             self._register()
-            self._next_claim = now if self._registered else now + self.register_errors.next()
+            self._next_claim = now
             return
         except CoordinatorError as exc:
             self._failing("claim", exc)
@@ -366,7 +433,8 @@ class Agent:
             return
         self.claim_backoff.reset()
         self.stats.started += 1
-        attempt = Attempt(self.ctx, lease, self._reserve_gpus(lease))
+        slot = self._free_slot() or 0
+        attempt = Attempt(self.ctx, lease, slot, self._reserve_gpus(lease))
         key = self.stats.started
         with self._lock:
             self.running[key] = attempt
@@ -374,7 +442,7 @@ class Agent:
 
     def _reserve_gpus(self, lease: dict[str, Any]) -> list[Device]:
         """Take the GPUs a lease asks for now, in the loop, so that the next claim already
-        sees them held; the attempt checks the request properly (and fails it with a reason)."""
+        sees them held; the attempt checks the request properly (and ends it with a reason)."""
         payload = lease.get("payload")
         want = payload.get("gpus") if isinstance(payload, dict) else None
         if not isinstance(want, int) or isinstance(want, bool) or want <= 0:
@@ -385,20 +453,21 @@ class Agent:
             return []
 
     def _run_attempt(self, key: int, attempt: Attempt) -> None:
+        outcome = Outcome.FAILED
         try:
             outcome = attempt.run()
         finally:
             with self._lock:
                 self.running.pop(key, None)
+            self.stats.count(outcome)
             self._next_claim = self.clock.monotonic()  # claim again at once
             self._wake.set()
-        self.stats.count(outcome)
 
-    def _cancel_all(self, reason: str, grace: float) -> None:
+    def _cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
         with self._lock:
             attempts = list(self.running.values())
         for attempt in attempts:
-            attempt.cancel(reason, grace)
+            attempt.cancel(ending, grace)
 
     # --- one log line per state change -------------------------------------------------------
 
@@ -411,3 +480,9 @@ class Agent:
         since = self._problems.pop(what, None)
         if since is not None:
             log.info("%s works again after %.0f s", what, self.clock.monotonic() - since)
+
+
+def effective_slots(settings: Settings, gpus: int) -> int:
+    if settings.slots == "auto":
+        return max(1, gpus)
+    return settings.slots

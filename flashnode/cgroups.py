@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from flashnode.clock import Clock, SystemClock
 
 ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
@@ -31,15 +32,18 @@ class Limits:
 class Hierarchy:
     """Where attempt cgroups are made: one base directory (v2) or one per controller (v1)."""
 
-    def __init__(self, version: int, bases: dict[str, Path]) -> None:
+    def __init__(self, version: int, bases: dict[str, Path], clock: Clock | None = None) -> None:
         self.version = version
         self.bases = bases  # controller (or "unified") -> <agent's cgroup>/flashnode
+        self.clock = clock or SystemClock()
 
     def describe(self) -> str:
         return f"cgroup v{self.version} ({', '.join(str(p) for p in self.bases.values())})"
 
     def create(self, name: str, limits: Limits) -> AttemptCgroup:
-        cg = AttemptCgroup(self.version, {c: base / name for c, base in self.bases.items()})
+        cg = AttemptCgroup(
+            self.version, {c: base / name for c, base in self.bases.items()}, self.clock
+        )
         try:
             for path in cg.paths.values():
                 path.parent.mkdir(exist_ok=True)
@@ -54,9 +58,10 @@ class Hierarchy:
 class AttemptCgroup:
     """One attempt's cgroup: a directory per hierarchy, keyed by controller ("unified" on v2)."""
 
-    def __init__(self, version: int, paths: dict[str, Path]) -> None:
+    def __init__(self, version: int, paths: dict[str, Path], clock: Clock | None = None) -> None:
         self.version = version
         self.paths = paths
+        self.clock = clock or SystemClock()
 
     @property
     def procs_files(self) -> list[str]:
@@ -96,12 +101,12 @@ class AttemptCgroup:
         if self.version == 2:
             with contextlib.suppress(OSError):
                 _write(self.paths["unified"] / "cgroup.kill", "1")
-        deadline = time.monotonic() + timeout
-        while (pids := self.pids()) and time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + timeout
+        while (pids := self.pids()) and self.clock.monotonic() < deadline:
             for pid in pids:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.01)
+            self.clock.sleep(0.01)
 
     def cpu_seconds(self) -> float | None:
         """CPU time used by everything that ran in this cgroup, if the host accounts it."""
@@ -144,7 +149,7 @@ class AttemptCgroup:
                 except FileNotFoundError:
                     break
                 except OSError:
-                    time.sleep(0.02)
+                    self.clock.sleep(0.02)
 
 
 def _write(path: Path, value: str) -> None:
@@ -162,7 +167,7 @@ def _own_cgroup() -> dict[str, str]:
     return paths
 
 
-def detect(root: Path = ROOT) -> tuple[Hierarchy | None, str]:
+def detect(root: Path = ROOT, clock: Clock | None = None) -> tuple[Hierarchy | None, str]:
     """The hierarchy attempt cgroups can be made in, or None and why not."""
     try:
         own = _own_cgroup()
@@ -175,7 +180,7 @@ def detect(root: Path = ROOT) -> tuple[Hierarchy | None, str]:
         missing = [c for c in V1_CONTROLLERS if c not in controllers]
         if missing:
             return None, f"cgroup v2 lacks the {', '.join(missing)} controller(s)"
-        return _probe(Hierarchy(2, {"unified": base}))
+        return _probe(Hierarchy(2, {"unified": base}, clock))
     bases = {}
     for controller in V1_CONTROLLERS:
         mount = root / controller
@@ -187,7 +192,7 @@ def detect(root: Path = ROOT) -> tuple[Hierarchy | None, str]:
     acct = root / "cpuacct"
     if "cpuacct" in own and acct.is_dir() and not (root / "cpu" / "cpuacct.usage").exists():
         bases["cpuacct"] = acct / own["cpuacct"].lstrip("/") / "flashnode"
-    return _probe(Hierarchy(1, bases))
+    return _probe(Hierarchy(1, bases, clock))
 
 
 def _probe(hierarchy: Hierarchy) -> tuple[Hierarchy | None, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pwd
 import random
 import shutil
 import signal
@@ -17,9 +16,10 @@ from types import FrameType
 from typing import Any
 
 import click
+import psutil
 
-from flashnode import __version__, cgroups, inventory, owner
-from flashnode.agent import Agent
+from flashnode import __version__, inventory, owner
+from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
 from flashnode.coordinator import Coordinator
@@ -31,13 +31,12 @@ from flashnode.errors import (
     PrerequisiteError,
 )
 from flashnode.gpu import Nvml
-from flashnode.journal import Journal
+from flashnode.gpupool import GpuPool
 from flashnode.ledger import Ledger
-from flashnode.procs import TaskUser
-from flashnode.runners.base import Runner
-from flashnode.runners.trusted import TrustedRunner
+from flashnode.outbox import Outbox
+from flashnode.runners.base import Runner, RunnerEnv, runner_class
+from flashnode.runners.spec import task_limits
 from flashnode.settings import Settings, load
-from flashnode.slots import GpuPool
 from flashnode.status import Sinks, TerminalLine
 from flashnode.systemd import Notifier
 from flashnode.wire import NodeRegistration
@@ -180,62 +179,16 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         _fail(ExitCode.FAILURE, str(exc))
 
 
-def task_user(settings: Settings) -> TaskUser | None:
-    """The user trusted tasks run as: required (and not root) when the agent runs as root."""
-    if os.geteuid() != 0:
-        if settings.task_user:
-            raise ConfigError("task_user needs the agent to run as root")
-        log.info("trusted tasks run as this agent's own user (uid %d)", os.geteuid())
-        return None
-    if not settings.task_user:
-        raise ConfigError(
-            "running as root: set task_user to an unprivileged user for trusted tasks"
-        )
-    try:
-        pw = pwd.getpwnam(settings.task_user)
-    except KeyError:
-        raise ConfigError(f"task_user {settings.task_user!r} does not exist") from None
-    if pw.pw_uid == 0:
-        raise ConfigError(f"task_user {settings.task_user!r} is root")
-    _check_reachable(settings.state_dir, pw.pw_uid, pw.pw_gid, settings.task_user)
-    if not shutil.which("setpriv"):
-        raise PrerequisiteError("setpriv (util-linux) is needed to run tasks as task_user")
-    log.info("trusted tasks run as %s (uid %d)", pw.pw_name, pw.pw_uid)
-    return TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
-
-
-def _check_reachable(state_dir: Path, uid: int, gid: int, user: str) -> None:
-    """The task user must be able to enter every directory above its workspace."""
-    for d in [state_dir.resolve(), *state_dir.resolve().parents][1:]:
-        st = d.stat()
-        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
-        if not st.st_mode & bit:
-            raise ConfigError(
-                f"task_user {user!r} cannot enter {d}, above the state dir {state_dir}:"
-                " choose another state_dir or allow search (chmod o+x)"
-            )
-
-
-def make_runner(settings: Settings, pool: GpuPool, node: str) -> Runner:
-    if settings.runner == "trusted":
-        user = task_user(settings)
-        hierarchy, why = cgroups.detect()
-        if hierarchy is None:
-            log.warning("no per-task cgroups (%s): limits rely on process groups and tokens", why)
-        else:
-            log.info("per-task cgroups in %s", hierarchy.describe())
-        limits = cgroups.Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
-        runner = TrustedRunner(
-            settings.pools, settings.log_max_bytes, hierarchy, limits, user, pool
-        )
-        runner.reconfigure(settings)  # task_python: are module tasks on?
-        return runner
-    if not settings.allowed_images:
-        log.warning("allowed_images is empty: this node will refuse every container task")
-    # Imported here: the Docker SDK costs a trusted-only agent memory it never uses.
-    from flashnode.runners.container import ContainerRunner
-
-    return ContainerRunner(settings, node, pool)
+def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
+    """The configured runner, after its preflight: a fatal problem stops the agent with its exit
+    code and one line naming the fix (``flashnode doctor`` prints the same problems)."""
+    cls = runner_class(settings.runner)
+    for p in cls.preflight(settings, env.slots):
+        if p.fatal:
+            error = ConfigError if p.exit_code == ExitCode.CONFIG else PrerequisiteError
+            raise error(f"{p.what}: {p.why}; fix: {p.fix}")
+        log.warning("%s: %s (%s)", p.what, p.why, p.fix)
+    return cls.create(settings, env)
 
 
 def _thread(fn: Callable[[], None], name: str) -> None:
@@ -259,30 +212,37 @@ def run_agent(
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
-    pool = GpuPool()
-    runner = make_runner(settings, pool, node)
     nvml = Nvml.open(settings.nvml_library)
+    gpus = GpuPool(nvml.devices if nvml is not None else [])
+    clock = SystemClock()
+    slots = effective_slots(settings, len(gpus.devices))
+    runner = make_runner(settings, RunnerEnv(node, gpus, clock, slots))
     coordinator = Coordinator(
         settings.coordinator,
         token=settings.token.get_secret_value() if settings.token else None,
         join_code=settings.join_code.get_secret_value() if settings.join_code else None,
     )
+    machine = (psutil.virtual_memory().total, os.cpu_count() or 1)
     ctx = AttemptContext(
         coordinator=coordinator,
         runner=runner,
         settings=settings,
-        clock=SystemClock(),
+        clock=clock,
         ledger=Ledger(settings.state_dir / "ledger.jsonl"),
-        journal=Journal(settings.state_dir / "journal"),
+        outbox=Outbox(settings.state_dir / "outbox"),
         start_thread=_thread,
         rng=random.Random(),
         gpu=nvml,
-        gpus=pool,
+        gpus=gpus,
+        limits=task_limits(settings, slots, *machine),
     )
+
+    def on_settings(new: Settings) -> None:
+        ctx.limits = task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
 
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []
-        pool.set_devices(devices)
+        gpus.set_devices(devices)
         return inventory.registration(
             current, node, [d.info for d in devices], runner.module_capable
         )
@@ -294,12 +254,14 @@ def run_agent(
         reload=reload,
         free_bytes=lambda: _free_bytes(settings.state_dir),
         sink=Sinks(Notifier(), *([line] if line else [])),
+        on_settings=on_settings,
     )
     log.info(
-        "flashnode %s: node %s, %s runner, pools %s, coordinator %s",
+        "flashnode %s: node %s, %s runner, %d slot(s), pools %s, coordinator %s",
         __version__,
         node,
         settings.runner,
+        slots,
         ",".join(settings.pools) or "-",
         settings.coordinator,
     )

@@ -17,6 +17,9 @@ class Clock(Protocol):
     def wait(self, event: threading.Event, timeout: float) -> bool:
         """Wait until ``event`` is set or ``timeout`` seconds pass; True if it is set."""
 
+    def sleep(self, seconds: float) -> None:
+        """Pause this thread (a poll's interval; never a synchronisation)."""
+
 
 class SystemClock:
     def monotonic(self) -> float:
@@ -27,3 +30,6 @@ class SystemClock:
 
     def wait(self, event: threading.Event, timeout: float) -> bool:
         return event.wait(max(0.0, timeout))
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))

@@ -1,18 +1,20 @@
 """The coordinator client: the only module that imports httpx.
 
-One method per endpoint (PROTOCOL.md §3); each translates statuses into a return value or one of
-the exceptions of ``flashnode.errors``. Answers are read with a size cap and a total deadline, so
+One method per endpoint (PROTOCOL.md §3). What each status means is written once, in ``STATUS``;
+everything a hostile or broken answer can raise (transport and protocol errors, invalid JSON,
+absurd nesting, a bad URL) becomes one of the exceptions of ``flashnode.errors`` here, at the
+boundary. Every answer, error answers included, is read with a size cap and a total deadline, so
 a huge or dripping response cannot exhaust memory or hang the agent. Redirects are never followed,
-so credentials never leave for another host.
+so credentials never leave for another host. Ids are checked before they go into a URL.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
@@ -20,14 +22,25 @@ import httpx
 
 from flashnode import __version__
 from flashnode.errors import (
+    AttemptFailed,
     CoordinatorError,
     CoordinatorUnavailable,
     CredentialsError,
+    FlashnodeError,
     LeaseLost,
+    NotFound,
     PayloadTooLarge,
     Unregistered,
 )
-from flashnode.wire import CompleteRequest, ExecutionEvidence, NodeHeartbeat, NodeRegistration
+from flashnode.wire import (
+    SAFE_ID,
+    CheckpointManifest,
+    CheckpointPart,
+    CompleteRequest,
+    ExecutionEvidence,
+    NodeHeartbeat,
+    NodeRegistration,
+)
 
 API = "/v1alpha1"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
@@ -35,8 +48,46 @@ ANSWER_DEADLINE_S = 60.0
 CHUNK = 1024 * 1024
 
 
-class NotFound(CoordinatorError):
-    """The artifact or lease does not exist."""
+class Done(Exception):
+    """In ``STATUS``: the call needs nothing more (``fail`` on a lease already dead)."""
+
+
+class CheckpointRefused(CoordinatorError):
+    """409 on a checkpoint commit: the manifest was refused; that checkpoint does not exist."""
+
+
+# What a status means, per endpoint (PROTOCOL.md §3.0). Not listed: 200/201/204 are answers, 5xx
+# is CoordinatorUnavailable (retry with backoff), 3xx a refused redirect, else CoordinatorError.
+STATUS: dict[str, dict[int, type[Exception]]] = {
+    "health": {},
+    "register": {401: CredentialsError, 403: CredentialsError},
+    "node heartbeat": {401: CredentialsError, 403: CredentialsError, 404: Unregistered},
+    "claim": {401: CredentialsError, 403: Unregistered},
+    "attempt heartbeat": {401: CredentialsError, 403: LeaseLost, 404: LeaseLost, 410: LeaseLost},
+    "complete": {401: CredentialsError, 403: LeaseLost, 404: LeaseLost, 410: LeaseLost},
+    "fail": {401: CredentialsError, 403: Done, 404: Done, 410: Done},
+    "upload": {401: CredentialsError, 403: LeaseLost, 410: LeaseLost, 413: PayloadTooLarge},
+    "download": {404: NotFound},
+    "checkpoint part": {401: CredentialsError, 403: LeaseLost, 410: LeaseLost},
+    "checkpoint commit": {
+        401: CredentialsError,
+        403: LeaseLost,
+        409: CheckpointRefused,
+        410: LeaseLost,
+    },
+    "checkpoint latest": {404: NotFound},
+}
+
+
+def _segment(value: str, what: str) -> str:
+    """An id for a URL path segment, checked against the protocol's charset."""
+    if not SAFE_ID.match(value):
+        raise CoordinatorError(f"refusing to put an unsafe {what} in a URL")
+    return value
+
+
+def _key(key: str) -> str:
+    return quote(key, safe="/")
 
 
 class Coordinator:
@@ -72,165 +123,233 @@ class Coordinator:
 
     def health(self) -> None:
         """GET /healthz: raises CoordinatorError unless the coordinator answers 200."""
-        status, body = self._call("GET", self._root + "/healthz")
-        self._expect(status, body, "health check")
+        self._call("health", "GET", self._root + "/healthz")
 
     # --- nodes --------------------------------------------------------------------------------
 
     def register(self, registration: NodeRegistration) -> str:
         """Register (or re-register) this node; returns the effective node id."""
         headers = {"X-FlashML-Join-Code": self._join_code} if self._join_code else {}
-        status, body = self._call(
-            "POST", "/nodes/register", json=registration.model_dump(mode="json"), headers=headers
+        _, body = self._call(
+            "register",
+            "POST",
+            "/nodes/register",
+            json=registration.model_dump(mode="json"),
+            headers=headers,
         )
-        if status in (401, 403):
-            raise CredentialsError(f"registration refused ({status}: {_detail(body)})")
-        self._expect(status, body, "register")
         node_id = _json(body, "register").get("node_id")
-        if not isinstance(node_id, str) or not node_id:
-            raise CoordinatorError("register answer carries no node_id")
+        if not isinstance(node_id, str) or not SAFE_ID.match(node_id):
+            raise CoordinatorError("register answer carries no usable node_id")
         return node_id
 
     def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None:
-        status, body = self._call(
+        node = _segment(heartbeat.node_id, "node id")
+        self._call(
+            "node heartbeat",
             "POST",
-            f"/nodes/{heartbeat.node_id}/heartbeat",
+            f"/nodes/{node}/heartbeat",
             json=heartbeat.model_dump(mode="json"),
         )
-        if status == 404:
-            raise Unregistered("coordinator does not know this node", status)
-        if status in (401, 403):
-            raise CredentialsError(f"node heartbeat refused ({status}: {_detail(body)})")
-        self._expect(status, body, "node heartbeat")
 
     # --- leases -------------------------------------------------------------------------------
 
     def claim(self, node_id: str) -> dict[str, Any] | None:
         """Claim a lease: the raw lease object, or None when nothing is eligible for this node."""
         status, body = self._call(
-            "POST", "/leases/claim", json={"node_id": node_id, "job_id": None}
+            "claim", "POST", "/leases/claim", json={"node_id": node_id, "job_id": None}
         )
         if status == 204:
             return None
-        if status == 403:
-            raise Unregistered(f"claim refused ({_detail(body)})", status)
-        if status == 401:
-            raise CredentialsError(f"claim refused ({status}: {_detail(body)})")
-        self._expect(status, body, "claim")
         return _json(body, "claim")
 
     def attempt_heartbeat(self, lease_id: str) -> None:
-        status, body = self._call("POST", f"/attempts/{lease_id}/heartbeat")
-        if status in (403, 404, 410):
-            raise LeaseLost(_detail(body), status)
-        self._expect(status, body, "attempt heartbeat")
+        self._call(
+            "attempt heartbeat", "POST", f"/attempts/{_segment(lease_id, 'lease id')}/heartbeat"
+        )
 
     def complete(
         self, lease_id: str, output_sha256: str, evidence: ExecutionEvidence
     ) -> tuple[bool, str]:
         """Commit; returns (accepted, detail). ``accepted`` False is final."""
         req = CompleteRequest(output_sha256=output_sha256, evidence=evidence)
-        status, body = self._call(
-            "POST", f"/attempts/{lease_id}/complete", json=req.model_dump(mode="json")
+        _, body = self._call(
+            "complete",
+            "POST",
+            f"/attempts/{_segment(lease_id, 'lease id')}/complete",
+            json=req.model_dump(mode="json"),
         )
-        if status in (403, 404, 410):
-            raise LeaseLost(_detail(body), status)
-        self._expect(status, body, "complete")
         answer = _json(body, "complete")
         detail = answer.get("detail")
-        return answer.get("accepted") is True, detail if isinstance(detail, str) else ""
+        return answer.get("accepted") is True, detail[:300] if isinstance(detail, str) else ""
 
     def fail(self, lease_id: str, reason: str) -> None:
         """Report a failed attempt. A dead or unknown lease needs nothing more."""
-        status, body = self._call("POST", f"/attempts/{lease_id}/fail", json={"reason": reason})
-        if status in (403, 404, 410):
+        try:
+            self._call(
+                "fail",
+                "POST",
+                f"/attempts/{_segment(lease_id, 'lease id')}/fail",
+                json={"reason": reason},
+            )
+        except Done:
             return
-        self._expect(status, body, "fail")
 
     # --- artifacts ----------------------------------------------------------------------------
 
-    def upload(self, key: str, path: Path) -> str:
-        """PUT a file as a stream, hashing it on the way; returns its sha256 after checking that
-        the coordinator stored the same bytes."""
+    def upload(self, key: str, fh: BinaryIO, size: int) -> str:
+        """PUT exactly ``size`` bytes read from ``fh`` (an open file the caller checked), hashing
+        them on the way; returns their sha256 after checking that the coordinator stored the same
+        bytes. A file that ends early is AttemptFailed: it changed after it was checked."""
         digest = hashlib.sha256()
-        with path.open("rb") as fh:
-            size = _size(fh)
-            status, body = self._call(
-                "PUT",
-                f"/artifacts/{quote(key, safe='/')}",
-                content=_hashing(fh, digest),
-                headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
-            )
-        if status == 413:
-            raise PayloadTooLarge(f"{key}: {_detail(body)}", status)
-        if status in (403, 410):
-            raise LeaseLost(_detail(body), status)
-        self._expect(status, body, "upload")
+        _, body = self._call(
+            "upload",
+            "PUT",
+            f"/artifacts/{_key(key)}",
+            content=_exactly(fh, size, digest, key),
+            headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+        )
         local = digest.hexdigest()
-        remote = _json(body, "upload").get("sha256")
-        if remote != local:
+        if _json(body, "upload").get("sha256") != local:
             raise CoordinatorUnavailable(f"upload of {key} arrived corrupted (sha256 mismatch)")
         return local
 
-    def download(self, key: str, dest: Path, max_bytes: int) -> int:
-        """GET an artifact into ``dest`` as a stream; returns its size. NotFound if missing."""
-        deadline = time.monotonic() + 3600.0
+    def download(
+        self, key: str, out: BinaryIO, max_bytes: int, stop: threading.Event | None = None
+    ) -> int:
+        """GET an artifact into ``out`` as a stream; returns its size. NotFound if missing;
+        CoordinatorError past ``max_bytes``; CoordinatorUnavailable when ``stop`` is set or the
+        transfer stalls (no byte for the client's read timeout)."""
+        size = 0
         try:
-            with self._client.stream("GET", f"/artifacts/{quote(key, safe='/')}") as resp:
-                if resp.status_code == 404:
-                    raise NotFound(f"no artifact at {key}", 404)
+            with self._client.stream("GET", f"/artifacts/{_key(key)}") as resp:
                 if resp.status_code != 200:
-                    resp.read()
-                    self._expect(resp.status_code, resp.content, "download")
-                size = 0
-                with dest.open("wb") as out:
-                    for chunk in resp.iter_bytes(CHUNK):
-                        size += len(chunk)
-                        if size > max_bytes:
-                            raise CoordinatorError(f"input {key} is larger than {max_bytes} bytes")
-                        if time.monotonic() > deadline:
-                            raise CoordinatorUnavailable(f"download of {key} took too long")
-                        out.write(chunk)
+                    self._check("download", resp.status_code, _read_capped(resp, "GET", key))
+                    raise CoordinatorError(f"download: unexpected {resp.status_code}")
+                for chunk in resp.iter_bytes(CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise CoordinatorError(f"input {key} is larger than {max_bytes} bytes")
+                    if stop is not None and stop.is_set():
+                        raise CoordinatorUnavailable(f"download of {key} stopped")
+                    out.write(chunk)
                 return size
-        except httpx.HTTPError as exc:
-            raise CoordinatorUnavailable(f"download of {key}: {_describe(exc)}") from None
+        except FlashnodeError:
+            raise
+        except Exception as exc:
+            raise _mapped(exc, f"download of {key}") from None
+
+    # --- checkpoints (PROTOCOL.md §8) -----------------------------------------------------------
+
+    def checkpoint_part(
+        self, job_id: str, task_id: str, lease_id: str, step: int, part: CheckpointPart
+    ) -> None:
+        self._call(
+            "checkpoint part",
+            "POST",
+            f"{_task_path(job_id, task_id)}/checkpoints/parts",
+            json={"attempt_id": lease_id, "step": step, "part": part.model_dump(mode="json")},
+        )
+
+    def checkpoint_commit(
+        self,
+        job_id: str,
+        task_id: str,
+        lease_id: str,
+        step: int,
+        parts: list[CheckpointPart],
+        storage_prefix: str,
+    ) -> None:
+        self._call(
+            "checkpoint commit",
+            "POST",
+            f"{_task_path(job_id, task_id)}/checkpoints/commit",
+            json={
+                "attempt_id": lease_id,
+                "step": step,
+                "expected_parts": [p.model_dump(mode="json") for p in parts],
+                "storage_prefix": storage_prefix,
+                "world_size": 1,
+            },
+        )
+
+    def checkpoint_latest(self, job_id: str, task_id: str) -> CheckpointManifest | None:
+        """The task's newest valid checkpoint, None when it has none (or says nonsense)."""
+        try:
+            _, body = self._call(
+                "checkpoint latest", "GET", f"{_task_path(job_id, task_id)}/checkpoints/latest"
+            )
+        except NotFound:
+            return None
+        return CheckpointManifest.parse(_json(body, "checkpoint latest"))
 
     # --- plumbing -----------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> tuple[int, bytes]:
-        """One request; the body is read with a size cap and a total deadline."""
-        deadline = time.monotonic() + self._answer_deadline
+    def _call(self, what: str, method: str, path: str, **kwargs: Any) -> tuple[int, bytes]:
+        """One request; the answer is read with a size cap and a total deadline and its status
+        checked against ``STATUS``."""
         try:
             with self._client.stream(method, path, **kwargs) as resp:
-                chunks: list[bytes] = []
-                size = 0
-                for chunk in resp.iter_bytes():
-                    size += len(chunk)
-                    if size > MAX_ANSWER_BYTES:
-                        raise CoordinatorError(
-                            f"{method} {path}: answer larger than {MAX_ANSWER_BYTES} bytes"
-                        )
-                    if time.monotonic() > deadline:
-                        raise CoordinatorUnavailable(f"{method} {path}: answer too slow")
-                    chunks.append(chunk)
-                return resp.status_code, b"".join(chunks)
-        except httpx.HTTPError as exc:
-            raise CoordinatorUnavailable(f"{method} {path}: {_describe(exc)}") from None
+                body = _read_capped(resp, method, path, self._answer_deadline)
+                status = resp.status_code
+        except FlashnodeError:
+            raise
+        except Exception as exc:
+            raise _mapped(exc, f"{method} {path}") from None
+        self._check(what, status, body)
+        return status, body
 
     @staticmethod
-    def _expect(status: int, body: bytes, what: str) -> None:
+    def _check(what: str, status: int, body: bytes) -> None:
+        if status in (200, 201, 204):
+            return
+        meaning = STATUS[what].get(status)
+        detail = _detail(body)
+        if meaning is Done:
+            raise Done()
+        if meaning is not None:
+            if issubclass(meaning, CoordinatorError):
+                raise meaning(f"{what}: {status} {detail}", status)
+            raise meaning(f"{what} refused ({status}: {detail})")
         if status >= 500:
-            raise CoordinatorUnavailable(f"{what}: {status} {_detail(body)}", status)
+            raise CoordinatorUnavailable(f"{what}: {status} {detail}", status)
         if 300 <= status < 400:
             raise CoordinatorError(f"{what}: redirect {status} refused", status)
-        if status not in (200, 201):
-            raise CoordinatorError(f"{what}: {status} {_detail(body)}", status)
+        raise CoordinatorError(f"{what}: {status} {detail}", status)
+
+
+def _task_path(job_id: str, task_id: str) -> str:
+    return f"/jobs/{_segment(job_id, 'job id')}/tasks/{_segment(task_id, 'task id')}"
+
+
+def _read_capped(
+    resp: httpx.Response, method: str, path: str, deadline_s: float = ANSWER_DEADLINE_S
+) -> bytes:
+    deadline = time.monotonic() + deadline_s
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in resp.iter_bytes():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise CoordinatorError(f"{method} {path}: answer larger than {MAX_ANSWER_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise CoordinatorUnavailable(f"{method} {path}: answer too slow")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _mapped(exc: Exception, what: str) -> CoordinatorError:
+    """Transport and protocol errors are worth a retry; anything else the HTTP stack raised (an
+    invalid URL, a protocol violation of our own making) is not."""
+    text = f"{type(exc).__name__}: {exc}"[:300] if str(exc) else type(exc).__name__
+    if isinstance(exc, (httpx.TransportError, httpx.StreamError, OSError)):
+        return CoordinatorUnavailable(f"{what}: {text}")
+    return CoordinatorError(f"{what}: {text}")
 
 
 def _json(body: bytes, what: str) -> dict[str, Any]:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CoordinatorError(f"{what} answer is not JSON") from None
     if not isinstance(value, dict):
         raise CoordinatorError(f"{what} answer is not a JSON object")
@@ -239,24 +358,20 @@ def _json(body: bytes, what: str) -> dict[str, Any]:
 
 def _detail(body: bytes) -> str:
     try:
-        detail = json.loads(body).get("detail", "")
-    except (ValueError, AttributeError):
+        value = json.loads(body)
+        detail = value.get("detail", "") if isinstance(value, dict) else ""
+    except (ValueError, RecursionError):
         detail = body[:200].decode("utf-8", "replace")
-    return str(detail)[:300]
+    text = detail if isinstance(detail, str) else json.dumps(detail)[:300]
+    return " ".join(text.split())[:300]
 
 
-def _describe(exc: httpx.HTTPError) -> str:
-    return f"{type(exc).__name__}: {exc}"[:300] if str(exc) else type(exc).__name__
-
-
-def _size(fh: BinaryIO) -> int:
-    fh.seek(0, 2)
-    size = fh.tell()
-    fh.seek(0)
-    return size
-
-
-def _hashing(fh: BinaryIO, digest: Any) -> Iterator[bytes]:
-    while chunk := fh.read(CHUNK):
+def _exactly(fh: BinaryIO, size: int, digest: Any, key: str) -> Iterator[bytes]:
+    left = size
+    while left > 0:
+        chunk = fh.read(min(CHUNK, left))
+        if not chunk:
+            raise AttemptFailed(f"{key.rsplit('/', 1)[-1]} shrank while it was uploaded")
         digest.update(chunk)
+        left -= len(chunk)
         yield chunk

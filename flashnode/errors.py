@@ -59,6 +59,10 @@ class LeaseLost(CoordinatorError):
     """The lease is no longer live (410, or 403 in token mode): stop, discard, report nothing."""
 
 
+class NotFound(CoordinatorError):
+    """The artifact (or checkpoint) asked for does not exist (404)."""
+
+
 class PayloadTooLarge(CoordinatorError):
     """The coordinator refused an upload as too large (413)."""
 
@@ -67,7 +71,16 @@ class PayloadTooLarge(CoordinatorError):
 
 
 class AttemptFailed(FlashnodeError):
-    """The attempt cannot succeed; the reason is reported to the coordinator with ``fail``.
+    """The attempt cannot succeed by the task's own fault (its exit code, timeout, memory, outputs,
+    inputs, payload); the reason is reported to the coordinator with ``fail``, which spends the
+    task's failure budget.
 
     The message is the reason: it must be short, specific and free of secrets.
     """
+
+
+class AttemptLapsed(FlashnodeError):
+    """The attempt ends for a reason that is not the task's fault (the node drains, stops or
+    restarted; it cannot reach what the task needs; it should not have been given the lease): the
+    agent stops renewing and lets the lease lapse, which spends the coordinator's separate expiry
+    budget meant for churn. Nothing is reported; the ledger records the reason."""

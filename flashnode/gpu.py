@@ -18,7 +18,7 @@ from typing import Any
 
 import pynvml
 
-from flashnode.slots import Device
+from flashnode.gpupool import Device
 from flashnode.wire import GpuInfo
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ TAIL_BYTES = 8 * 1024
 
 class CappedFile:
     def __init__(self, path: Path, cap: int) -> None:
-        self._out = path.open("wb")
+        self._out = path.open("wb", buffering=0)  # written as the task prints
         self._cap = cap
         self.total = 0
         self.tail = b""

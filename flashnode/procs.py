@@ -5,12 +5,21 @@ the process group (``setsid``, double fork) to escape. Each task gets:
 
 * its own session and process group (signals go to the whole group);
 * a random ownership token in its environment (``FLASHNODE_OWNER``), so that a scan of
-  ``/proc/*/environ`` finds every descendant of the task's user even after it detached.
+  ``/proc/*/environ`` finds every descendant of the task's user even after it detached;
+* when the agent is root: its own user (``TaskUser``, one per slot), its cgroup, and its own
+  mount and IPC namespaces with private ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (tmpfs, nosuid,
+  nodev), so nothing it leaves there outlives it.
 
-Termination is TERM → grace → KILL over both, repeated until nothing carrying the token is left.
-Output goes through pipes to reader threads that keep a size-capped head and a short tail on disk;
-the attempt never waits for a pipe held open by a detached descendant: it ends when the main
-process exits, and its leftovers are then killed.
+The privilege boundary: every process that runs with the agent's privileges on the way to the
+task (``unshare``, the setup shell, ``setpriv``) is started with a fixed, minimal environment.
+The task's own environment is applied by the last step, a shell already running as the task's
+user, which reads it from a sealed memory file and then execs the task. So no payload variable
+(``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ...) ever reaches a privileged process.
+
+Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
+until nothing of the task is left, on an injected clock. Output goes through pipes to reader
+threads that keep a size-capped head and a short tail on disk; the attempt never waits for a pipe
+held open by a detached descendant: it ends when the main process exits.
 """
 
 from __future__ import annotations
@@ -23,12 +32,12 @@ import select
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashnode.cgroups import AttemptCgroup
+from flashnode.clock import Clock, SystemClock
 from flashnode.logcap import CappedFile
 
 log = logging.getLogger(__name__)
@@ -37,10 +46,32 @@ OWNER_ENV = "FLASHNODE_OWNER"
 READ_CHUNK = 64 * 1024
 KILL_ROUNDS_S = 5.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The only environment of the privileged steps before the task's own exec.
+PRIVILEGED_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+SETUP_FAILED = 125  # the exit status of a setup step that failed (with a "flashnode:" line)
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 def new_token() -> str:
     return secrets.token_hex(16)
+
+
+@dataclass(frozen=True)
+class TaskUser:
+    """The unprivileged user a trusted task runs as when the agent is root (one per slot)."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What a root agent sets up around a task before dropping to its user."""
+
+    tmp_bytes: int  # size of each private tmpfs
+    read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
 
 
 class Capture:
@@ -79,47 +110,74 @@ class Capture:
         self._thread.join(timeout)
 
 
-@dataclass(frozen=True)
-class TaskUser:
-    """The unprivileged user trusted tasks run as when the agent is root."""
-
-    name: str
-    uid: int
-    gid: int
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "'\\''") + "'"
 
 
-# Joins the attempt's cgroup in every hierarchy before the task's first instruction, so that not
-# even its first fork escapes: $1 holds the cgroup.procs files, the rest is the command.
-CGROUP_TRAMPOLINE = (
-    'for f in $1; do echo $$ > "$f" || { echo "flashnode: cannot join cgroup $f" >&2; exit 125; };'
-    ' done; shift; exec "$@"'
-)
+def env_script(env: Mapping[str, str]) -> bytes:
+    """A shell script that exports exactly ``env`` (names are checked by the wire parser)."""
+    return "".join(f"export {k}={_quote(v)}\n" for k, v in env.items()).encode()
 
 
-def command(argv: Sequence[str], cgroup: AttemptCgroup | None, user: TaskUser | None) -> list[str]:
-    """The command line that starts ``argv`` in ``cgroup`` as ``user``."""
-    cmd = list(argv)
+# As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
+# directories ($2: tmpfs options; the workspace, the current directory, is bound back in at its
+# path if it lived under one of them), bind the read-only views ($3: "src dst" lines), run the rest.
+SETUP = r"""
+fail() { echo "flashnode: $*" >&2; exit 125; }
+for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
+ws=$(pwd -P)
+for d in $PRIVATE; do
+  mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
+  case "$ws/" in "$d"/*)
+    (umask 022; mkdir -p "$ws") && mount --no-canonicalize --bind . "$ws" && cd "$ws" \
+      || fail "cannot keep the workspace under $d";;
+  esac
+done
+printf '%s\n' "$3" | while read -r src dst; do
+  [ -n "$src" ] || continue
+  mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
+    || fail "cannot mount $dst read-only"
+done || exit 125
+shift 3
+exec "$@"
+"""
+# As the task's user: take the task's environment from the sealed file, close it, run the task.
+APPLY_ENV = '. /dev/fd/{fd} || exit 125; exec "$@" {fd}<&-'
+
+
+def command(
+    argv: Sequence[str],
+    env_fd: int,
+    cgroup: AttemptCgroup | None,
+    user: TaskUser | None,
+    sandbox: Sandbox | None,
+) -> list[str]:
+    """The command line that starts ``argv`` in ``cgroup``, in ``sandbox``, as ``user``, with
+    the environment in ``env_fd``."""
+    cmd = ["/bin/sh", "-c", APPLY_ENV.format(fd=env_fd), "flashnode-task", *argv]
     if user is not None:
-        # setpriv drops to the task user with no supplementary groups and no_new_privs set, so
-        # no setuid binary can raise the task's privileges again.
+        # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can raise
+        # the task's privileges again.
         cmd = [
             "setpriv",
             f"--reuid={user.uid}",
             f"--regid={user.gid}",
             "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
             "--no-new-privs",
             "--",
             *cmd,
         ]
-    if cgroup is not None:
-        cmd = [
-            "/bin/sh",
-            "-c",
-            CGROUP_TRAMPOLINE,
-            "flashnode-task",
-            " ".join(cgroup.procs_files),
-            *cmd,
-        ]
+    if cgroup is None and sandbox is None:
+        return cmd
+    procs = " ".join(cgroup.procs_files) if cgroup else ""
+    tmpfs = f"nosuid,nodev,mode=1777,size={sandbox.tmp_bytes}" if sandbox else ""
+    binds = "\n".join(f"{s} {d}" for s, d in sandbox.read_only_binds) if sandbox else ""
+    setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
+    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, *cmd]
+    if sandbox is not None:
+        cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
     return cmd
 
 
@@ -137,30 +195,37 @@ class TaskProcess:
         on_exit: Callable[[], None],
         cgroup: AttemptCgroup | None = None,
         user: TaskUser | None = None,
+        sandbox: Sandbox | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.token = env[OWNER_ENV]
         self.uid = user.uid if user else os.geteuid()
         self.cgroup = cgroup
+        self._clock = clock or SystemClock()
+        env_fd = os.memfd_create("flashnode-task-env")
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
+            os.write(env_fd, env_script(env))
             self._popen = subprocess.Popen(
-                command(argv, cgroup, user),
-                env=dict(env),
+                command(argv, env_fd, cgroup, user, sandbox),
+                env=PRIVILEGED_ENV,
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=out_w,
                 stderr=err_w,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=(env_fd,),
                 umask=0o077,
             )
         except BaseException:
-            for fd in (out_r, out_w, err_r, err_w):
+            for fd in (out_r, err_r):
                 os.close(fd)
             raise
-        os.close(out_w)
-        os.close(err_w)
+        finally:
+            for fd in (env_fd, out_w, err_w):
+                os.close(fd)
         self.pid = self._popen.pid
         self.start_time = start_time(self.pid)
         self._ticks: dict[tuple[int, int], int] = {}
@@ -215,20 +280,20 @@ class TaskProcess:
         """SIGTERM to the group and every token holder, up to ``grace`` seconds for them to go,
         then SIGKILL until none is left. Idempotent."""
         if self._signal_all(signal.SIGTERM):
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and self._alive():
-                time.sleep(0.05)
+            deadline = self._clock.monotonic() + grace
+            while self._clock.monotonic() < deadline and self._alive():
+                self._clock.sleep(0.05)
         self.kill()
 
     def kill(self) -> None:
         """SIGKILL everything the task owns, repeating while something still answers: the
         group, every token holder, then everything in its cgroup."""
-        deadline = time.monotonic() + KILL_ROUNDS_S
-        while self._signal_all(signal.SIGKILL) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        deadline = self._clock.monotonic() + KILL_ROUNDS_S
+        while self._signal_all(signal.SIGKILL) and self._clock.monotonic() < deadline:
+            self._clock.sleep(0.02)
         if self.cgroup is not None:
             self.cgroup.kill()
-        self.exited.wait(KILL_ROUNDS_S)
+        self._clock.wait(self.exited, KILL_ROUNDS_S)
 
     def close(self) -> None:
         self.stdout.close()
@@ -270,14 +335,37 @@ def _stat(pid: int) -> tuple[str, int] | None:
 def python_imports(python: str, modules: Sequence[str], user: TaskUser | None) -> str | None:
     """None if ``python`` (run as ``user``) imports every module; else why not."""
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
-    cmd = command([python, "-c", code, *modules], None, user)
+    env_fd = os.memfd_create("flashnode-probe-env")
     try:
-        done = subprocess.run(cmd, capture_output=True, timeout=120, env={"PATH": os.defpath})
+        os.write(env_fd, env_script({"PATH": SYSTEM_PATH}))
+        cmd = command([python, "-I", "-c", code, *modules], env_fd, None, user, None)
+        done = subprocess.run(
+            cmd, capture_output=True, timeout=120, env=PRIVILEGED_ENV, pass_fds=(env_fd,)
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return type(exc).__name__
+    finally:
+        os.close(env_fd)
     if done.returncode != 0:
         lines = done.stderr.decode(errors="replace").strip().splitlines()
         return lines[-1][:200] if lines else f"exit code {done.returncode}"
+    return None
+
+
+def sandbox_works() -> str | None:
+    """None if this process can give a task private namespaces and tmpfs mounts; else why not."""
+    probe = "mount -t tmpfs -o nosuid,nodev,size=1m flashnode-probe /tmp"
+    try:
+        done = subprocess.run(
+            ["unshare", "--mount", "--ipc", "--propagation", "private", "/bin/sh", "-c", probe],
+            capture_output=True,
+            timeout=30,
+            env=PRIVILEGED_ENV,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return type(exc).__name__
+    if done.returncode != 0:
+        return done.stderr.decode(errors="replace").strip()[:200] or f"exit {done.returncode}"
     return None
 
 
@@ -293,15 +381,16 @@ def start_time(pid: int) -> int | None:
     return int(fields[19]) if fields else None
 
 
-def reap(identity: Mapping[str, object]) -> int:
+def reap(identity: Mapping[str, object], clock: Clock | None = None) -> int:
     """Kill what an earlier run of the agent left of a task, from its recorded identity: every
     process carrying its token, the recorded main process if its start time still matches (a
     reused pid never does), and everything in its cgroup. Returns how many were signalled."""
+    clock = clock or SystemClock()
     token, uid = identity.get("token"), identity.get("uid")
     pid, started = identity.get("pid"), identity.get("start_time")
     count = 0
-    deadline = time.monotonic() + KILL_ROUNDS_S
-    while time.monotonic() < deadline:
+    deadline = clock.monotonic() + KILL_ROUNDS_S
+    while clock.monotonic() < deadline:
         hit = 0
         if isinstance(token, str) and isinstance(uid, int):
             for p in find_owned(token, uid):
@@ -313,7 +402,7 @@ def reap(identity: Mapping[str, object]) -> int:
         if not hit:
             break
         count += hit
-        time.sleep(0.02)
+        clock.sleep(0.02)
     return count
 
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import psutil
 
 from flashnode.clock import Clock
-from flashnode.slots import Device
+from flashnode.gpupool import Device
 
 CpuTimes = Callable[[], tuple[float, float]]  # (busy seconds, total seconds), host-wide
 

@@ -93,7 +93,8 @@ class Settings(BaseModel):
     sample_seconds: float = Field(default=1.0, ge=0.05)
     nvml_library: str | None = None
     min_free_bytes: int = Field(default=1024 * MiB, ge=0)
-    task_user: str | None = None
+    task_user: str | None = None  # slot N runs as "<task_user>-N" (agent as root)
+    allow_same_user: bool = False  # a non-root agent may run trusted tasks as itself
     task_python: str | None = None
     task_memory_bytes: int | None = Field(default=None, ge=4 * MiB)
     task_cpus: float | None = Field(default=None, gt=0)

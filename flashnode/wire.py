@@ -98,6 +98,33 @@ class CompleteRequest(BaseModel):
     evidence: ExecutionEvidence | None = None
 
 
+class CheckpointPart(BaseModel):
+    """One file of a checkpoint: its artifact key, sha256 and size (PROTOCOL.md §8)."""
+
+    key: str
+    sha256: str
+    size_bytes: int
+
+
+class CheckpointManifest(BaseModel):
+    """A committed checkpoint as ``checkpoints/latest`` returns it (the fields the agent uses)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    manifest_id: str = ""
+    step: int
+    storage_prefix: str = ""
+    parts: list[CheckpointPart]
+
+    @classmethod
+    def parse(cls, data: Any) -> CheckpointManifest | None:
+        """The manifest, or None when the answer is not one."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError:
+            return None
+
+
 # --- incoming --------------------------------------------------------------------------------
 
 
@@ -183,15 +210,22 @@ class Task(BaseModel):
     workload_type: str | None = None
     timeout_seconds: float | None = None
     gpus: int = 0
+    dependencies: tuple[str, ...] = ()  # requirements lines: the image's base plus the extras
+    extra_dependencies: tuple[str, ...] = ()  # the extras alone (gate VIII)
+    python: str | None = None  # the "major.minor" the dependencies were resolved against
 
 
 _UNSUPPORTED = {
     "local_inputs": "lent local datasets",
     "datasets": "dataset slices",
-    "extra_dependencies": "installing dependencies",
-    "dependencies": "installing dependencies",
     "checkpoint": "checkpoint relay",
 }
+# Names a payload may not set: the agent's ownership token, and the GPU visibility that only the
+# agent decides (on hosts where nvidia is Docker's default runtime, NVIDIA_VISIBLE_DEVICES=all
+# would hand a container every GPU).
+RESERVED_ENV = re.compile(r"^(FLASHNODE_|NVIDIA_|CUDA_VISIBLE_DEVICES$|CUDA_DEVICE_ORDER$)")
+PYTHON_VERSION = re.compile(r"^3\.[0-9]{1,2}$")
+MAX_DEPENDENCY_LINES = 1000
 
 
 def parse_task(lease: Lease) -> Task:
@@ -242,13 +276,19 @@ def parse_task(lease: Lease) -> Task:
     if pool is not None and not isinstance(pool, str):
         raise AttemptFailed("payload pool is not a string")
 
+    env = _env(p.get("env"))
+    if module is not None and env:
+        # Module tasks run installed code, not the task's own: an env could make it run other
+        # code (PYTHONPATH, LD_PRELOAD), so a module task takes none.
+        raise AttemptFailed("payload env is not allowed for a module task")
+
     return Task(
         task_id=task_id,
         output_prefix=output_prefix,
         argv=argv,
         module=module,
         params=params,
-        env=_env(p.get("env")),
+        env=env,
         inputs=_inputs(p.get("inputs"), p.get("unpack_inputs")),
         image=_opt_str(p, "image") or "",
         isolation=isolation,
@@ -256,6 +296,9 @@ def parse_task(lease: Lease) -> Task:
         workload_type=_opt_str(p, "workload_type"),
         timeout_seconds=_timeout(p.get("timeout_seconds")),
         gpus=_gpus(p.get("gpus")),
+        dependencies=_lines(p.get("dependencies"), "dependencies"),
+        extra_dependencies=_lines(p.get("extra_dependencies"), "extra_dependencies"),
+        python=_python(p.get("python")),
     )
 
 
@@ -291,10 +334,31 @@ def _env(value: Any) -> dict[str, str]:
             raise AttemptFailed(f"payload env {k[:64]!r} is not a string")
         if not ENV_NAME.match(k) or "\0" in v:
             raise AttemptFailed(f"payload env name {k[:64]!r} is not a valid variable")
+        if RESERVED_ENV.match(k):
+            raise AttemptFailed(f"payload env {k!r} is reserved for the agent")
         size += len(k) + len(v) + 2
     if size > MAX_ENV_BYTES:
         raise AttemptFailed(f"payload env is larger than {MAX_ENV_BYTES} bytes")
     return dict(value)
+
+
+def _lines(value: Any, key: str) -> tuple[str, ...]:
+    """Requirement lines: a list of strings."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise AttemptFailed(f"payload {key} is not a list of requirement lines")
+    if len(value) > MAX_DEPENDENCY_LINES or any("\0" in x or len(x) > 4096 for x in value):
+        raise AttemptFailed(f"payload {key} is too long or holds a NUL byte")
+    return tuple(value)
+
+
+def _python(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not PYTHON_VERSION.match(value):
+        raise AttemptFailed(f"payload python {str(value)[:20]!r} is not a major.minor version")
+    return value
 
 
 def _safe_key(key: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import AgentProcess, CoordinatorServer
+from harness import AgentProcess, CoordinatorServer, shared_dir
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 def drop_dir() -> Iterator[Path]:
     """A directory outside the test's private tmp_path that a task (running as the task user
     when the tests run as root) can write to, e.g. to report its pids."""
-    path = Path(tempfile.mkdtemp(prefix="flashnode-drop-"))
+    path = shared_dir("flashnode-drop-")
     path.chmod(0o1777)
     yield path
     shutil.rmtree(path, ignore_errors=True)

@@ -3,22 +3,23 @@ writes outputs without starting a process."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from flashnode.attempt import AttemptContext
 from flashnode.errors import AttemptFailed
-from flashnode.journal import Journal
 from flashnode.ledger import Ledger
-from flashnode.runners.base import Handle, Runner
+from flashnode.outbox import Outbox
+from flashnode.runners.base import Handle, Problem, Runner, RunnerEnv, RunResult, StartSpec
 from flashnode.settings import Settings
 from flashnode.wire import ExecutionEvidence, NodeHeartbeat, NodeRegistration, Task
-from flashnode.workspace import Workspace
 
 
 class FakeClock:
@@ -38,6 +39,9 @@ class FakeClock:
             return True
         self.now += max(timeout, 0.0)
         return event.is_set()
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.0)
 
 
 @dataclass
@@ -83,17 +87,17 @@ class FakeCoordinator:
     def fail(self, lease_id: str, reason: str) -> None:
         self._log("fail", (lease_id, reason))
 
-    def upload(self, key: str, path: Path) -> str:
-        import hashlib
-
-        data = path.read_bytes()
+    def upload(self, key: str, fh: BinaryIO, size: int) -> str:
+        data = fh.read(size)
         self.uploads[key] = data
         self._log("upload", key)
         return hashlib.sha256(data).hexdigest()
 
-    def download(self, key: str, dest: Path, max_bytes: int) -> int:
+    def download(
+        self, key: str, out: BinaryIO, max_bytes: int, stop: threading.Event | None = None
+    ) -> int:
         self._log("download", key)
-        dest.write_bytes(b"input")
+        out.write(b"input")
         return 5
 
 
@@ -101,25 +105,14 @@ class FakeHandle:
     def __init__(self, code: int) -> None:
         self._code = code
 
-    @property
-    def returncode(self) -> int | None:
-        return self._code
-
-    @property
-    def image_digest(self) -> str:
-        return ""
+    def exited(self) -> bool:
+        return True
 
     def terminate(self, grace: float) -> None:
         pass
 
-    def finish(self) -> None:
-        pass
-
-    def stderr_tail(self) -> str:
-        return "some error\nlast line"
-
-    def failure(self) -> str | None:
-        return None
+    def result(self) -> RunResult:
+        return RunResult(exit_code=self._code, stderr_tail="some error\nlast line")
 
     def pids(self) -> set[int]:
         return set()
@@ -141,24 +134,26 @@ class FakeRunner(Runner):
             metrics if metrics is not None else {"ok": 1},
             refuse,
         )
-        self.started: list[Task] = []
+        self.started: list[StartSpec] = []
+
+    @classmethod
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
+        return []
+
+    @classmethod
+    def create(cls, settings: Settings, env: RunnerEnv) -> FakeRunner:
+        return cls()
 
     def check(self, task: Task) -> None:
         if self.refuse:
             raise AttemptFailed(self.refuse)
 
-    def start(
-        self,
-        task: Task,
-        workspace: Workspace,
-        on_exit: Callable[[], None],
-        record: Callable[[dict[str, Any]], None],
-        gpus: list[Any],
-    ) -> Handle:
-        self.started.append(task)
-        record({"fake": True})
-        (workspace.out / "metrics.json").write_text(json.dumps(self.metrics))
-        on_exit()
+    def start(self, spec: StartSpec) -> Handle:
+        self.started.append(spec)
+        spec.record({"fake": True})
+        spec.workspace.task_uid = os.geteuid()
+        (spec.workspace.out / "metrics.json").write_text(json.dumps(self.metrics))
+        spec.on_exit()
         return FakeHandle(self.code)
 
 
@@ -206,7 +201,16 @@ def context(
         settings=s,
         clock=clock,
         ledger=Ledger(tmp_path / "ledger.jsonl"),
-        journal=Journal(tmp_path / "journal"),
+        outbox=Outbox(tmp_path / "outbox"),
         start_thread=inline_threads,
         rng=random.Random(7),
     )
+
+
+def trusted_runner(pools: tuple[str, ...] = ("team-a",)) -> Any:
+    """A TrustedRunner for its checks only (no users, cgroups or sandbox: it starts nothing)."""
+    from flashnode.gpupool import GpuPool
+    from flashnode.runners.trusted import TrustedRunner
+
+    s = Settings(coordinator="http://127.0.0.1:1", runner="trusted", pools=pools)
+    return TrustedRunner(s, RunnerEnv("node-1", GpuPool()), None, None, sandbox=False)

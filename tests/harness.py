@@ -21,7 +21,20 @@ import httpx
 
 T = TypeVar("T")
 API = "/v1alpha1"
-TASK_USER = "flashnode-task"  # .ci/run creates it; agents started as root run tasks as it
+TASK_USER = "flashnode-task"  # slot N runs as flashnode-task-N (.ci/run creates them)
+
+
+# Tasks of a root agent get a private /tmp: what a task and a test must both see lives here.
+SHARED_ROOT = Path("/var/lib/flashnode-tests")
+
+
+def shared_dir(prefix: str) -> Path:
+    """A new directory that a task (as a task user, in its own mount namespace) and the test
+    both see."""
+    if os.geteuid() != 0:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    SHARED_ROOT.mkdir(mode=0o755, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=SHARED_ROOT))
 
 
 def free_port() -> int:
@@ -225,6 +238,8 @@ class AgentProcess:
         full_env["PYTHONUNBUFFERED"] = "1"
         if os.geteuid() == 0:
             full_env["FLASHNODE_TASK_USER"] = TASK_USER
+        else:  # no user to switch to: trusted tasks run as the agent's own user (README)
+            full_env["FLASHNODE_ALLOW_SAME_USER"] = "true"
         full_env.update(env or {})
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(

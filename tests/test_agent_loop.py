@@ -162,7 +162,7 @@ def test_low_disk_stops_claims_and_says_why_once(
 def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: Path) -> None:
     import threading as th
 
-    from flashnode.slots import Device, GpuPool
+    from flashnode.gpupool import Device, GpuPool
     from flashnode.wire import GpuInfo
 
     clock = FakeClock()

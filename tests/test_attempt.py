@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
-from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, trusted_runner
 
 from flashnode.attempt import Attempt, LeaseKeeper, Outcome
 from flashnode.errors import CoordinatorUnavailable, LeaseLost
-from flashnode.runners.trusted import TrustedRunner
 from flashnode.wire import parse_lease
 
 
@@ -47,7 +46,7 @@ def failure_reason(coord: FakeCoordinator) -> str:
 def test_trusted_runner_refuses_work_missing_a_lock(
     tmp_path: Path, payload: dict[str, Any], reason: str
 ) -> None:
-    runner = TrustedRunner(("team-a",), 1024)
+    runner = trusted_runner()
     outcome, coord, _ = run(tmp_path, lease(**payload), runner=runner)
     assert outcome is Outcome.FAILED
     assert reason in failure_reason(coord)
@@ -150,12 +149,12 @@ class FlakyUploads(FakeCoordinator):
         super().__init__(clock)
         self.failures = failures
 
-    def upload(self, key: str, path: Path) -> str:
+    def upload(self, key: str, fh: BinaryIO, size: int) -> str:
         if self.failures:
             self.failures -= 1
             self._log("upload-error", key)
             raise CoordinatorUnavailable("503")
-        return super().upload(key, path)
+        return super().upload(key, fh, size)
 
 
 def test_upload_retries_transient_errors_with_backoff(tmp_path: Path) -> None:

@@ -26,21 +26,31 @@ H200 = "devices 2\nname NVIDIA H200\nmemory_mb 143771\ndriver 550.54.15\ncc 9 0\
 def test_busy_and_idle_tasks_give_honest_cpu_figures(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    busy = "import time,json; t=time.time()\nwhile time.time()-t<3: pass\njson.dump({}, open('out/metrics.json','w'))"
+    # The busy task reports the CPU time it got itself: on a loaded machine that is less than a
+    # whole core, and the agent's figures must agree with it, not with an ideal.
+    busy = (
+        "import time,json; t=time.time()\nwhile time.time()-t<3: pass\n"
+        "json.dump({'cpu': time.process_time()}, open('out/metrics.json','w'))"
+    )
     idle = "import time,json; time.sleep(3); json.dump({}, open('out/metrics.json','w'))"
-    coordinator.submit(argv_job(["python3", "-c", busy]))
+    job = coordinator.submit(argv_job(["python3", "-c", busy]))
     coordinator.submit(argv_job(["python3", "-c", idle]))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env=FAST)
     assert agent.wait(60) == 0, agent.log
     busy_rec, idle_rec = agent.ledger()
     cores = os.cpu_count() or 1
-    assert abs(busy_rec["evidence"]["cpu_percent_mean"] - 100 / cores) <= 15, busy_rec
-    assert abs(busy_rec["task_usage"]["cpu_percent_mean"] - 100) <= 15, busy_rec
+    wall = busy_rec["evidence"]["wall_seconds"]
+    reported = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))["cpu"]
+    task_percent = busy_rec["task_usage"]["cpu_percent_mean"]
+    assert abs(task_percent - reported / wall * 100) <= 10, (busy_rec, reported)
+    # Host-wide covers at least the task's share of all cores (other programs add to it).
+    host = busy_rec["evidence"]["cpu_percent_mean"]
+    assert task_percent / cores - 10 <= host <= 100, busy_rec
     assert (
         idle_rec["task_usage"]["cpu_percent_mean"] is None
         or idle_rec["task_usage"]["cpu_percent_mean"] <= 5
     )
-    assert 2.9 <= busy_rec["evidence"]["wall_seconds"] < 4
+    assert 2.9 <= wall < 6
 
 
 def test_without_nvml_the_node_reports_no_gpus_and_null_not_zero(

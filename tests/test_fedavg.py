@@ -269,13 +269,21 @@ def test_fedavg_output_checks_name_the_problem(tmp_path: Path) -> None:
         "samples": 1,
     }
     (out / "delta.json").write_text(json.dumps({"w": {"shape": [1], "data": [0.1]}}))
-    check_fedavg(out, good)
+
+    def opener(name: str) -> Any:
+        path = out / name
+        return path.open("rb") if path.is_file() else None
+
+    check_fedavg(good, opener)
     for change, reason in [
         ({"samples": None}, "lacks 'samples'"),
         ({"loss": "low"}, "'loss' has the wrong type"),
         ({"chunks_done": [True]}, "not a list of integers"),
         ({"delta_file": "../etc/passwd"}, "not a safe bare file name"),
         ({"delta_file": "missing.json"}, "not a file in out/"),
+        ({"samples": -1}, "'samples' must be positive"),
+        ({"samples": 0}, "'samples' must be positive"),
     ]:
         with pytest.raises(AttemptFailed, match=reason.replace("(", r"\(")):
-            check_fedavg(out, {**good, **change})
+            check_fedavg({**good, **change}, opener)
+    check_fedavg({**good, "samples": 0, "chunks_done": []}, opener)  # uncredited: the driver skips

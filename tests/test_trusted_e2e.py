@@ -193,7 +193,8 @@ def test_task_environment_holds_no_agent_secrets(
     dumped = json.dumps(env)
     assert tc.token not in dumped and tc.join_code not in dumped
     assert not any(k.startswith("FLASHNODE_") and k != "FLASHNODE_OWNER" for k in env)
-    assert env["HOME"] == env["FLASHML_WORK_DIR"]
+    # The workspace itself is the agent's: the task's home is its own tmp/.
+    assert env["HOME"] == env["TMPDIR"] == env["FLASHML_WORK_DIR"] + "/tmp"
     assert tc.token not in agent.log and tc.join_code not in agent.log
 
 

@@ -1,39 +1,109 @@
-"""The runner contract.
+"""The runner contract (DESIGN.md §3), shared by every runner.
 
-* ``check`` refuses a task this runner must not run (raises AttemptFailed) before anything starts.
-* ``start`` returns a Handle or raises after undoing everything it began.
-* A Handle's ``terminate`` is idempotent and escalates (polite signal, grace, kill); ``finish``
-  removes whatever the task left behind once its main process has exited, and closes its logs.
-* ``reconcile`` runs at agent start and removes what an earlier run of this agent left behind.
+* ``preflight(settings)`` lists what this runner needs and the host lacks; ``flashnode work``
+  refuses to start on a fatal problem and ``flashnode doctor`` prints them all, so the two can
+  never disagree.
+* ``create(settings, env)`` builds a runner; every runner is built the same way.
+* ``check(task)`` refuses a task this runner must not run, before anything starts.
+* ``start(spec)`` returns a Handle or raises after undoing everything it began.
+* A Handle's ``terminate(grace)`` is idempotent and escalates (polite signal, grace, kill);
+  ``result()`` (once the main process exited) removes whatever the task left behind and returns
+  the RunResult: data, not an exception.
+* ``reconcile`` runs at agent start and removes what an earlier run of this agent left behind;
+  ``reap`` does it for one recorded task.
+
+Runners are chosen by name from ``RUNNERS`` and imported only when chosen (the Docker SDK costs
+an agent that never uses it memory).
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
+from flashnode.cgroups import Limits
+from flashnode.clock import Clock, SystemClock
+from flashnode.errors import ExitCode
+from flashnode.gpupool import Device, GpuPool
 from flashnode.settings import Settings
-from flashnode.slots import Device
 from flashnode.wire import Task
 from flashnode.workspace import Workspace
 
 
+@dataclass(frozen=True)
+class Problem:
+    """Something the host lacks: what, why, and the fix the owner can apply. A fatal problem
+    stops ``flashnode work`` with ``exit_code``; a warning is only reported."""
+
+    what: str
+    why: str
+    fix: str
+    fatal: bool = True
+    exit_code: ExitCode = ExitCode.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """What a module task's ``spec.json`` holds; input paths are relative to ``/work``."""
+
+    task_id: str
+    params: dict[str, Any]
+    inputs: dict[str, str]
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    """Everything a runner needs to start one task, built once (``runners.spec.build``)."""
+
+    lease_id: str
+    slot: int
+    workspace: Workspace
+    argv: tuple[str, ...] | None  # an argv task, with its /work paths as the payload gave them
+    module: ModuleSpec | None  # a module task's spec (``module_name`` is what runs)
+    module_name: str | None
+    env: Mapping[str, str]  # the payload's (checked) env; runners add their own fixed variables
+    gpus: tuple[Device, ...]  # the GPUs this attempt holds, and no other
+    gpu_node: bool  # this node has GPUs: a task holding none must see none
+    image: str
+    limits: Limits
+    on_exit: Callable[[], None]  # called (from any thread) when the main process exits
+    record: Callable[[dict[str, Any]], None]  # what a restarted agent needs to find the task
+    stdout: Path
+    stderr: Path
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a task ended. ``exit_code`` None with ``signal`` set: killed by that signal."""
+
+    exit_code: int | None
+    signal: int | None = None
+    oom: bool = False
+    cause: str | None = None  # a cause the exit status does not tell ("engine unavailable")
+    node_fault: bool = False  # the cause is this node's (its engine, its sandbox), not the task's
+    stderr_tail: str = ""
+    image_digest: str = ""
+
+    @property
+    def status(self) -> int | None:
+        """The exit status as ``ExecutionEvidence.exit_code`` reports it (negative: signal)."""
+        return -self.signal if self.signal is not None else self.exit_code
+
+
 class Handle(Protocol):
-    @property
-    def returncode(self) -> int | None:
-        """The main process's exit status (negative: killed by that signal), None while it runs."""
+    def exited(self) -> bool:
+        """Whether the main process has exited."""
 
-    @property
-    def image_digest(self) -> str:
-        """Digest of the image that ran; "" when no container ran."""
+    def terminate(self, grace: float) -> None:
+        """TERM (or the runtime's stop), up to ``grace`` seconds, then KILL. Idempotent."""
 
-    def terminate(self, grace: float) -> None: ...
-
-    def finish(self) -> None: ...
-
-    def stderr_tail(self) -> str:
-        """The last lines the task wrote to stderr, for a failure reason."""
+    def result(self) -> RunResult:
+        """Once exited: remove what the task left behind, close its logs, say how it ended."""
 
     def pids(self) -> set[int]:
         """The task's live processes now (host pids), for the sampler."""
@@ -41,42 +111,62 @@ class Handle(Protocol):
     def cpu_seconds(self) -> float | None:
         """CPU time the task used so far, None where it cannot be measured."""
 
-    def failure(self) -> str | None:
-        """A cause of failure the exit status does not tell (e.g. "out of memory"), once
-        finished."""
+
+@dataclass
+class RunnerEnv:
+    """What the agent gives every runner at construction."""
+
+    node_id: str
+    gpus: GpuPool
+    clock: Clock = field(default_factory=SystemClock)
+    slots: int = 1
 
 
 class Runner(ABC):
-    name: str
+    name: ClassVar[str]
     module_capable: bool = False  # runs allowlisted `python -m` module tasks
+
+    @classmethod
+    @abstractmethod
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
+        """What this host lacks to run this runner with ``settings`` (empty: nothing)."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, settings: Settings, env: RunnerEnv) -> Runner:
+        """Build the runner; raises PrerequisiteError/ConfigError when it cannot run here."""
 
     @abstractmethod
     def check(self, task: Task) -> None:
-        """Raise AttemptFailed if this runner must not run ``task``."""
+        """Raise AttemptFailed (the task's fault) or AttemptLapsed (this node's) when this
+        runner must not run ``task``."""
 
     @abstractmethod
-    def start(
-        self,
-        task: Task,
-        workspace: Workspace,
-        on_exit: Callable[[], None],
-        record: Callable[[dict[str, Any]], None],
-        gpus: list[Device],
-    ) -> Handle:
-        """Start the task on ``gpus`` (and no other GPU). ``on_exit`` is called (from any
-        thread) when its main process exits; ``record`` is given what a restarted agent needs
-        to find the task again, before and after anything is started."""
+    def start(self, spec: StartSpec) -> Handle:
+        """Start the task; on failure raise after undoing everything begun."""
 
     def ready(self) -> bool:
         """Whether the runner can take a task now (e.g. its container engine answers)."""
         return True
 
     def reconfigure(self, settings: Settings) -> None:  # noqa: B027 - optional hook
-        """Take a reloaded configuration (pools, limits)."""
+        """Take a reloaded configuration (pools, limits). Runs off the main loop's thread."""
 
-    def reap(self, identity: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+    def reap(self, identity: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Remove what an earlier run of this agent left of one task, from its recorded
         identity (what ``start`` passed to ``record``)."""
 
     def reconcile(self) -> None:  # noqa: B027 - optional hook
         """Remove leftovers of an earlier run of this agent that no record names."""
+
+
+RUNNERS: dict[str, str] = {
+    "trusted": "flashnode.runners.trusted:TrustedRunner",
+    "docker": "flashnode.runners.container:ContainerRunner",
+}
+
+
+def runner_class(name: str) -> type[Runner]:
+    module, _, attr = RUNNERS[name].partition(":")
+    cls: type[Runner] = getattr(importlib.import_module(module), attr)
+    return cls

@@ -2,14 +2,16 @@
 (the Docker SDK; the only module that imports ``docker``; no ``docker`` CLI).
 
 Image policy: only the owner's ``allowed_images`` (exact ``repo:tag`` or ``repo@sha256:…``), never
-``latest`` or untagged; a missing image is pulled only when ``pull_images`` is on.
+``latest`` or untagged; a missing image is pulled only when ``pull_images`` is on. A node whose
+allowed images can never run (none present and pulling off) refuses to start.
 
 Sandbox: no network, read-only root with a size-capped tmpfs ``/tmp``, all capabilities dropped,
 ``no-new-privileges``, a non-root user, pids/memory/CPU limits, private IPC, never privileged, no
-Docker socket, and no host device except the GPUs the attempt was given. The workspace is mounted
-at ``/work``: ``inputs/`` read-only, ``out/`` writable. Containers carry labels naming this node
-and the attempt; at start the agent removes this node's labelled containers that no live attempt
-owns, and nothing else.
+Docker socket, no host device but the GPUs the attempt was given, and an engine log capped in
+size (the agent keeps its own capped copy). The workspace is mounted at ``/work``: ``inputs/``
+read-only, ``out/`` writable by the container's user, and nothing else of the workspace.
+Containers carry labels naming this node and the attempt (or the module probe); at start the
+agent removes this node's labelled containers, and nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +30,12 @@ import docker.errors
 import docker.types
 import requests
 
-from flashnode.errors import AttemptFailed, PrerequisiteError
+from flashnode.errors import AttemptFailed, AttemptLapsed, ExitCode, PrerequisiteError
 from flashnode.logcap import CappedFile
-from flashnode.runners.base import Handle, Runner
+from flashnode.runners.base import Handle, Problem, Runner, RunnerEnv, RunResult, StartSpec
+from flashnode.runners.spec import cuda_visible, module_argv, write_module_spec
 from flashnode.settings import Settings
-from flashnode.slots import Device, GpuPool
 from flashnode.wire import MODULES, Task
-from flashnode.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ LABEL_NODE = "dev.flashnode.node"
 LABEL_LEASE = "dev.flashnode.lease"
 LABEL_PROBE = "dev.flashnode.probe"  # the import check of module images: no task
 WAIT_POLL_S = 30
+PROBE_WAIT_S = 60
 ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
@@ -49,15 +51,27 @@ def image_problem(image: str, allowed: tuple[str, ...]) -> str | None:
     """Why ``image`` must not run here, or None."""
     if not image:
         return "the task names no image"
-    if "@sha256:" not in image:
-        name, _, tag = image.rpartition(":")
-        if not name or "/" in tag:
-            return f"image {image!r} has no tag; only pinned tags or digests run here"
-        if tag == "latest":
-            return f"image {image!r} is tagged latest; only pinned tags or digests run here"
+    pinned = pin_problem(image)
+    if pinned:
+        return pinned
     if image not in allowed:
         return f"image {image!r} is not on this node's allowed_images"
     return None
+
+
+def pin_problem(image: str) -> str | None:
+    if "@sha256:" in image:
+        return None
+    name, _, tag = image.rpartition(":")
+    if not name or "/" in tag:
+        return f"image {image!r} has no tag; only pinned tags or digests run here"
+    if tag == "latest":
+        return f"image {image!r} is tagged latest; only pinned tags or digests run here"
+    return None
+
+
+def _client(settings: Settings, timeout: int = 60) -> Any:
+    return docker.DockerClient(base_url=settings.docker_host, timeout=timeout)
 
 
 class CappedLog:
@@ -82,31 +96,29 @@ class CappedLog:
         finally:
             self._file.close()
 
-    def join(self, timeout: float = 2.0) -> None:
+    def join(self, timeout: float = 5.0) -> None:
         self._thread.join(timeout)
 
 
 class ContainerHandle:
-    def __init__(
-        self, runner: ContainerRunner, container: Any, image_id: str, on_exit: Callable[[], None]
-    ) -> None:
+    def __init__(self, runner: ContainerRunner, container: Any, image_id: str, spec: StartSpec):
         self._runner = runner
         self._container = container
         self._image_id = image_id
-        self._on_exit = on_exit
+        self._on_exit = spec.on_exit
         self._code: int | None = None
-        self._failure: str | None = None
-        self._exited = threading.Event()
-        self._logs: list[CappedLog] = []
+        self._cause: str | None = None
+        self._done = threading.Event()
+        self._result: RunResult | None = None
+        self._logs = [
+            CappedLog(
+                container.logs(stream=True, follow=True, stdout=out, stderr=not out),
+                path,
+                runner.settings.log_max_bytes,
+            )
+            for out, path in ((True, spec.stdout), (False, spec.stderr))
+        ]
         threading.Thread(target=self._wait, name=f"wait-{container.short_id}", daemon=True).start()
-
-    def _follow(self, ws: Workspace, cap: int) -> None:
-        for name, stream in (
-            ("stdout.txt", {"stdout": True, "stderr": False}),
-            ("stderr.txt", {"stdout": False, "stderr": True}),
-        ):
-            chunks = self._container.logs(stream=True, follow=True, **stream)
-            self._logs.append(CappedLog(chunks, ws.logs / name, cap))
 
     def _wait(self) -> None:
         while True:
@@ -117,42 +129,41 @@ class ContainerHandle:
             except ENGINE_ERRORS as exc:
                 if self._runner.engine_answers():
                     continue  # a long task: the wait request timed out, the engine is fine
-                self._failure = f"container engine unavailable ({type(exc).__name__})"
+                self._cause = f"container engine unavailable ({type(exc).__name__})"
                 self._runner.engine_lost()
                 break
-        self._exited.set()
+        self._done.set()
         self._on_exit()
 
-    @property
-    def returncode(self) -> int | None:
-        if not self._exited.is_set():
-            return None
-        return self._code if self._code is not None else -1
-
-    @property
-    def image_digest(self) -> str:
-        return self._image_id
+    def exited(self) -> bool:
+        return self._done.is_set()
 
     def terminate(self, grace: float) -> None:
         with contextlib.suppress(*ENGINE_ERRORS):
             self._container.stop(timeout=max(int(grace), 0))
-        self._exited.wait(grace + 10)
+        self._done.wait(grace + 10)
 
-    def finish(self) -> None:
-        if self._failure is None:
+    def result(self) -> RunResult:
+        if self._result is not None:
+            return self._result
+        oom = False
+        if self._cause is None:
             with contextlib.suppress(*ENGINE_ERRORS):
                 self._container.reload()
-                if self._container.attrs.get("State", {}).get("OOMKilled"):
-                    self._failure = "out of memory"
+                oom = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
         for capped in self._logs:
             capped.join()
         self._runner.remove(self._container.id)
-
-    def stderr_tail(self) -> str:
-        return self._logs[1].tail.decode("utf-8", "replace") if len(self._logs) > 1 else ""
-
-    def failure(self) -> str | None:
-        return self._failure
+        code = self._code
+        self._result = RunResult(
+            exit_code=code,
+            oom=oom,
+            cause=self._cause,
+            node_fault=self._cause is not None,
+            stderr_tail=self._logs[1].tail.decode("utf-8", "replace"),
+            image_digest=self._image_id,
+        )
+        return self._result
 
     def pids(self) -> set[int]:
         try:
@@ -174,31 +185,99 @@ class ContainerHandle:
 class ContainerRunner(Runner):
     name = "docker"
 
-    def __init__(
-        self, settings: Settings, node_id: str, pool: GpuPool | None = None, client: Any = None
-    ) -> None:
-        self.node_id = node_id
-        self.pool = pool or GpuPool()
+    def __init__(self, settings: Settings, env: RunnerEnv, client: Any) -> None:
+        self.env = env
+        self.node_id = env.node_id
+        self.client = client
+        self._engine_up = True
+        self._checked_at = time.monotonic()
+        self._unremoved: set[str] = set()
+        self._lock = threading.Lock()
+        self.module_images: set[str] = set()
+        self._apply(settings)
+
+    # --- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
+        problems = []
+        for image in settings.allowed_images:
+            why = pin_problem(image)
+            if why:
+                fix = f"list it as a pinned tag or digest in allowed_images (not {image!r})"
+                problems.append(Problem("allowed images", why, fix, exit_code=ExitCode.CONFIG))
         try:
-            self.client = client or docker.DockerClient(base_url=settings.docker_host, timeout=60)
-            self.client.ping()
+            client = _client(settings, timeout=10)
+            client.ping()
+        except ENGINE_ERRORS as exc:
+            problems.append(
+                Problem(
+                    "docker engine",
+                    f"no container engine answers at {settings.docker_host} ({_brief(exc)})",
+                    "start Docker (systemctl start docker), or use --runner trusted for pool work",
+                )
+            )
+            return problems
+        present = [i for i in settings.allowed_images if _present(client, i)]
+        client.close()
+        if not settings.allowed_images:
+            problems.append(
+                Problem(
+                    "allowed images",
+                    "allowed_images is empty: this node could run nothing",
+                    "list the images you allow in allowed_images (pinned tags or digests)",
+                    exit_code=ExitCode.CONFIG,
+                )
+            )
+        elif not present and not settings.pull_images:
+            problems.append(
+                Problem(
+                    "allowed images",
+                    "none of allowed_images is on this node and pull_images is off:"
+                    " this node could run nothing",
+                    f"docker pull {settings.allowed_images[0]} (each allowed image),"
+                    " or set pull_images = true",
+                    exit_code=ExitCode.CONFIG,
+                )
+            )
+        else:
+            for image in settings.allowed_images:
+                if image not in present:
+                    problems.append(
+                        Problem(
+                            "allowed images",
+                            f"{image} is not on this node"
+                            + ("; it will be pulled when needed" if settings.pull_images else ""),
+                            f"docker pull {image}",
+                            fatal=False,
+                        )
+                    )
+        return problems
+
+    @classmethod
+    def create(cls, settings: Settings, env: RunnerEnv) -> ContainerRunner:
+        try:
+            client = _client(settings)
+            client.ping()
         except ENGINE_ERRORS as exc:
             raise PrerequisiteError(
                 f"no container engine answers at {settings.docker_host} ({_brief(exc)}):"
                 " start Docker, or use --runner trusted for pool work"
             ) from None
-        self._engine_up = True
-        self._checked_at = time.monotonic()
-        self._unremoved: set[str] = set()
-        self._lock = threading.Lock()
-        self.reconfigure(settings)
+        runner = cls(settings, env, client)
+        runner.remove_labelled(LABEL_PROBE)
+        runner.reconfigure(settings)
+        return runner
 
-    def reconfigure(self, settings: Settings) -> None:
+    def _apply(self, settings: Settings) -> None:
         self.settings = settings
         self.allowed = tuple(settings.allowed_images)
         self.user = settings.container_user or (
             "65534:65534" if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
         )
+
+    def reconfigure(self, settings: Settings) -> None:
+        self._apply(settings)
         # Module tasks run `python -m MODULE` inside the task's image: only in allowed images
         # present here whose python imports every allowlisted module.
         self.module_images = {image for image in self.allowed if self._imports_modules(image)}
@@ -207,11 +286,14 @@ class ContainerRunner(Runner):
             log.info("module tasks on, in %s", ", ".join(sorted(self.module_images)))
 
     def _imports_modules(self, image: str) -> bool:
-        if image_problem(image, self.allowed):
+        """Run the import probe in a sandboxed container, bounded in time; the container is
+        removed in every case, created-but-never-started included."""
+        if image_problem(image, self.allowed) or not _present(self.client, image):
             return False
         code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+        container = None
         try:
-            self.client.containers.run(
+            container = self.client.containers.create(
                 image,
                 ["python", "-c", code, *MODULES],
                 user=self.user,
@@ -220,11 +302,17 @@ class ContainerRunner(Runner):
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges:true"],
                 labels={LABEL_PROBE: self.node_id},
-                remove=True,
+                mem_limit=512 * 1024 * 1024,
+                pids_limit=256,
             )
+            container.start()
+            status = container.wait(timeout=PROBE_WAIT_S)
+            return int(status.get("StatusCode", 1)) == 0
         except ENGINE_ERRORS:
             return False
-        return True
+        finally:
+            if container is not None:
+                self.remove(container.id)
 
     # --- engine health ---------------------------------------------------------------------
 
@@ -262,8 +350,11 @@ class ContainerRunner(Runner):
         problem = image_problem(task.image, self.allowed)
         if problem:
             raise AttemptFailed(f"refused: {problem}")
+        if task.extra_dependencies:
+            # The coordinator places these only where can_install_dependencies: never here.
+            raise AttemptLapsed("a container node installs no extra_dependencies")
         if task.module is not None and task.image not in self.module_images:
-            raise AttemptFailed(f"refused: image {task.image!r} cannot run module tasks here")
+            raise AttemptLapsed(f"image {task.image!r} cannot run module tasks here")
 
     def _image(self, ref: str) -> Any:
         try:
@@ -274,32 +365,46 @@ class ContainerRunner(Runner):
                     f"image {ref!r} is not on this node, and pulling is off"
                 ) from None
         except ENGINE_ERRORS as exc:
-            raise AttemptFailed(f"container engine unavailable ({type(exc).__name__})") from None
+            raise self._engine_failure("cannot read the image", exc) from None
         try:
             return self.client.images.pull(ref)
         except ENGINE_ERRORS as exc:
-            raise AttemptFailed(f"cannot pull image {ref!r} ({type(exc).__name__})") from None
+            raise AttemptLapsed(f"cannot pull image {ref!r} ({type(exc).__name__})") from None
 
-    def start(
-        self,
-        task: Task,
-        workspace: Workspace,
-        on_exit: Callable[[], None],
-        record: Callable[[dict[str, Any]], None],
-        gpus: list[Device],
-    ) -> Handle:
-        image = self._image(task.image)
+    def start(self, spec: StartSpec) -> Handle:
+        image = self._image(spec.image)
+        ws = spec.workspace
         uid, _, gid = self.user.partition(":")
         if os.geteuid() == 0:
-            workspace.hand_over(int(uid), int(gid or uid))
+            ws.hand_over(int(uid), int(gid or uid), inputs_for="everyone")
+        else:
+            ws.task_uid = os.geteuid()
         s = self.settings
-        env = dict(task.env)
+        env = dict(spec.env)
         env.update(HOME="/tmp", TMPDIR="/tmp", FLASHML_WORK_DIR="/work")
-        if gpus or self.pool.devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(gpus)))
+        visible = cuda_visible(spec, renumbered=True)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        mounts = [
+            docker.types.Mount("/work/inputs", str(ws.inputs), type="bind", read_only=True),
+            docker.types.Mount("/work/out", str(ws.out), type="bind", read_only=False),
+        ]
+        if spec.module_name is not None:
+            spec_file = write_module_spec(spec, "/work")
+            mounts.append(
+                docker.types.Mount("/work/spec.json", str(spec_file), type="bind", read_only=True)
+            )
+            command = module_argv("python", spec.module_name, "/work/spec.json", "/work/out")
+        else:
+            assert spec.argv is not None
+            command = list(spec.argv)
+        for src, dst in spec.extra.get("read_only_binds", ()):
+            target = "/work/" + os.path.relpath(dst, ws.root)
+            mounts.append(docker.types.Mount(target, src, type="bind", read_only=True))
+        log_bytes = max(s.log_max_bytes, 1024 * 1024)
         kwargs: dict[str, Any] = {
             "image": image.id,
-            "command": self._command(task, workspace),
+            "command": command,
             "environment": env,
             "user": self.user,
             "working_dir": "/work",
@@ -310,59 +415,42 @@ class ContainerRunner(Runner):
             "security_opt": ["no-new-privileges:true"],
             "ipc_mode": "private",
             "privileged": False,
-            "pids_limit": s.task_pids or -1,
-            "labels": {LABEL_NODE: self.node_id, LABEL_LEASE: workspace.root.name},
-            "mounts": [
-                docker.types.Mount(
-                    "/work/inputs", str(workspace.inputs), type="bind", read_only=True
-                ),
-                docker.types.Mount("/work/out", str(workspace.out), type="bind", read_only=False),
-            ],
+            "pids_limit": spec.limits.pids or -1,
+            "labels": {LABEL_NODE: self.node_id, LABEL_LEASE: spec.lease_id},
+            "mounts": mounts,
+            # The engine's own copy of the output stays bounded; the agent keeps its capped copy.
+            "log_config": docker.types.LogConfig(
+                type="json-file", config={"max-size": str(log_bytes), "max-file": "2"}
+            ),
         }
-        if task.module is not None:
-            spec = str(workspace.root / "spec.json")
-            kwargs["mounts"].append(
-                docker.types.Mount("/work/spec.json", spec, type="bind", read_only=True)
-            )
-        if s.task_memory_bytes:
-            kwargs["mem_limit"] = s.task_memory_bytes
-            kwargs["memswap_limit"] = s.task_memory_bytes
-        if s.task_cpus:
-            kwargs["nano_cpus"] = int(s.task_cpus * 1e9)
-        if gpus:
+        if spec.limits.memory_bytes:
+            kwargs["mem_limit"] = spec.limits.memory_bytes
+            kwargs["memswap_limit"] = spec.limits.memory_bytes
+        if spec.limits.cpus:
+            kwargs["nano_cpus"] = int(spec.limits.cpus * 1e9)
+        if spec.gpus:
             kwargs["device_requests"] = [
                 docker.types.DeviceRequest(
-                    device_ids=[d.visible for d in gpus], capabilities=[["gpu"]]
+                    device_ids=[d.visible for d in spec.gpus], capabilities=[["gpu"]]
                 )
             ]
         try:
             container = self.client.containers.create(**kwargs)
         except ENGINE_ERRORS as exc:
             raise self._engine_failure("cannot create the container", exc) from None
-        record({"container": container.id})
+        spec.record({"container": container.id})
         try:
             container.start()
-            handle = ContainerHandle(self, container, str(image.id), on_exit)
-            handle._follow(workspace, s.log_max_bytes)
+            return ContainerHandle(self, container, str(image.id), spec)
         except ENGINE_ERRORS as exc:
             self.remove(container.id)
             raise self._engine_failure("cannot start the container", exc) from None
-        return handle
 
-    def _engine_failure(self, what: str, exc: BaseException) -> AttemptFailed:
+    def _engine_failure(self, what: str, exc: BaseException) -> Exception:
         if self.engine_answers():
             return AttemptFailed(f"{what} ({_brief(exc)})")
         self.engine_lost()
-        return AttemptFailed(f"container engine unavailable ({type(exc).__name__})")
-
-    @staticmethod
-    def _command(task: Task, workspace: Workspace) -> list[str]:
-        if task.module is None:
-            assert task.argv is not None
-            return list(task.argv)
-        inputs = {i.name: f"/work/inputs/{i.dest}" for i in task.inputs}
-        workspace.write_spec(task.task_id, task.params, inputs)
-        return ["python", "-m", task.module, "--spec", "/work/spec.json", "--out", "/work/out"]
+        return AttemptLapsed(f"container engine unavailable ({type(exc).__name__})")
 
     def remove(self, container_id: str) -> None:
         """Remove one of this node's containers, now or once the engine is back."""
@@ -377,7 +465,7 @@ class ContainerRunner(Runner):
         with self._lock:
             self._unremoved.discard(container_id)
 
-    def reap(self, identity: dict[str, Any]) -> None:
+    def reap(self, identity: Mapping[str, Any]) -> None:
         cid = identity.get("container")
         if not isinstance(cid, str):
             return
@@ -390,21 +478,32 @@ class ContainerRunner(Runner):
 
     def reconcile(self) -> None:
         """Remove this node's labelled containers: at start no attempt is live yet."""
+        self.remove_labelled(LABEL_NODE)
+
+    def remove_labelled(self, label: str) -> None:
         try:
             leftovers = self.client.containers.list(
-                all=True, filters={"label": f"{LABEL_NODE}={self.node_id}"}
+                all=True, filters={"label": f"{label}={self.node_id}"}
             )
         except ENGINE_ERRORS as exc:
             log.warning("cannot list leftover containers: %s", _brief(exc))
             return
         for container in leftovers:
-            if container.labels.get(LABEL_NODE) == self.node_id:
+            if container.labels.get(label) == self.node_id:
                 log.info(
-                    "removing leftover container %s (lease %s)",
+                    "removing leftover container %s (%s)",
                     container.short_id,
-                    container.labels.get(LABEL_LEASE),
+                    container.labels.get(LABEL_LEASE, "module probe"),
                 )
                 self.remove(container.id)
+
+
+def _present(client: Any, image: str) -> bool:
+    try:
+        client.images.get(image)
+        return True
+    except ENGINE_ERRORS:
+        return False
 
 
 def _brief(exc: BaseException) -> str:

@@ -1,13 +1,20 @@
-"""The trusted runner: argv tasks of the owner's team pools, on the host, without a container.
+"""The trusted runner: argv tasks of the owner's team pools, and allowlisted module tasks, on the
+host without a container.
 
 Arbitrary code on the host is pool-only, three locks together (DESIGN.md §5): this node runs
 trusted with at least one pool, the task's ``pool`` is one of them, and its isolation says
 ``allowFallback: true``. The coordinator checks this at placement; ``check`` checks it again.
 
+The privilege boundary: an agent running as root runs each slot's task as that slot's own user
+(``<task_user>-<slot>``), with its workspace readable by that user's group only, in its own
+cgroup and mount/IPC namespaces (private ``/tmp``, ``/var/tmp``, ``/dev/shm``); see procs.py for
+how the task's environment reaches only the task. An agent that is not root cannot switch users
+and refuses to run trusted work unless the owner set ``allow_same_user``.
+
 The task sees its workspace as ``/work``: an argument or ``env`` value that is ``/work`` or starts
 with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten to the attempt
-directory. Its environment is built, never inherited: a short allowlist from the agent's own
-environment, then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``
+directory. Its environment is built, never inherited: the locale from the agent's, then the
+payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``, the GPUs it holds
 and the ownership token.
 """
 
@@ -15,50 +22,42 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+import pwd
+import shutil
+import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flashnode import procs
-from flashnode.cgroups import AttemptCgroup, Hierarchy, Limits
-from flashnode.errors import AttemptFailed
-from flashnode.runners.base import Handle, Runner
+from flashnode import cgroups, procs
+from flashnode.errors import AttemptFailed, AttemptLapsed, ConfigError, ExitCode
+from flashnode.runners.base import Handle, Problem, Runner, RunnerEnv, RunResult, StartSpec
+from flashnode.runners.spec import cuda_visible, map_work, module_argv, write_module_spec
 from flashnode.settings import Settings
-from flashnode.slots import Device, GpuPool
 from flashnode.wire import MODULES, Task
-from flashnode.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
-INHERITED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-WORK = "/work"
+LOCALE = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
+PRIVATE_TMP_BYTES = 256 * 1024 * 1024
 
 
-def map_work(value: str, root: str) -> str:
-    """Rewrite a ``/work`` path (alone, or after the first '=') to the attempt directory."""
-    if value == WORK or value.startswith(WORK + "/"):
-        return root + value[len(WORK) :]
-    head, eq, tail = value.partition("=")
-    if eq and (tail == WORK or tail.startswith(WORK + "/")):
-        return head + eq + root + tail[len(WORK) :]
-    return value
+def slot_user_name(task_user: str, slot: int) -> str:
+    return f"{task_user}-{slot}"
 
 
 def task_env(
-    task: Task, ws: Workspace, token: str, agent_env: Mapping[str, str], own_user: bool = True
+    spec: StartSpec, token: str, agent_env: Mapping[str, str], path: str
 ) -> dict[str, str]:
-    """The task's environment. A task run as another user gets the system PATH: the agent's
-    may name directories only the agent's user can enter."""
-    root = str(ws.root)
-    env = {k: agent_env[k] for k in INHERITED if k in agent_env}
-    env.update({k: map_work(v, root) for k, v in task.env.items()})
-    env.update(
-        PATH=agent_env.get("PATH", DEFAULT_PATH) if own_user else DEFAULT_PATH,
-        HOME=root,
-        TMPDIR=str(ws.tmp),
-        FLASHML_WORK_DIR=root,
-    )
+    """The task's environment (see the module docstring)."""
+    root = str(spec.workspace.root)
+    env = {k: agent_env[k] for k in LOCALE if k in agent_env}
+    env.update({k: map_work(v, root) for k, v in spec.env.items()})
+    env.update(PATH=path, HOME=str(spec.workspace.tmp), TMPDIR=str(spec.workspace.tmp))
+    env["FLASHML_WORK_DIR"] = root
+    visible = cuda_visible(spec, renumbered=False)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     env[procs.OWNER_ENV] = token
     return env
 
@@ -66,31 +65,38 @@ def task_env(
 class TrustedHandle:
     def __init__(self, proc: procs.TaskProcess) -> None:
         self._proc = proc
-        self._oom = False
+        self._result: RunResult | None = None
 
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
-
-    @property
-    def image_digest(self) -> str:
-        return ""
+    def exited(self) -> bool:
+        return self._proc.exited.is_set()
 
     def terminate(self, grace: float) -> None:
         self._proc.terminate(grace)
 
-    def finish(self) -> None:
-        self._proc.kill()
+    def result(self) -> RunResult:
+        if self._result is not None:
+            return self._result
+        self._proc.kill()  # whatever the task left running
         self._proc.close()
+        oom = False
         if self._proc.cgroup is not None:
-            self._oom = self._proc.cgroup.oom_killed()
+            oom = self._proc.cgroup.oom_killed()
             self._proc.cgroup.remove()
-
-    def stderr_tail(self) -> str:
-        return self._proc.stderr.tail.decode("utf-8", "replace")
-
-    def failure(self) -> str | None:
-        return "out of memory" if self._oom else None
+        code = self._proc.returncode
+        tail = self._proc.stderr.tail.decode("utf-8", "replace")
+        cause = None
+        if code == procs.SETUP_FAILED:
+            setup = [ln for ln in tail.splitlines() if ln.startswith("flashnode: ")]
+            cause = f"task setup failed ({setup[-1][11:]})" if setup else None
+        self._result = RunResult(
+            exit_code=code if code is None or code >= 0 else None,
+            signal=-code if code is not None and code < 0 else None,
+            oom=oom,
+            cause=cause,
+            node_fault=cause is not None,
+            stderr_tail=tail,
+        )
+        return self._result
 
     def pids(self) -> set[int]:
         return self._proc.pids()
@@ -104,107 +110,196 @@ class TrustedRunner(Runner):
 
     def __init__(
         self,
-        pools: tuple[str, ...],
-        log_max_bytes: int,
-        cgroups: Hierarchy | None = None,
-        limits: Limits | None = None,
-        user: procs.TaskUser | None = None,
-        pool: GpuPool | None = None,
+        settings: Settings,
+        env: RunnerEnv,
+        users: list[procs.TaskUser] | None,
+        hierarchy: cgroups.Hierarchy | None,
+        sandbox: bool,
         agent_env: Mapping[str, str] | None = None,
     ) -> None:
-        self.pools = pools
-        self.log_max_bytes = log_max_bytes
-        self.cgroups = cgroups
-        self.limits = limits or Limits()
-        self.user = user
-        self.pool = pool or GpuPool()
-        self.task_python: str | None = None
-        self.module_capable = False
+        self.env = env
+        self.users = users
+        self.hierarchy = hierarchy
+        self.sandbox = sandbox
         self.agent_env = dict(os.environ if agent_env is None else agent_env)
+        self.settings = settings
+        self.module_capable = False
+        self.task_python: str | None = None
+
+    # --- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
+        problems: list[Problem] = []
+        if os.geteuid() != 0:
+            if settings.task_user:
+                problems.append(
+                    Problem(
+                        "trusted runner",
+                        "task_user needs the agent to run as root",
+                        "run the agent as root, or remove task_user",
+                        exit_code=ExitCode.CONFIG,
+                    )
+                )
+            elif not settings.allow_same_user:
+                problems.append(
+                    Problem(
+                        "trusted runner",
+                        "this agent is not root, so it cannot run tasks as a distinct task user",
+                        "run it as root with task_user set (tasks then run as <task_user>-<slot>),"
+                        " or set allow_same_user = true to run tasks as the agent's own user",
+                        exit_code=ExitCode.CONFIG,
+                    )
+                )
+            return problems
+        if not settings.task_user:
+            problems.append(
+                Problem(
+                    "trusted runner",
+                    "running as root without task_user",
+                    "set task_user (e.g. flashnode-task: slot N runs as flashnode-task-N)",
+                    exit_code=ExitCode.CONFIG,
+                )
+            )
+            return problems
+        try:
+            slot_users(settings.task_user, slots)
+        except ConfigError as exc:
+            fix = (
+                f"create them (the package's sysusers file does): for i in $(seq 0 {slots - 1});"
+                f" do useradd --system --user-group --no-create-home --shell /usr/sbin/nologin"
+                f" {settings.task_user}-$i; done"
+            )
+            return [Problem("task users", str(exc), fix, exit_code=ExitCode.CONFIG)]
+        blocked = _unreachable(settings.state_dir)
+        if blocked is not None:
+            problems.append(
+                Problem(
+                    "state dir",
+                    f"task users cannot enter {blocked}, above the state dir {settings.state_dir}",
+                    f"choose another state_dir, or allow search: chmod o+x {blocked}",
+                    exit_code=ExitCode.CONFIG,
+                )
+            )
+        if not shutil.which("setpriv") or not shutil.which("unshare"):
+            problems.append(
+                Problem("trusted runner", "setpriv or unshare is missing", "install util-linux")
+            )
+        else:
+            why = procs.sandbox_works()
+            if why:
+                problems.append(
+                    Problem(
+                        "task sandbox",
+                        f"cannot give tasks private mount and IPC namespaces ({why})",
+                        "run the agent as root with CAP_SYS_ADMIN (the packaged unit does)",
+                    )
+                )
+        return problems
+
+    @classmethod
+    def create(cls, settings: Settings, env: RunnerEnv) -> TrustedRunner:
+        users = None
+        sandbox = False
+        if os.geteuid() == 0:
+            assert settings.task_user
+            users = slot_users(settings.task_user, env.slots)
+            sandbox = True
+            for d in (settings.state_dir, settings.state_dir / "attempts"):
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                d.chmod(stat.S_IMODE(d.stat().st_mode) | 0o111)  # task users pass, never list
+            log.info(
+                "trusted tasks run as %s (one user per slot)",
+                ", ".join(u.name for u in users),
+            )
+        else:
+            log.warning(
+                "trusted tasks run as this agent's own user (uid %d, allow_same_user): they can"
+                " read and do whatever this agent can",
+                os.geteuid(),
+            )
+        hierarchy, why = cgroups.detect(clock=env.clock)
+        if hierarchy is None:
+            log.warning("no per-task cgroups (%s): limits rely on process groups and tokens", why)
+        else:
+            log.info("per-task cgroups in %s", hierarchy.describe())
+        runner = cls(settings, env, users, hierarchy, sandbox)
+        runner.reconfigure(settings)
+        return runner
 
     def reconfigure(self, settings: Settings) -> None:
-        self.pools = settings.pools
-        self.log_max_bytes = settings.log_max_bytes
-        self.limits = Limits(settings.task_memory_bytes, settings.task_cpus, settings.task_pids)
-        self.task_python = settings.task_python
-        self.module_capable = False
-        if self.task_python:
-            why = procs.python_imports(self.task_python, MODULES, self.user)
-            self.module_capable = why is None
+        self.settings = settings
+        if self.users is not None and settings.task_user and len(self.users) < self.env.slots:
+            self.users = slot_users(settings.task_user, self.env.slots)
+        python = settings.task_python
+        capable = False
+        if python:
+            user = self.users[0] if self.users else None
+            why = procs.python_imports(python, MODULES, user)
+            capable = why is None
             if why:
                 log.warning(
-                    "module tasks off: %s cannot import the allowlisted modules (%s)",
-                    self.task_python,
-                    why,
+                    "module tasks off: %s cannot import the allowlisted modules (%s)", python, why
                 )
             else:
-                log.info("module tasks on, under %s", self.task_python)
+                log.info("module tasks on, under %s", python)
+        self.task_python, self.module_capable = python, capable
+
+    # --- the contract -------------------------------------------------------------------------
 
     def check(self, task: Task) -> None:
+        pools = self.settings.pools
         if task.module is not None:
             # Allowlisted installed code, not the task's own: no sandbox fallback needed, but a
             # task placed for a pool still has to be one of ours.
             if not self.module_capable:
-                raise AttemptFailed("refused: this node runs no module tasks (task_python)")
-            if task.pool is not None and task.pool not in self.pools:
+                raise AttemptLapsed("this node runs no module tasks (task_python)")
+            if task.pool is not None and task.pool not in pools:
                 raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
             return
         if task.argv is None:
             raise AttemptFailed("the trusted runner runs argv and module tasks only")
-        if not self.pools:
+        if not pools:
             raise AttemptFailed("refused: this node serves no pool, so it runs no trusted work")
         if not task.pool:
             raise AttemptFailed(
                 "refused: trusted argv work must name a pool, and this task names none"
             )
-        if task.pool not in self.pools:
+        if task.pool not in pools:
             raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
         if task.isolation is None or not task.isolation.allow_fallback:
             raise AttemptFailed(
                 "refused: the task's isolation does not allow running outside a sandbox"
             )
 
-    def start(
-        self,
-        task: Task,
-        workspace: Workspace,
-        on_exit: Callable[[], None],
-        record: Callable[[dict[str, Any]], None],
-        gpus: list[Device],
-    ) -> Handle:
-        root = str(workspace.root)
-        token = procs.new_token()
-        if task.module is not None:
-            assert self.task_python is not None
-            inputs = {i.name: str(workspace.inputs / i.dest) for i in task.inputs}
-            spec = workspace.write_spec(task.task_id, task.params, inputs)
-            argv = [
-                self.task_python,
-                "-m",
-                task.module,
-                "--spec",
-                str(spec),
-                "--out",
-                str(workspace.out),
-            ]
+    def start(self, spec: StartSpec) -> Handle:
+        ws = spec.workspace
+        root = str(ws.root)
+        user = self.users[spec.slot] if self.users else None
+        if user is not None:
+            ws.hand_over(user.uid, user.gid, inputs_for="group")
         else:
-            assert task.argv is not None
-            argv = [map_work(a, root) for a in task.argv]
-        env = task_env(task, workspace, token, self.agent_env, own_user=self.user is None)
-        if gpus or self.pool.devices:
-            # Only the GPUs this attempt was given; none at all for a task that asked for none.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.visible for d in gpus)
-        uid = self.user.uid if self.user else os.geteuid()
-        if self.user is not None:
-            workspace.hand_over(self.user.uid, self.user.gid)
+            ws.task_uid = os.geteuid()
+        if spec.module_name is not None:
+            if self.task_python is None:
+                raise AttemptLapsed("this node runs no module tasks (task_python)")
+            spec_file = write_module_spec(spec, root, user.gid if user else None)
+            argv = module_argv(self.task_python, spec.module_name, str(spec_file), str(ws.out))
+        else:
+            assert spec.argv is not None
+            argv = [map_work(a, root) for a in spec.argv]
+        token = procs.new_token()
+        path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
+        env = task_env(spec, token, self.agent_env, path)
         cgroup = None
-        if self.cgroups is not None:
+        if self.hierarchy is not None:
             try:
-                cgroup = self.cgroups.create(workspace.root.name, self.limits)
+                cgroup = self.hierarchy.create(ws.root.name, spec.limits)
             except OSError as exc:
-                raise AttemptFailed(f"cannot create the task's cgroup: {exc.strerror}") from None
+                raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
+        uid = user.uid if user else os.geteuid()
         # Before anything runs: what finds the task's processes again after a crash.
-        record(
+        spec.record(
             {
                 "token": token,
                 "uid": uid,
@@ -212,27 +307,62 @@ class TrustedRunner(Runner):
                 "cgroup_version": cgroup.version if cgroup else None,
             }
         )
+        binds = tuple(spec.extra.get("read_only_binds", ()))
         try:
             proc = procs.TaskProcess(
                 argv,
                 env,
-                cwd=workspace.root,
-                stdout=workspace.logs / "stdout.txt",
-                stderr=workspace.logs / "stderr.txt",
-                log_max_bytes=self.log_max_bytes,
-                on_exit=on_exit,
+                cwd=ws.root,
+                stdout=spec.stdout,
+                stderr=spec.stderr,
+                log_max_bytes=self.settings.log_max_bytes,
+                on_exit=spec.on_exit,
                 cgroup=cgroup,
-                user=self.user,
+                user=user,
+                sandbox=procs.Sandbox(PRIVATE_TMP_BYTES, binds) if self.sandbox else None,
+                clock=self.env.clock,
             )
         except OSError as exc:
             if cgroup is not None:
                 cgroup.remove()
             raise AttemptFailed(f"cannot start {argv[0][:100]!r}: {exc.strerror or exc}") from None
-        record(proc.identity())
+        spec.record(proc.identity())
         return TrustedHandle(proc)
 
-    def reap(self, identity: dict[str, Any]) -> None:
-        procs.reap(identity)
+    def reap(self, identity: Mapping[str, Any]) -> None:
+        procs.reap(identity, self.env.clock)
         paths, version = identity.get("cgroup"), identity.get("cgroup_version")
         if isinstance(paths, dict) and version in (1, 2):
-            AttemptCgroup(version, {k: Path(v) for k, v in paths.items()}).remove()
+            cgroups.AttemptCgroup(
+                version, {k: Path(v) for k, v in paths.items()}, self.env.clock
+            ).remove()
+
+
+def slot_users(task_user: str, slots: int) -> list[procs.TaskUser]:
+    """The users slots 0..slots-1 run as; ConfigError naming the first that is missing or root."""
+    users = []
+    for slot in range(slots):
+        name = slot_user_name(task_user, slot)
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            raise ConfigError(f"task user {name!r} (for slot {slot}) does not exist") from None
+        if pw.pw_uid == 0 or pw.pw_gid == 0:
+            raise ConfigError(f"task user {name!r} is root or in group root")
+        users.append(procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid))
+    if len({u.uid for u in users}) != len(users) or len({u.gid for u in users}) != len(users):
+        # A shared uid or group would let one slot's task read another's workspace.
+        raise ConfigError(f"the {task_user}-N task users must have distinct uids and groups")
+    return users
+
+
+def _unreachable(state_dir: Path) -> Path | None:
+    """The first directory above the state dir that unrelated users cannot enter, if any."""
+    resolved = state_dir.resolve()
+    for d in resolved.parents:
+        try:
+            if not d.stat().st_mode & 0o001:
+                return d
+        except OSError:
+            return d
+    return None

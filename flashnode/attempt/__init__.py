@@ -1,0 +1,323 @@
+"""One lease from claim to commit (DESIGN.md §1), as a list of phases over one AttemptRecord.
+
+The orchestrator only sequences phases and turns how they end into one outcome:
+
+    prepare → stage → execute → check → commit
+
+Each phase is a function of the running ``Attempt`` in its own module; a new capability arrives
+as a new phase, not as a branch in an old one. Between phases, and inside every wait, the attempt
+checks whether it must stop (a lost lease, a cancel): cancellation is a state every phase sees.
+
+How an attempt ends (DESIGN.md §5, whose fault):
+
+* ``AttemptFailed`` — the task's own fault: reported with ``fail``;
+* ``AttemptLapsed`` — not the task's fault (drain, stop, restart, what the node lacks): the lease
+  is left to lapse and the reason goes to the ledger;
+* ``LeaseLost`` — the lease died: nothing more is uploaded or reported.
+
+Whatever raises, every attempt ends in exactly one ledger line, its GPUs released, its workspace
+and outbox record removed (unless a finished result waits in the outbox for the next start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from flashnode.attempt import commit, execute, prepare, stage
+from flashnode.attempt.context import AttemptContext, CoordinatorPort
+from flashnode.attempt.keeper import LeaseKeeper
+from flashnode.attempt.record import AttemptRecord, Outcome, State
+from flashnode.errors import AttemptFailed, AttemptLapsed, CredentialsError, LeaseLost
+from flashnode.gpupool import Device
+from flashnode.retry import Interrupted
+from flashnode.runners.base import Handle, RunResult
+from flashnode.wire import ExecutionEvidence, Lease, Task, parse_lease
+from flashnode.workspace import OutputFile, Workspace
+
+__all__ = ["PHASES", "Attempt", "AttemptContext", "CoordinatorPort", "LeaseKeeper", "Outcome"]
+
+log = logging.getLogger(__name__)
+
+Phase = Callable[["Attempt"], None]
+PHASES: tuple[tuple[str, Phase], ...] = (
+    ("prepare", prepare.run),
+    ("stage", stage.run),
+    ("execute", execute.run),
+    ("check", commit.check),
+    ("commit", commit.commit),
+)
+RESUME: tuple[tuple[str, Phase], ...] = (
+    ("check", commit.recheck),
+    ("commit", commit.commit),
+)
+
+
+class Attempt:
+    """Runs one claimed lease to its outcome. ``run``, ``resume`` and ``abandon`` never raise."""
+
+    def __init__(
+        self,
+        ctx: AttemptContext,
+        lease_data: Any,
+        slot: int = 0,
+        reserved: list[Device] | None = None,
+        record: AttemptRecord | None = None,
+    ) -> None:
+        """``reserved``: GPUs the agent already took for this lease when it claimed it."""
+        self.ctx = ctx
+        self.data = lease_data
+        self.record = record or AttemptRecord(
+            lease=lease_data if isinstance(lease_data, dict) else {},
+            slot=slot,
+            claimed_at=ctx.clock.wall(),
+        )
+        self.lease: Lease | None = None
+        self.task: Task | None = None
+        self.workspace: Workspace | None = None
+        self.keeper: LeaseKeeper | None = None
+        self.devices: list[Device] = list(reserved or [])
+        self.handle: Handle | None = None
+        self.result: RunResult | None = None
+        self.files: list[OutputFile] = []
+        self.output_sha256 = ""
+        self.outcome: tuple[Outcome, str] | None = None  # set by the commit phase
+        self.wake = threading.Event()  # the execute phase's wait: exit, cancel or loss
+        self.stop = threading.Event()  # every wait of every phase ends when this is set
+        self._ending: AttemptFailed | AttemptLapsed | None = None
+        self.cancel_grace = 0.0
+        self.phase = "claimed"
+        self._drop_reason = "malformed lease"
+
+    # --- what the agent sees ------------------------------------------------------------------
+
+    @property
+    def lease_id(self) -> str:
+        return self.lease.lease_id if self.lease else "?"
+
+    def describe(self) -> str:
+        lease = self.lease
+        return f"{lease.lease_id} ({lease.job_id}/{lease.task_id})" if lease else "a new lease"
+
+    def snapshot(self) -> dict[str, Any]:
+        lease = self.lease
+        assert lease is not None
+        return {
+            "lease_id": lease.lease_id,
+            "job_id": lease.job_id,
+            "task_id": lease.task_id,
+            "attempt_number": lease.attempt_number,
+            "started_at": self.record.claimed_at,
+            "phase": self.phase,
+            "slot": self.record.slot,
+            "gpus": [d.visible for d in self.devices],
+        }
+
+    def cancel(self, ending: AttemptFailed | AttemptLapsed, grace: float) -> None:
+        """Stop the attempt wherever it is (the task: TERM, ``grace`` seconds, KILL) and end it
+        with ``ending``: AttemptLapsed when it is not the task's fault."""
+        if self._ending is None:
+            self.cancel_grace = grace
+            self._ending = ending
+        self.stop.set()
+        self.wake.set()
+
+    # --- what phases use ----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise if the attempt must stop: its lease is lost, or it was cancelled."""
+        if self.keeper is not None and self.keeper.lost.is_set():
+            raise LeaseLost(self.keeper.reason)
+        if self._ending is not None:
+            raise self._ending
+
+    @property
+    def cancelled(self) -> AttemptFailed | AttemptLapsed | None:
+        return self._ending
+
+    def save(self, state: State | None = None, durable: bool = False, **fields: Any) -> None:
+        """Update the record and write it to the outbox."""
+        if state is not None:
+            self.record.state = state
+        for key, value in fields.items():
+            setattr(self.record, key, value)
+        self.ctx.outbox.write(self.record, durable=durable)
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        self.phase = name
+        try:
+            yield
+        finally:
+            self.record.timings[name] = round(
+                self.record.timings.get(name, 0.0) + time.monotonic() - start, 4
+            )
+
+    # --- entry points -------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        """Claim to commit, for a freshly claimed lease."""
+        if not self._parse():
+            return self._drop()
+        lease = self.lease
+        assert lease is not None
+        log.info(
+            "lease %s: claimed %s/%s (attempt %d)",
+            lease.lease_id,
+            lease.job_id,
+            lease.task_id,
+            lease.attempt_number,
+        )
+        return self._guarded(PHASES)
+
+    def resume(self) -> Outcome:
+        """Upload and commit an attempt that finished before the agent restarted (the outbox).
+        The outputs are checked again; if the lease died meanwhile, the result is lost."""
+        if not self._parse():
+            return self._drop()
+        log.info("lease %s: resuming the commit of a finished attempt", self.lease_id)
+        return self._guarded(RESUME)
+
+    def abandon(self, reason: str) -> Outcome:
+        """End an attempt a previous run of the agent left unfinished (its processes were
+        reaped): not the task's fault, so its lease is left to lapse; nothing is run."""
+        if not self._parse():
+            return self._drop()
+        assert self.lease is not None
+        log.warning("lease %s: %s; letting its lease lapse", self.lease_id, reason)
+        Workspace(self.ctx.settings.state_dir / "attempts" / self.lease.lease_id).remove()
+        self.ctx.outbox.remove(self.lease.lease_id)
+        self._record(Outcome.LAPSED, reason)
+        return Outcome.LAPSED
+
+    # --- the guard ----------------------------------------------------------------------------
+
+    def _parse(self) -> bool:
+        try:
+            self.lease = parse_lease(self.data)
+        except ValueError as exc:
+            self._drop_reason = str(exc)
+            return False
+        return True
+
+    def _guarded(self, phases: tuple[tuple[str, Phase], ...]) -> Outcome:
+        assert self.lease is not None
+        lease = self.lease
+        self.keeper = LeaseKeeper(
+            self.ctx.coordinator, lease, self.ctx.clock, self._lost, self.ctx.rng
+        )
+        self.ctx.start_thread(self.keeper.run, f"keeper-{lease.lease_id}")
+        outcome, reason = Outcome.FAILED, ""
+        try:
+            for name, phase in phases:
+                self.check()
+                with self.timed(name):
+                    phase(self)
+            assert self.outcome is not None
+            outcome, reason = self.outcome
+        except (LeaseLost, CredentialsError) as exc:
+            outcome, reason = self._lost_reason(exc)
+        except Interrupted:
+            outcome, reason = self._interrupted()
+        except AttemptLapsed as exc:
+            outcome, reason = self._lapse(str(exc))
+        except AttemptFailed as exc:
+            outcome, reason = commit.report_failure(self, str(exc))
+        except Exception as exc:  # a bug: still end the attempt cleanly and keep the agent up
+            log.exception("lease %s: unexpected error", lease.lease_id)
+            outcome, reason = commit.report_failure(self, f"agent error ({type(exc).__name__})")
+        finally:
+            self.keeper.stop()
+            execute.release(self)
+        keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
+        if keep:
+            log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)
+        else:
+            with contextlib.suppress(OSError):
+                if self.workspace is not None:
+                    self.workspace.remove()
+                self.ctx.outbox.remove(lease.lease_id)
+        self._record(outcome, reason)
+        return outcome
+
+    def _lost(self) -> None:
+        self.stop.set()
+        self.wake.set()
+
+    def _lost_reason(self, exc: Exception) -> tuple[Outcome, str]:
+        assert self.keeper is not None
+        reason = self.keeper.reason or str(exc) or "lease lost"
+        log.warning("lease %s: lost, nothing more is reported: %s", self.lease_id, reason)
+        return Outcome.LOST, reason
+
+    def _interrupted(self) -> tuple[Outcome, str]:
+        """A wait was cut short: by a lost lease or by a cancel."""
+        try:
+            self.check()
+        except (LeaseLost, CredentialsError) as exc:
+            return self._lost_reason(exc)
+        except AttemptLapsed as exc:
+            return self._lapse(str(exc))
+        except AttemptFailed as exc:
+            return commit.report_failure(self, str(exc))
+        return self._lapse("interrupted")
+
+    def _lapse(self, reason: str) -> tuple[Outcome, str]:
+        log.warning("lease %s: %s; letting the lease lapse", self.lease_id, reason)
+        return Outcome.LAPSED, reason
+
+    def _drop(self) -> Outcome:
+        """A claim answer whose envelope is unusable: fail it if it names a lease, else drop."""
+        self.ctx.gpus.release(self.devices)
+        reason = self._drop_reason
+        lease_id = self.data.get("lease_id") if isinstance(self.data, dict) else None
+        if isinstance(lease_id, str) and commit.reportable(lease_id):
+            log.error("lease %s: %s; failing it", lease_id, reason)
+            commit.fail_quietly(self.ctx, lease_id, reason)
+            self._record(Outcome.FAILED, reason, lease_id=lease_id)
+            return Outcome.FAILED
+        log.error("claim answer dropped: %s (it will expire on the coordinator)", reason)
+        self._record(Outcome.DROPPED, reason)
+        return Outcome.DROPPED
+
+    def _record(self, outcome: Outcome, reason: str, lease_id: str = "") -> None:
+        """The attempt's one ledger line; a ledger that cannot be written is logged, never
+        raised."""
+        lease = self.lease
+        payload = self.data.get("payload") if isinstance(self.data, dict) else None
+        try:
+            digest = hashlib.sha256(
+                json.dumps(payload, sort_keys=True, default=str).encode()
+            ).hexdigest()
+        except (TypeError, ValueError, RecursionError):
+            digest = ""
+        evidence: ExecutionEvidence | None = self.record.evidence
+        entry = {
+            "lease_id": lease.lease_id if lease else lease_id,
+            "job_id": lease.job_id if lease else "",
+            "task_id": lease.task_id if lease else "",
+            "attempt_number": lease.attempt_number if lease else None,
+            "payload_sha256": digest,
+            "runner": self.ctx.runner.name,
+            "evidence": evidence.model_dump() if evidence else None,
+            "task_usage": self.record.task_usage or None,
+            "gpus": [d.visible for d in self.devices],
+            "slot": self.record.slot,
+            "output_sha256": self.output_sha256,
+            "outcome": outcome.value,
+            "reason": reason,
+            "timings": dict(self.record.timings),
+            "started_at": self.record.claimed_at,
+            "ended_at": self.ctx.clock.wall(),
+        }
+        try:
+            self.ctx.ledger.append(entry)
+        except OSError as exc:
+            log.error("lease %s: cannot write the ledger: %s", entry["lease_id"], exc)

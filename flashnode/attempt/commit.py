@@ -1,0 +1,238 @@
+"""Checking outputs, spooling the result, uploading and committing it; and reporting a failure.
+
+``check`` runs once the task ended well: the outputs pass their checks, then the result is
+written durably to the outbox (state ``finished``) before anything is uploaded, so an agent
+restart resumes the commit instead of losing it. ``commit`` uploads every file (logs first,
+``metrics.json`` last: the commit anchor) from descriptors checked to be the files the walk saw,
+and completes with the anchor's sha256 and the evidence; ``accepted: false`` is final.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+
+from flashnode import retry
+from flashnode.attempt.record import Outcome, State
+from flashnode.checks import check_fedavg
+from flashnode.errors import (
+    AttemptFailed,
+    CoordinatorError,
+    CredentialsError,
+    LeaseLost,
+    PayloadTooLarge,
+)
+from flashnode.wire import SAFE_ID, parse_task
+from flashnode.workspace import OutputFile, Workspace
+
+if TYPE_CHECKING:
+    from flashnode.attempt import Attempt
+    from flashnode.attempt.context import AttemptContext
+
+log = logging.getLogger(__name__)
+
+REASON_MAX = 500
+METRICS_MAX_BYTES = 16 * 1024 * 1024
+LOGS = ("stdout.txt", "stderr.txt")
+T = TypeVar("T")
+
+
+# --- check ---------------------------------------------------------------------------------
+
+
+def check(a: Attempt) -> None:
+    """The outputs of a run that ended well, checked, then the result spooled durably."""
+    assert a.workspace is not None
+    a.files = files = _checked_outputs(a, a.workspace)
+    a.save(
+        State.FINISHED,
+        durable=True,
+        outputs={f.rel: f.size for f in files},
+        metrics_sha256=_sha256(a.workspace, files[-1]),
+    )
+
+
+def recheck(a: Attempt) -> None:
+    """For a result found in the outbox after a restart: the outputs must be the ones spooled."""
+    assert a.lease is not None
+    a.task = parse_task(a.lease)
+    a.workspace = ws = Workspace(
+        a.ctx.settings.state_dir / "attempts" / a.lease.lease_id, a.record.task_uid
+    )
+    a.files = files = _checked_outputs(a, ws)
+    if {f.rel: f.size for f in files} != a.record.outputs or _sha256(
+        ws, files[-1]
+    ) != a.record.metrics_sha256:
+        raise AttemptFailed("outputs changed on disk after the attempt finished")
+
+
+def _checked_outputs(a: Attempt, ws: Workspace) -> list[OutputFile]:
+    assert a.task is not None
+    s = a.ctx.settings
+    files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes)
+    by_name = {f.rel: f for f in files}
+    metrics_file = files[-1]
+    if metrics_file.size > METRICS_MAX_BYTES:
+        raise AttemptFailed(f"out/metrics.json is larger than {METRICS_MAX_BYTES} bytes")
+    with ws.open_output(metrics_file) as fh:
+        metrics = _parse_json(fh.read())
+    if a.task.workload_type == "command" and not isinstance(metrics, dict):
+        raise AttemptFailed("out/metrics.json is not a JSON object")
+
+    def opener(name: str) -> AbstractContextManager[BinaryIO] | None:
+        f = by_name.get(name)
+        return ws.open_output(f) if f is not None else None
+
+    check_fedavg(metrics, opener)
+    return files
+
+
+_NOT_JSON = object()
+
+
+def _parse_json(data: bytes) -> Any:
+    """metrics.json parsed, or a marker when it is not JSON (any bytes do for module kinds)."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return _NOT_JSON
+
+
+def _sha256(ws: Workspace, f: OutputFile) -> str:
+    digest = hashlib.sha256()
+    with ws.open_output(f) as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- commit --------------------------------------------------------------------------------
+
+
+def commit(a: Attempt) -> None:
+    """Upload the logs and every output (metrics.json last), then complete."""
+    assert a.task is not None and a.workspace is not None and a.record.evidence is not None
+    ws, prefix = a.workspace, a.task.output_prefix
+    for name in LOGS:
+        _upload(a, f"{prefix}logs/{name}", lambda n=name: _log_file(ws, n))  # type: ignore[misc]
+    for f in a.files:
+        sha = _upload(a, prefix + f.rel, lambda f=f: _output(ws, f))  # type: ignore[misc]
+        if f.rel == "metrics.json" and sha is not None:
+            a.output_sha256 = sha
+    evidence, sha = a.record.evidence, a.output_sha256
+    accepted, detail = _retrying(
+        a, "complete", lambda: a.ctx.coordinator.complete(a.lease_id, sha, evidence)
+    )
+    if accepted:
+        log.info("lease %s: committed, accepted", a.lease_id)
+        a.outcome = (Outcome.COMMITTED, "")
+    else:
+        log.warning("lease %s: commit not accepted (final): %s", a.lease_id, detail or "-")
+        a.outcome = (Outcome.REJECTED, detail)
+
+
+Opened = AbstractContextManager["tuple[BinaryIO, int] | None"]
+
+
+@contextlib.contextmanager
+def _output(ws: Workspace, f: OutputFile) -> Iterator[tuple[BinaryIO, int] | None]:
+    with ws.open_output(f) as fh:
+        yield fh, f.size
+
+
+def _log_file(ws: Workspace, name: str) -> Opened:
+    return ws.open_log(name)
+
+
+def _upload(a: Attempt, key: str, open_file: Callable[[], Opened]) -> str | None:
+    """Upload one file (opened anew, and checked, on every try); None when there is nothing."""
+
+    def once() -> str | None:
+        a.check()
+        with open_file() as opened:
+            if opened is None:
+                return None
+            fh, size = opened
+            return a.ctx.coordinator.upload(key, fh, size)
+
+    try:
+        return _retrying(a, f"upload of {key.rsplit('/', 1)[-1]}", once)
+    except PayloadTooLarge as exc:
+        raise AttemptFailed(f"the coordinator refused {key} as too large ({exc})") from None
+
+
+def _retrying(a: Attempt, what: str, call: Callable[[], T]) -> T:
+    """Retry transport errors and 5xx with the shared backoff for as long as the lease lives
+    (the keeper says when it is lost) and the attempt is not stopped."""
+    return retry.retry(
+        call,
+        policy=retry.RESULT,
+        rng=a.ctx.rng,
+        clock=a.ctx.clock,
+        stop=a.stop,
+        what=f"lease {a.lease_id}: {what}",
+    )
+
+
+# --- failure ---------------------------------------------------------------------------------
+
+
+def report_failure(a: Attempt, reason: str) -> tuple[Outcome, str]:
+    """Report the task's failure with ``fail`` (and its logs, when it ran), unless the lease is
+    already lost."""
+    reason = bounded(reason)
+    if a.keeper is not None and a.keeper.lost.is_set():
+        return Outcome.LOST, a.keeper.reason
+    log.warning("lease %s: failed: %s", a.lease_id, reason)
+    if a.handle is not None and a.task is not None and a.workspace is not None:
+        _upload_logs_best_effort(a, a.task.output_prefix, a.workspace)
+    stop = a.keeper.lost if a.keeper is not None else threading.Event()
+    try:
+        retry.retry(
+            lambda: a.ctx.coordinator.fail(a.lease_id, reason),
+            policy=retry.TRANSFER,
+            rng=a.ctx.rng,
+            clock=a.ctx.clock,
+            stop=stop,
+            what=f"lease {a.lease_id}: fail",
+        )
+    except (LeaseLost, CredentialsError):
+        return Outcome.LOST, reason
+    except retry.Interrupted:
+        return Outcome.LOST, reason
+    except (CoordinatorError, retry.GaveUp) as exc:
+        log.error("lease %s: could not report the failure: %s", a.lease_id, exc)
+    return Outcome.FAILED, reason
+
+
+def _upload_logs_best_effort(a: Attempt, prefix: str, ws: Workspace) -> None:
+    for name in LOGS:
+        try:
+            with ws.open_log(name) as opened:
+                if opened is not None:
+                    a.ctx.coordinator.upload(f"{prefix}logs/{name}", *opened)
+        except (CoordinatorError, CredentialsError, AttemptFailed, OSError):
+            return
+
+
+def reportable(lease_id: str) -> bool:
+    return bool(SAFE_ID.match(lease_id))
+
+
+def fail_quietly(ctx: AttemptContext, lease_id: str, reason: str) -> None:
+    """One ``fail`` for a lease too malformed to run; its outcome changes nothing here."""
+    try:
+        ctx.coordinator.fail(lease_id, bounded(reason))
+    except (CoordinatorError, CredentialsError) as exc:
+        log.error("lease %s: could not report the failure: %s", lease_id, exc)
+
+
+def bounded(reason: str) -> str:
+    reason = " ".join(reason.split())
+    return reason if len(reason) <= REASON_MAX else reason[: REASON_MAX - 3] + "..."

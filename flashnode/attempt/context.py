@@ -1,0 +1,53 @@
+"""What every attempt is given: its edges (coordinator, runner, clock, outbox, ledger) behind
+small interfaces, so the phases run against fakes in tests."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, BinaryIO, Protocol
+
+from flashnode.cgroups import Limits
+from flashnode.clock import Clock
+from flashnode.gpupool import GpuPool
+from flashnode.ledger import Ledger
+from flashnode.runners.base import Runner
+from flashnode.sampler import CpuWindow, GpuReader
+from flashnode.settings import Settings
+from flashnode.wire import ExecutionEvidence
+
+if TYPE_CHECKING:
+    import threading
+
+    from flashnode.outbox import Outbox
+
+
+class CoordinatorPort(Protocol):
+    """What an attempt needs of the coordinator (flashnode.coordinator.Coordinator fits)."""
+
+    def attempt_heartbeat(self, lease_id: str) -> None: ...
+    def complete(
+        self, lease_id: str, output_sha256: str, evidence: ExecutionEvidence
+    ) -> tuple[bool, str]: ...
+    def fail(self, lease_id: str, reason: str) -> None: ...
+    def upload(self, key: str, fh: BinaryIO, size: int) -> str: ...
+    def download(
+        self, key: str, out: BinaryIO, max_bytes: int, stop: threading.Event | None = None
+    ) -> int: ...
+
+
+@dataclass
+class AttemptContext:
+    coordinator: CoordinatorPort
+    runner: Runner
+    settings: Settings
+    clock: Clock
+    ledger: Ledger
+    outbox: Outbox
+    start_thread: Callable[[Callable[[], None], str], None]
+    rng: random.Random = field(default_factory=random.Random)
+    cpu_window: Callable[[], CpuWindow] = CpuWindow
+    gpu: GpuReader | None = None
+    gpus: GpuPool = field(default_factory=GpuPool)
+    limits: Limits = field(default_factory=Limits)  # per task (runners.spec.task_limits)

@@ -1,0 +1,76 @@
+"""Lease renewal, and the lost-lease latch every phase checks."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+
+from flashnode.attempt.context import CoordinatorPort
+from flashnode.clock import Clock
+from flashnode.errors import CoordinatorError, CredentialsError, LeaseLost
+from flashnode.retry import Backoff, Policy
+from flashnode.wire import Lease
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Renews a lease every clamp(lease_seconds/3, 2 s, 60 s) on the monotonic clock.
+
+    410 (or 403 in token mode) means lost, as does a refused credential. Transport errors are
+    retried with the shared backoff (from 1 s, capped at the renewal interval) until the local
+    deadline (last renewal + the lease window) would pass; then the lease is taken as lost too.
+    ``stop`` ends renewals without a verdict: a lease left to lapse.
+    """
+
+    def __init__(
+        self,
+        coordinator: CoordinatorPort,
+        lease: Lease,
+        clock: Clock,
+        on_lost: Callable[[], None],
+        rng: random.Random | None = None,
+    ) -> None:
+        self._coordinator, self._lease, self._clock = coordinator, lease, clock
+        self._on_lost = on_lost
+        self._rng = rng or random.Random()
+        self._stop = threading.Event()
+        self.lost = threading.Event()
+        self.reason = ""
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        interval, window = self._lease.renew_interval, self._lease.window
+        backoff = Backoff(Policy(first=1.0, cap=interval, jitter=(0.9, 1.0)), self._rng)
+        now = self._clock.monotonic()
+        next_renewal, deadline = now + interval, now + window
+        while not self._clock.wait(self._stop, next_renewal - self._clock.monotonic()):
+            try:
+                self._coordinator.attempt_heartbeat(self._lease.lease_id)
+            except LeaseLost as exc:
+                self._mark_lost(f"lease lost ({exc.status}: {exc})")
+                return
+            except CredentialsError as exc:
+                self._mark_lost(f"credentials refused: {exc}")
+                return
+            except CoordinatorError as exc:
+                now = self._clock.monotonic()
+                delay = backoff.next()
+                if now + delay >= deadline:
+                    self._mark_lost(f"lease could not be renewed before its deadline ({exc})")
+                    return
+                log.warning("lease %s: renewal failed, retrying: %s", self._lease.lease_id, exc)
+                next_renewal = now + delay
+                continue
+            backoff.reset()
+            now = self._clock.monotonic()
+            next_renewal, deadline = now + interval, now + window
+
+    def _mark_lost(self, reason: str) -> None:
+        self.reason = reason
+        self.lost.set()
+        self._on_lost()

@@ -1,0 +1,59 @@
+"""Staging: the attempt's workspace and its inputs, downloaded from the coordinator's store
+(archives unpacked safely), before anything of the task runs. A stop is honoured between and
+during downloads."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING
+
+from flashnode import archives, retry
+from flashnode.attempt.record import State
+from flashnode.errors import AttemptFailed, AttemptLapsed, CoordinatorError, LeaseLost, NotFound
+from flashnode.workspace import Workspace
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from flashnode.attempt import Attempt
+
+
+def run(a: Attempt) -> None:
+    assert a.lease is not None and a.task is not None
+    a.save(State.STAGING)
+    a.workspace = ws = Workspace.create(a.ctx.settings.state_dir / "attempts", a.lease.lease_id)
+    budget = a.ctx.settings.max_input_bytes
+    for inp in a.task.inputs:
+        a.check()
+        dest = ws.stage / inp.name if inp.unpack else ws.inputs / inp.dest
+        size = _download(a, inp.name, inp.key, dest, budget)
+        budget -= size
+        if inp.unpack:
+            archives.unpack(dest, ws.inputs / inp.name, inp.name, budget)
+            dest.unlink()
+
+
+def _download(a: Attempt, name: str, key: str, dest: Path, budget: int) -> int:
+    def once() -> int:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            return a.ctx.coordinator.download(key, out, budget, a.stop)
+
+    try:
+        return retry.retry(
+            functools.partial(once),
+            policy=retry.TRANSFER,
+            rng=a.ctx.rng,
+            clock=a.ctx.clock,
+            stop=a.stop,
+            what=f"lease {a.lease_id}: download of input {name}",
+        )
+    except LeaseLost:
+        raise
+    except NotFound:
+        raise AttemptFailed(f"input {name!r} is missing: no artifact at {key}") from None
+    except retry.GaveUp as exc:
+        raise AttemptLapsed(f"input {name!r} could not be fetched: {exc.__cause__}") from None
+    except CoordinatorError as exc:
+        raise AttemptFailed(f"input {name!r} could not be fetched: {exc}") from None

@@ -1,0 +1,110 @@
+"""What both runners share about a task's start: the StartSpec, the module spec file, GPU
+visibility and the ``/work`` mapping."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flashnode.cgroups import Limits
+from flashnode.gpupool import Device
+from flashnode.runners.base import ModuleSpec, StartSpec
+from flashnode.settings import Settings
+from flashnode.wire import Task
+from flashnode.workspace import Workspace
+
+WORK = "/work"
+# The command a module task runs, with the interpreter, spec and output directory filled in.
+MODULE_ARGV = ("-m", "{module}", "--spec", "{spec}", "--out", "{out}")
+
+
+def build(
+    task: Task,
+    lease_id: str,
+    slot: int,
+    workspace: Workspace,
+    gpus: list[Device],
+    gpu_node: bool,
+    limits: Limits,
+    on_exit: Callable[[], None],
+    record: Callable[[dict[str, Any]], None],
+) -> StartSpec:
+    module = None
+    if task.module is not None:
+        inputs = {i.name: f"{WORK}/inputs/{i.dest}" for i in task.inputs}
+        module = ModuleSpec(task.task_id, dict(task.params), inputs)
+    return StartSpec(
+        lease_id=lease_id,
+        slot=slot,
+        workspace=workspace,
+        argv=task.argv,
+        module=module,
+        module_name=task.module,
+        env=dict(task.env),
+        gpus=tuple(gpus),
+        gpu_node=gpu_node,
+        image=task.image,
+        limits=limits,
+        on_exit=on_exit,
+        record=record,
+        stdout=workspace.logs / "stdout.txt",
+        stderr=workspace.logs / "stderr.txt",
+    )
+
+
+def map_work(value: str, root: str) -> str:
+    """Rewrite a ``/work`` path (alone, or after the first '=') to ``root``."""
+    if value == WORK or value.startswith(WORK + "/"):
+        return root + value[len(WORK) :]
+    head, eq, tail = value.partition("=")
+    if eq and (tail == WORK or tail.startswith(WORK + "/")):
+        return head + eq + root + tail[len(WORK) :]
+    return value
+
+
+def write_module_spec(spec: StartSpec, root: str, gid: int | None = None) -> Path:
+    """Write ``spec.json`` into the workspace (the agent's file, readable by the task), its
+    input paths under ``root`` (``/work`` in a container, the workspace on the host)."""
+    assert spec.module is not None
+    path = spec.workspace.root / "spec.json"
+    body = {
+        "task_id": spec.module.task_id,
+        "params": spec.module.params,
+        "inputs": {k: map_work(v, root) for k, v in spec.module.inputs.items()},
+    }
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(body, fh, sort_keys=True)
+    if gid is not None:
+        os.chown(path, os.geteuid(), gid)
+        path.chmod(0o640)
+    else:
+        path.chmod(0o644)
+    return path
+
+
+def module_argv(python: str, module: str, spec: str, out: str) -> list[str]:
+    return [python, *(a.format(module=module, spec=spec, out=out) for a in MODULE_ARGV)]
+
+
+def cuda_visible(spec: StartSpec, renumbered: bool) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for the task: its GPUs only, and none at all for a task holding
+    none on a GPU node; None (unset) on a node without GPUs. ``renumbered``: the runtime maps the
+    given devices to 0..n-1 (a container's device request)."""
+    if not spec.gpus and not spec.gpu_node:
+        return None
+    if renumbered:
+        return ",".join(str(i) for i in range(len(spec.gpus)))
+    return ",".join(d.visible for d in spec.gpus)
+
+
+def task_limits(settings: Settings, slots: int, memory_bytes: int, cores: int) -> Limits:
+    """The per-task limits: what the owner set, else a share of the machine per slot (three
+    quarters of its memory, its cores, split between the slots), and ``task_pids``."""
+    slots = max(slots, 1)
+    memory = settings.task_memory_bytes or max(memory_bytes * 3 // 4 // slots, 64 * 1024 * 1024)
+    cpus = settings.task_cpus or max(cores / slots, 1.0)
+    return Limits(memory, cpus, settings.task_pids)
