@@ -132,6 +132,14 @@ def logs(
     if not SAFE_ID.match(lease):
         raise click.BadParameter(f"{lease!r} is not a lease id", param_hint="LEASE")
     attempt = _state_dir(config_file, state_dir) / "attempts" / lease
+    try:
+        os.lstat(attempt)
+    except PermissionError:
+        raise click.ClickException(
+            f"cannot read {attempt.parent}: permission denied (run as the agent's user)"
+        ) from None
+    except OSError:
+        pass
     if not _is_dir(attempt):
         raise click.ClickException(
             f"no attempt {lease} runs on this node (a finished attempt's logs are removed with it;"
