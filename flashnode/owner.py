@@ -121,15 +121,33 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
         if as_json:
             click.echo(json.dumps(r, sort_keys=True))
             continue
-        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("ended_at") or 0))
-        ev = r.get("evidence") or {}
-        wall = ev.get("wall_seconds")
-        took = f"{wall:.1f}s" if isinstance(wall, (int, float)) else "-"
-        line = f"{ended}  {r.get('job_id')}/{r.get('task_id')}  {r.get('outcome'):9}  {took:>8}"
-        line += f"  cpu {ev.get('cpu_percent_mean')}  gpu {ev.get('gpu_util_percent_mean')}"
+        at = r.get("ended_at")
+        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if _number(at) else "-" * 19
+        ev = _dict(r.get("evidence"))
+        # The task's own figures (its process tree or cgroup, its GPU processes): the wire's
+        # host-wide ones would charge the task with whatever else the machine did.
+        usage = _dict(r.get("task_usage"))
+        wall, cpu, gpu = (
+            ev.get("wall_seconds"),
+            usage.get("cpu_percent_mean"),
+            usage.get("gpu_util_percent_mean"),
+        )
+        took = f"{wall:.1f}s" if _number(wall) else "-"
+        job = f"{r.get('job_id') or '-'}/{r.get('task_id') or '-'}"
+        line = f"{ended}  {job}  {r.get('outcome') or '-'!s:9}  {took:>8}"
+        line += f"  cpu {f'{cpu:.3g}%' if _number(cpu) else '-'}"
+        line += f"  gpu {f'{gpu:.3g}%' if _number(gpu) else '-'}"
         if r.get("reason"):
             line += f"  {r['reason']}"
         click.echo(line)
+
+
+def _dict(value: object) -> dict[str, object]:
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # --- pools -----------------------------------------------------------------------------------

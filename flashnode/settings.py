@@ -15,11 +15,20 @@ import re
 import stat
 import sys
 from collections.abc import Mapping
+from datetime import tzinfo
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from flashnode.errors import ConfigError
 
@@ -170,6 +179,106 @@ class Settings(BaseModel):
     def unsandboxed_argv_capable(self) -> bool:
         """The trusted opt-in counts only together with at least one pool (pool-only work)."""
         return self.runner == "trusted" and bool(self.pools)
+
+    # --- owner controls and metrics (issue 19; README "Owner controls") ------------------------
+    # Rules that hold claiming (and, named in suspend_when, suspend running tasks): see
+    # controls.py. Metrics: an opt-in Prometheus endpoint, loopback only unless allowed.
+    run_windows: tuple[str, ...] = ()
+    run_windows_timezone: str | None = None
+    hold_on_battery: bool = False
+    hold_when_active: bool = False
+    active_idle_seconds: float = Field(default=300.0, gt=0, le=86400)
+    hold_above_load_percent: float | None = Field(default=None, gt=0, lt=100)
+    hold_clear_seconds: float = Field(default=60.0, ge=0, le=3600)
+    suspend_when: tuple[Literal["window", "battery", "active", "load"], ...] = ()
+    metrics_listen: str | None = None
+    metrics_allow_remote: bool = False
+
+    @field_validator("run_windows", mode="before")
+    @classmethod
+    def _split_windows(cls, value: Any) -> Any:
+        # A day list has commas ("Mon,Wed 09:00-17:00"), so the environment separates with ";".
+        if isinstance(value, str):
+            return tuple(w.strip() for w in value.split(";") if w.strip())
+        return value
+
+    @field_validator("run_windows")
+    @classmethod
+    def _windows(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from flashnode.controls import parse_window
+
+        for window in value:
+            parse_window(window)
+        return value
+
+    @field_validator("run_windows_timezone")
+    @classmethod
+    def _timezone(cls, value: str | None) -> str | None:
+        if value is not None:
+            _zone(value)
+        return value
+
+    @field_validator("suspend_when", mode="before")
+    @classmethod
+    def _split_suspend(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(p.strip() for p in value.split(",") if p.strip())
+        return value
+
+    @field_validator("suspend_when")
+    @classmethod
+    def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(value))
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_listen(cls, value: str | None) -> str | None:
+        from flashnode.metrics import parse_listen
+
+        if value is not None:
+            parse_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _owner_controls(self) -> Settings:
+        enabled = {
+            "window": bool(self.run_windows),
+            "battery": self.hold_on_battery,
+            "active": self.hold_when_active,
+            "load": self.hold_above_load_percent is not None,
+        }
+        key = {
+            "window": "run_windows",
+            "battery": "hold_on_battery",
+            "active": "hold_when_active",
+            "load": "hold_above_load_percent",
+        }
+        for rule in self.suspend_when:
+            if not enabled[rule]:
+                raise ValueError(f"suspend_when names {rule!r} but {key[rule]} is not set")
+        if self.metrics_listen is not None and not self.metrics_allow_remote:
+            from flashnode.metrics import parse_listen
+
+            if not parse_listen(self.metrics_listen).loopback:
+                raise ValueError(
+                    f"metrics_listen {self.metrics_listen!r} is not a loopback address or a unix"
+                    " socket: set metrics_allow_remote = true to serve metrics to the network"
+                )
+        return self
+
+    @property
+    def windows_tzinfo(self) -> tzinfo | None:
+        """The time zone of run_windows; None: the system's local time."""
+        return _zone(self.run_windows_timezone) if self.run_windows_timezone else None
+
+
+def _zone(name: str) -> tzinfo:
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"{name!r} is not a known time zone (e.g. Europe/Berlin, UTC)") from None
 
 
 # Keys that are settable; secrets are loaded separately and never from flags or the config file.

@@ -1,0 +1,274 @@
+"""The owner's commands for a running node: ``pause``, ``resume`` and ``logs``."""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import re
+import stat
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Protocol, TextIO
+
+import click
+
+from flashnode import pausefile, status
+from flashnode.controls import Pause, PauseMode, parse_duration
+from flashnode.owner import _state_dir, config_option
+from flashnode.wire import SAFE_ID
+
+POLL_SECONDS = 0.2
+CHUNK = 64 * 1024
+
+state_dir_option = click.option("--state-dir", type=click.Path(path_type=Path), default=None)
+
+
+def register(main: click.Group) -> None:
+    for command in (pause, resume, logs):
+        main.add_command(command)
+
+
+# --- pause and resume ------------------------------------------------------------------------
+
+
+@click.command()
+@config_option
+@state_dir_option
+@click.option(
+    "--for", "duration", metavar="DURATION", help="e.g. 30m, 2h, 1d [default: until resumed]."
+)
+@click.option(
+    "--drain/--now",
+    "drain",
+    default=True,
+    help="Let running tasks finish (default), or stop them now (their leases are given back,"
+    " not failed).",
+)
+def pause(
+    config_file: Path | None, state_dir: Path | None, duration: str | None, drain: bool
+) -> None:
+    """Stop taking work; the node stays registered and keeps its heartbeat.
+
+    The pause is kept in the state dir: it outlives agent restarts until `flashnode resume` or
+    until its duration ends. A running agent applies it within a second.
+    """
+    until: float | None = None
+    now = time.time()
+    if duration is not None:
+        try:
+            until = now + parse_duration(duration)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--for") from None
+    mode: PauseMode = "drain" if drain else "now"
+    directory = _state_dir(config_file, state_dir)
+    try:
+        pausefile.write(directory, Pause(mode, until, now))
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot write the pause in {directory}: {exc.strerror}"
+        ) from None
+    when = (
+        "until `flashnode resume`"
+        if until is None
+        else f"until {datetime.fromtimestamp(until):%Y-%m-%d %H:%M}"
+    )
+    how = (
+        "running tasks finish" if drain else "running tasks are stopped and their leases given back"
+    )
+    click.echo(f"paused {when}; {how}")
+    _tell(directory)
+
+
+@click.command()
+@config_option
+@state_dir_option
+def resume(config_file: Path | None, state_dir: Path | None) -> None:
+    """End a pause: the node takes work again (subject to the config's rules)."""
+    directory = _state_dir(config_file, state_dir)
+    try:
+        removed = pausefile.clear(directory)
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot remove the pause in {directory}: {exc.strerror}"
+        ) from None
+    click.echo("resumed" if removed else "not paused")
+    if removed:
+        _tell(directory)
+
+
+def _tell(directory: Path) -> None:
+    snapshot = status.read(directory)
+    if snapshot is None:
+        click.echo("no agent is running on this state dir; it applies at the next start")
+    else:
+        click.echo(f"the running agent (pid {snapshot['pid']}) applies it within a second")
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+@click.command()
+@config_option
+@state_dir_option
+@click.argument("lease")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the task writes.")
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="Pass the bytes through unchanged (terminal control sequences included).",
+)
+def logs(
+    config_file: Path | None, state_dir: Path | None, lease: str, follow: bool, raw: bool
+) -> None:
+    """Print a running task's stdout and stderr (to this command's stdout and stderr).
+
+    With -f, follow them until the attempt ends. Control characters the task printed are shown
+    escaped unless --raw: a task must not drive the owner's terminal.
+    """
+    if not SAFE_ID.match(lease):
+        raise click.BadParameter(f"{lease!r} is not a lease id", param_hint="LEASE")
+    attempt = _state_dir(config_file, state_dir) / "attempts" / lease
+    try:
+        os.lstat(attempt)
+    except PermissionError:
+        raise click.ClickException(
+            f"cannot read {attempt.parent}: permission denied (run as the agent's user)"
+        ) from None
+    except OSError:
+        pass
+    if not _is_dir(attempt):
+        raise click.ClickException(
+            f"no attempt {lease} runs on this node (a finished attempt's logs are removed with it;"
+            " see `flashnode history`)"
+        )
+    out: Sink
+    err: Sink
+    if raw:
+        out, err = sys.stdout.buffer, sys.stderr.buffer
+    else:
+        out, err = Clean(sys.stdout), Clean(sys.stderr)
+    try:
+        tail(attempt, out, err, follow)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+class Sink(Protocol):
+    def write(self, data: bytes, /) -> object: ...
+    def flush(self) -> None: ...
+
+
+# Terminal control: C0 (but tab and newline), DEL, C1, and the bidi controls that reorder text.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+class Clean:
+    """Decodes UTF-8 across chunk boundaries and escapes what would drive a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._cr = False
+
+    def write(self, data: bytes, /) -> int:
+        text = self._decoder.decode(data)
+        if self._cr and text.startswith("\n"):
+            text = text[1:]
+        self._cr = text.endswith("\r")
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # progress bars: one line each
+        self.stream.write(_CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text))
+        return len(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class _Stream:
+    """One of ``logs/stdout.txt``, ``logs/stderr.txt``, read by descriptor as it grows."""
+
+    def __init__(self, path: Path, sink: Sink) -> None:
+        self.path, self.sink = path, sink
+        self.fd: int | None = None
+        self.inode: int | None = None
+
+    def pump(self) -> None:
+        self._reopen_if_replaced()
+        if self.fd is None:
+            return
+        wrote = False
+        while True:
+            chunk = os.read(self.fd, CHUNK)
+            if not chunk:
+                break
+            self.sink.write(chunk)
+            wrote = True
+        if wrote:
+            self.sink.flush()
+
+    def _reopen_if_replaced(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return  # not created yet, or the attempt is being removed: keep what is open
+        if self.fd is not None and st.st_ino == self.inode:
+            return
+        if not stat.S_ISREG(st.st_mode):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return
+        if self.fd is not None:
+            self.pump_rest()
+            os.close(self.fd)
+        self.fd, self.inode = fd, os.fstat(fd).st_ino
+
+    def pump_rest(self) -> None:
+        assert self.fd is not None
+        while chunk := os.read(self.fd, CHUNK):
+            self.sink.write(chunk)
+        self.sink.flush()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def tail(
+    attempt: Path,
+    out: Sink,
+    err: Sink,
+    follow: bool,
+    poll: float = POLL_SECONDS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Copy the attempt's stdout to ``out`` and stderr to ``err``; with ``follow``, keep copying
+    (every ``poll`` seconds) until the attempt directory disappears, then copy what is left."""
+    streams = [
+        _Stream(attempt / "logs" / "stdout.txt", out),
+        _Stream(attempt / "logs" / "stderr.txt", err),
+    ]
+    try:
+        for s in streams:
+            s.pump()
+        while follow:
+            gone = not _is_dir(attempt)
+            for s in streams:
+                s.pump()
+            if gone:
+                break
+            sleep(poll)
+    finally:
+        for s in streams:
+            s.close()
+
+
+def _is_dir(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    return False
