@@ -71,3 +71,17 @@ class AttemptFailed(FlashnodeError):
 
     The message is the reason: it must be short, specific and free of secrets.
     """
+
+
+class DataIntegrityError(AttemptFailed):
+    """A dataset entry's bytes are not what the task's manifest declared (checksum, size, ETag):
+    the task's fault. The message names the entry."""
+
+
+# --- node-side outcomes ----------------------------------------------------------------------
+
+
+class DataUnavailable(FlashnodeError):
+    """A dataset could not be fetched for a reason that is not the task's fault: the origin is
+    unreachable or keeps answering 5xx, the disk or the cache is full, the fetch was stopped. The
+    attempt lets its lease lapse instead of failing it."""
