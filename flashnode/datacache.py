@@ -748,8 +748,11 @@ class DataCache:
         symlinks, so nothing lands outside ``dest``; a second entry at the same path is refused
         (AttemptFailed). A full disk is DataUnavailable.
         """
-        dest.mkdir(mode=0o755, exist_ok=True)
-        root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            dest.mkdir(mode=0o755, exist_ok=True)
+            root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise DataUnavailable(f"cannot lay out datasets in {dest} ({exc.strerror})") from None
         try:
             os.fchmod(root_fd, 0o755)
             for handle in handles:
