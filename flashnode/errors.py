@@ -84,3 +84,17 @@ class AttemptLapsed(FlashnodeError):
     restarted; it cannot reach what the task needs; it should not have been given the lease): the
     agent stops renewing and lets the lease lapse, which spends the coordinator's separate expiry
     budget meant for churn. Nothing is reported; the ledger records the reason."""
+
+
+class DataIntegrityError(AttemptFailed):
+    """A dataset entry's bytes are not what the task's manifest declared (checksum, size, ETag):
+    the task's fault. The message names the entry."""
+
+
+# --- node-side outcomes ----------------------------------------------------------------------
+
+
+class DataUnavailable(FlashnodeError):
+    """A dataset could not be fetched for a reason that is not the task's fault: the origin is
+    unreachable or keeps answering 5xx, the disk or the cache is full, the fetch was stopped. The
+    attempt lets its lease lapse instead of failing it."""

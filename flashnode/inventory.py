@@ -48,6 +48,7 @@ def registration(
             cpu_cores=float(os.cpu_count() or 1),
             memory_bytes=psutil.virtual_memory().total,
             gpus=list(gpus or []),
+            dataset_cache_bytes=settings.dataset_cache_bytes,
             pools=list(settings.pools),
             os=platform.system().lower(),
             architecture=ARCHITECTURES.get(machine, machine),
@@ -57,6 +58,7 @@ def registration(
         sandbox_capable=settings.runner == "docker",
         can_install_dependencies=False,
         module_capable=module_capable,
+        local_datasets=sorted(settings.local_data),  # labels only: paths never leave the node
         agent_version=__version__,
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from flashnode import cgroups, status
+from flashnode import cgroups, datacache, localdata, status
 from flashnode.coordinator import Coordinator
 from flashnode.errors import ConfigError, CoordinatorError, CredentialsError, Unregistered
 from flashnode.gpu import Nvml
@@ -262,6 +263,7 @@ def doctor(config_file: Path | None) -> None:
     _check_state_dir(r, s)
     _check_coordinator(r, s)
     _check_runner(r, s)
+    _check_data(r, s)
     hierarchy, why = cgroups.detect()
     if hierarchy is not None:
         r.ok("cgroups", hierarchy.describe())
@@ -392,3 +394,60 @@ def _check_runner(r: Report, s: Settings) -> None:
                     f"{image} is not present and pull_images is off",
                     f"docker pull {image}, or set pull_images = true",
                 )
+
+
+def _check_data(r: Report, s: Settings) -> None:
+    """The dataset cache's use of its budget, and whether the task user can read each lent
+    local dataset."""
+    if s.dataset_cache_bytes:
+        root = s.state_dir / "data"
+        count, used = datacache.cache_usage(root)
+        r.ok(
+            "dataset cache",
+            f"{root}: {count} shard(s), {used >> 20} of {s.dataset_cache_bytes >> 20} MiB",
+        )
+        try:
+            free = shutil.disk_usage(s.state_dir).free
+        except OSError:
+            free = None  # the state dir check above says why
+        if free is not None and free < s.dataset_cache_bytes - used:
+            r.warn(
+                "dataset cache",
+                f"the disk has {free >> 20} MiB free, less than the rest of the budget",
+            )
+    else:
+        r.ok("dataset cache", "off (dataset_cache_bytes = 0: no dataset work)")
+    if not s.local_data:
+        return
+    identity = _task_identity(s)
+    for label, path in sorted(s.local_data.items()):
+        if identity is None:
+            r.warn(f"local data {label}", f"{path}: no task user to check it for")
+            continue
+        uid, gid = identity
+        why = localdata.unreadable(path, uid, gid)
+        if why:
+            r.fail(
+                f"local data {label}",
+                f"{path}: {why}, as the task user (uid {uid}, gid {gid})",
+                f"let that user read it, e.g. chmod -R o+rX {path}"
+                f" or setfacl -R -m u:{uid}:rX {path}",
+            )
+        else:
+            r.ok(f"local data {label}", f"{path}, readable by uid {uid}")
+
+
+def _task_identity(s: Settings) -> tuple[int, int] | None:
+    """The uid and gid tasks run as under this configuration; None when it cannot be known."""
+    if s.runner == "docker":
+        if s.container_user:
+            uid, _, gid = s.container_user.partition(":")
+            return int(uid), int(gid or uid)
+        return (65534, 65534) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+    if os.geteuid() != 0:
+        return os.geteuid(), os.getegid()
+    try:
+        pw = pwd.getpwnam(s.task_user or "")
+    except KeyError:
+        return None
+    return pw.pw_uid, pw.pw_gid

@@ -12,6 +12,7 @@ import ipaddress
 import math
 import os
 import re
+import ssl
 import stat
 import sys
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ from pydantic import (
 )
 
 from flashnode.errors import ConfigError
+from flashnode.localdata import lent_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -180,6 +182,73 @@ class Settings(BaseModel):
         """The trusted opt-in counts only together with at least one pool (pool-only work)."""
         return self.runner == "trusted" and bool(self.pools)
 
+    # --- data (issue 18): dataset slices fetched into a cache; local datasets lent by label ----
+    # dataset_cache_bytes: disk the dataset cache (<state_dir>/data) may use, advertised as
+    #   capabilities.dataset_cache_bytes. The coordinator places a task with `datasets` only
+    #   where the sum of its entries' sizes fits; 0 (the default) advertises "no dataset work".
+    # dataset_ca_file: a PEM bundle that replaces the default trust store for dataset origins.
+    # dataset_fetch_timeout_seconds: the most one entry's fetch may take, retries included.
+    # local_data: the [local_data] table, label = "/absolute/dir"; advertised as local_datasets
+    #   (labels only, never paths); env FLASHNODE_LOCAL_DATA="label=/dir,label2=/dir2".
+    dataset_cache_bytes: int = Field(default=0, ge=0)
+    dataset_ca_file: Path | None = None
+    dataset_fetch_timeout_seconds: float = Field(default=3600.0, gt=0)
+    local_data: dict[str, Path] = Field(default_factory=dict)
+
+    @field_validator("dataset_cache_bytes", mode="before")
+    @classmethod
+    def _not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be a number of bytes")
+        return value
+
+    @field_validator("dataset_fetch_timeout_seconds")
+    @classmethod
+    def _finite_fetch(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("dataset_ca_file")
+    @classmethod
+    def _ca_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            try:
+                ssl.create_default_context(cafile=str(value))
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"{value} is not a readable PEM CA bundle ({exc})") from None
+        return value
+
+    @field_validator("local_data", mode="before")
+    @classmethod
+    def _split_local_data(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(",") if p.strip()]
+            if not all("=" in p for p in pairs):
+                raise ValueError("must be label=/path pairs separated by commas")
+            return {k.strip(): v.strip() for k, v in (p.split("=", 1) for p in pairs)}
+        return value
+
+    @field_validator("local_data")
+    @classmethod
+    def _lent_dirs(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for label, path in value.items():
+            problem = lent_problem(label, path)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _lends_no_secrets(self) -> Settings:
+        """A lent directory must not hold the agent's state or credentials."""
+        private = [self.state_dir, self.credentials_dir, self.token_file, self.join_code_file]
+        for label, path in self.local_data.items():
+            lent = path.resolve()
+            for p in private:
+                if p is not None and p.resolve().is_relative_to(lent):
+                    raise ValueError(f"local_data {label} ({path}) would lend {p}")
+        return self
+
     # --- owner controls and metrics (issue 19; README "Owner controls") ------------------------
     # Rules that hold claiming (and, named in suspend_when, suspend running tasks): see
     # controls.py. Metrics: an opt-in Prometheus endpoint, loopback only unless allowed.
@@ -270,7 +339,6 @@ class Settings(BaseModel):
     def windows_tzinfo(self) -> tzinfo | None:
         """The time zone of run_windows; None: the system's local time."""
         return _zone(self.run_windows_timezone) if self.run_windows_timezone else None
-
 
 def _zone(name: str) -> tzinfo:
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError

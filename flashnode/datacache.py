@@ -1,0 +1,998 @@
+"""Dataset slices: the payload's ``datasets`` parsed, shards fetched, verified and cached.
+
+A task's payload may carry ``datasets: [{"name": N, "entries": [{"path": P, "url": U, "size": S,
+"integrity": {"kind": K, "value": V}}]}]``; the task then expects each entry at
+``/work/data/<N>/<P>``. The agent fetches the entries before the task starts (the task has no
+network) into a content-addressed cache under ``<state dir>/data/``:
+
+- ``sha256`` and ``declared-sha256`` entries are keyed by the checksum and verified against it
+  before they enter the cache; an ``etag`` is not a checksum: such an entry is keyed by
+  (url, etag), must come with that ETag, and is recorded but never called verified.
+- The cache keeps to a byte budget (``dataset_cache_bytes``, the figure the node advertises) by
+  evicting the least recently used shards that no running task holds (pins).
+- Two tasks needing the same shard at once fetch it once.
+
+The Fetcher is the only code here that talks HTTP, with its own client that carries no
+credentials: HTTPS only (plain HTTP to a loopback address only), certificates verified, at most
+five redirects each held to the same rule, streamed to disk, resumed with ``Range`` after a dropped
+connection, the declared size a hard cap. Wrong bytes are the task's fault (DataIntegrityError);
+an origin that cannot be reached, a full disk or cache, or a stop are not (DataUnavailable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import http.cookiejar
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import ssl
+import stat
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+
+from flashnode import __version__
+from flashnode.clock import Clock, SystemClock
+from flashnode.errors import AttemptFailed, DataIntegrityError, DataUnavailable
+
+log = logging.getLogger(__name__)
+
+IntegrityKind = Literal["sha256", "declared-sha256", "etag"]
+CHECKSUM_KINDS = ("sha256", "declared-sha256")
+DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SHA256_HEX = re.compile(r"^[0-9A-Fa-f]{64}$")
+CACHE_KEY = re.compile(r"^(etag-)?[0-9a-f]{64}$")
+MAX_ENTRIES = 100_000
+MAX_URL_CHARS = 4096
+MAX_PATH_CHARS = 1024
+MAX_SEGMENT_BYTES = 255
+MAX_ETAG_CHARS = 256
+MAX_REDIRECTS = 5
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
+# --- the payload -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Integrity:
+    kind: IntegrityKind
+    value: str  # a lower-case sha256 hex digest, or an ETag as the manifest gives it
+
+    @property
+    def verifies(self) -> bool:
+        """True when the value is a checksum the bytes are verified against."""
+        return self.kind in CHECKSUM_KINDS
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """One file of a task's dataset slice, checked: a safe name and relative path, an allowed
+    URL, a size, and how its bytes are known to be right."""
+
+    dataset: str
+    path: str
+    url: str
+    size: int
+    integrity: Integrity
+
+    @property
+    def where(self) -> str:
+        """The entry as error messages name it: ``<name>/<path>``, shortened if long."""
+        text = f"{self.dataset}/{self.path}"
+        return text if len(text) <= 160 else text[:120] + "…" + text[-30:]
+
+    @property
+    def key(self) -> str:
+        """The cache key: the checksum, or ``etag-`` and a digest of (url, etag)."""
+        if self.integrity.verifies:
+            return self.integrity.value
+        digest = hashlib.sha256(f"{self.url}\n{self.integrity.value}".encode()).hexdigest()
+        return "etag-" + digest
+
+
+def parse_datasets(value: Any, budget_bytes: int) -> tuple[DatasetEntry, ...]:
+    """The payload's ``datasets`` as checked entries, or AttemptFailed with the reason.
+
+    None and ``[]`` mean no datasets. Unknown keys are ignored; known ones are strict. The sum of
+    all sizes must fit ``budget_bytes`` (the coordinator checks the same against what the node
+    advertised; a node reconfigured since refuses here). No two entries may land at the same
+    path, or one inside another.
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise AttemptFailed("payload datasets is not a list")
+    entries: list[DatasetEntry] = []
+    for i, dataset in enumerate(value):
+        if not isinstance(dataset, dict):
+            raise AttemptFailed(f"payload datasets[{i}] is not an object")
+        name = dataset.get("name")
+        if not isinstance(name, str) or not DATASET_NAME.match(name):
+            raise AttemptFailed(
+                f"dataset name {_show(name)} is not a safe name (letters, digits, '.', '_', '-')"
+            )
+        raw = dataset.get("entries")
+        if raw is None:
+            raw = []
+        if not isinstance(raw, list):
+            raise AttemptFailed(f"dataset {name!r}: entries is not a list")
+        for j, entry in enumerate(raw):
+            entries.append(_entry(name, j, entry))
+            if len(entries) > MAX_ENTRIES:
+                raise AttemptFailed(f"payload datasets have more than {MAX_ENTRIES} entries")
+    total = sum(e.size for e in entries)
+    if total > budget_bytes:
+        raise AttemptFailed(
+            f"dataset slices need {total} bytes; this node's dataset cache holds"
+            f" {budget_bytes} (dataset_cache_bytes)"
+        )
+    _check_disjoint(entries)
+    return tuple(entries)
+
+
+def _entry(name: str, index: int, raw: Any) -> DatasetEntry:
+    if not isinstance(raw, dict):
+        raise AttemptFailed(f"dataset {name!r}: entries[{index}] is not an object")
+    path = raw.get("path")
+    if not isinstance(path, str) or not safe_path(path):
+        raise AttemptFailed(
+            f"dataset {name!r}: entry path {_show(path)} is not a safe relative path"
+        )
+    where = f"dataset entry {name}/{path}"
+    url = raw.get("url")
+    if not isinstance(url, str):
+        raise AttemptFailed(f"{where}: url is not a string")
+    problem = url_problem(url)
+    if problem:
+        raise AttemptFailed(f"{where}: url refused ({problem})")
+    size = raw.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise AttemptFailed(f"{where}: size is not an integer >= 0")
+    integrity = raw.get("integrity")
+    if not isinstance(integrity, dict):
+        raise AttemptFailed(f"{where}: integrity is not an object")
+    kind, check = integrity.get("kind"), integrity.get("value")
+    if kind not in ("sha256", "declared-sha256", "etag"):
+        raise AttemptFailed(
+            f"{where}: integrity kind {_show(kind)} is not sha256, declared-sha256 or etag"
+        )
+    if not isinstance(check, str):
+        raise AttemptFailed(f"{where}: integrity value is not a string")
+    if kind in CHECKSUM_KINDS:
+        if not SHA256_HEX.match(check):
+            raise AttemptFailed(f"{where}: integrity value is not a sha256 hex digest")
+        check = check.lower()
+    elif not check or len(check) > MAX_ETAG_CHARS or not _visible_ascii(check):
+        raise AttemptFailed(f"{where}: integrity value is not an ETag")
+    return DatasetEntry(name, path, url, size, Integrity(kind, check))
+
+
+def safe_path(path: str) -> bool:
+    """A relative path of non-empty segments, none '.' or '..', no backslash, NUL or control
+    character, of bounded length."""
+    if not path or len(path) > MAX_PATH_CHARS or path.startswith("/"):
+        return False
+    if "\\" in path or not path.isprintable() or _surrogates(path):
+        return False
+    return all(
+        seg not in ("", ".", "..") and len(seg.encode()) <= MAX_SEGMENT_BYTES
+        for seg in path.split("/")
+    )
+
+
+def _check_disjoint(entries: Sequence[DatasetEntry]) -> None:
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for e in entries:
+        full = f"{e.dataset}/{e.path}"
+        if full in files or full in dirs:
+            raise AttemptFailed(f"two dataset entries would be laid out at data/{e.where}")
+        files.add(full)
+        parts = full.split("/")
+        dirs.update("/".join(parts[:n]) for n in range(1, len(parts)))
+    clash = files & dirs
+    if clash:
+        raise AttemptFailed(
+            f"dataset entry data/{_short(min(clash))} would be both a file and a directory"
+        )
+
+
+def url_problem(url: str) -> str | None:
+    """Why a dataset URL (or a redirect's target) is refused; None if it is allowed.
+
+    HTTPS anywhere; plain HTTP only to a loopback address (as for the coordinator); never user
+    info (httpx would turn it into an Authorization header), never whitespace or controls.
+    """
+    if len(url) > MAX_URL_CHARS:
+        return f"longer than {MAX_URL_CHARS} characters"
+    if not _visible_ascii(url):
+        return "not a plain ASCII URL without spaces"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        return "not a valid URL"
+    scheme = parts.scheme.lower()
+    if scheme not in ("https", "http") or not parts.hostname:
+        return "not an https URL"
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        return "carries credentials"
+    if scheme == "http" and not is_loopback(parts.hostname):
+        return "plain http is allowed only to a loopback address"
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _visible_ascii(text: str) -> bool:
+    return all(0x21 <= ord(c) <= 0x7E for c in text)
+
+
+def _surrogates(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else text[:60] + "…"
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 160 else text[:120] + "…" + text[-30:]
+
+
+# --- fetching --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a fetch saw: the bytes' sha256 (also for an etag entry, to be recorded), the
+    origin's ETag, how many requests it took and how many times it resumed."""
+
+    size: int
+    sha256: str
+    etag: str | None
+    requests: int
+    resumes: int
+
+
+class _Retry(Exception):
+    """A transient failure: try again (resuming where the bytes stopped)."""
+
+
+@dataclass
+class _Progress:
+    offset: int = 0
+    hasher: Any = field(default_factory=hashlib.sha256)
+    etag: str | None = None
+    requests: int = 0
+    resumes: int = 0
+
+    def restart(self) -> None:
+        self.offset = 0
+        self.hasher = hashlib.sha256()
+
+
+class _NoCookies(http.cookiejar.DefaultCookiePolicy):
+    """Origins of different submitters share this client: nothing one sets reaches another."""
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
+        return False
+
+    def return_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
+        return False
+
+
+class Fetcher:
+    """Fetches one dataset entry to a file, verified. Thread-safe; one per agent.
+
+    ``ca_file`` replaces the default trust store (owners with a private CA, and the tests).
+    ``timeout_seconds`` bounds one entry's whole fetch, retries included; ``read_timeout_seconds``
+    bounds each read. Transient failures (transport errors, 408, 429, 5xx) are retried after
+    each of ``retry_delays`` in turn; progress resets the count.
+    """
+
+    def __init__(
+        self,
+        *,
+        ca_file: Path | None = None,
+        timeout_seconds: float = 3600.0,
+        read_timeout_seconds: float = 60.0,
+        connect_timeout_seconds: float = 30.0,
+        retry_delays: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0),
+        clock: Clock | None = None,
+    ) -> None:
+        verify: ssl.SSLContext | bool = True
+        if ca_file is not None:
+            verify = ssl.create_default_context(cafile=str(ca_file))
+        self.timeout_seconds = timeout_seconds
+        self.retry_delays = tuple(retry_delays)
+        self.clock = clock or SystemClock()
+        # No auth, no environment (proxies, netrc, SSL_CERT_FILE), no cookies, no automatic
+        # redirects: this client must never carry anything of the agent's to a data origin.
+        self._client = httpx.Client(
+            verify=verify,
+            trust_env=False,
+            follow_redirects=False,
+            cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
+            timeout=httpx.Timeout(read_timeout_seconds, connect=connect_timeout_seconds),
+            headers={"User-Agent": f"flashnode/{__version__}", "Accept-Encoding": "identity"},
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def fetch(self, entry: DatasetEntry, dest: Path, *, stop: threading.Event) -> Fetched:
+        """Fetch ``entry`` into the new file ``dest`` and verify it; on any error ``dest`` is
+        removed. Raises DataIntegrityError (wrong bytes), AttemptFailed (the origin refuses, a
+        refused redirect), DataUnavailable (unreachable, 5xx after retries, disk full, timed
+        out, ``stop`` set)."""
+        problem = url_problem(entry.url)  # again: an entry need not have come from the payload
+        if problem:
+            raise AttemptFailed(f"dataset entry {entry.where}: url refused ({problem})")
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise DataUnavailable(f"cannot create {dest.name}: {exc.strerror}") from None
+        try:
+            try:
+                done = self._fetch(entry, fd, stop)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                dest.unlink()
+            raise
+        return done
+
+    def _fetch(self, entry: DatasetEntry, fd: int, stop: threading.Event) -> Fetched:
+        where = f"dataset entry {entry.where}"
+        deadline = self.clock.monotonic() + self.timeout_seconds
+        progress = _Progress()
+        failures = 0
+        while True:
+            self._check_running(where, stop, deadline)
+            before = progress.offset
+            try:
+                self._request(entry, fd, progress, stop, deadline)
+                break
+            except _Retry as exc:
+                failures = 1 if progress.offset > before else failures + 1
+                if failures > len(self.retry_delays):
+                    raise DataUnavailable(f"{where}: {exc} ({failures} tries)") from None
+                log.info("%s: %s; trying again", where, exc)
+                if self.clock.wait(stop, self.retry_delays[failures - 1]):
+                    raise DataUnavailable(f"{where}: fetch stopped") from None
+                progress.resumes += progress.offset > 0
+        if progress.offset != entry.size:
+            raise DataIntegrityError(
+                f"{where}: origin sent {progress.offset} bytes, the manifest says {entry.size}"
+            )
+        digest: str = progress.hasher.hexdigest()
+        if entry.integrity.verifies and digest != entry.integrity.value:
+            raise DataIntegrityError(
+                f"{where}: sha256 {digest[:16]}… does not match the manifest's"
+                f" {entry.integrity.value[:16]}…"
+            )
+        return Fetched(entry.size, digest, progress.etag, progress.requests, progress.resumes)
+
+    def _check_running(self, where: str, stop: threading.Event, deadline: float) -> None:
+        if stop.is_set():
+            raise DataUnavailable(f"{where}: fetch stopped")
+        if self.clock.monotonic() > deadline:
+            raise DataUnavailable(f"{where}: not fetched within {self.timeout_seconds:g} s")
+
+    def _request(
+        self,
+        entry: DatasetEntry,
+        fd: int,
+        progress: _Progress,
+        stop: threading.Event,
+        deadline: float,
+    ) -> None:
+        """One GET (following redirects) that streams from ``progress.offset`` to the end."""
+        where = f"dataset entry {entry.where}"
+        headers = {}
+        if progress.offset:
+            headers["Range"] = f"bytes={progress.offset}-"
+            if progress.etag and not progress.etag.startswith("W/"):
+                headers["If-Range"] = progress.etag
+        url = entry.url
+        for hop in range(MAX_REDIRECTS + 1):
+            request = self._client.build_request("GET", url, headers=headers)
+            request.headers.pop("Authorization", None)
+            progress.requests += 1
+            try:
+                response = self._client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise _Retry(f"origin unreachable ({_transport(exc)})") from None
+            try:
+                if response.status_code in REDIRECTS and "location" in response.headers:
+                    if hop == MAX_REDIRECTS:
+                        raise AttemptFailed(f"{where}: more than {MAX_REDIRECTS} redirects")
+                    url = urljoin(str(response.url), response.headers["location"])
+                    problem = url_problem(url)
+                    if problem:
+                        raise AttemptFailed(f"{where}: redirect refused ({problem})")
+                    continue
+                self._receive(entry, response, fd, progress, stop, deadline)
+                return
+            finally:
+                response.close()
+
+    def _receive(
+        self,
+        entry: DatasetEntry,
+        response: httpx.Response,
+        fd: int,
+        progress: _Progress,
+        stop: threading.Event,
+        deadline: float,
+    ) -> None:
+        where = f"dataset entry {entry.where}"
+        status = response.status_code
+        if status in (408, 429) or status >= 500:
+            raise _Retry(f"origin answered {status}")
+        if status == 416:
+            raise DataIntegrityError(
+                f"{where}: origin refused the range from byte {progress.offset} (416):"
+                " it holds fewer bytes than the manifest says"
+            )
+        if status not in (200, 206):
+            raise AttemptFailed(f"{where}: origin answered {status}")
+        etag = response.headers.get("etag")
+        if entry.integrity.kind == "etag" and _opaque(etag) != _opaque(entry.integrity.value):
+            raise DataIntegrityError(
+                f"{where}: origin's ETag {_show(etag)} is not the manifest's"
+                f" {_show(entry.integrity.value)}"
+            )
+        if status == 200:
+            if progress.offset:
+                log.info("%s: origin ignored the range; starting again from byte 0", where)
+                os.ftruncate(fd, 0)
+                progress.restart()
+            length = response.headers.get("content-length")
+            if length is not None and length.strip() != str(entry.size):
+                raise DataIntegrityError(
+                    f"{where}: origin declares {_show(length)} bytes, the manifest {entry.size}"
+                )
+        else:
+            first, total = _content_range(response.headers.get("content-range"))
+            if first != progress.offset or total not in (None, entry.size):
+                raise DataIntegrityError(
+                    f"{where}: origin answered a range that does not fit"
+                    f" ({_show(response.headers.get('content-range'))} for byte"
+                    f" {progress.offset} of {entry.size})"
+                )
+        progress.etag = etag
+        os.lseek(fd, progress.offset, os.SEEK_SET)
+        try:
+            for chunk in response.iter_raw():  # as they arrive: at most one read's worth
+                if progress.offset + len(chunk) > entry.size:
+                    raise DataIntegrityError(
+                        f"{where}: origin sent more than the declared {entry.size} bytes"
+                    )
+                _write_all(fd, chunk, where)
+                progress.hasher.update(chunk)
+                progress.offset += len(chunk)
+                self._check_running(where, stop, deadline)
+        except httpx.TransportError as exc:
+            raise _Retry(
+                f"connection dropped at byte {progress.offset} ({_transport(exc)})"
+            ) from None
+        if progress.offset < entry.size:
+            # A body delimited by the connection's close looks complete when it was cut; asking
+            # for the rest tells the two apart (416 when the origin really has no more).
+            raise _Retry(f"origin ended the body at byte {progress.offset}")
+
+
+def _write_all(fd: int, data: bytes, where: str) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except OSError as exc:
+            raise DataUnavailable(f"{where}: cannot write to the cache ({exc.strerror})") from None
+        view = view[written:]
+
+
+def _content_range(value: str | None) -> tuple[int | None, int | None]:
+    """(first byte, total) of ``bytes FIRST-LAST/TOTAL``; None where absent or malformed."""
+    match = re.fullmatch(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", value or "")
+    if not match:
+        return None, None
+    total = None if match.group(3) == "*" else int(match.group(3))
+    return int(match.group(1)), total
+
+
+def _opaque(etag: str | None) -> str | None:
+    """An ETag without its weakness prefix and quotes, for comparison."""
+    if etag is None:
+        return None
+    etag = etag.strip()
+    if etag.startswith("W/"):
+        etag = etag[2:]
+    return etag.strip('"')
+
+
+def _transport(exc: httpx.TransportError) -> str:
+    if isinstance(exc, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return "certificate not trusted"
+    return type(exc).__name__
+
+
+# --- the cache -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Shard:
+    key: str
+    size: int
+    last_used: float
+    mtime_ns: int
+    record: dict[str, Any]  # what the sidecar keeps: url, kind, value, sha256, etag, fetched_at
+    pins: int = 0
+
+
+@dataclass
+class _Flight:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class CachedShard:
+    """One shard in the cache, as ``entries()`` shows it."""
+
+    key: str
+    size: int
+    pins: int
+    last_used: float
+    verified: bool
+    url: str
+
+
+class ShardHandle:
+    """A shard a task holds: pinned (never evicted) until ``release()``."""
+
+    def __init__(
+        self, cache: DataCache, entry: DatasetEntry, shard: _Shard, fetched: bool, seconds: float
+    ) -> None:
+        self._cache = cache
+        self._shard = shard
+        self.entry = entry
+        self.path = cache.shard_path(shard.key)
+        self.size = shard.size
+        self.fetched = fetched  # False: a cache hit
+        self.seconds = seconds
+        self.verified = entry.integrity.verifies
+        self.sha256: str = shard.record.get("sha256", "")
+        self.released = False
+
+    def release(self) -> None:
+        """Unpin; idempotent."""
+        if not self.released:
+            self.released = True
+            self._cache._unpin(self._shard)
+
+
+@dataclass(frozen=True)
+class FetchStats:
+    """For the ledger and status: what staging a task's datasets cost."""
+
+    entries: int
+    hits: int
+    bytes_fetched: int
+    seconds: float
+
+    @classmethod
+    def of(cls, handles: Sequence[ShardHandle]) -> FetchStats:
+        fetched = [h for h in handles if h.fetched]
+        return cls(
+            entries=len(handles),
+            hits=len(handles) - len(fetched),
+            bytes_fetched=sum(h.size for h in fetched),
+            seconds=sum(h.seconds for h in handles),
+        )
+
+
+class DataCache:
+    """Dataset shards by key under ``root`` (``<state dir>/data``), within ``budget_bytes``.
+
+    ``root/shards/<key>`` holds the bytes (read-only) and ``<key>.json`` what is known about them;
+    ``root/partial/`` holds fetches in progress, emptied at start. A shard enters ``shards/`` only
+    verified (or, for an etag entry, complete with the right ETag), by rename.
+    """
+
+    def __init__(
+        self, root: Path, budget_bytes: int, fetcher: Fetcher, clock: Clock | None = None
+    ) -> None:
+        self.root = root
+        self.budget_bytes = budget_bytes
+        self.fetcher = fetcher
+        self.clock = clock or SystemClock()
+        self._shards_dir = root / "shards"
+        self._partial_dir = root / "partial"
+        self._cond = threading.Condition()
+        self._shards: dict[str, _Shard] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._reserved = 0
+        for d in (root, self._shards_dir, self._partial_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name in os.listdir(self._partial_dir):
+            _unlink(self._partial_dir / name)
+        self._load()
+        self.prune()
+
+    def shard_path(self, key: str) -> Path:
+        return self._shards_dir / key
+
+    # --- taking shards ---------------------------------------------------------------------
+
+    def acquire(self, entry: DatasetEntry, *, stop: threading.Event) -> ShardHandle:
+        """The entry's shard, pinned: from the cache, or fetched and verified first. When
+        another thread is fetching the same shard, wait for it instead of fetching again.
+
+        Raises what ``Fetcher.fetch`` raises, and DataUnavailable when the shard does not fit
+        beside the shards running tasks hold, or the disk lacks the room.
+        """
+        key = entry.key
+        while True:
+            with self._cond:
+                shard = self._shards.get(key)
+                if shard is not None and self._intact(shard):
+                    shard.pins += 1
+                    shard.last_used = self.clock.wall()
+                    self._write_record(shard)
+                    return ShardHandle(self, entry, shard, fetched=False, seconds=0.0)
+                flight = self._flights.get(key)
+                if flight is None:
+                    self._reserve(entry)
+                    flight = self._flights[key] = _Flight()
+                    break
+            while not flight.done.wait(0.1):
+                if stop.is_set():
+                    raise DataUnavailable(f"dataset entry {entry.where}: fetch stopped")
+        started = self.clock.monotonic()
+        new: _Shard | None = None
+        try:
+            new = self._fetch_into_place(entry, stop)
+        finally:
+            with self._cond:
+                # One step: the reservation becomes the shard, pinned, before anyone looks.
+                self._reserved -= entry.size
+                if new is not None:
+                    new.pins = 1
+                    self._shards[key] = new
+                    self._write_record(new)
+                del self._flights[key]
+                flight.done.set()
+        seconds = self.clock.monotonic() - started
+        log.info("dataset entry %s: fetched %d bytes in %.1f s", entry.where, entry.size, seconds)
+        return ShardHandle(self, entry, new, fetched=True, seconds=seconds)
+
+    def acquire_all(
+        self, entries: Sequence[DatasetEntry], *, stop: threading.Event
+    ) -> list[ShardHandle]:
+        """Every entry's shard, in order; on an error the ones already taken are released."""
+        handles: list[ShardHandle] = []
+        try:
+            for entry in entries:
+                handles.append(self.acquire(entry, stop=stop))
+        except BaseException:
+            for handle in handles:
+                handle.release()
+            raise
+        return handles
+
+    def _fetch_into_place(self, entry: DatasetEntry, stop: threading.Event) -> _Shard:
+        key = entry.key
+        part = self._partial_dir / f"{key}.{secrets.token_hex(4)}.part"
+        started = self.clock.monotonic()
+        fetched = self.fetcher.fetch(entry, part, stop=stop)
+        try:
+            part.chmod(0o444)
+            st = part.stat()
+            os.replace(part, self.shard_path(key))
+        except OSError as exc:
+            _unlink(part)
+            raise DataUnavailable(
+                f"dataset entry {entry.where}: cannot keep it in the cache ({exc.strerror})"
+            ) from None
+        now = self.clock.wall()
+        record = {
+            "key": key,
+            "size": entry.size,
+            "url": entry.url,
+            "kind": entry.integrity.kind,
+            "value": entry.integrity.value,
+            "sha256": fetched.sha256,
+            "etag": fetched.etag,
+            "fetched_at": now,
+            "seconds": round(self.clock.monotonic() - started, 3),
+        }
+        return _Shard(key, entry.size, now, st.st_mtime_ns, record)
+
+    # --- laying out ------------------------------------------------------------------------
+
+    def layout(self, handles: Sequence[ShardHandle], dest: Path, *, task_uid: int) -> None:
+        """Lay the shards out read-only at ``dest/<name>/<path>`` (``dest`` is the attempt's
+        ``data/``, which the task sees as ``/work/data``).
+
+        A shard is hard-linked from the cache when the task runs as another user than the one
+        owning the cache (the task cannot then write through the link) and the filesystem
+        allows; otherwise it is copied. Directories are created one by one without following
+        symlinks, so nothing lands outside ``dest``; a second entry at the same path is refused
+        (AttemptFailed). A full disk is DataUnavailable.
+        """
+        try:
+            dest.mkdir(mode=0o755, exist_ok=True)
+            root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise DataUnavailable(f"cannot lay out datasets in {dest} ({exc.strerror})") from None
+        try:
+            os.fchmod(root_fd, 0o755)
+            for handle in handles:
+                if handle.released:
+                    raise ValueError("layout of a released shard")
+                entry = handle.entry
+                parts = [entry.dataset, *entry.path.split("/")]
+                if not DATASET_NAME.match(entry.dataset) or not safe_path(entry.path):
+                    raise AttemptFailed(f"dataset entry {entry.where} is not a safe path")
+                with _opened_dirs(root_fd, parts[:-1], entry) as parent:
+                    self._place(handle, parts[-1], parent, task_uid)
+        finally:
+            os.close(root_fd)
+
+    def _place(self, handle: ShardHandle, name: str, dir_fd: int, task_uid: int) -> None:
+        where = f"data/{handle.entry.where}"
+        if os.stat(handle.path).st_uid != task_uid:
+            try:
+                os.link(handle.path, name, dst_dir_fd=dir_fd, follow_symlinks=False)
+                return
+            except FileExistsError:
+                raise AttemptFailed(f"two dataset entries would be laid out at {where}") from None
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES):
+                    raise DataUnavailable(f"cannot lay out {where} ({exc.strerror})") from None
+        try:
+            out = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444, dir_fd=dir_fd
+            )
+        except FileExistsError:
+            raise AttemptFailed(f"two dataset entries would be laid out at {where}") from None
+        except OSError as exc:
+            raise DataUnavailable(f"cannot lay out {where} ({exc.strerror})") from None
+        try:
+            src = os.open(handle.path, os.O_RDONLY)
+            try:
+                remaining = handle.size
+                while remaining > 0:
+                    sent = os.sendfile(out, src, None, min(remaining, 1 << 30))
+                    if sent == 0:
+                        raise DataUnavailable(f"cannot lay out {where}: the shard is short")
+                    remaining -= sent
+            finally:
+                os.close(src)
+            os.fchmod(out, 0o444)
+        except OSError as exc:
+            raise DataUnavailable(f"cannot lay out {where} ({exc.strerror})") from None
+        finally:
+            os.close(out)
+
+    # --- the budget ------------------------------------------------------------------------
+
+    def entries(self) -> list[CachedShard]:
+        """The shards in the cache, least recently used first."""
+        with self._cond:
+            shards = sorted(self._shards.values(), key=lambda s: s.last_used)
+            return [
+                CachedShard(
+                    s.key,
+                    s.size,
+                    s.pins,
+                    s.last_used,
+                    s.record.get("kind") in CHECKSUM_KINDS,
+                    str(s.record.get("url", "")),
+                )
+                for s in shards
+            ]
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, shards and fetches in progress together; the budget)."""
+        with self._cond:
+            return self._used(), self.budget_bytes
+
+    def prune(self) -> int:
+        """Evict unpinned shards, least recently used first, until the cache fits its budget
+        (after the budget was lowered). Returns the bytes freed."""
+        with self._cond:
+            freed = 0
+            for shard in sorted(self._shards.values(), key=lambda s: s.last_used):
+                if self._used() <= self.budget_bytes:
+                    break
+                if shard.pins == 0:
+                    freed += shard.size
+                    self._evict(shard)
+            return freed
+
+    def _used(self) -> int:
+        return sum(s.size for s in self._shards.values()) + self._reserved
+
+    def _reserve(self, entry: DatasetEntry) -> None:
+        """Make room for ``entry`` (evicting unpinned shards, least recently used first) and
+        count it as held; DataUnavailable when pinned shards leave no room."""
+        over = self._used() + entry.size - self.budget_bytes
+        unpinned = sorted(
+            (s for s in self._shards.values() if s.pins == 0), key=lambda s: s.last_used
+        )
+        if over > sum(s.size for s in unpinned):
+            raise DataUnavailable(
+                f"dataset entry {entry.where} ({entry.size} bytes) does not fit the dataset"
+                f" cache beside the shards running tasks hold ({self.budget_bytes} bytes)"
+            )
+        for shard in unpinned:
+            if over <= 0:
+                break
+            over -= shard.size
+            self._evict(shard)
+        try:
+            free = os.statvfs(self.root)
+        except OSError:
+            free = None
+        if free is not None and free.f_bavail * free.f_frsize < entry.size:
+            raise DataUnavailable(
+                f"dataset entry {entry.where} ({entry.size} bytes) does not fit the disk"
+            )
+        self._reserved += entry.size
+
+    def _evict(self, shard: _Shard) -> None:
+        log.info("dataset cache: evicting %s (%d bytes)", shard.key, shard.size)
+        del self._shards[shard.key]
+        _unlink(self._shards_dir / f"{shard.key}.json")
+        _unlink(self.shard_path(shard.key))
+
+    def _unpin(self, shard: _Shard) -> None:
+        with self._cond:
+            shard.pins -= 1
+            shard.last_used = self.clock.wall()
+            self._write_record(shard)
+
+    def _intact(self, shard: _Shard) -> bool:
+        """The shard is still as it entered the cache (a cheap check: size and mtime)."""
+        try:
+            st = os.stat(self.shard_path(shard.key), follow_symlinks=False)
+        except OSError:
+            st = None
+        if (
+            st is not None
+            and stat.S_ISREG(st.st_mode)
+            and st.st_size == shard.size
+            and st.st_mtime_ns == shard.mtime_ns
+        ):
+            return True
+        if shard.pins == 0:
+            log.warning("dataset cache: %s changed on disk; fetching it again", shard.key)
+            self._evict(shard)
+        return False
+
+    # --- the records on disk ---------------------------------------------------------------
+
+    def _write_record(self, shard: _Shard) -> None:
+        record = dict(shard.record, size=shard.size, last_used=shard.last_used)
+        record["mtime_ns"] = shard.mtime_ns
+        path = self._shards_dir / f"{shard.key}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(record, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("dataset cache: cannot write the record of %s (%s)", shard.key, exc)
+
+    def _load(self) -> None:
+        names = set(os.listdir(self._shards_dir))
+        for name in sorted(names):
+            if name.endswith(".json") and name[:-5] in names:
+                continue
+            path = self._shards_dir / name
+            shard = self._read(name) if CACHE_KEY.match(name) else None
+            if shard is None:
+                _unlink(path)
+                if CACHE_KEY.match(name):
+                    _unlink(self._shards_dir / f"{name}.json")
+                continue
+            self._shards[name] = shard
+
+    def _read(self, key: str) -> _Shard | None:
+        try:
+            record = json.loads((self._shards_dir / f"{key}.json").read_text())
+            st = os.stat(self.shard_path(key), follow_symlinks=False)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict):
+            return None
+        size, mtime_ns, last_used = (
+            record.get("size"),
+            record.get("mtime_ns"),
+            record.get("last_used"),
+        )
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or record.get("key") != key
+            or size != st.st_size
+            or mtime_ns != st.st_mtime_ns
+            or not isinstance(last_used, (int, float))
+        ):
+            return None
+        return _Shard(key, st.st_size, float(last_used), st.st_mtime_ns, record)
+
+
+@contextlib.contextmanager
+def _opened_dirs(root_fd: int, names: Sequence[str], entry: DatasetEntry) -> Iterator[int]:
+    """Open (creating) each directory below ``root_fd`` in turn without following a symlink;
+    yields the last one's descriptor."""
+    opened: list[int] = []
+    fd = root_fd
+    try:
+        for name in names:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                    raise AttemptFailed(
+                        f"dataset entry data/{entry.where} collides with another entry"
+                    ) from None
+                raise DataUnavailable(
+                    f"cannot lay out data/{entry.where} ({exc.strerror})"
+                ) from None
+            opened.append(fd)
+            os.fchmod(fd, 0o755)
+        yield fd
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+        path.unlink()
+
+
+def cache_usage(root: Path) -> tuple[int, int]:
+    """(shards, bytes) in a cache directory, read without changing anything (for the doctor,
+    which may run beside a working agent). A missing directory is an empty cache."""
+    count = used = 0
+    try:
+        with os.scandir(root / "shards") as entries:
+            for entry in entries:
+                if CACHE_KEY.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    count += 1
+                    used += entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        pass
+    return count, used
