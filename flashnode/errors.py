@@ -71,3 +71,30 @@ class AttemptFailed(FlashnodeError):
 
     The message is the reason: it must be short, specific and free of secrets.
     """
+
+
+class EnvBuildFailed(AttemptFailed):
+    """The job's environment cannot be built because of the job's own lines: no such version, a
+    conflict, no wheel for this Python, a Python version this node cannot provide.
+
+    The message names what failed and carries the tool's last lines (bounded, credentials in
+    URLs redacted); ``tail`` holds those lines alone.
+    """
+
+    def __init__(self, message: str, tail: str = "") -> None:
+        super().__init__(message)
+        self.tail = tail
+
+
+class EnvUnavailable(FlashnodeError):
+    """The node cannot build environments now: an index it cannot reach, a full disk, no ``uv``.
+
+    Not the task's fault: the attempt lets such a lease lapse instead of failing it.
+    """
+
+
+class Cancelled(FlashnodeError):
+    """The agent stopped waiting (drain, stop, a lost lease): what was under way was undone.
+
+    Nobody's fault; the attempt ends the way its stop reason says.
+    """
