@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from flashnode import __version__, cgroups, inventory, owner
+from flashnode import __version__, cgroups, envs_cli, inventory, owner
 from flashnode.agent import Agent
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
@@ -118,6 +118,7 @@ def main() -> None:
 
 
 owner.register(main)
+envs_cli.register(main)
 
 
 @main.command()

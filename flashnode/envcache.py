@@ -1161,7 +1161,6 @@ class EnvCache:
 
     def _setup(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o711)
             for path, mode in (
                 (self.root, 0o711),
                 (self._tmp, 0o711),
@@ -1250,19 +1249,25 @@ def _fsync_dir(path: Path) -> None:
 
 
 def describe(infos: Sequence[EnvInfo], budget: int) -> Iterator[str]:
-    """Lines for the owner: one per environment, most recently used first, then the total."""
+    """Lines for the owner: one per environment, most recently used first, then the summary."""
     for info in sorted(infos, key=lambda i: i.last_used, reverse=True):
         names = [line for line in info.lines if not line.startswith("-")]
         shown = ", ".join(names[:4]) + (f", +{len(names) - 4}" if len(names) > 4 else "")
         yield (
-            f"{info.key[:12]}  py{info.python:<5} {_size(info.bytes):>9}  "
+            f"{info.key[:12]}  py{info.python:<5} {size(info.bytes):>9}  "
             f"{'in use' if info.in_use else 'idle  '}  {shown or '-'}"
         )
-    total = sum(i.bytes for i in infos)
-    yield f"{len(infos)} environment(s), {_size(total)} of {_size(budget)} budget"
+    yield summary(infos, budget)
 
 
-def _size(n: int) -> str:
+def summary(infos: Sequence[EnvInfo], budget: int) -> str:
+    """One line: how many environments, their bytes against the budget, how many in use."""
+    used = sum(i.bytes for i in infos)
+    busy = sum(1 for i in infos if i.in_use)
+    return f"{len(infos)} environment(s), {size(used)} of {size(budget)} budget, {busy} in use"
+
+
+def size(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
             return f"{n / (1 << shift):.1f} {unit}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -680,3 +681,82 @@ def test_describe_names_entries_bytes_and_budget(root: Path, index: PackageIndex
     assert (
         A in text and "in use" in text and "1 environment(s)" in text and "1.0 GiB budget" in text
     )
+
+
+# --- the owner's view ---------------------------------------------------------------------------
+
+
+def test_the_owner_lists_and_prunes_envs_never_one_in_use(
+    root: Path, index: PackageIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from flashnode import envs_cli
+
+    monkeypatch.delenv("FLASHNODE_COORDINATOR", raising=False)
+    state = ["--state-dir", str(root.parent)]
+    cache, _ = make_cache(root)
+    with acquire(cache, lines(index, A)):
+        pass
+    pinned = acquire(cache, lines(index, C))
+    cli = CliRunner()
+
+    listed = cli.invoke(envs_cli.envs, ["list", *state])
+    assert listed.exit_code == 0, listed.output
+    assert A in listed.output and C in listed.output
+    assert "2 environment(s)" in listed.output and "1 in use" in listed.output
+    rows = [
+        json.loads(line)
+        for line in cli.invoke(envs_cli.envs, ["list", "--json", *state]).output.splitlines()
+    ]
+    assert {r["in_use"] for r in rows} == {True, False} and all(r["python"] == PY for r in rows)
+
+    pruned = cli.invoke(envs_cli.envs, ["prune", "--all", *state])
+    assert pruned.exit_code == 0, pruned.output
+    assert "removed" in pruned.output and "1 environment(s)" in pruned.output
+    assert [i.path for i in cache.entries()] == [pinned.path]
+    assert pinned.python.exists()
+    pinned.release()
+    assert "removed" in cli.invoke(envs_cli.envs, ["prune", "--all", *state]).output
+    assert cache.entries() == []
+
+    nothing = cli.invoke(envs_cli.envs, ["list", "--state-dir", str(root.parent / "none")])
+    assert nothing.exit_code == 0 and "no environment cache" in nothing.output
+    assert not (root.parent / "none").exists()
+
+
+class RecordingReport:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, str]] = []
+
+    def ok(self, what: str, detail: str = "") -> None:
+        self.lines.append(("ok", what, detail))
+
+    def warn(self, what: str, detail: str) -> None:
+        self.lines.append(("warn", what, detail))
+
+    def fail(self, what: str, problem: str, fix: str) -> None:
+        self.lines.append(("fail", what, problem))
+
+
+def test_doctor_shows_the_cache_entries_bytes_and_budget(root: Path, index: PackageIndex) -> None:
+    from flashnode import envs_cli
+    from flashnode.settings import Settings
+
+    settings = Settings(
+        coordinator="http://127.0.0.1:1",
+        runner="trusted",
+        pools=("p",),
+        state_dir=root.parent,
+        task_user=TASK_USER,
+        env_cache_bytes=GiB,
+    )
+    cache, _ = make_cache(root)
+    with acquire(cache, lines(index, A)):
+        report = RecordingReport()
+        envs_cli.doctor(report, settings)
+    levels = {what: (level, detail) for level, what, detail in report.lines}
+    assert levels["uv"][0] == "ok"
+    level, detail = levels["job environments"]
+    assert level == "ok" and "1 environment(s)" in detail and "of 1.0 GiB budget" in detail
+    assert "1 in use" in detail and "binary wheels only" in detail
