@@ -11,7 +11,8 @@ from typing import Protocol
 
 import click
 
-from flashnode.envcache import EnvCache, EnvInfo, EnvSpec, describe, size, summary
+from flashnode.envbuild import EnvSpec
+from flashnode.envcache import EnvCache, EnvInfo, describe, size, summary
 from flashnode.errors import ConfigError, EnvUnavailable
 from flashnode.settings import Settings, default_state_dir, load
 

@@ -23,16 +23,15 @@ from harness import TASK_USER, free_port, wait_for
 from pkgindex import PackageIndex, build_sdist, build_wheel, package_index
 
 from flashnode.clock import SystemClock
-from flashnode.envcache import (
-    EnvCache,
+from flashnode.envbuild import (
     EnvSpec,
     UvBuilder,
     check_lines,
     classify,
-    describe,
     others_can_run,
     summarize,
 )
+from flashnode.envcache import EnvCache, describe
 from flashnode.errors import AttemptFailed, Cancelled, EnvBuildFailed, EnvUnavailable
 
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -188,6 +187,7 @@ def test_build_once_then_reuse_also_after_a_restart(root: Path, index: PackageIn
 def test_the_order_of_the_lines_is_part_of_the_key(index: PackageIndex) -> None:
     one = EnvSpec.make(PY, [f"--index-url {index.url}", A, B])
     assert EnvSpec.make(PY, ["", f" --index-url {index.url}", "# c", A, f"{B} "]).key == one.key
+    assert EnvSpec.make(PY, [f"--index-url {index.url}  # ours", A, f"{B}\t# pinned"]).key == one.key
     assert EnvSpec.make(PY, [f"--index-url {index.url}", B, A]).key != one.key
     assert EnvSpec.make("3.12", [f"--index-url {index.url}", A, B]).key != one.key
 
