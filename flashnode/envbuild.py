@@ -378,7 +378,12 @@ class UvBuilder:
         if not stat.S_ISDIR(os.lstat(target).st_mode):
             raise EnvBuildFailed("the build left no environment")
         if user is not None:
-            secure_tree(target, refuse_links=True)
+            # A build user's process that escaped the kill could still hold a file of the tree
+            # open for writing: publish fresh copies no process has open, never the originals.
+            fresh = work / "env.copy"
+            copy_tree(target, fresh, allowed_uids={user.uid, os.geteuid()})
+            remove(target)
+            os.rename(fresh, target)
         if os.geteuid() == 0 and not others_can_run(target / "bin" / "python"):
             raise EnvUnavailable(
                 f"the Python {spec.python} interpreter uv chose is not readable by task users"
@@ -580,11 +585,11 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def secure_tree(top: Path, *, refuse_links: bool = False) -> TreeStats:
+def secure_tree(top: Path) -> TreeStats:
     """Make ``top`` the agent's and read-only to everyone else: dirs 0755, files 0755 if they
-    were executable else 0644, no special files; never following a symlink. With
-    ``refuse_links`` (a tree someone else wrote), a hard-linked file is refused: it could be
-    another file of this host. Returns the bytes (allocated) and files it holds."""
+    were executable else 0644, no special files; never following a symlink. For a tree only the
+    agent wrote (a tree someone else wrote is copied: copy_tree). Returns its bytes (allocated)
+    and files."""
     uid, gid = os.geteuid(), os.getegid()
     total = files = 0
 
@@ -604,8 +609,6 @@ def secure_tree(top: Path, *, refuse_links: bool = False) -> TreeStats:
             if stat.S_ISLNK(st.st_mode):
                 os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
             elif stat.S_ISREG(st.st_mode):
-                if refuse_links and st.st_nlink > 1:
-                    raise EnvBuildFailed(f"the build left a hard-linked file ({name})")
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
                 try:
                     if (st.st_uid, st.st_gid) != (uid, gid):
@@ -619,6 +622,72 @@ def secure_tree(top: Path, *, refuse_links: bool = False) -> TreeStats:
                 continue
             total += st.st_blocks * 512
     return TreeStats(total, files)
+
+
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def copy_tree(src: Path, dest: Path, allowed_uids: set[int]) -> None:
+    """Copy a tree someone else wrote into ``dest`` (new), the agent's, dirs 0755, files 0644 or
+    0755, symlinks as symlinks, nothing else. Every open is relative to a directory descriptor
+    and never follows a symlink, so swapping a directory for a link mid-copy leads nowhere. A
+    file with more than one link, or owned by a uid outside ``allowed_uids``, is refused (it
+    could be another file of this host): EnvBuildFailed."""
+    top = os.open(src, NOFOLLOW_DIR)
+    try:
+        os.mkdir(dest, 0o700)
+        out = os.open(dest, NOFOLLOW_DIR)
+        try:
+            _copy_dir(top, out, allowed_uids, depth=0)
+            os.fchmod(out, 0o755)
+        finally:
+            os.close(out)
+    finally:
+        os.close(top)
+
+
+def _copy_dir(src: int, dest: int, allowed_uids: set[int], depth: int) -> None:
+    if depth > 64:
+        raise EnvBuildFailed("the build left a directory tree too deep to copy")
+    for entry in os.scandir(src):
+        name = entry.name
+        st = os.stat(name, dir_fd=src, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dest)
+        elif stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, NOFOLLOW_DIR, dir_fd=src)
+            try:
+                os.mkdir(name, 0o700, dir_fd=dest)
+                out = os.open(name, NOFOLLOW_DIR, dir_fd=dest)
+                try:
+                    _copy_dir(sub, out, allowed_uids, depth + 1)
+                    os.fchmod(out, 0o755)
+                finally:
+                    os.close(out)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode):
+            _copy_file(src, dest, name, allowed_uids)
+
+
+def _copy_file(src: int, dest: int, name: str, allowed_uids: set[int]) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        if st.st_nlink > 1 or st.st_uid not in allowed_uids:
+            raise EnvBuildFailed(f"the build left a file that is not its own ({name})")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(name, flags, 0o600, dir_fd=dest)
+        try:
+            with open(fd, "rb", closefd=False) as reader, open(out, "wb", closefd=False) as writer:
+                shutil.copyfileobj(reader, writer, 1024 * 1024)
+            os.fchmod(out, 0o755 if st.st_mode & 0o111 else 0o644)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
 
 
 def others_can_run(path: Path) -> bool:

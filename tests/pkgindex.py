@@ -117,19 +117,71 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 """
 
 
-def build_sdist(name: str, version: str) -> Wheel:
+# What a hostile build backend leaves behind: a daemon in its own session, with an empty
+# environment (no ownership token), that opens a file of the environment being built while it
+# still can, waits until the environment is published, and then writes through that descriptor.
+LINGERER = """\
+import glob, os, time
+MARKER = {marker!r}
+here = os.getcwd()
+while here != "/" and not os.path.exists(os.path.join(here, "requirements.txt")):
+    here = os.path.dirname(here)
+key = os.path.basename(here).split(".")[0]
+root = os.path.dirname(os.path.dirname(here))
+deadline = time.time() + 60
+fh = open(os.path.join(here, "env", "pyvenv.cfg"), "a")
+open(os.path.join(MARKER, "opened"), "w").close()
+published = os.path.join(root, key, "env", "pyvenv.cfg")
+while time.time() < deadline and not os.path.exists(published):
+    time.sleep(0.02)
+fh.write("# PWNED by a lingering build process\\n")
+fh.flush()
+open(os.path.join(MARKER, "wrote"), "w").close()
+"""
+
+LINGER = """
+
+def _linger():
+    import sys
+    if os.fork():
+        return
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    python = os.path.realpath(sys.executable)
+    os.execve(python, [python, "-I", "-c", {code!r}], {{}})
+
+
+_build_wheel = build_wheel
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    _linger()
+    return _build_wheel(wheel_directory, config_settings, metadata_directory)
+"""
+
+
+def build_sdist(name: str, version: str, linger_marker: str | None = None) -> Wheel:
     """A source distribution only (no wheel) with an in-tree build backend that needs nothing
     from an index: its wheel's module records ``BUILT_BY_UID``, the uid the build ran as. With
-    binary wheels only, it can never be installed."""
+    binary wheels only, it can never be installed. With ``linger_marker`` (a directory anyone
+    can write), the backend also leaves a LINGERER behind, which drops ``opened`` and ``wrote``
+    there as it goes."""
     dist = name.replace("-", "_")
     top = f"{dist}-{version}"
+    backend = BACKEND.format(name=name, version=version)
+    if linger_marker is not None:
+        backend += LINGER.format(code=LINGERER.format(marker=linger_marker))
     files = {
         "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         "pyproject.toml": (
             '[build-system]\nrequires = []\nbuild-backend = "flashnode_backend"\n'
             'backend-path = ["."]\n'
         ),
-        "flashnode_backend.py": BACKEND.format(name=name, version=version),
+        "flashnode_backend.py": backend,
     }
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:

@@ -187,7 +187,9 @@ def test_build_once_then_reuse_also_after_a_restart(root: Path, index: PackageIn
 def test_the_order_of_the_lines_is_part_of_the_key(index: PackageIndex) -> None:
     one = EnvSpec.make(PY, [f"--index-url {index.url}", A, B])
     assert EnvSpec.make(PY, ["", f" --index-url {index.url}", "# c", A, f"{B} "]).key == one.key
-    assert EnvSpec.make(PY, [f"--index-url {index.url}  # ours", A, f"{B}\t# pinned"]).key == one.key
+    assert (
+        EnvSpec.make(PY, [f"--index-url {index.url}  # ours", A, f"{B}\t# pinned"]).key == one.key
+    )
     assert EnvSpec.make(PY, [f"--index-url {index.url}", B, A]).key != one.key
     assert EnvSpec.make("3.12", [f"--index-url {index.url}", A, B]).key != one.key
 
@@ -443,6 +445,25 @@ def test_a_source_build_runs_as_the_build_user_and_leaves_an_env_it_cannot_write
         )
         assert "PermissionError" in done.stderr
     assert builder.builds == 1
+
+
+@as_root
+def test_a_build_process_that_escapes_the_kill_cannot_write_into_the_published_env(
+    root: Path, index: PackageIndex, drop_dir: Path
+) -> None:
+    uv = UvBuilder(root / ".python").uv()
+    if not others_can_run(Path(uv)):
+        pytest.skip(f"{uv} is not reachable by other users")
+    evil = "flashnode_testpkg_evil"
+    index.add(build_sdist(evil, "1.0", linger_marker=str(drop_dir)))
+    pw = pwd.getpwnam("nobody")
+    cache, _ = make_cache(root, allow_source_builds=True, build_user=(pw.pw_uid, pw.pw_gid))
+    with acquire(cache, lines(index, evil)) as env:
+        assert (drop_dir / "opened").exists(), "the lingering process never got its descriptor"
+        wait_for("the lingering process to write", (drop_dir / "wrote").exists)
+        assert "PWNED" not in (env.path / "pyvenv.cfg").read_text()
+        for path in [env.path, *env.path.rglob("*")]:
+            assert path.lstat().st_uid == 0, path
 
 
 def test_source_builds_as_root_need_a_build_user(root: Path) -> None:
