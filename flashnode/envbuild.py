@@ -427,7 +427,8 @@ class UvBuilder:
             out = run(args, env, None, f"finding Python {spec.python}", capture=True)
         except EnvBuildFailed as exc:
             raise EnvBuildFailed(
-                f"Python {spec.python} is not available on this node: {exc.tail or exc}", exc.tail
+                f"Python {spec.python} is not available on this node: {_one_line(exc.tail)}",
+                exc.tail,
             ) from None
         try:
             listed = json.loads(out)

@@ -204,7 +204,7 @@ class EnvCache:
             if stop.is_set():
                 raise Cancelled("stopped while waiting for the job environment")
             if self._clock.monotonic() >= deadline:
-                raise EnvUnavailable("timed out waiting for another build of the environment")
+                raise EnvUnavailable("the environment was not ready in time (another build)")
             with self._lock:
                 self._raise_if_failed(key)
                 build = self._builds.get(key)
@@ -247,9 +247,10 @@ class EnvCache:
     def prune(self, everything: bool = False) -> list[EnvInfo]:
         """Evict environments no task uses, least recently used first, until the cache is within
         its budget (``everything``: all of them). Returns what was evicted."""
+        evicted = self._enforce_budget(budget=0 if everything else self.budget)
         self._sweep()
         self._expire_failures()
-        return self._enforce_budget(budget=0 if everything else self.budget)
+        return evicted
 
     def usage(self) -> tuple[int, int]:
         """(bytes the finished environments hold, the budget)."""
@@ -270,7 +271,10 @@ class EnvCache:
             with self._lock:
                 self._builds.pop(key, None)
             build.done.set()
-        self._enforce_budget(self.budget)
+        try:
+            self._enforce_budget(self.budget)
+        except OSError as exc:
+            log.warning("env cache: cannot enforce the budget: %s", exc)
         return handle
 
     def _build_locked(self, spec: EnvSpec, stop: threading.Event, deadline: float) -> EnvHandle:
@@ -486,19 +490,27 @@ class EnvCache:
         try:
             if not self._same_lock(key, fd):
                 return False
-            self._doom(self.root / key)
-            return True
+            doomed = self._hide(self.root / key)
         finally:
             os.close(fd)
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
+        return True
 
-    def _doom(self, path: Path) -> None:
-        """Move ``path`` out of sight at once (atomic), then delete it."""
+    def _hide(self, path: Path) -> Path | None:
+        """Move ``path`` out of sight at once (atomic); where it went, or None if it was gone."""
         doomed = self._tmp / f"del.{secrets.token_hex(6)}"
         try:
             os.rename(path, doomed)
         except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
+            return None
+        return doomed
+
+    def _doom(self, path: Path) -> None:
+        """Move ``path`` out of sight at once, then delete it."""
+        doomed = self._hide(path)
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
 
     # --- negative cache ----------------------------------------------------------------------
 
@@ -600,6 +612,9 @@ class EnvCache:
         for path in self.root.iterdir():
             if re.fullmatch(r"[0-9a-f]{64}", path.name) and not self._complete(path.name):
                 self._remove_if_free(path.name, path)
+        for path in self._locks.iterdir():
+            if not os.path.lexists(self.root / path.name):
+                self._remove_if_free(path.name, path)
 
     def _remove_if_free(self, key: str, path: Path) -> None:
         with self._lock:
@@ -612,6 +627,12 @@ class EnvCache:
                 os.close(fd)
                 return
         try:
+            if path.parent == self._locks:
+                # Unlinked while held: a waiter on the old file sees it is not the path's
+                # (_same_lock) and opens the new one.
+                if self._same_lock(key, fd) and not os.path.lexists(self.root / key):
+                    path.unlink()
+                return
             if path.parent == self.root and self._complete(key):
                 return
             log.info("env cache: removing leftover %s", path.name)

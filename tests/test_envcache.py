@@ -292,6 +292,8 @@ def test_prune_everything_spares_what_is_in_use(root: Path, index: PackageIndex)
         assert other.prune(everything=True) == []
         assert [i.in_use for i in other.entries()] == [True]
     assert [i.path for i in EnvCache(root, GiB).prune(everything=True)] == [env.path]
+    assert sorted(p.name for p in root.iterdir()) == [".failed", ".locks", ".python", ".tmp"]
+    assert [list((root / d).iterdir()) for d in (".locks", ".tmp")] == [[], []]
 
 
 # --- whose fault -----------------------------------------------------------------------------
