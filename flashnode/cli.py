@@ -18,7 +18,7 @@ from typing import Any
 import click
 import psutil
 
-from flashnode import __version__, controls_cli, inventory, owner
+from flashnode import __version__, controls_cli, envs_cli, inventory, owner
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
@@ -118,6 +118,7 @@ def main() -> None:
 
 owner.register(main)
 controls_cli.register(main)
+envs_cli.register(main)
 
 
 @main.command()

@@ -91,10 +91,34 @@ class DataIntegrityError(AttemptFailed):
     the task's fault. The message names the entry."""
 
 
-# --- node-side outcomes ----------------------------------------------------------------------
-
-
-class DataUnavailable(FlashnodeError):
+class DataUnavailable(AttemptLapsed):
     """A dataset could not be fetched for a reason that is not the task's fault: the origin is
     unreachable or keeps answering 5xx, the disk or the cache is full, the fetch was stopped. The
     attempt lets its lease lapse instead of failing it."""
+
+
+class EnvBuildFailed(AttemptFailed):
+    """The job's environment cannot be built because of the job's own lines: no such version, a
+    conflict, no wheel for this Python, a Python version this node cannot provide.
+
+    The message names what failed and carries the tool's last lines (bounded, credentials in
+    URLs redacted); ``tail`` holds those lines alone.
+    """
+
+    def __init__(self, message: str, tail: str = "") -> None:
+        super().__init__(message)
+        self.tail = tail
+
+
+class EnvUnavailable(AttemptLapsed):
+    """The node cannot build environments now: an index it cannot reach, a full disk, no ``uv``.
+
+    Not the task's fault: the attempt lets such a lease lapse instead of failing it.
+    """
+
+
+class Cancelled(FlashnodeError):
+    """The agent stopped waiting (drain, stop, a lost lease): what was under way was undone.
+
+    Nobody's fault; the attempt ends the way its stop reason says.
+    """

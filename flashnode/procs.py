@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
@@ -119,6 +120,18 @@ def env_script(env: Mapping[str, str]) -> bytes:
     return "".join(f"export {k}={_quote(v)}\n" for k, v in env.items()).encode()
 
 
+def env_file(env: Mapping[str, str]) -> int:
+    """A memory file holding ``env_script(env)``, at offset 0: the task's last step reads it."""
+    fd = os.memfd_create("flashnode-task-env")
+    try:
+        os.write(fd, env_script(env))
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 # As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
 # directories ($2: tmpfs options; the workspace, the current directory, is bound back in at its
 # path if it lived under one of them), bind the read-only views ($3: "src dst" lines), run the rest.
@@ -141,20 +154,20 @@ done || exit 125
 shift 3
 exec "$@"
 """
-# As the task's user: take the task's environment from the sealed file, close it, run the task.
-APPLY_ENV = '. /dev/fd/{fd} || exit 125; exec "$@" {fd}<&-'
+# As the task's user: take the task's environment from the memory file on stdin, then run the
+# task with stdin from /dev/null.
+APPLY_ENV = '. /dev/stdin || exit 125; exec "$@" </dev/null'
 
 
 def command(
     argv: Sequence[str],
-    env_fd: int,
     cgroup: AttemptCgroup | None,
     user: TaskUser | None,
     sandbox: Sandbox | None,
 ) -> list[str]:
     """The command line that starts ``argv`` in ``cgroup``, in ``sandbox``, as ``user``, with
-    the environment in ``env_fd``."""
-    cmd = ["/bin/sh", "-c", APPLY_ENV.format(fd=env_fd), "flashnode-task", *argv]
+    the environment read from stdin (``env_file``)."""
+    cmd = ["/bin/sh", "-c", APPLY_ENV, "flashnode-task", *argv]
     if user is not None:
         # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can raise
         # the task's privileges again.
@@ -202,21 +215,19 @@ class TaskProcess:
         self.uid = user.uid if user else os.geteuid()
         self.cgroup = cgroup
         self._clock = clock or SystemClock()
-        env_fd = os.memfd_create("flashnode-task-env")
+        env_fd = env_file(env)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            os.write(env_fd, env_script(env))
             self._popen = subprocess.Popen(
-                command(argv, env_fd, cgroup, user, sandbox),
+                command(argv, cgroup, user, sandbox),
                 env=PRIVILEGED_ENV,
                 cwd=cwd,
-                stdin=subprocess.DEVNULL,
+                stdin=env_fd,
                 stdout=out_w,
                 stderr=err_w,
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=(env_fd,),
                 umask=0o077,
             )
         except BaseException:
@@ -332,23 +343,42 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return (fields[0].decode(), int(fields[2])) if fields else None
 
 
+def popen_as(
+    argv: Sequence[str], env: Mapping[str, str], user: TaskUser | None, **kwargs: Any
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as ``user`` (None: as the agent's own user) with exactly ``env``, which no
+    step that runs with the agent's privileges sees. ``kwargs`` go to Popen."""
+    env_fd = env_file(env)
+    try:
+        return subprocess.Popen(
+            command(argv, None, user, None), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
+        )
+    finally:
+        os.close(env_fd)
+
+
 def python_imports(python: str, modules: Sequence[str], user: TaskUser | None) -> str | None:
     """None if ``python`` (run as ``user``) imports every module; else why not."""
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
-    env_fd = os.memfd_create("flashnode-probe-env")
     try:
-        os.write(env_fd, env_script({"PATH": SYSTEM_PATH}))
-        cmd = command([python, "-I", "-c", code, *modules], env_fd, None, user, None)
-        done = subprocess.run(
-            cmd, capture_output=True, timeout=120, env=PRIVILEGED_ENV, pass_fds=(env_fd,)
+        proc = popen_as(
+            [python, "-I", "-c", code, *modules],
+            {"PATH": SYSTEM_PATH},
+            user,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return "TimeoutExpired"
+    except OSError as exc:
         return type(exc).__name__
-    finally:
-        os.close(env_fd)
-    if done.returncode != 0:
-        lines = done.stderr.decode(errors="replace").strip().splitlines()
-        return lines[-1][:200] if lines else f"exit code {done.returncode}"
+    if proc.returncode != 0:
+        lines = err.decode(errors="replace").strip().splitlines()
+        return lines[-1][:200] if lines else f"exit code {proc.returncode}"
     return None
 
 

@@ -182,6 +182,23 @@ class Settings(BaseModel):
         """The trusted opt-in counts only together with at least one pool (pool-only work)."""
         return self.runner == "trusted" and bool(self.pools)
 
+    # --- job environments (issue 17, flashnode.envcache) -----------------------------------------
+    # Trusted tasks' dependencies, built with uv under <state_dir>/envs/, evicted least recently
+    # used beyond env_cache_bytes. Binary wheels only unless allow_source_builds (then the build
+    # runs as task_user); the job's Python must be on the machine unless allow_python_downloads.
+    env_cache_bytes: int = Field(default=4096 * MiB, ge=0)
+    allow_python_downloads: bool = False
+    allow_source_builds: bool = False
+    env_build_timeout_seconds: float = Field(default=900.0, gt=0)
+    env_negative_seconds: float = Field(default=600.0, ge=0)  # a failed build is remembered
+
+    @field_validator("env_build_timeout_seconds", "env_negative_seconds")
+    @classmethod
+    def _env_finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
     # --- data (issue 18): dataset slices fetched into a cache; local datasets lent by label ----
     # dataset_cache_bytes: disk the dataset cache (<state_dir>/data) may use, advertised as
     #   capabilities.dataset_cache_bytes. The coordinator places a task with `datasets` only

@@ -34,7 +34,13 @@ from flashnode.attempt import commit, execute, prepare, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, State
-from flashnode.errors import AttemptFailed, AttemptLapsed, CredentialsError, LeaseLost
+from flashnode.errors import (
+    AttemptFailed,
+    AttemptLapsed,
+    Cancelled,
+    CredentialsError,
+    LeaseLost,
+)
 from flashnode.gpupool import Device
 from flashnode.retry import Interrupted
 from flashnode.runners.base import Handle, RunResult
@@ -224,7 +230,7 @@ class Attempt:
             outcome, reason = self.outcome
         except (LeaseLost, CredentialsError) as exc:
             outcome, reason = self._lost_reason(exc)
-        except Interrupted:
+        except (Interrupted, Cancelled):
             outcome, reason = self._interrupted()
         except AttemptLapsed as exc:
             outcome, reason = self._lapse(str(exc))

@@ -1,0 +1,702 @@
+"""Building one job environment with uv: what a job's lines may say, how uv runs, whose fault
+a failure is. The cache of built environments is flashnode.envcache.
+
+An environment is the requirement lines a job names, installed with uv into a relocatable venv
+for the Python (``major.minor``) the job names, found on this machine, or fetched as a managed
+interpreter under the cache root when the owner allows downloads.
+
+Privileges. The build never runs a job's code with the agent's privileges:
+
+* By default uv installs binary wheels only (``--only-binary :all:``). Installing a wheel unpacks
+  files; no code from the package runs. The agent runs uv itself.
+* When the owner allows source builds, a package's build backend is job code. uv then runs as
+  ``build_user`` (``setpriv``: no supplementary groups, no_new_privs) in a scratch directory that
+  user owns, with its own uv cache (no build can poison another's). Afterwards every process that
+  carries the build's ownership token is killed, the scratch directory is taken back (chown to
+  the agent, 0700) and the environment is made the agent's and read-only to others, all through
+  file descriptors that never follow a symlink. An agent running as root refuses source builds
+  without a ``build_user``.
+
+uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
+no keyring); the only index credentials it ever sees are those in the job's own lines, which are
+redacted from every message and record. A job's lines may not make uv read a file of this host
+(``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sysconfig
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Literal, Protocol
+from urllib.parse import unquote, urlsplit
+
+from flashnode import procs
+from flashnode.clock import Clock, SystemClock
+from flashnode.errors import Cancelled, ConfigError, EnvBuildFailed, EnvUnavailable
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the layout of an environment changes: old keys are then never reused
+PYTHON_VERSION = re.compile(r"^[0-9]{1,2}\.[0-9]{1,3}$")
+MAX_LINES = 1000
+MAX_LINE_CHARS = 4096
+TAIL_LINES = 10
+MAX_REASON_CHARS = 1000
+OUTPUT_TAIL_BYTES = 64 * 1024
+POLL_S = 0.05
+
+# Options a job's lines may carry. Everything else (``-r``, ``-c``, ``-e``, local paths, file:
+# URLs) would make the agent read files on this host, and is refused.
+URL_OPTIONS = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links"}
+FLAG_OPTIONS = {"--no-index"}
+URL_SCHEMES = ("http", "https")
+
+# The agent's environment variables uv may see: how this host reaches the network.
+PASS_THROUGH = (
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "all_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "ALL_PROXY",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "UV_HTTP_TIMEOUT",
+    "UV_HTTP_RETRIES",
+    "UV_HTTP_CONNECT_TIMEOUT",
+    "UV_NATIVE_TLS",
+    "UV_SYSTEM_CERTS",
+    "UV_PYTHON_INSTALL_MIRROR",
+    "UV_CONCURRENT_DOWNLOADS",
+)
+
+
+# --- what an environment is --------------------------------------------------------------------
+
+
+def platform_tag() -> str:
+    """The platform environments are built for, e.g. ``linux-x86_64``."""
+    return sysconfig.get_platform()
+
+
+COMMENT = re.compile(r"(^|\s+)#.*$")  # pip's rule: a '#' after whitespace (a URL's fragment stays)
+
+
+def normalise(lines: Sequence[str]) -> tuple[str, ...]:
+    """The lines that matter: without comments, stripped, without blank lines, in order."""
+    kept = (COMMENT.sub("", line).strip() for line in lines)
+    return tuple(line for line in kept if line)
+
+
+def check_lines(lines: Sequence[str]) -> None:
+    """Refuse, with the job's fault, a line that would make uv read anything on this host."""
+    if len(lines) > MAX_LINES:
+        raise EnvBuildFailed(f"too many dependency lines ({len(lines)} > {MAX_LINES})")
+    for line in lines:
+        why = _line_problem(line)
+        if why:
+            shown = redact(line, secrets_in([line]))[:200]
+            raise EnvBuildFailed(f"dependency line {shown!r} is refused: {why}")
+
+
+def _line_problem(line: str) -> str | None:
+    if len(line) > MAX_LINE_CHARS:
+        return "too long"
+    if any(ord(c) < 32 or ord(c) == 127 for c in line):
+        return "control characters"
+    if "${" in line:
+        return "environment variables are not expanded"
+    if "file:" in line.lower():
+        return "local files are not allowed"
+    words = line.split()
+    if line.startswith("-"):
+        option, _, value = words[0].partition("=")
+        if option in FLAG_OPTIONS and len(words) == 1 and not value:
+            return None
+        if option not in URL_OPTIONS:
+            return "only --index-url, --extra-index-url, --find-links and --no-index are allowed"
+        rest = [value] if value else words[1:]
+        if len(rest) != 1 or len(words) > (1 if value else 2):
+            return f"{option} takes exactly one URL"
+        return None if _is_url(rest[0]) else f"{option} needs an http(s) URL"
+    if line.startswith(("http://", "https://")):
+        return None if len(words) == 1 else "a URL line takes nothing after the URL"
+    if not re.match(r"^[A-Za-z0-9]", line):
+        return "not a requirement (local paths are not allowed)"
+    if "@" in line.split(";", 1)[0]:
+        target = line.split("@", 1)[1].split(";", 1)[0].strip()
+        if not _is_url(target.split()[0] if target else ""):
+            return "a direct reference must be an http(s) URL"
+    for word in words[1:]:
+        if word.startswith("-") and not word.startswith("--hash"):
+            return f"option {word.split('=')[0]} is not allowed after a requirement"
+    return None
+
+
+def _is_url(value: str) -> bool:
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return False
+    return parts.scheme in URL_SCHEMES and bool(parts.hostname)
+
+
+def secrets_in(lines: Sequence[str]) -> tuple[str, ...]:
+    """Credentials the lines carry in URLs (``https://user:token@host``): never shown."""
+    found: set[str] = set()
+    for match in re.finditer(r"[A-Za-z][A-Za-z0-9+.-]*://([^/\s@]+)@", "\n".join(lines)):
+        userinfo = match.group(1)
+        for part in (userinfo, *userinfo.split(":", 1)):
+            for form in (part, unquote(part)):
+                if len(form) >= 3:
+                    found.add(form)
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact(text: str, hidden: Sequence[str] = ()) -> str:
+    """``text`` without URL credentials and without any of ``hidden``."""
+    text = re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@", r"\1***@", text)
+    for secret in hidden:
+        text = text.replace(secret, "***")
+    return text
+
+
+def env_key(python: str, platform: str, lines: Sequence[str]) -> str:
+    blob = json.dumps(
+        {"format": FORMAT, "python": python, "platform": platform, "lines": list(lines)},
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """One environment: a Python version, a platform and the normalised requirement lines."""
+
+    python: str
+    platform: str
+    lines: tuple[str, ...]
+
+    @classmethod
+    def make(cls, python: str, lines: Sequence[str], platform: str | None = None) -> EnvSpec:
+        """Validate and normalise; raises EnvBuildFailed (the job's fault) for bad input."""
+        if not isinstance(python, str) or not PYTHON_VERSION.match(python):
+            raise EnvBuildFailed(f"python {str(python)[:40]!r} is not a major.minor version")
+        if isinstance(lines, str) or not all(isinstance(line, str) for line in lines):
+            raise EnvBuildFailed("dependencies must be a list of requirement lines")
+        normal = normalise(lines)
+        check_lines(normal)
+        return cls(python, platform or platform_tag(), normal)
+
+    @property
+    def key(self) -> str:
+        return env_key(self.python, self.platform, self.lines)
+
+    def requirements(self) -> str:
+        return "".join(line + "\n" for line in self.lines)
+
+    def hidden(self) -> tuple[str, ...]:
+        return secrets_in(self.lines)
+
+    def shown_lines(self) -> list[str]:
+        hidden = self.hidden()
+        return [redact(line, hidden) for line in self.lines]
+
+
+# --- how uv's failures are classified ----------------------------------------------------------
+
+Fault = Literal["job", "node"]
+
+NODE_RESOURCE = re.compile(
+    r"No space left on device|os error 28\)|Disk quota exceeded|os error 122\)"
+    r"|Read-only file system|os error 30\)|Too many open files|Cannot allocate memory"
+    r"|Permission denied \(os error 13\)"
+)
+JOB_RESOLUTION = re.compile(r"No solution found when resolving|Failed to build|Failed to parse")
+NODE_NETWORK = re.compile(
+    r"error sending request|tcp connect error|dns error|failed to lookup address"
+    r"|Connection refused|Connection reset|connection closed|network timeout|operation timed out"
+    r"|HTTP status server error|invalid peer certificate|certificate verify failed"
+    r"|Network is unreachable|No route to host|HTTP status client error \((407|408|429)\b"
+)
+
+
+def classify(returncode: int, output: str) -> Fault:
+    """Whose fault a failed uv run is, from its exit status and its output.
+
+    The node's: killed by a signal it did not ask for, out of disk or memory, an index it cannot
+    reach (connection, DNS, TLS, 5xx, timeouts). The job's: everything else, chiefly what the
+    resolver or a build says about the job's lines (no such version, a conflict, no wheel for
+    this Python, a line uv cannot parse).
+    """
+    if returncode < 0:
+        return "node"
+    if NODE_RESOURCE.search(output):
+        return "node"
+    if JOB_RESOLUTION.search(output):
+        return "job"
+    if NODE_NETWORK.search(output):
+        return "node"
+    return "job"
+
+
+NOISE = re.compile(
+    r"^(Using (CPython|Python)|Creating virtual environment|Activate with|Resolved |Prepared |"
+    r"Installed |Uninstalled |Audited |Bytecode compiled| [+-] )"
+)
+
+
+def summarize(output: str, hidden: Sequence[str] = ()) -> str:
+    """The last meaningful lines of uv's output, redacted, bounded, one per line."""
+    lines = [redact(line.rstrip(), hidden) for line in output.splitlines()]
+    lines = [line for line in lines if line.strip() and not NOISE.match(line)]
+    start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
+    if start is not None:
+        lines = lines[start:]
+    lines = [line[:300] for line in lines[-TAIL_LINES:]]
+    text = "\n".join(lines)
+    if len(text) > MAX_REASON_CHARS:
+        text = text[:300] + " … " + text[-(MAX_REASON_CHARS - 305) :]
+    return text
+
+
+def _one_line(tail: str) -> str:
+    return " / ".join(" ".join(line.split()) for line in tail.splitlines()) or "no output"
+
+
+# --- the builder ---------------------------------------------------------------------------
+
+
+class Builder(Protocol):
+    def build(self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float) -> Path:
+        """Build ``spec`` as a relocatable venv inside ``work`` (an empty directory the agent
+        owns, 0700) before ``deadline`` (on the cache's monotonic clock); return its path,
+        owned by the agent and read-only to everyone else. Raises EnvBuildFailed (the job's
+        lines), EnvUnavailable (the node) or Cancelled (``stop`` was set); what it started is
+        dead when it returns or raises."""
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    bytes: int
+    files: int
+
+
+class UvBuilder:
+    """Builds environments with uv: interpreter, venv, then the job's lines."""
+
+    def __init__(
+        self,
+        python_dir: Path,
+        *,
+        allow_python_downloads: bool = False,
+        allow_source_builds: bool = False,
+        build_user: tuple[int, int] | None = None,
+        clock: Clock | None = None,
+        uv: str | None = None,
+    ) -> None:
+        if allow_source_builds and build_user is None and os.geteuid() == 0:
+            raise ConfigError("allow_source_builds needs an unprivileged user to build as")
+        self.python_dir = python_dir
+        self.allow_python_downloads = allow_python_downloads
+        self.allow_source_builds = allow_source_builds
+        self.build_user = build_user if allow_source_builds else None
+        self.clock = clock or SystemClock()
+        self._uv = uv
+
+    def uv(self) -> str:
+        if self._uv is None:
+            try:
+                import uv
+
+                self._uv = uv.find_uv_bin()
+            except (ImportError, FileNotFoundError) as exc:
+                raise EnvUnavailable(f"uv is not installed on this node ({exc})") from None
+        return self._uv
+
+    def build(self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float) -> Path:
+        uv = self.uv()
+        token = procs.new_token()
+        for sub in ("home", "tmp", "cache", "agent-cache"):
+            (work / sub).mkdir(mode=0o700)
+        requirements = work / "requirements.txt"
+        requirements.write_text(spec.requirements())
+        requirements.chmod(0o644)
+        run = _Runner(self.clock, stop, deadline, spec, work)
+        # The agent's own steps (finding or fetching an interpreter) keep a cache apart from the
+        # one the build user writes.
+        interpreter = self._interpreter(
+            uv, spec, self._environment(work, token, "agent-cache"), run
+        )
+        env = self._environment(work, token, "cache")
+        user = None
+        if self.build_user is not None:
+            uid, gid = self.build_user
+            user = procs.TaskUser("flashnode-build", uid, gid)
+            for path in (work, work / "home", work / "tmp", work / "cache"):
+                os.chown(path, uid, gid)
+        target = work / "env"
+        try:
+            run(
+                [uv, "venv", "--relocatable", "--no-project", "--python", interpreter, target],
+                env,
+                user,
+                "creating the venv",
+            )
+            install: list[str | Path] = [
+                uv,
+                "pip",
+                "install",
+                "--python",
+                target / "bin" / "python",
+            ]
+            if not self.allow_source_builds:
+                install += ["--only-binary", ":all:"]
+            run([*install, "--compile-bytecode", "-r", requirements], env, user, "installing")
+        finally:
+            if user is not None:
+                _kill_owned(token, user.uid)
+                _reclaim(work)
+        for sub in ("home", "tmp", "cache", "agent-cache", "requirements.txt"):
+            remove(work / sub)
+        if not stat.S_ISDIR(os.lstat(target).st_mode):
+            raise EnvBuildFailed("the build left no environment")
+        if user is not None:
+            # A build user's process that escaped the kill could still hold a file of the tree
+            # open for writing: publish fresh copies no process has open, never the originals.
+            fresh = work / "env.copy"
+            copy_tree(target, fresh, allowed_uids={user.uid, os.geteuid()})
+            remove(target)
+            os.rename(fresh, target)
+        if os.geteuid() == 0 and not others_can_run(target / "bin" / "python"):
+            raise EnvUnavailable(
+                f"the Python {spec.python} interpreter uv chose is not readable by task users"
+            )
+        return target
+
+    def _environment(self, work: Path, token: str, cache: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}
+        env.update(
+            PATH=os.environ.get("PATH") or os.defpath,
+            HOME=str(work / "home"),
+            TMPDIR=str(work / "tmp"),
+            LANG="C.UTF-8",
+            NO_COLOR="1",
+            UV_NO_CONFIG="1",
+            UV_NO_PROGRESS="1",
+            UV_CACHE_DIR=str(work / cache),
+            UV_PYTHON_INSTALL_DIR=str(self.python_dir),
+            UV_PYTHON_INSTALL_BIN="0",
+            UV_PYTHON_DOWNLOADS="manual" if self.allow_python_downloads else "never",
+            UV_KEYRING_PROVIDER="disabled",
+        )
+        env[procs.OWNER_ENV] = token
+        return env
+
+    def _interpreter(self, uv: str, spec: EnvSpec, env: dict[str, str], run: _Runner) -> str:
+        """An interpreter for ``spec.python`` that task users can run; installs one (managed,
+        under the cache root) if none is found and downloads are allowed."""
+        found = self._find(uv, spec, env, run)
+        if found is None and self.allow_python_downloads:
+            run([uv, "python", "install", "--no-bin", spec.python], env, None, "installing Python")
+            found = self._find(uv, spec, env, run)
+        if found is None:
+            where = "" if self.allow_python_downloads else " (Python downloads are off)"
+            raise EnvBuildFailed(f"Python {spec.python} is not available on this node{where}")
+        return found
+
+    def _find(self, uv: str, spec: EnvSpec, env: dict[str, str], run: _Runner) -> str | None:
+        args = [uv, "python", "list", "--only-installed", "--output-format", "json", spec.python]
+        try:
+            out = run(args, env, None, f"finding Python {spec.python}", capture=True)
+        except EnvBuildFailed as exc:
+            raise EnvBuildFailed(
+                f"Python {spec.python} is not available on this node: {_one_line(exc.tail)}",
+                exc.tail,
+            ) from None
+        try:
+            listed = json.loads(out)
+            candidates = [
+                (str(e["path"]), e["version_parts"]) for e in listed if isinstance(e, dict)
+            ]
+        except (ValueError, KeyError, TypeError):
+            raise EnvUnavailable("uv python list answered something that is not a list") from None
+        major, minor = (int(p) for p in spec.python.split("."))
+        for path, parts in candidates:
+            if (parts.get("major"), parts.get("minor")) != (major, minor):
+                continue
+            if os.geteuid() == 0 and not others_can_run(Path(path)):
+                log.debug("skipping %s: task users cannot run it", path)
+                continue
+            return path
+        return None
+
+
+class _Runner:
+    """Runs one uv command at a time under the build's stop event and deadline."""
+
+    def __init__(
+        self, clock: Clock, stop: threading.Event, deadline: float, spec: EnvSpec, work: Path
+    ) -> None:
+        self.clock, self.stop, self.deadline = clock, stop, deadline
+        self.spec, self.work = spec, work
+
+    def __call__(
+        self,
+        argv: Sequence[str | Path],
+        env: Mapping[str, str],
+        user: procs.TaskUser | None,
+        step: str,
+        capture: bool = False,
+    ) -> str:
+        """Run to completion; the stdout when ``capture``. Raises the classified failure."""
+        if self.stop.is_set():
+            raise Cancelled(f"stopped before {step}")
+        try:
+            proc = procs.popen_as(
+                [str(a) for a in argv],
+                env,
+                user,
+                cwd=self.work / "home",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                close_fds=True,
+                umask=0o022,
+            )
+        except OSError as exc:
+            raise EnvUnavailable(f"cannot run uv ({exc.strerror or exc})") from None
+        assert proc.stdout is not None and proc.stderr is not None
+        out = _Tail(proc.stdout, 1024 * 1024 if capture else OUTPUT_TAIL_BYTES)
+        err = _Tail(proc.stderr, OUTPUT_TAIL_BYTES)
+        why: str | None = None
+        try:
+            while proc.poll() is None:
+                if self.stop.is_set():
+                    why = "stopped"
+                    break
+                if self.clock.monotonic() >= self.deadline:
+                    why = "timeout"
+                    break
+                self.clock.wait(self.stop, POLL_S)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            out.join()
+            err.join()
+        if why == "stopped":
+            raise Cancelled(f"stopped while {step}")
+        if why == "timeout":
+            raise EnvBuildFailed(
+                f"building the Python {self.spec.python} environment did not finish in time"
+                f" (while {step})"
+            )
+        if proc.returncode != 0:
+            text = err.text() + ("" if capture else out.text())
+            tail = summarize(text, self.spec.hidden())
+            reason = f"{_one_line(tail)} (uv exit status {proc.returncode})"
+            if classify(proc.returncode, text) == "node":
+                raise EnvUnavailable(f"cannot build the environment while {step}: {reason}")
+            raise EnvBuildFailed(
+                f"cannot build the Python {self.spec.python} environment: {reason}", tail
+            )
+        return out.text()
+
+
+class _Tail:
+    """Reads a pipe on its own thread, keeping its last ``cap`` bytes."""
+
+    def __init__(self, pipe: IO[bytes], cap: int) -> None:
+        self._pipe = pipe
+        self._cap = cap
+        self._data = bytearray()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        fd = self._pipe.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            self._data += chunk
+            if len(self._data) > self._cap:
+                del self._data[: len(self._data) - self._cap]
+        self._pipe.close()
+
+    def join(self) -> None:
+        # A leftover child holding the pipe must not hold up the build: the reader is a daemon.
+        self._thread.join(2.0)
+
+    def text(self) -> str:
+        return bytes(self._data).decode("utf-8", errors="replace")
+
+
+def _kill_owned(token: str, uid: int) -> None:
+    """Kill every process of ``uid`` that carries the build's token (a build backend's
+    leftovers), until none answers."""
+    deadline = time.monotonic() + procs.KILL_ROUNDS_S
+    while time.monotonic() < deadline:
+        hit = False
+        for pid in procs.find_owned(token, uid):
+            hit = procs.signal_if_owned(pid, token, None, signal.SIGKILL) or hit
+        if not hit:
+            return
+        time.sleep(0.02)
+
+
+def _reclaim(work: Path) -> None:
+    """Take the scratch directory back from the build user: the agent's, 0700."""
+    fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchown(fd, os.geteuid(), os.getegid())
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> None:
+    """Remove a file, link or tree without following a symlink."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def secure_tree(top: Path) -> TreeStats:
+    """Make ``top`` the agent's and read-only to everyone else: dirs 0755, files 0755 if they
+    were executable else 0644, no special files; never following a symlink. For a tree only the
+    agent wrote (a tree someone else wrote is copied: copy_tree). Returns its bytes (allocated)
+    and files."""
+    uid, gid = os.geteuid(), os.getegid()
+    total = files = 0
+
+    def fail(exc: OSError) -> None:
+        raise exc
+
+    for _, dirnames, filenames, dirfd in os.fwalk(top, follow_symlinks=False, onerror=fail):
+        st = os.fstat(dirfd)
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.fchown(dirfd, uid, gid)
+        os.fchmod(dirfd, 0o755)
+        total += st.st_blocks * 512
+        for name in (*dirnames, *filenames):
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+            elif stat.S_ISREG(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
+                try:
+                    if (st.st_uid, st.st_gid) != (uid, gid):
+                        os.fchown(fd, uid, gid)
+                    os.fchmod(fd, 0o755 if st.st_mode & 0o111 else 0o644)
+                finally:
+                    os.close(fd)
+                files += 1
+            else:
+                os.unlink(name, dir_fd=dirfd)
+                continue
+            total += st.st_blocks * 512
+    return TreeStats(total, files)
+
+
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def copy_tree(src: Path, dest: Path, allowed_uids: set[int]) -> None:
+    """Copy a tree someone else wrote into ``dest`` (new), the agent's, dirs 0755, files 0644 or
+    0755, symlinks as symlinks, nothing else. Every open is relative to a directory descriptor
+    and never follows a symlink, so swapping a directory for a link mid-copy leads nowhere. A
+    file with more than one link, or owned by a uid outside ``allowed_uids``, is refused (it
+    could be another file of this host): EnvBuildFailed."""
+    top = os.open(src, NOFOLLOW_DIR)
+    try:
+        os.mkdir(dest, 0o700)
+        out = os.open(dest, NOFOLLOW_DIR)
+        try:
+            _copy_dir(top, out, allowed_uids, depth=0)
+            os.fchmod(out, 0o755)
+        finally:
+            os.close(out)
+    finally:
+        os.close(top)
+
+
+def _copy_dir(src: int, dest: int, allowed_uids: set[int], depth: int) -> None:
+    if depth > 64:
+        raise EnvBuildFailed("the build left a directory tree too deep to copy")
+    for entry in os.scandir(src):
+        name = entry.name
+        st = os.stat(name, dir_fd=src, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dest)
+        elif stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, NOFOLLOW_DIR, dir_fd=src)
+            try:
+                os.mkdir(name, 0o700, dir_fd=dest)
+                out = os.open(name, NOFOLLOW_DIR, dir_fd=dest)
+                try:
+                    _copy_dir(sub, out, allowed_uids, depth + 1)
+                    os.fchmod(out, 0o755)
+                finally:
+                    os.close(out)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode):
+            _copy_file(src, dest, name, allowed_uids)
+
+
+def _copy_file(src: int, dest: int, name: str, allowed_uids: set[int]) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        if st.st_nlink > 1 or st.st_uid not in allowed_uids:
+            raise EnvBuildFailed(f"the build left a file that is not its own ({name})")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(name, flags, 0o600, dir_fd=dest)
+        try:
+            with open(fd, "rb", closefd=False) as reader, open(out, "wb", closefd=False) as writer:
+                shutil.copyfileobj(reader, writer, 1024 * 1024)
+            os.fchmod(out, 0o755 if st.st_mode & 0o111 else 0o644)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def others_can_run(path: Path) -> bool:
+    """Whether a user other than the owner can execute ``path`` (every directory above it
+    searchable, the file itself readable and executable)."""
+    try:
+        real = Path(os.path.realpath(path))
+        if stat.S_IMODE(real.stat().st_mode) & 0o005 != 0o005:
+            return False
+        return all(parent.stat().st_mode & 0o001 for parent in real.parents)
+    except OSError:
+        return False
