@@ -238,11 +238,15 @@ def _json(body: bytes, what: str) -> dict[str, Any]:
 
 
 def _detail(body: bytes) -> str:
+    """The ``detail`` of an error answer, on one line; never a page of HTML."""
     try:
         detail = json.loads(body).get("detail", "")
     except (ValueError, AttributeError):
-        detail = body[:200].decode("utf-8", "replace")
-    return str(detail)[:300]
+        head = body[:200].decode("utf-8", "replace").lstrip()
+        if head[:1] == "<":
+            return "an HTML page, not a coordinator's answer"
+        detail = head
+    return " ".join(str(detail).split())[:300]
 
 
 def _describe(exc: httpx.HTTPError) -> str:
