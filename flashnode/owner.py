@@ -142,9 +142,14 @@ def _probe_node_id(s: Settings, persist: bool) -> str:
         if existing:
             return existing
     if persist:
-        with contextlib.suppress(OSError):
+        old = os.umask(0o077)  # the state dir and what is in it are the agent's alone
+        try:
             inventory.ensure_state_dir(s.state_dir)
             return inventory.node_id(s)
+        except OSError:
+            pass
+        finally:
+            os.umask(old)
     host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "node"
     return f"{host}-{secrets.token_hex(4)}"
 
@@ -249,7 +254,10 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
     try:
         base = load({"coordinator": url}, env, config_file)
     except ConfigError:
-        base = Settings(coordinator=url)
+        try:  # a config `work` would refuse: the environment and the defaults alone
+            base = load({"coordinator": url}, env, Path(os.devnull))
+        except ConfigError:
+            base = Settings(coordinator=url)
     s = base.model_copy(
         update={
             "coordinator": url,
@@ -304,7 +312,9 @@ def logout(coordinator: str | None, config_file: Path | None, credentials_dir: P
         url = normalise_url(str(given))
     except ValueError as exc:
         _stop(ExitCode.CONFIG, f"coordinator: {exc}")
-    configured = _file_value(config_file, "credentials_dir")
+    configured = os.environ.get("FLASHNODE_CREDENTIALS_DIR") or _file_value(
+        config_file, "credentials_dir"
+    )
     directory = credentials_dir or Path(configured or default_credentials_dir())
     removed = []
     for kind in ("token", "join-code"):
@@ -528,7 +538,7 @@ def doctor(config_file: Path | None, coordinator: str | None) -> None:
     again is harmless). Exit 1 on any FAIL.
     """
     r = Report()
-    if os.geteuid() != 0 and (config_file or DEFAULT_CONFIG_FILE) == DEFAULT_CONFIG_FILE:
+    if os.geteuid() != 0 and config_file is None and DEFAULT_CONFIG_FILE.exists():
         r.warn("user", f"checking as uid {os.geteuid()}; the service runs as root: sudo it")
     try:
         s = load({"coordinator": coordinator}, os.environ, config_file)
