@@ -66,7 +66,8 @@ def parse_size(value: Any) -> int:
         factor = 1000 ** ("KMGTP".index(unit) + 1)
     else:
         raise ValueError(f"must be {_SIZE_HINT}")
-    return int(float(m[1]) * factor)
+    number = float(m[1]) if "." in m[1] else int(m[1])  # exact for whole numbers
+    return int(number * factor)
 
 
 def format_size(size: int) -> str:
