@@ -18,7 +18,7 @@ from typing import Any
 import click
 import psutil
 
-from flashnode import __version__, controls_cli, envs_cli, inventory, owner
+from flashnode import __version__, controls_cli, envs_cli, inventory, owner, preflight
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
@@ -121,11 +121,15 @@ controls_cli.register(main)
 envs_cli.register(main)
 
 
+# Paths are checked by the loader, not by click: an unreadable file is a refused setting (78).
+PATH = click.Path(path_type=Path, exists=False, readable=False)
+
+
 @main.command()
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(path_type=Path),
+    type=PATH,
     help="TOML config file [default: /etc/flashnode/flashnode.toml when present].",
 )
 @click.option("--coordinator", help="Coordinator base URL [env FLASHNODE_COORDINATOR].")
@@ -142,33 +146,54 @@ envs_cli.register(main)
 )
 @click.option(
     "--state-dir",
-    type=click.Path(path_type=Path),
-    help="State directory [default: /var/lib/flashnode as root, else ~/.local/state/flashnode].",
+    type=PATH,
+    help="State directory [default: $STATE_DIRECTORY under systemd, /var/lib/flashnode as"
+    " root, else ~/.local/state/flashnode].",
 )
 @click.option("--node-id", help="Node id [default: generated once, kept in the state dir].")
 @click.option(
     "--token-file",
-    type=click.Path(path_type=Path),
-    help="File holding the bearer token (mode 0600) [or env FLASHNODE_TOKEN].",
+    type=PATH,
+    help="File holding the bearer token (mode 0600) [or env FLASHNODE_TOKEN, or what"
+    " `flashnode login` stored].",
 )
 @click.option(
     "--join-code-file",
-    type=click.Path(path_type=Path),
-    help="File holding the join code (mode 0600) [or env FLASHNODE_JOIN_CODE].",
+    type=PATH,
+    help="File holding the join code (mode 0600) [or env FLASHNODE_JOIN_CODE, or what"
+    " `flashnode login` stored].",
+)
+@click.option(
+    "--task-user",
+    help="Unprivileged user trusted tasks run as when the agent is root [env FLASHNODE_TASK_USER].",
 )
 @click.option("--max-tasks", type=int, help="Finish this many attempts, then exit 0.")
-@click.option("--slots", help="Attempts at once: N, or auto (one per GPU) [default: 1].")
+@click.option(
+    "--slots", help="Attempts at once: N (at least 1), or auto (one per GPU) [default: 1]."
+)
 @click.option("--log-json", is_flag=True, default=None, help="Log JSON lines.")
 def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None:
-    """Register with the coordinator, then claim, run and commit tasks until stopped."""
+    """Register with the coordinator, then claim, run and commit tasks until stopped.
+
+    Before anything else the same checks as `flashnode doctor` run (without the coordinator):
+    a problem that would keep the agent from working stops it with one line and its exit code
+    (78 configuration, 69 a missing prerequisite).
+    """
     if pools:
         flags["pools"] = pools
     try:
         settings = load(flags, os.environ, config_file)
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
+    found = preflight.problems(settings)
+    for problem in found:
+        if problem.code is not None:
+            prefix = "configuration error: " if problem.code == ExitCode.CONFIG else ""
+            _fail(problem.code, prefix + problem.line())
     line = TerminalLine() if sys.stderr.isatty() and not settings.log_json else None
     setup_logging(settings.log_json, line)
+    for problem in found:
+        log.warning("%s", problem.line())
     try:
         run_agent(settings, reload=lambda: load(flags, os.environ, config_file), line=line)
     except ConfigError as exc:
@@ -182,15 +207,10 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
 
 
 def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
-    """The configured runner, after its preflight: a fatal problem stops the agent with its exit
-    code and one line naming the fix (``flashnode doctor`` prints the same problems)."""
-    cls = runner_class(settings.runner)
-    for p in cls.preflight(settings, env.slots):
-        if p.fatal:
-            error = ConfigError if p.exit_code == ExitCode.CONFIG else PrerequisiteError
-            raise error(f"{p.what}: {p.why}; fix: {p.fix}")
-        log.warning("%s: %s (%s)", p.what, p.why, p.fix)
-    return cls.create(settings, env)
+    """The configured runner (its preflight already passed in ``work``); ConfigError or
+    PrerequisiteError when it cannot run here after all (e.g. a task user for a slot that
+    ``slots = "auto"`` added)."""
+    return runner_class(settings.runner).create(settings, env)
 
 
 def _thread(fn: Callable[[], None], name: str) -> None:

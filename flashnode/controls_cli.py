@@ -18,13 +18,11 @@ import click
 
 from flashnode import pausefile, status
 from flashnode.controls import Pause, PauseMode, parse_duration
-from flashnode.owner import _state_dir, config_option
+from flashnode.owner import _state_dir, config_option, state_dir_option
 from flashnode.wire import SAFE_ID
 
 POLL_SECONDS = 0.2
 CHUNK = 64 * 1024
-
-state_dir_option = click.option("--state-dir", type=click.Path(path_type=Path), default=None)
 
 
 def register(main: click.Group) -> None:

@@ -357,11 +357,15 @@ def _json(body: bytes, what: str) -> dict[str, Any]:
 
 
 def _detail(body: bytes) -> str:
+    """The ``detail`` of an error answer, on one line; never a page of HTML."""
     try:
         value = json.loads(body)
         detail = value.get("detail", "") if isinstance(value, dict) else ""
     except (ValueError, RecursionError):
-        detail = body[:200].decode("utf-8", "replace")
+        head = body[:200].decode("utf-8", "replace").lstrip()
+        if head[:1] == "<":
+            return "an HTML page, not a coordinator's answer"
+        detail = head
     text = detail if isinstance(detail, str) else json.dumps(detail)[:300]
     return " ".join(text.split())[:300]
 

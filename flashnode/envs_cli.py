@@ -14,7 +14,8 @@ import click
 from flashnode.envbuild import EnvSpec
 from flashnode.envcache import EnvCache, EnvInfo, describe, size, summary
 from flashnode.errors import ConfigError, EnvUnavailable
-from flashnode.settings import Settings, default_state_dir, load
+from flashnode.owner import _state_dir, config_option, state_dir_option
+from flashnode.settings import Settings, load
 
 ENVS_DIR = "envs"
 
@@ -95,9 +96,8 @@ def _settings(config_file: Path | None, state_dir: Path | None) -> Settings:
         s = load({}, os.environ, config_file)
     except ConfigError:
         # No coordinator configured is no reason not to look at the cache: defaults apply.
-        fallback = Path(os.environ.get("FLASHNODE_STATE_DIR") or default_state_dir())
-        s = Settings(coordinator="http://127.0.0.1", state_dir=fallback)
-    return s.model_copy(update={"state_dir": state_dir}) if state_dir is not None else s
+        s = Settings(coordinator="http://127.0.0.1")
+    return s.model_copy(update={"state_dir": _state_dir(config_file, state_dir)})
 
 
 def _open(config_file: Path | None, state_dir: Path | None) -> EnvCache | None:
@@ -125,12 +125,6 @@ def _as_dict(info: EnvInfo) -> dict[str, object]:
         "path": str(info.path),
         "lines": list(info.lines),
     }
-
-
-config_option = click.option(
-    "--config", "config_file", type=click.Path(path_type=Path), help="TOML config file."
-)
-state_dir_option = click.option("--state-dir", type=click.Path(path_type=Path), default=None)
 
 
 @click.group()

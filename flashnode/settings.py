@@ -8,6 +8,7 @@ Secrets (the bearer token, the join code) are never flags: they come from a file
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import os
@@ -30,6 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from flashnode.errors import ConfigError
 from flashnode.localdata import lent_problem
@@ -43,8 +45,75 @@ DEFAULT_CONFIG_FILE = Path("/etc/flashnode/flashnode.toml")
 ENV_PREFIX = "FLASHNODE_"
 POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MiB = 1024 * 1024
+# systemd's LoadCredential=ID:DIRECTORY names each file of DIRECTORY "ID_<file name>".
+CREDENTIAL_ID = "flashnode"
 
 Runner = Literal["trusted", "docker"]
+
+# Sizes: K, M, G, T (and KiB … TiB) count in 1024s, KB, MB, GB, TB in 1000s, B or nothing bytes.
+_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(I?B?)$", re.IGNORECASE)
+_SIZE_HINT = "a size in bytes, or with a unit: 512M, 8G, 1.5GiB"
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string like ``8G``, ``512M``, ``1.5GiB``, ``2GB``; ValueError else."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be {_SIZE_HINT}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"must be {_SIZE_HINT}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    m = _SIZE.match(value.strip()) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"must be {_SIZE_HINT}")
+    unit, suffix = m[2].upper(), m[3].upper()
+    if not unit and suffix in ("", "B") and "." not in m[1]:
+        factor = 1
+    elif unit and suffix in ("", "IB"):
+        factor = 1024 ** ("KMGTP".index(unit) + 1)
+    elif unit and suffix == "B":
+        factor = 1000 ** ("KMGTP".index(unit) + 1)
+    else:
+        raise ValueError(f"must be {_SIZE_HINT}")
+    number = float(m[1]) if "." in m[1] else int(m[1])  # exact for whole numbers
+    return int(number * factor)
+
+
+def format_size(size: int) -> str:
+    """``4 MiB``, ``1 GiB``, ``1536 bytes``: for messages."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor} {unit}"
+    return f"{size} bytes"
+
+
+def normalise_url(value: str) -> str:
+    """A coordinator URL with its scheme and port explicit: ``https://host:443[/path]``.
+
+    Raises ValueError, in the owner's words, for anything that is not an http(s) URL.
+    """
+    text = value.strip()
+    if "://" not in text:
+        raise ValueError(
+            f"{value!r} is not a URL: write it with its scheme, e.g. https://{text or 'host'}"
+        )
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{value!r} is not a URL (bad port)") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"{value!r} must not carry credentials, a query or a fragment")
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = port or (443 if scheme == "https" else 80)
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def default_credentials_dir() -> Path:
@@ -55,19 +124,45 @@ def default_credentials_dir() -> Path:
     return Path(base) / "flashnode" / "credentials"
 
 
-def credentials_file(coordinator: str, directory: Path) -> Path:
-    """The file ``flashnode login`` keeps a coordinator's token in."""
-    parts = urlsplit(coordinator.rstrip("/"))
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    host = re.sub(r"[^A-Za-z0-9.-]", "_", parts.hostname or "coordinator")
-    return directory / f"{host}_{port}.token"
+def credentials_name(coordinator: str) -> str:
+    """The stem of the files ``flashnode login`` keeps a coordinator's secrets in: host_port."""
+    parts = urlsplit(normalise_url(coordinator))
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", parts.hostname or "")
+    return f"{host}_{parts.port}"
 
 
-def default_state_dir() -> Path:
-    """``/var/lib/flashnode`` as root, else ``$XDG_STATE_HOME/flashnode`` (~/.local/state)."""
+def credentials_file(coordinator: str, directory: Path, kind: str = "token") -> Path:
+    """The file ``flashnode login`` keeps a coordinator's token (or ``join-code``) in."""
+    return directory / f"{credentials_name(coordinator)}.{kind}"
+
+
+def stored_credential(
+    coordinator: str, kind: str, directory: Path, env: Mapping[str, str]
+) -> Path | None:
+    """Where a stored token or join code for ``coordinator`` is, or None.
+
+    Under systemd the unit hands the credentials in with ``LoadCredential=`` and the agent reads
+    them from ``$CREDENTIALS_DIRECTORY`` first; then from ``directory`` (what login wrote).
+    """
+    name = credentials_file(coordinator, Path(), kind).name
+    candidates = []
+    loaded = env.get("CREDENTIALS_DIRECTORY")
+    if loaded:
+        candidates += [Path(loaded) / f"{CREDENTIAL_ID}_{name}", Path(loaded) / name]
+    candidates.append(directory / name)
+    return next((p for p in candidates if p.exists()), None)
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$STATE_DIRECTORY`` (systemd's ``StateDirectory=``) when set; else ``/var/lib/flashnode``
+    as root, else ``$XDG_STATE_HOME/flashnode`` (~/.local/state)."""
+    env = os.environ if env is None else env
+    given = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if given.startswith("/"):
+        return Path(given)
     if os.geteuid() == 0:
         return Path("/var/lib/flashnode")
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "flashnode"
 
 
@@ -121,20 +216,45 @@ class Settings(BaseModel):
     @field_validator("coordinator")
     @classmethod
     def _coordinator_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL")
-        if parts.query or parts.fragment or parts.username or parts.password:
-            raise ValueError("must not carry credentials, a query or a fragment")
-        return value.rstrip("/")
+        return normalise_url(value)
 
     @field_validator("slots", mode="before")
     @classmethod
     def _slots(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.isdigit():
-            value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ValueError("must be at least 1, or auto")
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text == "auto":
+            return "auto"
+        if isinstance(text, str) and re.fullmatch(r"[+-]?[0-9]+", text):
+            text = int(text)
+        if isinstance(text, int) and not isinstance(text, bool) and text >= 1:
+            return text
+        raise ValueError('must be a whole number of at least 1, or "auto"')
+
+    @field_validator(
+        "container_tmp_bytes",
+        "min_free_bytes",
+        "task_memory_bytes",
+        "log_max_bytes",
+        "max_output_file_bytes",
+        "max_output_total_bytes",
+        "max_input_bytes",
+        mode="before",
+    )
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value)
+
+    @field_validator("allowed_images")
+    @classmethod
+    def _pinned_images(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for image in value:
+            if "@sha256:" in image:
+                continue
+            name, _, tag = image.rpartition(":")
+            if not name or "/" in tag:
+                raise ValueError(f"{image!r} has no tag: pin a tag or a digest, e.g. {image}:1.2")
+            if tag == "latest":
+                raise ValueError(f"{image!r} is not pinned: name a fixed tag or a digest")
         return value
 
     @field_validator("pools", "allowed_images", mode="before")
@@ -357,6 +477,7 @@ class Settings(BaseModel):
         """The time zone of run_windows; None: the system's local time."""
         return _zone(self.run_windows_timezone) if self.run_windows_timezone else None
 
+
 def _zone(name: str) -> tzinfo:
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -377,42 +498,57 @@ def load(
 ) -> Settings:
     """Build Settings from explicit flags, the environment and the config file.
 
-    ``flags`` holds only the options given on the command line. ``config_file`` None means the
-    default file if it exists. Raises ConfigError with a one-line reason.
+    ``flags`` holds only the options given on the command line (by key). ``config_file`` None
+    means the default file if it exists. Raises ConfigError with a one-line reason in the owner's
+    words: which setting, where it came from, what it was, and what is allowed.
     """
     merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     path = config_file
     if path is None and DEFAULT_CONFIG_FILE.exists():
         path = DEFAULT_CONFIG_FILE
     if path is not None:
-        merged.update(read_config_file(path))
+        for key, value in read_config_file(path).items():
+            merged[key], origin[key] = value, f"in {path}"
     for key in SETTABLE:
         raw = env.get(ENV_PREFIX + key.upper())
         if raw is not None and raw != "":
-            merged[key] = raw
-    merged.update({k: v for k, v in flags.items() if v is not None})
-
-    merged["token"] = _secret(merged.get("token_file"), env.get(ENV_PREFIX + "TOKEN"), "token")
-    if merged["token"] is None and "coordinator" in merged:
-        # What `flashnode login` stored for this coordinator, if anything.
-        directory = Path(merged.get("credentials_dir") or default_credentials_dir())
-        try:
-            stored = credentials_file(str(merged["coordinator"]), directory)
-        except ValueError:
-            stored = None
-        if stored is not None and stored.exists():
-            merged["token"] = SecretStr(read_secret_file(stored, "credentials"))
-    merged["join_code"] = _secret(
-        merged.get("join_code_file"), env.get(ENV_PREFIX + "JOIN_CODE"), "join code"
-    )
+            merged[key], origin[key] = raw, f"from {ENV_PREFIX}{key.upper()}"
+    for key, value in flags.items():
+        if value is not None:
+            merged[key], origin[key] = value, f"from --{key.replace('_', '-')}"
+    if "state_dir" not in merged:
+        merged["state_dir"] = default_state_dir(env)
     if "coordinator" not in merged:
         raise ConfigError(
             "no coordinator: set --coordinator, FLASHNODE_COORDINATOR or 'coordinator'"
         )
     try:
+        coordinator = normalise_url(str(merged["coordinator"]))
+    except ValueError as exc:
+        raise ConfigError(f"coordinator ({origin.get('coordinator', '')}): {exc}") from None
+    directory = Path(merged.get("credentials_dir") or default_credentials_dir())
+
+    merged["token"] = _secret(
+        merged.get("token_file"),
+        env.get(ENV_PREFIX + "TOKEN"),
+        "token",
+        coordinator,
+        directory,
+        env,
+    )
+    merged["join_code"] = _secret(
+        merged.get("join_code_file"),
+        env.get(ENV_PREFIX + "JOIN_CODE"),
+        "join code",
+        coordinator,
+        directory,
+        env,
+    )
+    try:
         settings = Settings.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(_explain(exc, merged, origin)) from None
     _check_consistency(settings)
     return settings
 
@@ -422,20 +558,38 @@ def read_config_file(path: Path) -> dict[str, Any]:
         with path.open("rb") as fh:
             data = tomllib.load(fh)
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - set(SETTABLE))
     if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
+        key = unknown[0]
+        close = difflib.get_close_matches(key, SETTABLE, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else " (see README: Configuration)"
+        more = f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""
+        if key in ("token", "join_code"):
+            hint = f" (secrets never go in the config file: use {key}_file or flashnode login)"
+        raise ConfigError(f"config file {path}: unknown key {key!r}{hint}{more}")
     return data
 
 
-def _secret(file: Any, env_value: str | None, what: str) -> SecretStr | None:
+def _secret(
+    file: Any,
+    env_value: str | None,
+    what: str,
+    coordinator: str,
+    directory: Path,
+    env: Mapping[str, str],
+) -> SecretStr | None:
+    """A secret from its file, else the environment, else what `flashnode login` stored."""
     if file is not None:
         return SecretStr(read_secret_file(Path(file), what))
     if env_value:
         return SecretStr(env_value.strip())
+    kind = "token" if what == "token" else "join-code"
+    stored = stored_credential(coordinator, kind, directory, env)
+    if stored is not None:
+        return SecretStr(read_secret_file(stored, f"stored {what}"))
     return None
 
 
@@ -445,7 +599,7 @@ def read_secret_file(path: Path, what: str) -> str:
         st = path.stat()
         value = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{what} file {path} is not UTF-8 text") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -474,13 +628,66 @@ def _check_consistency(settings: Settings) -> None:
     if settings.container_user is not None and not re.match(
         r"^[1-9][0-9]*:[0-9]+$", settings.container_user
     ):
-        raise ConfigError("container_user must be uid:gid of a non-root user, e.g. 65534:65534")
+        raise ConfigError(
+            f"container_user = {settings.container_user!r}: must be uid:gid of a non-root user,"
+            " e.g. 65534:65534"
+        )
     if settings.claim_backoff_min_seconds > settings.claim_backoff_max_seconds:
         raise ConfigError("claim_backoff_min_seconds is larger than claim_backoff_max_seconds")
 
 
-def _one_line(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "settings"
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"invalid setting {where}: {first['msg']}{more}"
+# --- errors in the owner's words ---------------------------------------------------------------
+
+_EXPECTED = {
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "int_type": "must be a whole number",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "string_type": "must be text",
+    "path_type": "must be a path",
+    "tuple_type": "must be a list (or one comma-separated string)",
+    "list_type": "must be a list (or one comma-separated string)",
+}
+
+
+def _allowed(error: ErrorDetails, key: str) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+
+    def bound(value: Any) -> str:
+        return format_size(int(value)) if key.endswith("_bytes") else str(value)
+
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    if kind == "greater_than":
+        return f"must be greater than {bound(ctx['gt'])}"
+    if kind == "greater_than_equal":
+        return f"must be at least {bound(ctx['ge'])}"
+    if kind == "less_than":
+        return f"must be less than {bound(ctx['lt'])}"
+    if kind == "less_than_equal":
+        return f"must be at most {bound(ctx['le'])}"
+    if kind == "literal_error":
+        return f"must be {ctx.get('expected', 'one of the documented values')}"
+    return _EXPECTED.get(kind, str(error["msg"]).removeprefix("Value error, "))
+
+
+def _explain(exc: ValidationError, merged: Mapping[str, Any], origin: Mapping[str, str]) -> str:
+    """``slots = '-1' (from --slots): must be a whole number of at least 1, or "auto"``."""
+    keys: list[str] = []
+    first: ErrorDetails | None = None
+    for error in exc.errors():
+        key = str(error["loc"][0]) if error["loc"] else "settings"
+        if key not in keys:
+            keys.append(key)
+            first = first or error
+    assert first is not None
+    key = keys[0]
+    where = f" ({origin[key]})" if key in origin else ""
+    value = merged.get(key)
+    shown = f" = {value!r}" if value is not None and key not in ("token", "join_code") else ""
+    more = f"; also check {', '.join(keys[1:])}" if keys[1:] else ""
+    return f"{key}{shown}{where}: {_allowed(first, key)}{more}"

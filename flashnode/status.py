@@ -37,7 +37,7 @@ def read(state_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     pid = snapshot.get("pid")
-    if not isinstance(pid, int) or not _alive(pid):
+    if isinstance(pid, bool) or not isinstance(pid, int) or not agent_alive(pid):
         return None
     now = time.time()
     beat = snapshot.get("last_heartbeat_at")
@@ -49,14 +49,28 @@ def read(state_dir: Path) -> dict[str, Any] | None:
     return snapshot
 
 
-def _alive(pid: int) -> bool:
+def agent_alive(pid: int) -> bool:
+    """True when ``pid`` is a live flashnode process.
+
+    An agent that stopped writes ``pid: -1``; ``kill(-1, 0)`` (and ``kill(0, 0)``) would ask
+    about every process (or our own group) and succeed as root, so only a positive pid counts.
+    A pid reused by another program since the agent died is told apart by its command line.
+    """
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc to tell by (not Linux): trust kill
+    except OSError:
         return True
-    return True
+    return b"flashnode" in cmdline
 
 
 def render(snapshot: dict[str, Any]) -> str:

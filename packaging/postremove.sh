@@ -1,5 +1,14 @@
 #!/bin/sh
+# After removal. On purge (deb: "purge"; rpm: 0, an erase) nothing of flashnode is left: its
+# state (node id, journal, ledger, workspaces) and the stored credentials go too. The users and
+# the group stay (removing users is unsafe: files may still carry their ids).
 set -e
+case "$1" in
+  purge | 0)
+    rm -rf /var/lib/flashnode /etc/flashnode/credentials
+    rmdir /etc/flashnode 2>/dev/null || true
+    ;;
+esac
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload || true
 fi

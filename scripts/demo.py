@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -15,9 +16,10 @@ from harness import AgentProcess, CoordinatorServer, argv_job
 def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="flashnode-demo-"))
     server = CoordinatorServer(root)
-    server.start()
-    print(f"coordinator: {server.url} (data in {root})")
+    agent: AgentProcess | None = None
     try:
+        server.start()
+        print(f"coordinator: {server.url} (data in {root}, removed at the end)")
         # argv tokens are str.format templates (literal braces doubled); /work/... arguments
         # are mapped to the attempt's directory by the trusted runner.
         script = "import json, sys; json.dump({{'result': {n} * {n}}}, open(sys.argv[1], 'w'))"
@@ -43,7 +45,12 @@ def main() -> int:
             print(f"  {task['task_id']}: {task['state']}  metrics.json = {json.dumps(metrics)}")
         return 0 if code == 0 and state == "SUCCEEDED" else 1
     finally:
+        # Nothing outlives the demo: the agent (stopped if still running) and its state dir,
+        # the coordinator and its data.
+        if agent is not None:
+            agent.stop()
         server.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

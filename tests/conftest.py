@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import subprocess
@@ -14,6 +15,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import AgentProcess, CoordinatorServer, shared_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def packages() -> list[Path]:
+    """The .deb and .rpm built by ./packaging/build, once per test session."""
+    if os.geteuid() != 0 or shutil.which("dpkg") is None or not Path("/usr/bin/python3").exists():
+        pytest.skip("building and installing the packages needs root, dpkg and /usr/bin/python3")
+    for old in (ROOT / "dist").glob("flashnode*"):
+        old.unlink()
+    done = subprocess.run(
+        [str(ROOT / "packaging" / "build")], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return sorted((ROOT / "dist").glob("flashnode*"))
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from flashnode.attempt import AttemptContext
 from flashnode.errors import AttemptFailed
 from flashnode.ledger import Ledger
 from flashnode.outbox import Outbox
-from flashnode.runners.base import Handle, Problem, Runner, RunnerEnv, RunResult, StartSpec
+from flashnode.preflight import Finding
+from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
 from flashnode.settings import Settings
 from flashnode.wire import ExecutionEvidence, NodeHeartbeat, NodeRegistration, Task
 
@@ -137,7 +138,7 @@ class FakeRunner(Runner):
         self.started: list[StartSpec] = []
 
     @classmethod
-    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
         return []
 
     @classmethod

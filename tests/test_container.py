@@ -228,7 +228,7 @@ def test_images_not_allowed_or_latest_are_refused_without_a_container(
             env={"FLASHNODE_ALLOWED_IMAGES": f"{IMAGE},flashnode-test/busybox:latest"},
         )
         assert refused.wait(60) == 78, refused.log
-        assert "'flashnode-test/busybox:latest' is tagged latest" in refused.log
+        assert "'flashnode-test/busybox:latest' is not pinned" in refused.log
         agent = start(start_agent, bad.url, node, "--max-tasks", "2")
         assert agent.wait(60) == 0, agent.log
         reasons = dict(bad.fails)

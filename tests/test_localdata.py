@@ -68,7 +68,7 @@ def test_the_local_data_table_is_read_and_only_labels_are_advertised(
         ('[local_data]\nscans = "/nonexistent/flashnode-scans"\n', "is not an existing directory"),
         ('[local_data]\nscans = "/etc/hostname"\n', "is not an existing directory"),
         ('local_data = "scans"\n', "label=/path pairs"),
-        ("[local_data]\nscans = 3\n", "local_data.scans"),
+        ("[local_data]\nscans = 3\n", "local_data = {.scans.: 3}"),
         ("dataset_cache_bytes = -1\n", "dataset_cache_bytes"),
         ("dataset_cache_bytes = true\n", "must be a number of bytes"),
         ("dataset_fetch_timeout_seconds = 0\n", "dataset_fetch_timeout_seconds"),

@@ -61,9 +61,15 @@ def test_pause_now_is_seen_by_an_agent_started_later(tmp_path: Path) -> None:
 
 
 def test_pause_names_a_running_agent(tmp_path: Path) -> None:
-    (tmp_path / "status.json").write_text(json.dumps({"pid": os.getpid()}))
-    code, out = cli("pause", "--state-dir", str(tmp_path))
-    assert code == 0 and f"the running agent (pid {os.getpid()}) applies it" in out
+    # A stand-in for the agent: status checks that the pid is a live flashnode process.
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "flashnode"])
+    try:
+        (tmp_path / "status.json").write_text(json.dumps({"pid": agent.pid}))
+        code, out = cli("pause", "--state-dir", str(tmp_path))
+        assert code == 0 and f"the running agent (pid {agent.pid}) applies it" in out
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 @pytest.mark.parametrize("duration", ["soon", "0m", "5", "2y"])

@@ -1,8 +1,8 @@
 """The runner contract (DESIGN.md §3), shared by every runner.
 
-* ``preflight(settings)`` lists what this runner needs and the host lacks; ``flashnode work``
-  refuses to start on a fatal problem and ``flashnode doctor`` prints them all, so the two can
-  never disagree.
+* ``preflight(settings, slots)`` checks what this runner needs on this host; through
+  ``flashnode.preflight`` ``flashnode work`` refuses to start on a fatal problem and
+  ``flashnode doctor`` prints every finding, so the two can never disagree.
 * ``create(settings, env)`` builds a runner; every runner is built the same way.
 * ``check(task)`` refuses a task this runner must not run, before anything starts.
 * ``start(spec)`` returns a Handle or raises after undoing everything it began.
@@ -27,23 +27,11 @@ from typing import Any, ClassVar, Protocol
 
 from flashnode.cgroups import Limits
 from flashnode.clock import Clock, SystemClock
-from flashnode.errors import ExitCode
 from flashnode.gpupool import Device, GpuPool
+from flashnode.preflight import Finding
 from flashnode.settings import Settings
 from flashnode.wire import Task
 from flashnode.workspace import Workspace
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something the host lacks: what, why, and the fix the owner can apply. A fatal problem
-    stops ``flashnode work`` with ``exit_code``; a warning is only reported."""
-
-    what: str
-    why: str
-    fix: str
-    fatal: bool = True
-    exit_code: ExitCode = ExitCode.UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -128,8 +116,10 @@ class Runner(ABC):
 
     @classmethod
     @abstractmethod
-    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
-        """What this host lacks to run this runner with ``settings`` (empty: nothing)."""
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
+        """What this runner needs, checked on this host for ``settings`` and ``slots``: an Ok
+        for each thing found, a Problem for each missing (``preflight.check`` adds these to the
+        state dir's and the credentials' checks, for ``work`` and ``doctor`` alike)."""
 
     @classmethod
     @abstractmethod

@@ -32,7 +32,8 @@ import requests
 
 from flashnode.errors import AttemptFailed, AttemptLapsed, ExitCode, PrerequisiteError
 from flashnode.logcap import CappedFile
-from flashnode.runners.base import Handle, Problem, Runner, RunnerEnv, RunResult, StartSpec
+from flashnode.preflight import Finding, Ok, Problem
+from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
 from flashnode.runners.spec import cuda_visible, module_argv, write_module_spec
 from flashnode.settings import Settings
 from flashnode.wire import MODULES, Task
@@ -199,60 +200,8 @@ class ContainerRunner(Runner):
     # --- construction -----------------------------------------------------------------------
 
     @classmethod
-    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
-        problems = []
-        for image in settings.allowed_images:
-            why = pin_problem(image)
-            if why:
-                fix = f"list it as a pinned tag or digest in allowed_images (not {image!r})"
-                problems.append(Problem("allowed images", why, fix, exit_code=ExitCode.CONFIG))
-        try:
-            client = _client(settings, timeout=10)
-            client.ping()
-        except ENGINE_ERRORS as exc:
-            problems.append(
-                Problem(
-                    "docker engine",
-                    f"no container engine answers at {settings.docker_host} ({_brief(exc)})",
-                    "start Docker (systemctl start docker), or use --runner trusted for pool work",
-                )
-            )
-            return problems
-        present = [i for i in settings.allowed_images if _present(client, i)]
-        client.close()
-        if not settings.allowed_images:
-            problems.append(
-                Problem(
-                    "allowed images",
-                    "allowed_images is empty: this node could run nothing",
-                    "list the images you allow in allowed_images (pinned tags or digests)",
-                    exit_code=ExitCode.CONFIG,
-                )
-            )
-        elif not present and not settings.pull_images:
-            problems.append(
-                Problem(
-                    "allowed images",
-                    "none of allowed_images is on this node and pull_images is off:"
-                    " this node could run nothing",
-                    f"docker pull {settings.allowed_images[0]} (each allowed image),"
-                    " or set pull_images = true",
-                    exit_code=ExitCode.CONFIG,
-                )
-            )
-        else:
-            for image in settings.allowed_images:
-                if image not in present:
-                    problems.append(
-                        Problem(
-                            "allowed images",
-                            f"{image} is not on this node"
-                            + ("; it will be pulled when needed" if settings.pull_images else ""),
-                            f"docker pull {image}",
-                            fatal=False,
-                        )
-                    )
-        return problems
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
+        return list(_engine_and_images(settings))
 
     @classmethod
     def create(cls, settings: Settings, env: RunnerEnv) -> ContainerRunner:
@@ -496,6 +445,60 @@ class ContainerRunner(Runner):
                     container.labels.get(LABEL_LEASE, "module probe"),
                 )
                 self.remove(container.id)
+
+
+def _engine_and_images(s: Settings) -> Iterator[Finding]:
+    """The engine answers, and at least one allowed (pinned) image can run."""
+    for image in s.allowed_images:
+        why = pin_problem(image)
+        if why:
+            fix = f"list it as a pinned tag or digest in allowed_images (not {image!r})"
+            yield Problem("allowed images", why, fix)
+            return
+    if not s.allowed_images:
+        yield Problem(
+            "allowed images",
+            "allowed_images is empty: this node would refuse every container task",
+            'list the images you allow, pinned, e.g. allowed_images = ["python:3.11-slim"]',
+        )
+        return
+    try:
+        client = _client(s, timeout=10)
+        client.ping()
+    except ENGINE_ERRORS as exc:
+        yield Problem(
+            "docker engine",
+            f"no container engine answers at {s.docker_host} ({_brief(exc)})",
+            "start Docker (systemctl start docker), or use --runner trusted for pool work",
+            code=ExitCode.UNAVAILABLE,
+        )
+        return
+    try:
+        yield Ok("docker engine", s.docker_host)
+        present = [i for i in s.allowed_images if _present(client, i)]
+        absent = [i for i in s.allowed_images if i not in present]
+        if absent and not present and not s.pull_images:
+            yield Problem(
+                "allowed images",
+                f"none is present ({', '.join(absent)}) and pull_images is off:"
+                " this node could run nothing",
+                f"docker pull {absent[0]}, or set pull_images = true",
+            )
+            return
+        for image in absent:
+            if s.pull_images:
+                yield Ok("image", f"{image} (pulled when a task needs it)")
+            else:
+                yield Problem(
+                    "image",
+                    f"{image} is not present and pull_images is off: tasks naming it fail",
+                    f"docker pull {image}, or set pull_images = true",
+                    code=None,
+                )
+        for image in present:
+            yield Ok("image", image)
+    finally:
+        client.close()
 
 
 def _present(client: Any, image: str) -> bool:

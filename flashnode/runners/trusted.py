@@ -20,18 +20,20 @@ and the ownership token.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from flashnode import cgroups, procs
 from flashnode.errors import AttemptFailed, AttemptLapsed, ConfigError, ExitCode
-from flashnode.runners.base import Handle, Problem, Runner, RunnerEnv, RunResult, StartSpec
+from flashnode.preflight import Finding, Ok, Problem
+from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
 from flashnode.runners.spec import cuda_visible, map_work, module_argv, write_module_spec
 from flashnode.settings import Settings
 from flashnode.wire import MODULES, Task
@@ -129,73 +131,25 @@ class TrustedRunner(Runner):
     # --- construction -----------------------------------------------------------------------
 
     @classmethod
-    def preflight(cls, settings: Settings, slots: int = 1) -> list[Problem]:
-        problems: list[Problem] = []
-        if os.geteuid() != 0:
-            if settings.task_user:
-                problems.append(
-                    Problem(
-                        "trusted runner",
-                        "task_user needs the agent to run as root",
-                        "run the agent as root, or remove task_user",
-                        exit_code=ExitCode.CONFIG,
-                    )
-                )
-            elif not settings.allow_same_user:
-                problems.append(
-                    Problem(
-                        "trusted runner",
-                        "this agent is not root, so it cannot run tasks as a distinct task user",
-                        "run it as root with task_user set (tasks then run as <task_user>-<slot>),"
-                        " or set allow_same_user = true to run tasks as the agent's own user",
-                        exit_code=ExitCode.CONFIG,
-                    )
-                )
-            return problems
-        if not settings.task_user:
-            problems.append(
-                Problem(
-                    "trusted runner",
-                    "running as root without task_user",
-                    "set task_user (e.g. flashnode-task: slot N runs as flashnode-task-N)",
-                    exit_code=ExitCode.CONFIG,
-                )
-            )
-            return problems
-        try:
-            slot_users(settings.task_user, slots)
-        except ConfigError as exc:
-            fix = (
-                f"create them (the package's sysusers file does): for i in $(seq 0 {slots - 1});"
-                f" do useradd --system --user-group --no-create-home --shell /usr/sbin/nologin"
-                f" {settings.task_user}-$i; done"
-            )
-            return [Problem("task users", str(exc), fix, exit_code=ExitCode.CONFIG)]
-        blocked = _unreachable(settings.state_dir)
-        if blocked is not None:
-            problems.append(
-                Problem(
-                    "state dir",
-                    f"task users cannot enter {blocked}, above the state dir {settings.state_dir}",
-                    f"choose another state_dir, or allow search: chmod o+x {blocked}",
-                    exit_code=ExitCode.CONFIG,
-                )
-            )
-        if not shutil.which("setpriv") or not shutil.which("unshare"):
-            problems.append(
-                Problem("trusted runner", "setpriv or unshare is missing", "install util-linux")
-            )
-        else:
-            why = procs.sandbox_works()
+    def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
+        found = list(_users_and_sandbox(settings, slots))
+        if settings.task_python and not any(isinstance(f, Problem) and f.fatal for f in found):
+            user = slot_users(settings.task_user, 1)[0] if settings.task_user else None
+            why = procs.python_imports(settings.task_python, MODULES, user)
             if why:
-                problems.append(
+                found.append(
                     Problem(
-                        "task sandbox",
-                        f"cannot give tasks private mount and IPC namespaces ({why})",
-                        "run the agent as root with CAP_SYS_ADMIN (the packaged unit does)",
+                        "module tasks",
+                        f"off: {settings.task_python} cannot import the allowlisted modules"
+                        f" ({why})",
+                        f"{settings.task_python} -m pip install flashruntime torch,"
+                        " or unset task_python",
+                        code=None,
                     )
                 )
-        return problems
+            else:
+                found.append(Ok("module tasks", f"on, under {settings.task_python}"))
+        return found
 
     @classmethod
     def create(cls, settings: Settings, env: RunnerEnv) -> TrustedRunner:
@@ -336,6 +290,78 @@ class TrustedRunner(Runner):
             cgroups.AttemptCgroup(
                 version, {k: Path(v) for k, v in paths.items()}, self.env.clock
             ).remove()
+
+
+def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
+    """Who tasks run as, and whether they can be kept apart from the agent and each other."""
+    if os.geteuid() != 0:
+        if s.task_user:
+            yield Problem(
+                "task user",
+                f"task_user {s.task_user!r} needs the agent to run as root",
+                "run the agent as root, or remove task_user",
+            )
+        elif not s.allow_same_user:
+            yield Problem(
+                "task user",
+                "this agent is not root, so it cannot run tasks as a distinct task user",
+                "run it as root with task_user set (tasks then run as <task_user>-<slot>), or"
+                " set allow_same_user = true to run them as this agent's own user (README)",
+            )
+        else:
+            yield Ok("task user", f"tasks run as this agent's own user (uid {os.geteuid()})")
+        return
+    if not s.task_user:
+        yield Problem(
+            "task user",
+            "the agent runs as root and task_user is not set",
+            'set task_user = "flashnode-task" (slot N then runs as flashnode-task-N)',
+        )
+        return
+    with contextlib.suppress(KeyError):
+        if pwd.getpwnam(s.task_user).pw_uid == 0:
+            yield Problem(
+                "task user", f"task_user {s.task_user!r} is root", "name an unprivileged user"
+            )
+            return
+    try:
+        users = slot_users(s.task_user, slots)
+    except ConfigError as exc:
+        yield Problem(
+            "task user",
+            str(exc),
+            f"create them (the package's sysusers file does): for i in $(seq 0 {slots - 1});"
+            " do useradd --system --user-group --no-create-home --shell /usr/sbin/nologin"
+            f" {s.task_user}-$i; done",
+        )
+        return
+    blocked = _unreachable(s.state_dir)
+    if blocked is not None:
+        yield Problem(
+            "task user",
+            f"they cannot enter {blocked}, above the state dir {s.state_dir}",
+            f"choose another state_dir, or allow search: chmod o+x {blocked}",
+        )
+        return
+    yield Ok("task user", ", ".join(f"{u.name} (uid {u.uid})" for u in users))
+    if not shutil.which("setpriv") or not shutil.which("unshare"):
+        yield Problem(
+            "task sandbox",
+            "setpriv or unshare is missing",
+            "install util-linux",
+            code=ExitCode.UNAVAILABLE,
+        )
+        return
+    why = procs.sandbox_works()
+    if why:
+        yield Problem(
+            "task sandbox",
+            f"cannot give tasks private mount and IPC namespaces ({why})",
+            "run the agent as root with CAP_SYS_ADMIN (the packaged unit does)",
+            code=ExitCode.UNAVAILABLE,
+        )
+        return
+    yield Ok("task sandbox", "private /tmp, /var/tmp, /dev/shm and IPC per task")
 
 
 def slot_users(task_user: str, slots: int) -> list[procs.TaskUser]:

@@ -1,0 +1,154 @@
+"""What must hold before ``flashnode work`` starts: one list, for ``work`` and ``doctor``.
+
+``work`` runs :func:`problems` after loading its settings and stops at the first fatal one with its
+exit code and one line; ``doctor`` prints every finding of :func:`check`. So the two agree on
+every point by construction. The checks are local (no coordinator): the state dir, the stored
+credentials, and the runner's prerequisites (the task user and ``setpriv`` and ``task_python`` for
+the trusted runner; the engine and the allowed images for the docker runner).
+
+Nothing here changes the host: a state dir that does not exist yet is checked for whether it
+can be made, not made. The Docker SDK is imported only to check a docker runner.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from flashnode.errors import ExitCode
+from flashnode.settings import Settings, format_size
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong, in the owner's words: what was checked, why it fails, how to fix it.
+
+    ``code`` is the exit code ``work`` ends with because of it; None for a warning (``work``
+    starts anyway, and says so in its log).
+    """
+
+    what: str
+    why: str
+    fix: str
+    code: ExitCode | None = ExitCode.CONFIG
+
+    @property
+    def fatal(self) -> bool:
+        return self.code is not None
+
+    def line(self) -> str:
+        return f"{self.what}: {self.why}; fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class Ok:
+    """A check that passed, with what was found (for ``doctor``)."""
+
+    what: str
+    detail: str = ""
+
+
+Finding = Ok | Problem
+
+
+def problems(settings: Settings, slots: int | None = None) -> list[Problem]:
+    """Every problem :func:`check` finds, fatal ones first."""
+    found = [f for f in check(settings, slots) if isinstance(f, Problem)]
+    return sorted(found, key=lambda p: not p.fatal)
+
+
+def check(settings: Settings, slots: int | None = None) -> list[Finding]:
+    """Every check, in order: state dir, credentials, the runner's prerequisites (for
+    ``slots`` slots; by default what ``slots`` says, one for "auto")."""
+    from flashnode.runners.base import runner_class  # the runner's own module only when asked
+
+    if slots is None:
+        slots = settings.slots if isinstance(settings.slots, int) else 1
+    findings = [*_state_dir(settings), *_credentials(settings)]
+    return findings + runner_class(settings.runner).preflight(settings, slots)
+
+
+# --- the state dir ----------------------------------------------------------------------------
+
+
+def _state_dir(s: Settings) -> Iterator[Finding]:
+    path = s.state_dir
+    if not path.is_absolute():
+        yield Problem("state dir", f"{path} is not an absolute path", "set state_dir to one")
+        return
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        parent = next(p for p in path.parents if p.exists())
+        if not os.access(parent, os.W_OK | os.X_OK):
+            yield Problem(
+                "state dir",
+                f"{path} does not exist and this user cannot make it in {parent}",
+                f"install -d -m 0700 {path} (as the user the agent runs as), or set state_dir",
+            )
+        else:
+            yield Ok("state dir", f"{path} (made at the first start)")
+        return
+    except OSError as exc:
+        yield Problem("state dir", f"{path}: {exc.strerror}", "set state_dir to a usable directory")
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        yield Problem("state dir", f"{path} is not a directory", "set state_dir to a directory")
+        return
+    if st.st_uid != os.geteuid():
+        yield Problem(
+            "state dir",
+            f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})",
+            f"chown -R {os.geteuid()} {path}, or set state_dir",
+        )
+        return
+    if not os.access(path, os.W_OK | os.X_OK):
+        yield Problem("state dir", f"{path} is not writable", f"chmod u+rwx {path}")
+        return
+    free = shutil.disk_usage(path).free
+    if free < s.min_free_bytes:
+        yield Problem(
+            "state dir",
+            f"{format_size(free)} free in {path}, below min_free_bytes"
+            f" ({format_size(s.min_free_bytes)}): the agent will not claim work",
+            "free space, or lower min_free_bytes",
+            code=None,
+        )
+    else:
+        yield Ok("state dir", f"{path}, {free >> 30} GiB free")
+
+
+# --- stored credentials -----------------------------------------------------------------------
+
+
+def _credentials(s: Settings) -> Iterator[Finding]:
+    """Where ``flashnode login`` stores secrets must be this user's alone: a directory others can
+    write into lets them plant a token, and the agent would work for whoever owns it."""
+    directory = s.credentials_dir
+    try:
+        st = directory.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        yield Problem("credentials", f"{directory}: {exc.strerror}", f"check {directory}")
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        yield Problem("credentials", f"{directory} is not a directory", f"remove {directory}")
+    elif st.st_uid != os.geteuid():
+        yield Problem(
+            "credentials",
+            f"{directory} belongs to uid {st.st_uid}, not to this user",
+            f"chown {os.geteuid()} {directory}",
+        )
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        yield Problem(
+            "credentials",
+            f"{directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})",
+            f"chmod 700 {directory}",
+        )
+    else:
+        kinds = [k for k, v in (("token", s.token), ("join code", s.join_code)) if v is not None]
+        yield Ok("credentials", ", ".join(kinds) if kinds else "none (an open coordinator)")

@@ -1,0 +1,226 @@
+"""The owner's path from the package, under a real systemd (issue 15, test 1).
+
+A minimal Debian bookworm root with systemd (tests/systemd_image.py) boots in a container with
+systemd as PID 1 (DESIGN.md §8), on the host's network so that it reaches the real coordinator
+this test starts on 127.0.0.1. Inside, as an owner would: `dpkg -i` the .deb ./packaging/build
+made, `flashnode login` with the token and join code on standard input, a config for the trusted
+runner, `systemctl enable --now flashnode`; a pool job commits as a task user, `flashnode status`
+as root shows the agent, `pools join` reaches it, `systemctl stop` drains a running task,
+`systemd-analyze security` rates the unit at least OK, and `dpkg -P` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import systemd_image
+from conftest import TokenCoordinator
+from harness import argv_job, wait_for
+
+pytestmark = pytest.mark.integration
+
+# Where a system's own bookkeeping changes when a package comes and goes; anything else new
+# after the purge is something the package left behind.
+CHURN = (
+    "/var/lib/dpkg/",
+    "/var/log/",
+    "/var/cache/",
+    "/var/lib/systemd/",
+    "/etc/.pwd.lock",
+    "/etc/ld.so.cache",
+)
+
+
+class Booted:
+    """A container running systemd as PID 1."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def sh(
+        self, script: str, stdin: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["docker", "exec", "-i", self.name, "sh", "-c", script],
+            input=stdin if stdin is not None else "",
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def ok(self, script: str, stdin: str | None = None, timeout: float = 120) -> str:
+        done = self.sh(script, stdin, timeout)
+        assert done.returncode == 0, f"{script}: rc {done.returncode}\n{done.stdout}{done.stderr}"
+        return done.stdout
+
+    def journal(self) -> str:
+        return self.sh("journalctl -u flashnode --no-pager | tail -40").stdout
+
+    def files(self) -> set[str]:
+        listing = self.ok(
+            "find / -xdev \\( -path /proc -o -path /sys -o -path /run -o -path /tmp \\) -prune"
+            " -o -print"
+        )
+        return set(listing.splitlines())
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    why = systemd_image.cannot_build()
+    if why:
+        pytest.skip(f"no systemd test image: {why}")
+    try:
+        return systemd_image.ensure_image()
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot build the systemd test image here: {exc}")
+
+
+@pytest.fixture
+def booted(image: str) -> Iterator[Booted]:
+    name = f"flashnode-test-systemd-{secrets.token_hex(4)}"
+    # systemd makes / a shared mount only when the kernel starts it, not in a container; a
+    # host's propagation is what LoadCredential= needs to hand the unit its credentials.
+    started = subprocess.run(
+        [
+            "docker",
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--cap-add",
+            "SYS_ADMIN",
+            "--security-opt",
+            "seccomp=unconfined",
+            "--security-opt",
+            "apparmor=unconfined",
+            "-v",
+            "/sys/fs/cgroup:/sys/fs/cgroup:rw",
+            "--tmpfs",
+            "/run",
+            "--tmpfs",
+            "/run/lock",
+            "-e",
+            "container=docker",
+            "--network",
+            "host",
+            image,
+            "/bin/sh",
+            "-c",
+            "mount --make-rshared / && exec /lib/systemd/systemd",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if started.returncode != 0:
+        pytest.skip(f"the engine cannot run the systemd container: {started.stderr.strip()}")
+    box = Booted(name)
+    try:
+        deadline = time.monotonic() + 60
+        state = ""
+        while time.monotonic() < deadline:
+            state = box.sh("systemctl is-system-running").stdout.strip()
+            if state in ("running", "degraded"):
+                break
+            time.sleep(0.5)
+        else:
+            logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True)
+            pytest.skip(
+                f"systemd did not boot in a container here (state {state!r}):"
+                f" {(logs.stdout + logs.stderr)[-500:]}"
+            )
+        yield box
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def test_the_owners_path_from_the_package_under_systemd(
+    booted: Booted, packages: list[Path], token_coordinator: TokenCoordinator
+) -> None:
+    server = token_coordinator.server
+    [deb] = [p for p in packages if p.suffix == ".deb"]
+    before = booted.files()
+    subprocess.run(["docker", "cp", str(deb), f"{booted.name}:/tmp/flashnode.deb"], check=True)
+    booted.ok("dpkg -i /tmp/flashnode.deb")
+
+    # login: both secrets on standard input; a refused pair stores nothing.
+    refused = booted.sh(
+        f"flashnode login --coordinator {server.url}",
+        stdin=f"wrong\n{token_coordinator.join_code}\n",
+    )
+    assert refused.returncode == 77, refused.stderr
+    assert booted.ok("ls -A /etc/flashnode/credentials") == ""
+    out = booted.ok(
+        f"flashnode login --coordinator {server.url}",
+        stdin=f"{token_coordinator.token}\n{token_coordinator.join_code}\n",
+    )
+    port = server.url.rsplit(":", 1)[1]
+    assert f"/etc/flashnode/credentials/127.0.0.1_{port}.token" in out
+    assert f"/etc/flashnode/credentials/127.0.0.1_{port}.join-code" in out
+
+    # Slot i runs as "<task_user>-<i>": the one slot here runs as flashnode-task-0.
+    booted.ok(
+        "cat > /etc/flashnode/flashnode.toml",
+        stdin=(
+            "# this machine's agent\n"
+            f'coordinator = "{server.url}"\n'
+            'runner = "trusted"\n'
+            'pools = ["team-a"]  # my team\n'
+            'task_user = "flashnode-task"\n'
+        ),
+    )
+    doctor = booted.sh("flashnode doctor")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "ok    registration: dry run accepted, as node node-x" in doctor.stdout
+
+    booted.ok("systemctl enable --now flashnode")  # Type=notify: returns once READY=1
+    handed = booted.ok("ls /run/credentials/flashnode.service").split()
+    assert handed == [f"flashnode_127.0.0.1_{port}.join-code", f"flashnode_127.0.0.1_{port}.token"]
+
+    job = server.submit(
+        argv_job(["sh", "-c", "id -un > out/user.txt; echo '{}' > out/metrics.json"])
+    )
+    state = server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60)
+    assert state == "SUCCEEDED", booted.journal()
+    assert server.artifact(f"jobs/{job}/task-000/user.txt").decode().strip() == "flashnode-task-0"
+
+    snapshot = json.loads(booted.ok("flashnode status --json"))
+    assert snapshot["node_id"] == "node-x" and snapshot["pools"] == ["team-a"]
+    assert snapshot["registered"] is True and snapshot["counters"] == {"committed": 1}
+
+    joined = booted.ok("flashnode pools join team-b")
+    assert "told the running agent" in joined
+    assert 'pools = ["team-a", "team-b"]  # my team' in booted.ok(
+        "cat /etc/flashnode/flashnode.toml"
+    )
+    other = server.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"], pool="team-b"))
+    assert server.wait_state(other, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
+
+    # Stop while a task runs: the agent drains, the task finishes and commits.
+    slow = server.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > out/metrics.json"]))
+
+    def running() -> bool:
+        r = booted.sh("flashnode status --json")
+        return r.returncode == 0 and bool(json.loads(r.stdout).get("running"))
+
+    wait_for("the slow task to run", running, timeout=60)
+    booted.ok("systemctl stop flashnode", timeout=120)
+    assert server.job(slow)["state"] == "SUCCEEDED", booted.journal()
+    assert "draining" in booted.journal()
+    assert booted.sh("flashnode status").returncode == 3
+
+    analysis = booted.ok("systemd-analyze security flashnode --no-pager")
+    line = next(x for x in analysis.splitlines() if "Overall exposure level" in x)
+    assert float(line.split(":")[1].split()[0]) < 5.0, line  # "OK" or better
+
+    booted.ok("dpkg -P flashnode")
+    left = sorted(
+        p for p in booted.files() - before if not p.startswith(CHURN) and not p.endswith("-")
+    )
+    assert left == [], left
+    assert booted.ok("ls /etc/systemd/system/multi-user.target.wants").count("flashnode") == 0
