@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from flashnode.attempt import commit, execute, prepare, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
@@ -44,6 +44,7 @@ from flashnode.errors import (
 from flashnode.gpupool import Device
 from flashnode.retry import Interrupted
 from flashnode.runners.base import Handle, RunResult
+from flashnode.runners.spec import Preparation
 from flashnode.wire import ExecutionEvidence, Lease, Task, parse_lease
 from flashnode.workspace import OutputFile, Workspace
 
@@ -52,6 +53,16 @@ __all__ = ["PHASES", "Attempt", "AttemptContext", "CoordinatorPort", "LeaseKeepe
 log = logging.getLogger(__name__)
 
 Phase = Callable[["Attempt"], None]
+
+
+class Watcher(Protocol):
+    """Something that runs beside the task (e.g. the checkpoint relay): ``start`` once the task
+    started, ``finish`` once its main process exited (a last sweep; it must not raise)."""
+
+    def start(self, a: Attempt) -> None: ...
+    def finish(self, a: Attempt) -> None: ...
+
+
 PHASES: tuple[tuple[str, Phase], ...] = (
     ("prepare", prepare.run),
     ("stage", stage.run),
@@ -94,6 +105,9 @@ class Attempt:
         self.files: list[OutputFile] = []
         self.output_sha256 = ""
         self.outcome: tuple[Outcome, str] | None = None  # set by the commit phase
+        self.prepared = Preparation()  # what phases before the run add to its start
+        self.during_run: list[Watcher] = []  # started with the task, finished after it exits
+        self.cleanups: list[Callable[[], None]] = []  # run once the attempt ends, in any case
         self.wake = threading.Event()  # the execute phase's wait: exit, cancel or loss
         self.stop = threading.Event()  # every wait of every phase ends when this is set
         self._ending: AttemptFailed | AttemptLapsed | None = None
@@ -242,6 +256,11 @@ class Attempt:
         finally:
             self.keeper.stop()
             execute.release(self)
+            for cleanup in reversed(self.cleanups):
+                try:
+                    cleanup()
+                except Exception:  # one failed cleanup must not skip the others
+                    log.exception("lease %s: cleanup failed", lease.lease_id)
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
             log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)

@@ -44,12 +44,15 @@ def run(a: Attempt) -> None:
         ctx.limits,
         a.wake.set,
         record,
+        a.prepared,
     )
     a.check()
     cpu.start()
     a.handle = handle = ctx.runner.start(start)
     sampler = Sampler(ctx.clock, s.sample_seconds, handle, ctx.gpu, ctx.gpus.devices, a.devices)
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
+    for watcher in a.during_run:
+        watcher.start(a)
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
     t0 = ctx.clock.monotonic()
     stopped: Exception | None = None
@@ -61,6 +64,8 @@ def run(a: Attempt) -> None:
         a.result = result = handle.result()
     finally:
         sampler.finish()
+        for watcher in a.during_run:
+            watcher.finish(a)
     a.record.task_usage = {
         "cpu_percent_mean": round(task_cpu / wall * 100, 2) if task_cpu and wall > 0 else None,
         "gpu_util_percent_mean": task_gpu,

@@ -62,7 +62,11 @@ class StartSpec:
     record: Callable[[dict[str, Any]], None]  # what a restarted agent needs to find the task
     stdout: Path
     stderr: Path
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    # Set by phases before the run (checkpoints, job environments, lent data):
+    agent_env: Mapping[str, str] = field(default_factory=dict)  # over the payload's; /work paths
+    python: str | None = None  # the interpreter of a module task (a job environment's)
+    path_prefix: tuple[str, ...] = ()  # host directories first on the task's PATH (trusted)
+    read_only_binds: tuple[tuple[str, str], ...] = ()  # (host path, path under /work)
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,7 @@ class ContainerRunner(Runner):
         else:
             ws.task_uid = os.geteuid()
         s = self.settings
-        env = dict(spec.env)
+        env = {**spec.env, **spec.agent_env}
         env.update(HOME="/tmp", TMPDIR="/tmp", FLASHML_WORK_DIR="/work")
         visible = cuda_visible(spec, renumbered=True)
         if visible is not None:
@@ -347,8 +347,7 @@ class ContainerRunner(Runner):
         else:
             assert spec.argv is not None
             command = list(spec.argv)
-        for src, dst in spec.extra.get("read_only_binds", ()):
-            target = "/work/" + os.path.relpath(dst, ws.root)
+        for src, target in spec.read_only_binds:
             mounts.append(docker.types.Mount(target, src, type="bind", read_only=True))
         log_bytes = max(s.log_max_bytes, 1024 * 1024)
         kwargs: dict[str, Any] = {

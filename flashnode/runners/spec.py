@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,17 @@ WORK = "/work"
 MODULE_ARGV = ("-m", "{module}", "--spec", "{spec}", "--out", "{out}")
 
 
+@dataclass
+class Preparation:
+    """What the phases before the run add to the task's start (checkpoints, job environments,
+    lent data); ``build`` copies it into the StartSpec."""
+
+    agent_env: dict[str, str] = field(default_factory=dict)  # values may name /work paths
+    python: str | None = None  # a module task's interpreter, instead of task_python
+    path_prefix: list[str] = field(default_factory=list)  # host dirs first on PATH (trusted)
+    read_only_binds: list[tuple[str, str]] = field(default_factory=list)  # (host, /work/...)
+
+
 def build(
     task: Task,
     lease_id: str,
@@ -31,7 +43,9 @@ def build(
     limits: Limits,
     on_exit: Callable[[], None],
     record: Callable[[dict[str, Any]], None],
+    prepared: Preparation | None = None,
 ) -> StartSpec:
+    prepared = prepared or Preparation()
     module = None
     if task.module is not None:
         inputs = {i.name: f"{WORK}/inputs/{i.dest}" for i in task.inputs}
@@ -52,6 +66,10 @@ def build(
         record=record,
         stdout=workspace.logs / "stdout.txt",
         stderr=workspace.logs / "stderr.txt",
+        agent_env=dict(prepared.agent_env),
+        python=prepared.python,
+        path_prefix=tuple(prepared.path_prefix),
+        read_only_binds=tuple(prepared.read_only_binds),
     )
 
 

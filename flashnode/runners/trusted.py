@@ -55,6 +55,8 @@ def task_env(
     root = str(spec.workspace.root)
     env = {k: agent_env[k] for k in LOCALE if k in agent_env}
     env.update({k: map_work(v, root) for k, v in spec.env.items()})
+    env.update({k: map_work(v, root) for k, v in spec.agent_env.items()})
+    path = ":".join([*spec.path_prefix, path])
     env.update(PATH=path, HOME=str(spec.workspace.tmp), TMPDIR=str(spec.workspace.tmp))
     env["FLASHML_WORK_DIR"] = root
     visible = cuda_visible(spec, renumbered=False)
@@ -235,10 +237,11 @@ class TrustedRunner(Runner):
         else:
             ws.task_uid = os.geteuid()
         if spec.module_name is not None:
-            if self.task_python is None:
+            python = spec.python or self.task_python
+            if python is None:
                 raise AttemptLapsed("this node runs no module tasks (task_python)")
             spec_file = write_module_spec(spec, root, user.gid if user else None)
-            argv = module_argv(self.task_python, spec.module_name, str(spec_file), str(ws.out))
+            argv = module_argv(python, spec.module_name, str(spec_file), str(ws.out))
         else:
             assert spec.argv is not None
             argv = [map_work(a, root) for a in spec.argv]
@@ -261,7 +264,9 @@ class TrustedRunner(Runner):
                 "cgroup_version": cgroup.version if cgroup else None,
             }
         )
-        binds = tuple(spec.extra.get("read_only_binds", ()))
+        binds = tuple((src, map_work(dst, root)) for src, dst in spec.read_only_binds)
+        if binds and not self.sandbox:
+            raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
         try:
             proc = procs.TaskProcess(
                 argv,
