@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import platform
+import stat
 import re
 import secrets
 import socket
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from flashnode import __version__
+from flashnode import __version__, statefile
 from flashnode.settings import Settings
 from flashnode.wire import GpuInfo, NodeCapabilities, NodeRegistration
 
@@ -31,9 +33,7 @@ def node_id(settings: Settings) -> str:
         return existing
     host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "node"
     new = f"{host}-{secrets.token_hex(4)}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(new + "\n")
-    os.replace(tmp, path)
+    statefile.write(path, (new + "\n").encode(), 0o600)
     return new
 
 
@@ -64,4 +64,13 @@ def registration(
 
 
 def ensure_state_dir(path: Path) -> None:
+    """The state dir, private to the agent's user; members of the ``flashnode`` group may pass
+    through it to read status.json (and nothing else: every other file in it is 0600)."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        gid = grp.getgrnam(statefile.STATUS_GROUP).gr_gid
+        os.chown(path, -1, gid)
+    except (KeyError, PermissionError):
+        path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o077)
+        return
+    path.chmod((stat.S_IMODE(path.stat().st_mode) & ~0o077) | 0o010)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from flashnode import statefile
 from flashnode.attempt.record import AttemptRecord
 from flashnode.wire import SAFE_ID
 
@@ -37,24 +37,8 @@ class Outbox:
 
     def write(self, record: AttemptRecord, durable: bool = False) -> None:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = self._path(record.lease_id)
-        tmp = path.with_suffix(".tmp")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, record.model_dump_json().encode())
-            if durable:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        if durable:
-            dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        data = record.model_dump_json().encode()
+        statefile.write(self._path(record.lease_id), data, 0o600, durable=durable)
 
     def read(self, lease_id: str) -> AttemptRecord | None:
         try:

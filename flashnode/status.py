@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from flashnode import statefile
+
 STATUS_FILE = "status.json"
 
 
@@ -24,10 +26,9 @@ class StatusSink(Protocol):
 
 
 def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
-    path = state_dir / STATUS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(snapshot, sort_keys=True))
-    os.replace(tmp, path)
+    """Readable by the agent's user and the ``flashnode`` group only."""
+    data = json.dumps(snapshot, sort_keys=True).encode()
+    statefile.write(state_dir / STATUS_FILE, data, 0o640, statefile.STATUS_GROUP)
 
 
 def read(state_dir: Path) -> dict[str, Any] | None:

@@ -231,8 +231,9 @@ class AgentProcess:
         state_dir: Path | None = None,
     ) -> None:
         self.root = root
-        # Not under pytest's private tmp dir: a task user must be able to reach its workspace.
-        self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="flashnode-state-"))
+        # Not under pytest's private tmp dir (a task user must reach its workspace), nor under
+        # /tmp (each task of a root agent has its own): where an owner's would be.
+        self.state_dir = state_dir or shared_dir("flashnode-state-")
         self.log_path = root / "agent.log"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
         full_env["PYTHONUNBUFFERED"] = "1"
