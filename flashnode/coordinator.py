@@ -225,7 +225,7 @@ class Coordinator:
                 if resp.status_code != 200:
                     self._check("download", resp.status_code, _read_capped(resp, "GET", key))
                     raise CoordinatorError(f"download: unexpected {resp.status_code}")
-                for chunk in resp.iter_bytes(CHUNK):
+                for chunk in resp.iter_bytes():  # as it arrives: a stop is seen between reads
                     size += len(chunk)
                     if size > max_bytes:
                         raise CoordinatorError(f"input {key} is larger than {max_bytes} bytes")

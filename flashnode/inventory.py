@@ -5,10 +5,10 @@ from __future__ import annotations
 import grp
 import os
 import platform
-import stat
 import re
 import secrets
 import socket
+import stat
 from pathlib import Path
 
 import psutil

@@ -47,6 +47,38 @@ def drip(data: bytes, every: float = 1.0) -> Responder:
     return respond
 
 
+def huge(status: int, size: int, chunk: int = 1 << 20) -> Responder:
+    """An answer of ``size`` bytes, streamed (never held in memory here)."""
+
+    def respond(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(status)
+        h.send_header("Content-Length", str(size))
+        h.end_headers()
+        block = b"x" * chunk
+        left = size
+        try:
+            while left > 0:
+                h.wfile.write(block[: min(chunk, left)])
+                left -= chunk
+        except OSError:
+            return
+
+    return respond
+
+
+def sequence(*responders: Responder) -> Responder:
+    """Each request gets the next responder; the last one repeats."""
+    queue = list(responders)
+    lock = threading.Lock()
+
+    def respond(h: BaseHTTPRequestHandler) -> None:
+        with lock:
+            responder = queue.pop(0) if len(queue) > 1 else queue[0]
+        responder(h)
+
+    return respond
+
+
 class BadCoordinator:
     def __init__(self) -> None:
         self.requests: list[tuple[float, str, str, dict[str, str], bytes]] = []

@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
@@ -113,7 +114,10 @@ def module_image(engine: Any) -> str:
 
 
 def ours(engine: Any, node: str) -> list[Any]:
-    return list(engine.containers.list(all=True, filters={"label": f"{LABEL}={node}"}))
+    # ignore_removed: a container removed between the listing and its inspection is not ours.
+    return list(
+        engine.containers.list(all=True, filters={"label": f"{LABEL}={node}"}, ignore_removed=True)
+    )
 
 
 def box_job(command: list[str], image: str = IMAGE, **extra: Any) -> dict[str, Any]:
@@ -357,3 +361,56 @@ def test_module_tasks_run_inside_the_image_with_their_spec(
     metrics = json.loads(recording_coordinator.artifact(f"jobs/{job}/trial-000/metrics.json"))
     assert metrics == {"module": "flashml_workloads.sklearn_trial"}
     assert ours(engine, node) == []
+
+
+# --- issue 14: bounded engine logs, default limits, no leftover probes --------------------------
+
+
+def test_the_engine_keeps_a_bounded_log_and_tasks_get_default_limits(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    line = "flood " * 100
+    job = coordinator.submit(
+        box_job(["sh", "-c", f"while :; do echo '{line}'; done"], lease_seconds=30)
+    )
+    node = unique("dock-flood")
+    agent = start(start_agent, coordinator.url, node, env={"FLASHNODE_LOG_MAX_BYTES": "1M"})
+    running = wait_for(
+        "the container", lambda: [c for c in ours(engine, node) if c.status == "running"]
+    )
+    container = running[0]
+    container.reload()
+    host = container.attrs["HostConfig"]
+    assert host["LogConfig"] == {
+        "Type": "json-file",
+        "Config": {"max-size": "1048576", "max-file": "2"},
+    }
+    assert host["Memory"] > 0 and host["NanoCpus"] > 0 and host["PidsLimit"] > 0
+    log_path = Path(container.attrs["LogPath"])
+    wait_for("the engine log to rotate", lambda: log_path.with_name(log_path.name + ".1").exists())
+    logs = list(log_path.parent.glob(log_path.name + "*"))
+    assert sum(p.stat().st_size for p in logs) <= 2 * (1 << 20) + (64 << 10), logs
+    coordinator.cancel(job)  # the lease is lost at its next renewal (every 10 s)
+    wait_for("the container to be removed", lambda: not ours(engine, node), timeout=30)
+    assert agent.proc.poll() is None
+
+
+def test_the_module_probe_leaves_no_container_in_an_image_without_python(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    node = unique("dock-probe")
+    agent = start(start_agent, coordinator.url, node)
+    agent.wait_log("registered as node")
+    agent.signal(signal.SIGHUP)
+    agent.wait_log("configuration reloaded")
+    probes = engine.containers.list(
+        all=True, filters={"label": f"dev.flashnode.probe={node}"}, ignore_removed=True
+    )
+    assert probes == []
+    assert "module tasks on" not in agent.log

@@ -7,17 +7,15 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+from harness import AgentProcess, CoordinatorServer, NotifySocket, argv_job, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
@@ -33,37 +31,6 @@ def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
         timeout=120,
         env={**base, **(env or {})},
     )
-
-
-class NotifySocket:
-    """A datagram socket standing in for systemd's $NOTIFY_SOCKET, recording what arrives."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.2)
-        self.messages: list[tuple[float, str]] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            for line in data.decode().splitlines():
-                self.messages.append((time.monotonic(), line))
-
-    def lines(self, prefix: str) -> list[tuple[float, str]]:
-        return [(t, m) for t, m in self.messages if m.startswith(prefix)]
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
 
 
 @pytest.fixture

@@ -431,7 +431,7 @@ class ContainerRunner(Runner):
     def remove_labelled(self, label: str) -> None:
         try:
             leftovers = self.client.containers.list(
-                all=True, filters={"label": f"{label}={self.node_id}"}
+                all=True, filters={"label": f"{label}={self.node_id}"}, ignore_removed=True
             )
         except ENGINE_ERRORS as exc:
             log.warning("cannot list leftover containers: %s", _brief(exc))
