@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
@@ -42,7 +42,6 @@ from flashnode.workspace import remove_stale_workspaces
 
 log = logging.getLogger(__name__)
 
-Status = Literal["online", "draining", "terminating"]
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
 SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
 
@@ -339,10 +338,10 @@ class Agent:
         self.register_errors.reset()
         log.info("registered as node %s", self.node_id)
 
-    def _heartbeat(self, status: Status | None = None) -> None:
+    def _heartbeat(self) -> None:
         self._next_heartbeat = self.clock.monotonic() + self.settings.heartbeat_seconds
         heartbeat = NodeHeartbeat(
-            node_id=self.node_id, status=status or ("draining" if self._draining else "online")
+            node_id=self.node_id, status="draining" if self._draining else "online"
         )
         try:
             self.coordinator.node_heartbeat(heartbeat)

@@ -25,7 +25,6 @@ import contextlib
 import errno
 import hashlib
 import http.cookiejar
-import ipaddress
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ import httpx
 from flashnode import __version__
 from flashnode.clock import Clock, SystemClock
 from flashnode.errors import AttemptFailed, DataIntegrityError, DataUnavailable
+from flashnode.settings import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -232,15 +232,6 @@ def url_problem(url: str) -> str | None:
     if scheme == "http" and not is_loopback(parts.hostname):
         return "plain http is allowed only to a loopback address"
     return None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _visible_ascii(text: str) -> bool:

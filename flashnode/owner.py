@@ -224,6 +224,18 @@ def _tell_agent(state_dir: Path, why: str) -> None:
         click.echo(f"told the running agent (pid {snapshot['pid']}) to {why}")
 
 
+def _coordinator_url(coordinator: str | None, config_file: Path | None) -> str:
+    """The coordinator named on the command line or in the config, normalised (exit 78 if none
+    or not a URL)."""
+    given = coordinator or _file_value(config_file, "coordinator")
+    if not given:
+        _stop(ExitCode.CONFIG, "no coordinator: give --coordinator URL or set it in the config")
+    try:
+        return normalise_url(str(given))
+    except ValueError as exc:
+        _stop(ExitCode.CONFIG, f"coordinator: {exc}")
+
+
 @click.command()
 @click.option(
     "--coordinator",
@@ -241,13 +253,7 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
     directory. Exit 77: refused; 69: the coordinator did not answer; 78: a bad URL or
     directory.
     """
-    given = coordinator or _file_value(config_file, "coordinator")
-    if not given:
-        _stop(ExitCode.CONFIG, "no coordinator: give --coordinator URL or set it in the config")
-    try:
-        url = normalise_url(str(given))
-    except ValueError as exc:
-        _stop(ExitCode.CONFIG, f"coordinator: {exc}")
+    url = _coordinator_url(coordinator, config_file)
     token, code = _read_secrets()
     # The node as `work` will see it, with the new secrets in place of whatever is stored.
     env = {
@@ -307,13 +313,7 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
 @credentials_dir_option
 def logout(coordinator: str | None, config_file: Path | None, credentials_dir: Path | None) -> None:
     """Forget the stored token and join code for a coordinator. Exit 1 if none were stored."""
-    given = coordinator or _file_value(config_file, "coordinator")
-    if not given:
-        _stop(ExitCode.CONFIG, "no coordinator: give --coordinator URL or set it in the config")
-    try:
-        url = normalise_url(str(given))
-    except ValueError as exc:
-        _stop(ExitCode.CONFIG, f"coordinator: {exc}")
+    url = _coordinator_url(coordinator, config_file)
     configured = os.environ.get("FLASHNODE_CREDENTIALS_DIR") or _file_value(
         config_file, "credentials_dir"
     )

@@ -166,6 +166,16 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "flashnode"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a URL's host is this machine (plain http is allowed only there)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Settings(BaseModel):
     """Everything the agent is configured with. Frozen: a reload builds a new one."""
 
@@ -289,13 +299,7 @@ class Settings(BaseModel):
 
     @property
     def coordinator_is_loopback(self) -> bool:
-        host = urlsplit(self.coordinator).hostname or ""
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback(urlsplit(self.coordinator).hostname or "")
 
     @property
     def unsandboxed_argv_capable(self) -> bool:

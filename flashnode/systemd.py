@@ -32,10 +32,6 @@ class Notifier:
         self._next_watchdog = 0.0
         self._status = ""
 
-    @property
-    def enabled(self) -> bool:
-        return self._sock is not None
-
     def send(self, **fields: str | int) -> None:
         """Send ``KEY=value`` lines, e.g. ``send(READY=1, STATUS="idle")``."""
         if self._sock is None:

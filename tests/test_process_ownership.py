@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -197,3 +200,54 @@ def test_task_user_cannot_read_the_credentials_or_the_agent_environment(
     assert seen["uid"] != 0
     assert seen["token"].startswith("denied") and seen["agent_env"].startswith("denied")
     assert tc.token not in json.dumps(seen) and tc.join_code not in json.dumps(seen)
+
+
+class SteppingClock:
+    """Monotonic time that moves only when the code under test sleeps: the TERM→KILL schedule is
+    followed without waiting for it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now
+
+    def wait(self, event: threading.Event, timeout: float) -> bool:
+        if not event.is_set():
+            event.wait(0.01)  # let the real process side move a little
+            self.now += max(timeout, 0.0)
+        return event.is_set()
+
+    def sleep(self, seconds: float) -> None:
+        # Each of the code's short polls stands for a long pause on this clock.
+        time.sleep(0.005)
+        self.now += seconds * 1000
+        self.slept += seconds * 1000
+
+
+def test_term_then_kill_follows_the_grace_on_the_injected_clock(tmp_path: Path) -> None:
+    from flashnode import procs
+
+    ready = tmp_path / "ready"
+    done = threading.Event()
+    clock = SteppingClock()
+    proc = procs.TaskProcess(
+        ["sh", "-c", f"trap '' TERM; touch {ready}; while :; do sleep 1; done"],
+        {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH},
+        cwd=tmp_path,
+        stdout=tmp_path / "out",
+        stderr=tmp_path / "err",
+        log_max_bytes=1024,
+        on_exit=done.set,
+        clock=clock,
+    )
+    wait_for("the task to ignore TERM", ready.exists)
+    started = time.monotonic()
+    proc.terminate(grace=600.0)  # ten minutes on the clock, a moment in real time
+    assert done.wait(10) and proc.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 30 and clock.slept >= 600.0
+    proc.close()
