@@ -23,6 +23,7 @@ import httpx
 from flashnode import __version__
 from flashnode.errors import (
     AttemptFailed,
+    CheckpointRefused,
     CoordinatorError,
     CoordinatorUnavailable,
     CredentialsError,
@@ -50,10 +51,6 @@ CHUNK = 1024 * 1024
 
 class Done(Exception):
     """In ``STATUS``: the call needs nothing more (``fail`` on a lease already dead)."""
-
-
-class CheckpointRefused(CoordinatorError):
-    """409 on a checkpoint commit: the manifest was refused; that checkpoint does not exist."""
 
 
 # What a status means, per endpoint (PROTOCOL.md §3.0). Not listed: 200/201/204 are answers, 5xx

@@ -67,6 +67,10 @@ class PayloadTooLarge(CoordinatorError):
     """The coordinator refused an upload as too large (413)."""
 
 
+class CheckpointRefused(CoordinatorError):
+    """409 on a checkpoint commit: the manifest was refused; that checkpoint does not exist."""
+
+
 # --- attempt outcomes ------------------------------------------------------------------------
 
 

@@ -481,6 +481,19 @@ class Settings(BaseModel):
         """The time zone of run_windows; None: the system's local time."""
         return _zone(self.run_windows_timezone) if self.run_windows_timezone else None
 
+    # --- checkpoints (issue 16; README "Checkpoints") --------------------------------------------
+    # checkpoint_scan_seconds: how often the relay looks in a running task's out/ckpt/ for a new
+    #   checkpoint to ship.
+    # max_checkpoint_bytes: the most one checkpoint (all its files) may hold: a larger one is not
+    #   shipped, and a resume point larger than this is not fetched (the attempt starts afresh).
+    checkpoint_scan_seconds: float = Field(default=2.0, gt=0, le=300)
+    max_checkpoint_bytes: int = Field(default=4096 * MiB, ge=1)
+
+    @field_validator("max_checkpoint_bytes", mode="before")
+    @classmethod
+    def _checkpoint_size(cls, value: Any) -> Any:
+        return parse_size(value)
+
 
 def _zone(name: str) -> tzinfo:
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError

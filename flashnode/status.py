@@ -87,7 +87,14 @@ def render(snapshot: dict[str, Any]) -> str:
     running = snapshot.get("running") or []
     lines.append(f"running     {len(running)}")
     for a in running:
-        lines.append(f"  {a['lease_id']}  {a['job_id']}/{a['task_id']}  {a['elapsed_s']} s")
+        line = f"  {a['lease_id']}  {a['job_id']}/{a['task_id']}  {a['elapsed_s']} s"
+        if a.get("checkpoints") or a.get("resumed_from_step") is not None:
+            line += f"  checkpoints {a.get('checkpoints') or 0}"
+            if a.get("checkpoint_step") is not None:
+                line += f" (step {a['checkpoint_step']})"
+            if a.get("resumed_from_step") is not None:
+                line += f", resumed from step {a['resumed_from_step']}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -194,6 +194,15 @@ class Input(BaseModel):
         return self.name if self.unpack else self.key.rsplit("/", 1)[-1]
 
 
+class CheckpointPolicy(BaseModel):
+    """The payload's ``checkpoint`` (PROTOCOL.md §8): its presence turns on the relay and resume.
+    The numbers are the coordinator's (its silence watchdog), read the way it reads them: a
+    value that is not a finite number counts as absent."""
+
+    interval_seconds: float | None = None
+    watchdog_seconds: float | None = None
+
+
 class Task(BaseModel):
     """A parsed task payload: exactly one of ``argv`` and ``module`` is set."""
 
@@ -213,13 +222,15 @@ class Task(BaseModel):
     dependencies: tuple[str, ...] = ()  # requirements lines: the image's base plus the extras
     extra_dependencies: tuple[str, ...] = ()  # the extras alone (gate VIII)
     python: str | None = None  # the "major.minor" the dependencies were resolved against
+    checkpoint: CheckpointPolicy | None = None  # set: relay checkpoints, resume from the latest
 
 
 _UNSUPPORTED = {
     "local_inputs": "lent local datasets",
     "datasets": "dataset slices",
-    "checkpoint": "checkpoint relay",
 }
+# Where a resumed attempt finds its checkpoint (inputs/resume/), and its module spec key.
+RESUME_INPUT = "resume"
 # Names a payload may not set: the agent's ownership token, and the GPU visibility that only the
 # agent decides (on hosts where nvidia is Docker's default runtime, NVIDIA_VISIBLE_DEVICES=all
 # would hand a container every GPU).
@@ -256,7 +267,7 @@ def parse_task(lease: Lease) -> Task:
     output_prefix = _opt_str(p, "output_prefix")
     if (
         output_prefix is None
-        or not _safe_key(output_prefix.rstrip("/"))
+        or not safe_key(output_prefix.rstrip("/"))
         or not output_prefix.endswith("/")
     ):
         raise AttemptFailed(
@@ -282,6 +293,13 @@ def parse_task(lease: Lease) -> Task:
         # code (PYTHONPATH, LD_PRELOAD), so a module task takes none.
         raise AttemptFailed("payload env is not allowed for a module task")
 
+    inputs = _inputs(p.get("inputs"), p.get("unpack_inputs"))
+    checkpoint = _checkpoint(p.get("checkpoint"))
+    if checkpoint is not None and any(RESUME_INPUT in (i.name, i.dest) for i in inputs):
+        raise AttemptFailed(
+            f"payload input {RESUME_INPUT!r} is reserved for the checkpoint a task resumes from"
+        )
+
     return Task(
         task_id=task_id,
         output_prefix=output_prefix,
@@ -289,7 +307,7 @@ def parse_task(lease: Lease) -> Task:
         module=module,
         params=params,
         env=env,
-        inputs=_inputs(p.get("inputs"), p.get("unpack_inputs")),
+        inputs=inputs,
         image=_opt_str(p, "image") or "",
         isolation=isolation,
         pool=pool,
@@ -299,6 +317,7 @@ def parse_task(lease: Lease) -> Task:
         dependencies=_lines(p.get("dependencies"), "dependencies"),
         extra_dependencies=_lines(p.get("extra_dependencies"), "extra_dependencies"),
         python=_python(p.get("python")),
+        checkpoint=checkpoint,
     )
 
 
@@ -361,7 +380,24 @@ def _python(value: Any) -> str | None:
     return value
 
 
-def _safe_key(key: str) -> bool:
+def _checkpoint(value: Any) -> CheckpointPolicy | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise AttemptFailed("payload checkpoint is not an object")
+
+    def number(key: str) -> float | None:
+        x = value.get(key)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            return None
+        return float(x)
+
+    return CheckpointPolicy(
+        interval_seconds=number("interval_seconds"), watchdog_seconds=number("watchdog_seconds")
+    )
+
+
+def safe_key(key: str) -> bool:
     """A relative artifact key with no empty, '.' or '..' segment and no backslash or NUL."""
     if not key or key.startswith("/") or "\\" in key or "\0" in key:
         return False
@@ -390,7 +426,7 @@ def _inputs(value: Any, unpack: Any) -> tuple[Input, ...]:
                 f"input {name!r} is not an artifact:// URI of the coordinator's store"
             )
         key = uri[len(ARTIFACT_SCHEME) :]
-        if not _safe_key(key):
+        if not safe_key(key):
             raise AttemptFailed(f"input {name!r} has an unsafe artifact key")
         staged.append(Input(name=name, key=key, unpack=name in unpack))
     dests = [i.dest for i in staged]

@@ -4,6 +4,8 @@ Layout of ``<state_dir>/attempts/<lease_id>/`` (the task sees it as ``/work``)::
 
     inputs/   staged inputs (plain inputs at inputs/<basename of key>, archives in inputs/<name>/)
     out/      the task's outputs; every regular file is uploaded under the task's output prefix
+    out/ckpt/ a checkpointing task's checkpoints (not outputs: the relay ships them, see
+              ``not_outputs``), ``step-<N>.<ext>`` files or ``step-<N>/`` directories
     tmp/      the task's TMPDIR and HOME
     logs/     stdout.txt and stderr.txt of the task, written by the agent (size-capped)
     .stage/   downloads in progress (never visible under inputs/)
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterator
@@ -32,6 +35,12 @@ from flashnode.errors import AttemptFailed
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+CKPT = "ckpt"  # out/ckpt/: where a checkpointing task writes its checkpoints
+# A complete checkpoint's name under out/ckpt/: step-<N>, or step-<N>.<ext> (a file).
+CHECKPOINT_NAME = re.compile(r"^step-([0-9]{1,15})(?:\.[A-Za-z0-9][A-Za-z0-9._-]{0,63})?$")
+MAX_CHECKPOINT_FILES = 1000
+MAX_CKPT_ENTRIES = 10 * MAX_CHECKPOINT_FILES  # what one look at out/ckpt/ reads at most
+REMOVE_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,21 @@ class OutputFile:
     size: int
     dev: int
     ino: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint as found under out/ckpt/: a file or a directory named by its step."""
+
+    name: str  # its name under out/ckpt/
+    step: int
+    files: tuple[OutputFile, ...]  # rel is under out/ ("ckpt/step-5/a.bin"), sorted
+    stamp: tuple[tuple[str, int, int, int], ...]  # (rel, size, mtime_ns, ino) of every file
+    problem: str = ""  # why it cannot be shipped; "" when it can
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
 
 
 class Workspace:
@@ -53,6 +77,7 @@ class Workspace:
         self.tmp = root / "tmp"
         self.stage = root / ".stage"
         self.task_uid = task_uid  # who writes out/: the walk refuses files of anyone else
+        self.not_outputs: frozenset[str] = frozenset()  # names in out/ that are not outputs
 
     @classmethod
     def create(cls, attempts_dir: Path, lease_id: str) -> Workspace:
@@ -79,6 +104,9 @@ class Workspace:
             self.root.chmod(0o750)
         for d in (self.out, self.tmp):
             os.chown(d, uid, gid)
+        for name in self.not_outputs:  # made by the agent for the task (out/ckpt/)
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(self.out / name, uid, gid, follow_symlinks=False)
         os.chown(self.inputs, me, group)
         self.inputs.chmod(dir_mode)
         for dirpath, dirnames, filenames in os.walk(self.inputs):
@@ -107,7 +135,7 @@ class Workspace:
         there."""
         files: list[OutputFile] = []
         total = 0
-        for rel, st in self._walk():
+        for rel, st in self._walk(["out"], skip=self.not_outputs):
             mode = st.st_mode
             if not rel.isprintable() or _surrogates(rel):
                 raise AttemptFailed(f"out/{rel!r} has a name that is not printable UTF-8")
@@ -131,10 +159,11 @@ class Workspace:
         return files
 
     def usage(self) -> int:
-        """Bytes under out/ now (regular files; nothing is followed): for the output watch."""
+        """Bytes of outputs under out/ now (regular files; nothing is followed; what is in
+        ``not_outputs`` is not counted): for the output watch."""
         total = 0
         with contextlib.suppress(OSError, AttemptFailed):
-            for _, st in self._walk():
+            for _, st in self._walk(["out"], skip=self.not_outputs):
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
         return total
@@ -196,10 +225,46 @@ class Workspace:
             fd = nxt
         return fd
 
-    def _walk(self) -> Iterator[tuple[str, os.stat_result]]:
-        """(path relative to out/, lstat) of everything under out/, from directory descriptors,
-        never following links."""
-        stack = [("", self._open_dir(["out"]))]
+    # --- checkpoints (out/ckpt/) ---------------------------------------------------------------
+
+    def checkpoints(self) -> tuple[list[Checkpoint], int]:
+        """The checkpoints under out/ckpt/ (by step, then name), and the bytes of every regular
+        file there (temporaries included). Read the way outputs are: from directory descriptors,
+        nothing followed; a checkpoint holding anything but regular files of the task's user
+        has a ``problem``. Entries that vanish meanwhile (the task renaming) are skipped.
+        AttemptFailed when out/ckpt is not a real directory or holds too many entries."""
+        found: dict[str, list[tuple[str, os.stat_result]]] = {}
+        total = 0
+        for n, (rel, st) in enumerate(self._walk(["out", CKPT], tolerant=True)):
+            if n >= MAX_CKPT_ENTRIES:
+                raise AttemptFailed(f"out/{CKPT} holds more than {MAX_CKPT_ENTRIES} entries")
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+            top = rel.split("/", 1)[0]
+            if CHECKPOINT_NAME.match(top):
+                found.setdefault(top, []).append((rel, st))
+        return sorted(
+            (_checkpoint(name, entries, self.task_uid) for name, entries in found.items()),
+            key=lambda c: (c.step, c.name),
+        ), total
+
+    def remove_checkpoint(self, name: str) -> None:
+        """Delete out/ckpt/<name>, a file or a whole tree, through directory descriptors and
+        following no link; best effort (what the task changes meanwhile may stay)."""
+        fd = self._open_dir(["out", CKPT])
+        try:
+            _remove_at(fd, name, 0)
+        finally:
+            os.close(fd)
+
+    def _walk(
+        self, parts: list[str], skip: frozenset[str] = frozenset(), tolerant: bool = False
+    ) -> Iterator[tuple[str, os.stat_result]]:
+        """(path relative to root/parts, lstat) of everything there, from directory descriptors,
+        never following links; top-level names in ``skip`` are left out. ``tolerant``: an entry
+        that vanishes while it is read is left out instead of failing the walk."""
+        where = "/".join(parts)
+        stack = [("", self._open_dir(parts))]
         try:
             while stack:
                 rel_dir, fd = stack.pop()
@@ -207,15 +272,26 @@ class Workspace:
                     with os.scandir(fd) as it:
                         entries = list(it)
                     for entry in entries:
+                        if not rel_dir and entry.name in skip:
+                            continue
                         rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                        st = entry.stat(follow_symlinks=False)
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            if tolerant:
+                                continue
+                            raise AttemptFailed(
+                                f"{where}/{rel} changed while it was read"
+                            ) from None
                         yield rel, st
                         if stat.S_ISDIR(st.st_mode):
                             try:
                                 sub = os.open(entry.name, DIR_FLAGS, dir_fd=fd)
                             except OSError:
+                                if tolerant:
+                                    continue
                                 raise AttemptFailed(
-                                    f"out/{rel} changed while it was read"
+                                    f"{where}/{rel} changed while it was read"
                                 ) from None
                             stack.append((rel, sub))
                 finally:
@@ -223,6 +299,58 @@ class Workspace:
         finally:
             for _, fd in stack:
                 os.close(fd)
+
+
+def _checkpoint(
+    name: str, entries: list[tuple[str, os.stat_result]], task_uid: int | None
+) -> Checkpoint:
+    """One checkpoint from the walk's entries of out/ckpt/<name> (itself and what is under it)."""
+    m = CHECKPOINT_NAME.match(name)
+    assert m is not None
+    step = int(m[1])
+    files: list[OutputFile] = []
+    stamp: list[tuple[str, int, int, int]] = []
+    problem = ""
+    for rel, st in sorted(entries, key=lambda e: e[0]):
+        mode = st.st_mode
+        if stat.S_ISDIR(mode):
+            continue
+        if not rel.isprintable() or _surrogates(rel) or "\\" in rel:
+            problem = problem or f"ckpt/{rel!r} has a name that is not printable UTF-8"
+        elif stat.S_ISLNK(mode):
+            problem = problem or f"ckpt/{rel} is a symlink"
+        elif not stat.S_ISREG(mode):
+            problem = problem or f"ckpt/{rel} is not a regular file ({_kind(mode)})"
+        elif task_uid is not None and st.st_uid != task_uid:
+            problem = problem or f"ckpt/{rel} was not written by the task"
+        files.append(OutputFile(f"{CKPT}/{rel}", st.st_size, st.st_dev, st.st_ino))
+        stamp.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
+    if not files:
+        problem = problem or f"ckpt/{name} holds no file"
+    elif len(files) > MAX_CHECKPOINT_FILES:
+        problem = problem or f"ckpt/{name} holds more than {MAX_CHECKPOINT_FILES} files"
+    return Checkpoint(name, step, tuple(files), tuple(stamp), problem)
+
+
+def _remove_at(dir_fd: int, name: str, depth: int) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        if depth >= REMOVE_DEPTH:
+            return
+        sub = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            with os.scandir(sub) as it:
+                names = [e.name for e in it]
+            for child in names:
+                _remove_at(sub, child, depth + 1)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        return
 
 
 def remove_stale_workspaces(attempts_dir: Path, keep: set[str]) -> None:

@@ -20,7 +20,14 @@ from flashnode.outbox import Outbox
 from flashnode.preflight import Finding
 from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
 from flashnode.settings import Settings
-from flashnode.wire import ExecutionEvidence, NodeHeartbeat, NodeRegistration, Task
+from flashnode.wire import (
+    CheckpointManifest,
+    CheckpointPart,
+    ExecutionEvidence,
+    NodeHeartbeat,
+    NodeRegistration,
+    Task,
+)
 
 
 class FakeClock:
@@ -53,6 +60,8 @@ class FakeCoordinator:
     calls: list[tuple[float, str, Any]] = field(default_factory=list)
     uploads: dict[str, bytes] = field(default_factory=dict)
     accept: bool = True
+    latest: CheckpointManifest | None = None  # what checkpoint_latest answers
+    checkpoint_errors: list[Exception | None] = field(default_factory=list)  # per write, in order
 
     def _log(self, name: str, arg: Any = None) -> None:
         self.calls.append((self.clock.now, name, arg))
@@ -98,8 +107,35 @@ class FakeCoordinator:
         self, key: str, out: BinaryIO, max_bytes: int, stop: threading.Event | None = None
     ) -> int:
         self._log("download", key)
-        out.write(b"input")
-        return 5
+        data = self.uploads.get(key, b"input")
+        out.write(data)
+        return len(data)
+
+    def _checkpoint_write(self, name: str, arg: Any) -> None:
+        self._log(name, arg)
+        error = self.checkpoint_errors.pop(0) if self.checkpoint_errors else None
+        if error is not None:
+            raise error
+
+    def checkpoint_part(
+        self, job_id: str, task_id: str, lease_id: str, step: int, part: CheckpointPart
+    ) -> None:
+        self._checkpoint_write("checkpoint_part", (lease_id, step, part))
+
+    def checkpoint_commit(
+        self,
+        job_id: str,
+        task_id: str,
+        lease_id: str,
+        step: int,
+        parts: list[CheckpointPart],
+        storage_prefix: str,
+    ) -> None:
+        self._checkpoint_write("checkpoint_commit", (lease_id, step, parts, storage_prefix))
+
+    def checkpoint_latest(self, job_id: str, task_id: str) -> CheckpointManifest | None:
+        self._log("checkpoint_latest", (job_id, task_id))
+        return self.latest
 
 
 class FakeHandle:

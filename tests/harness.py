@@ -143,11 +143,16 @@ class CoordinatorServer:
 
     def recorded(self, path_suffix: str) -> list[dict[str, Any]]:
         """Bodies the nodes sent to paths ending in ``path_suffix`` (record=True only)."""
+        return [x["body"] for x in self.requests(path_suffix)]
+
+    def requests(self, path_suffix: str) -> list[dict[str, Any]]:
+        """Requests to paths ending in ``path_suffix``, in the order they were answered: their
+        ``body``, the answer's ``status`` and ``t``, the time they arrived (record=True only)."""
         assert self.record_path is not None
         if not self.record_path.exists():
             return []
         lines = [json.loads(x) for x in self.record_path.read_text().splitlines() if x.strip()]
-        return [x["body"] for x in lines if x["path"].endswith(path_suffix)]
+        return [x for x in lines if x["path"].endswith(path_suffix)]
 
     # --- the job API (unauthenticated in every mode) ------------------------------------------
 

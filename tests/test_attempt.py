@@ -72,7 +72,11 @@ def test_trusted_runner_refuses_work_missing_a_lock(
         ({"timeout_seconds": float("nan")}, "positive finite"),
         ({"gpus": True}, "gpus is not a non-negative integer"),
         ({"gpus": 1}, "asks for 1 GPU(s); this node has 0"),
-        ({"checkpoint": {"interval_seconds": 60}}, "checkpoint relay"),
+        ({"checkpoint": "every hour"}, "checkpoint is not an object"),
+        (
+            {"checkpoint": {}, "inputs": {"resume": "artifact://shared/r.json"}},
+            "'resume' is reserved",
+        ),
         (
             {"module": "os", "argv": None},
             "not on this node's allowlist",

@@ -2,7 +2,7 @@
 
 The orchestrator only sequences phases and turns how they end into one outcome:
 
-    prepare → stage → execute → check → commit
+    prepare → stage → resume → execute → check → commit
 
 Each phase is a function of the running ``Attempt`` in its own module; a new capability arrives
 as a new phase, not as a branch in an old one. Between phases, and inside every wait, the attempt
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from flashnode.attempt import commit, execute, prepare, stage
+from flashnode.attempt import commit, execute, prepare, resume, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, State
@@ -66,6 +66,7 @@ class Watcher(Protocol):
 PHASES: tuple[tuple[str, Phase], ...] = (
     ("prepare", prepare.run),
     ("stage", stage.run),
+    ("resume", resume.run),
     ("execute", execute.run),
     ("check", commit.check),
     ("commit", commit.commit),
@@ -137,6 +138,9 @@ class Attempt:
             "phase": self.phase,
             "slot": self.record.slot,
             "gpus": [d.visible for d in self.devices],
+            "checkpoints": self.record.checkpoints_shipped,
+            "checkpoint_step": self.record.checkpoint_step,
+            "resumed_from_step": self.record.resumed_from_step,
         }
 
     def cancel(self, ending: AttemptFailed | AttemptLapsed, grace: float) -> None:
@@ -336,6 +340,9 @@ class Attempt:
             "gpus": [d.visible for d in self.devices],
             "slot": self.record.slot,
             "output_sha256": self.output_sha256,
+            "resumed_from_step": self.record.resumed_from_step,
+            "checkpoints_shipped": self.record.checkpoints_shipped,
+            "checkpoint_step": self.record.checkpoint_step,
             "outcome": outcome.value,
             "reason": reason,
             "timings": dict(self.record.timings),

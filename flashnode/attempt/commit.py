@@ -29,7 +29,7 @@ from flashnode.errors import (
     PayloadTooLarge,
 )
 from flashnode.wire import SAFE_ID, parse_task
-from flashnode.workspace import OutputFile, Workspace
+from flashnode.workspace import CKPT, OutputFile, Workspace
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -65,6 +65,8 @@ def recheck(a: Attempt) -> None:
     a.workspace = ws = Workspace(
         a.ctx.settings.state_dir / "attempts" / a.lease.lease_id, a.record.task_uid
     )
+    if a.task.checkpoint is not None:
+        ws.not_outputs = frozenset({CKPT})  # checkpoints were shipped by the relay, not outputs
     a.files = files = _checked_outputs(a, ws)
     if {f.rel: f.size for f in files} != a.record.outputs or _sha256(
         ws, files[-1]

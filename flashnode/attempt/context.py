@@ -15,7 +15,7 @@ from flashnode.ledger import Ledger
 from flashnode.runners.base import Runner
 from flashnode.sampler import CpuWindow, GpuReader
 from flashnode.settings import Settings
-from flashnode.wire import ExecutionEvidence
+from flashnode.wire import CheckpointManifest, CheckpointPart, ExecutionEvidence
 
 if TYPE_CHECKING:
     import threading
@@ -35,6 +35,19 @@ class CoordinatorPort(Protocol):
     def download(
         self, key: str, out: BinaryIO, max_bytes: int, stop: threading.Event | None = None
     ) -> int: ...
+    def checkpoint_part(
+        self, job_id: str, task_id: str, lease_id: str, step: int, part: CheckpointPart
+    ) -> None: ...
+    def checkpoint_commit(
+        self,
+        job_id: str,
+        task_id: str,
+        lease_id: str,
+        step: int,
+        parts: list[CheckpointPart],
+        storage_prefix: str,
+    ) -> None: ...
+    def checkpoint_latest(self, job_id: str, task_id: str) -> CheckpointManifest | None: ...
 
 
 @dataclass

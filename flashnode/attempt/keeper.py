@@ -43,6 +43,12 @@ class LeaseKeeper:
     def stop(self) -> None:
         self._stop.set()
 
+    def mark_lost(self, reason: str) -> None:
+        """Take the lease as lost because another fenced write was refused (a checkpoint's
+        410): renewals end and the attempt stops as if a renewal had been refused."""
+        self._stop.set()
+        self._mark_lost(reason)
+
     def run(self) -> None:
         interval, window = self._lease.renew_interval, self._lease.window
         backoff = Backoff(Policy(first=1.0, cap=interval, jitter=(0.9, 1.0)), self._rng)
@@ -71,6 +77,8 @@ class LeaseKeeper:
             next_renewal, deadline = now + interval, now + window
 
     def _mark_lost(self, reason: str) -> None:
+        if self.lost.is_set():
+            return
         self.reason = reason
         self.lost.set()
         self._on_lost()

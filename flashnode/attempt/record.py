@@ -48,6 +48,9 @@ class AttemptRecord(BaseModel):
     outputs: dict[str, int] | None = None  # rel path -> size, as checked
     metrics_sha256: str = ""
     timings: dict[str, float] = Field(default_factory=dict)  # phase -> seconds
+    resumed_from_step: int | None = None  # the checkpoint this attempt started from
+    checkpoints_shipped: int = 0  # committed by the relay while the task ran (progress)
+    checkpoint_step: int | None = None  # the step of the newest one shipped
 
     @property
     def lease_id(self) -> str:

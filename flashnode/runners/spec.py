@@ -31,6 +31,7 @@ class Preparation:
     python: str | None = None  # a module task's interpreter, instead of task_python
     path_prefix: list[str] = field(default_factory=list)  # host dirs first on PATH (trusted)
     read_only_binds: list[tuple[str, str]] = field(default_factory=list)  # (host, /work/...)
+    module_inputs: dict[str, str] = field(default_factory=dict)  # more spec inputs: /work paths
 
 
 def build(
@@ -49,6 +50,7 @@ def build(
     module = None
     if task.module is not None:
         inputs = {i.name: f"{WORK}/inputs/{i.dest}" for i in task.inputs}
+        inputs.update(prepared.module_inputs)
         module = ModuleSpec(task.task_id, dict(task.params), inputs)
     return StartSpec(
         lease_id=lease_id,

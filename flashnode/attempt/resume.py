@@ -1,0 +1,198 @@
+"""Checkpoints, before the run (PROTOCOL.md §8), for a task whose payload carries
+``checkpoint``: the task is told where to write them (``FLASHML_CHECKPOINT_DIR=/work/out/ckpt``,
+made for it), the relay is set to watch the run (relay.py), and the task's latest valid
+checkpoint, when it has one, is fetched into ``inputs/resume/`` (the agent's: the task reads it,
+never writes it) and named by ``FLASHML_RESUME`` (and a module task's ``inputs.resume``).
+
+Every part of that manifest is downloaded and checked against its size and sha256; a manifest
+that does not hold up (a part missing, altered, outside the task's output prefix, larger than
+``max_checkpoint_bytes``, not one file or one directory) is not used: the attempt starts from
+scratch and says why. A coordinator that cannot be asked lets the lease lapse (not the task's
+fault), so the next attempt can still resume.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+from typing import TYPE_CHECKING
+
+from flashnode import retry
+from flashnode.attempt.relay import Relay
+from flashnode.errors import AttemptLapsed, CoordinatorError, LeaseLost, NotFound
+from flashnode.runners.spec import WORK
+from flashnode.wire import (
+    ARTIFACT_SCHEME,
+    RESUME_INPUT,
+    CheckpointManifest,
+    CheckpointPart,
+    safe_key,
+)
+from flashnode.workspace import CKPT
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from flashnode.attempt import Attempt
+
+log = logging.getLogger(__name__)
+
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class Unusable(Exception):
+    """The latest manifest cannot be resumed from; the message says why."""
+
+
+def run(a: Attempt) -> None:
+    assert a.lease is not None and a.task is not None and a.workspace is not None
+    if a.task.checkpoint is None:
+        return
+    ws = a.workspace
+    ws.not_outputs = frozenset({CKPT})
+    (ws.out / CKPT).mkdir(mode=0o700)
+    a.prepared.agent_env["FLASHML_CHECKPOINT_DIR"] = f"{WORK}/out/{CKPT}"
+    a.during_run.append(Relay(a))
+    manifest = _latest(a)
+    if manifest is None:
+        log.info("lease %s: no checkpoint yet; starting from the beginning", a.lease_id)
+        return
+    try:
+        files = _layout(manifest, a.task.output_prefix, a.ctx.settings.max_checkpoint_bytes)
+        entry = _fetch(a, manifest, files)
+    except Unusable as exc:
+        log.warning(
+            "lease %s: checkpoint step %d is not usable (%s); starting from scratch",
+            a.lease_id,
+            manifest.step,
+            exc,
+        )
+        return
+    path = f"{WORK}/inputs/{RESUME_INPUT}/{entry}"
+    a.prepared.agent_env["FLASHML_RESUME"] = path
+    if a.task.module is not None:
+        a.prepared.module_inputs[RESUME_INPUT] = path
+    a.record.resumed_from_step = manifest.step
+    log.info(
+        "lease %s: resuming from step %d (%d file(s), %d bytes)",
+        a.lease_id,
+        manifest.step,
+        len(files),
+        sum(p.size_bytes for p, _ in files),
+    )
+
+
+def _latest(a: Attempt) -> CheckpointManifest | None:
+    assert a.lease is not None
+    lease = a.lease
+    try:
+        return retry.retry(
+            lambda: a.ctx.coordinator.checkpoint_latest(lease.job_id, lease.task_id),
+            policy=retry.TRANSFER,
+            rng=a.ctx.rng,
+            clock=a.ctx.clock,
+            stop=a.stop,
+            what=f"lease {a.lease_id}: latest checkpoint",
+        )
+    except LeaseLost:
+        raise
+    except retry.GaveUp as exc:
+        raise AttemptLapsed(f"could not ask for the task's latest checkpoint: {exc}") from None
+    except CoordinatorError as exc:
+        raise AttemptLapsed(f"could not ask for the task's latest checkpoint: {exc}") from None
+
+
+def _layout(
+    manifest: CheckpointManifest, output_prefix: str, max_bytes: int
+) -> list[tuple[CheckpointPart, str]]:
+    """Each part with its path under inputs/resume/. Part keys must lie under the task's own
+    output prefix; under the manifest's storage prefix they keep their path below it (this
+    agent's layout), elsewhere only their base name (a single-file checkpoint of flashnode 0.4)."""
+    if not manifest.parts:
+        raise Unusable("it has no parts")
+    prefix = ""
+    if manifest.storage_prefix.startswith(ARTIFACT_SCHEME):
+        prefix = manifest.storage_prefix[len(ARTIFACT_SCHEME) :]
+    files: list[tuple[CheckpointPart, str]] = []
+    for part in manifest.parts:
+        key = part.key
+        if not safe_key(key) or not key.startswith(output_prefix):
+            raise Unusable(f"part {key[:200]!r} is not under the task's output prefix")
+        if not SHA256.match(part.sha256) or part.size_bytes < 0:
+            raise Unusable(f"part {key[:200]!r} has no valid sha256 and size")
+        rel = key[len(prefix) :] if prefix and key.startswith(prefix) else key.rsplit("/", 1)[-1]
+        if not safe_key(rel) or not rel.isprintable():
+            raise Unusable(f"part {key[:200]!r} has an unusable name")
+        files.append((part, rel))
+    rels = [rel for _, rel in files]
+    dirs = {rel.rsplit("/", i)[0] for rel in rels for i in range(1, rel.count("/") + 1)}
+    if len(set(rels)) != len(rels) or dirs & set(rels):
+        raise Unusable("two parts would be written at one path")
+    if len({rel.split("/", 1)[0] for rel in rels}) != 1:
+        raise Unusable("it is not one checkpoint (one file, or one directory)")
+    total = sum(p.size_bytes for p, _ in files)
+    if total > max_bytes:
+        raise Unusable(f"it holds {total} bytes, more than max_checkpoint_bytes ({max_bytes})")
+    return files
+
+
+def _fetch(
+    a: Attempt, manifest: CheckpointManifest, files: list[tuple[CheckpointPart, str]]
+) -> str:
+    """Download and check every part into .stage/, then move it to inputs/resume/; the name of
+    the checkpoint there (a file or a directory)."""
+    assert a.workspace is not None
+    ws = a.workspace
+    stage = ws.stage / RESUME_INPUT
+    try:
+        for part, rel in files:
+            a.check()
+            dest = stage / rel
+            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            size = _download(a, part, dest)
+            if size != part.size_bytes:
+                raise Unusable(f"part {rel} has {size} bytes, not {part.size_bytes}")
+            if _sha256(dest) != part.sha256:
+                raise Unusable(f"part {rel} does not match its sha256")
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    os.rename(stage, ws.inputs / RESUME_INPUT)
+    return files[0][1].split("/", 1)[0]
+
+
+def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:
+    def once() -> int:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            return a.ctx.coordinator.download(part.key, out, part.size_bytes, a.stop)
+
+    try:
+        return retry.retry(
+            functools.partial(once),
+            policy=retry.TRANSFER,
+            rng=a.ctx.rng,
+            clock=a.ctx.clock,
+            stop=a.stop,
+            what=f"lease {a.lease_id}: download of checkpoint part {part.key}",
+        )
+    except LeaseLost:
+        raise
+    except NotFound:
+        raise Unusable(f"part {part.key} is missing from the store") from None
+    except retry.GaveUp as exc:
+        raise AttemptLapsed(f"the task's checkpoint could not be fetched: {exc}") from None
+    except CoordinatorError as exc:
+        raise Unusable(f"part {part.key}: {exc}") from None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
