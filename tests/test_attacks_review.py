@@ -205,7 +205,12 @@ else:
     result = {"found": buf.raw[:n].decode() if n > 0 else None}
 json.dump(result, open('out/metrics.json', 'w'))
 """
-CLEAR_KEYRING = "import ctypes; ctypes.CDLL(None).syscall(250, 7, -4)"
+# Invalidate (KEYCTL_INVALIDATE) only the key this test's task stored, nothing else of the user's.
+FORGET_KEY = (
+    "import ctypes, sys; c = ctypes.CDLL(None);"
+    " k = c.syscall(250, 10, -4, b'user', sys.argv[1].encode(), 0);"
+    " k > 0 and c.syscall(250, 21, k)"
+)
 
 
 @needs_root
@@ -236,7 +241,7 @@ def test_a_later_task_of_the_slot_cannot_read_what_an_earlier_one_left_in_the_ke
         added = json.loads(coordinator.artifact(f"jobs/{victim}/task-000/metrics.json"))
         found = json.loads(coordinator.artifact(f"jobs/{thief}/task-000/metrics.json"))
     finally:
-        _as_slot0("/usr/bin/python3", "-c", CLEAR_KEYRING)
+        _as_slot0("/usr/bin/python3", "-c", FORGET_KEY, f"flashnode-review-{marker}")
     assert added["added"] > 0  # the victim's key was stored
     assert found == {"found": None}, f"the next task of the slot read the victim's secret: {found}"
 
@@ -589,43 +594,55 @@ while time.time() < deadline and not got:
         pass
     s.close()
 open(drop + '/captured', 'w').write(json.dumps(got))
-json.dump({'captured': len(got)}, open('out/metrics.json', 'w'))
+if os.path.isdir('out'):
+    json.dump({'captured': len(got)}, open('out/metrics.json', 'w'))
 """
 
 
 @needs_root
-def test_a_task_cannot_catch_the_agents_token_on_a_loopback_coordinator_port(
-    token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess], drop_dir: Path
+@pytest.mark.parametrize("who", ["trusted-task", "local-user"])
+def test_nobody_on_the_host_can_catch_the_agents_token_on_a_loopback_coordinator_port(
+    token_coordinator: TokenCoordinator,
+    start_agent: Callable[..., AgentProcess],
+    drop_dir: Path,
+    who: str,
 ) -> None:
     """Plain http is allowed to a loopback coordinator (a local tunnel or proxy, the demo). A
     loopback port is no trust boundary on a shared host: whenever the coordinator's port is free
-    (it restarts; README: the agent rides that out), any local user, a trusted task included,
-    binds it and receives the agent's next request with `Authorization: Bearer <token>`. With
-    the node's token it can claim, complete or fail this node's leases and upload as it."""
+    (it restarts; README: the agent rides that out), any local user (here `nobody`), a trusted
+    task included, binds it and receives the agent's next request with `Authorization: Bearer
+    <token>` (and, answering 404, the re-registration's join code). With the node's token it can
+    claim, complete or fail this node's leases and upload as the node."""
     tc = token_coordinator
-    tc.server.submit(
-        argv_job(
-            ["/usr/bin/python3", "-c", SQUAT, str(tc.server.port), str(drop_dir)], max_attempts=1
-        )
-    )
+    squat = ["/usr/bin/python3", "-c", SQUAT, str(tc.server.port), str(drop_dir)]
+    local: subprocess.Popen[bytes] | None = None
+    if who == "trusted-task":
+        tc.server.submit(argv_job(squat, max_attempts=1))
+    else:
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+        local = subprocess.Popen([*nobody, *squat], cwd="/")
     agent = start_agent(
         tc.server.url,
         *TRUSTED,
         *tc.agent_args(),
-        "--max-tasks",
-        "1",
+        *(("--max-tasks", "1") if local is None else ()),
         env={**FAST, **tc.agent_env(), "FLASHNODE_HEARTBEAT_SECONDS": "1"},
     )
-    wait_for("the task to be ready", lambda: (drop_dir / "ready").exists(), timeout=60)
-    tc.server.stop()  # a restart of the coordinator (or of the tunnel in front of it)
     try:
-        wait_for("the task to listen", lambda: (drop_dir / "captured.part").exists(), timeout=30)
+        wait_for("the squatter to be ready", lambda: (drop_dir / "ready").exists(), timeout=60)
+        agent.wait_log("registered as node")
+        tc.server.stop()  # a restart of the coordinator (or of the tunnel in front of it)
+        try:
+            wait_for("the squatter to listen", lambda: (drop_dir / "captured.part").exists(), 30)
+        finally:
+            wait_for("the squatter to hand the port back", (drop_dir / "captured").exists, 60)
+            tc.server.start()
+        captured = json.loads((drop_dir / "captured").read_text())
     finally:
-        wait_for("the task to hand the port back", lambda: (drop_dir / "captured").exists(), 60)
-        tc.server.start()
-    captured = json.loads((drop_dir / "captured").read_text())
-    agent.wait(90)
-    assert not any(tc.token in line for line in captured), f"the task caught: {captured}"
+        if local is not None:
+            local.kill()
+            local.wait()
+    assert not any(tc.token in line for line in captured), f"{who} caught: {captured}"
 
 
 # --- 10. GPUs: CUDA_VISIBLE_DEVICES is advice, the device files are the host's -----------------
