@@ -1,0 +1,130 @@
+"""The main loop with the owner's controls and metrics, against fakes and a fake clock."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+
+from flashnode.agent import Agent
+from flashnode.controls import Controls, Pause, Readers, Rules
+from flashnode.errors import CoordinatorUnavailable
+from flashnode.inventory import registration
+
+
+class RecordingMetrics:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def attempt_finished(
+        self,
+        outcome: str,
+        seconds: float | None,
+        cpu_percent: float | None = None,
+        gpu_percent: float | None = None,
+    ) -> None:
+        self.calls.append(("attempt_finished", outcome))
+
+    def claim_finished(self, seconds: float, result: str) -> None:
+        self.calls.append(("claim_finished", result))
+
+    def coordinator_error(self, conversation: str) -> None:
+        self.calls.append(("coordinator_error", conversation))
+
+    def uploaded(self, nbytes: int) -> None:
+        self.calls.append(("uploaded", nbytes))
+
+    def downloaded(self, nbytes: int) -> None:
+        self.calls.append(("downloaded", nbytes))
+
+    def set_running(self, running: int, suspended: int = 0) -> None:
+        self.calls.append(("set_running", (running, suspended)))
+
+    def set_controls(self, paused: bool, held: Iterable[str]) -> None:
+        self.calls.append(("set_controls", (paused, tuple(held))))
+
+    def close(self) -> None:
+        pass
+
+    def of(self, name: str) -> list[Any]:
+        return [arg for n, arg in self.calls if n == name]
+
+
+def test_no_claims_while_paused_heartbeats_go_on_and_resume_claims(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0)])
+    pause: dict[str, Pause | None] = {"now": Pause("drain", None, clock.wall())}
+    controls = Controls(Rules(), Readers(pause=lambda: pause["now"]), clock)
+    metrics = RecordingMetrics()
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1)
+    ctx.metrics = metrics
+    agent = Agent(ctx, coord, lambda current: registration(current, "node-1"), controls=controls)
+    seen: dict[str, Any] = {}
+    original = coord.node_heartbeat
+
+    def heartbeat(hb: Any) -> None:
+        if clock.now > 1030 and pause["now"] is not None:
+            seen["status"] = json.loads((tmp_path / "status.json").read_text())
+            pause["now"] = None  # flashnode resume
+            seen["resumed_at"] = clock.now
+        original(hb)
+
+    coord.node_heartbeat = heartbeat  # type: ignore[method-assign]
+    agent.run()
+    claims = coord.names("claim")
+    assert claims and claims[0] >= seen["resumed_at"]  # not one claim while paused
+    beats = [(t, status) for t, n, status in coord.calls if n == "node_heartbeat"]
+    paused_beats = [b for b in beats if b[0] <= seen["resumed_at"]]
+    assert len(paused_beats) >= 6 and {s for _, s in paused_beats} == {"online"}
+    status = seen["status"]
+    assert "not claiming: paused by the owner until `flashnode resume`" in status["state"]
+    assert status["controls"]["paused"]["mode"] == "drain"
+    assert [h["rule"] for h in status["controls"]["held_by"]] == ["pause"]
+    assert agent.stats.outcomes == {"committed": 1}
+    # Metrics follow the same turns: paused, then not; one claim, with work; one attempt.
+    controls_seen = metrics.of("set_controls")
+    assert controls_seen[0] == (True, ("pause",)) and controls_seen[-1] == (False, ())
+    assert metrics.of("claim_finished") == ["work"]
+    assert metrics.of("attempt_finished") == ["committed"]
+    assert sum(metrics.of("uploaded")) == sum(len(v) for v in coord.uploads.values())
+
+
+def test_claim_errors_and_empty_claims_are_counted(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(
+        clock,
+        claims=[CoordinatorUnavailable("refused"), None, CoordinatorUnavailable("x"), lease(0)],
+    )
+    metrics = RecordingMetrics()
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1)
+    ctx.metrics = metrics
+    agent = Agent(ctx, coord, lambda current: registration(current, "node-1"))
+    agent.run()
+    assert metrics.of("claim_finished") == ["error", "empty", "error", "work"]
+    assert metrics.of("coordinator_error") == ["claim", "claim"]
+    assert metrics.of("downloaded") == [] and metrics.of("attempt_finished") == ["committed"]
+
+
+def test_a_window_rule_holds_claims_until_the_fake_clock_enters_it(tmp_path: Path) -> None:
+    """FakeClock's wall clock starts at 1.7e9 + 1000 s: Tuesday 2023-11-14 22:30:00 UTC."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0)])
+    ctx = context(
+        tmp_path,
+        clock,
+        coord,
+        FakeRunner(),
+        max_tasks=1,
+        run_windows=("Tue 22:31-23:00",),
+        run_windows_timezone="UTC",
+    )
+    controls = Controls(Rules.from_settings(ctx.settings), Readers(), clock)
+    agent = Agent(ctx, coord, lambda current: registration(current, "node-1"), controls=controls)
+    agent.run()
+    first = datetime.fromtimestamp(1.7e9 + coord.names("claim")[0], timezone.utc)
+    assert (first.weekday(), first.hour, first.minute) == (1, 22, 31), first
+    assert len(coord.names("node_heartbeat")) >= 12  # a minute outside the window, online
