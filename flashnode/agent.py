@@ -260,8 +260,9 @@ class Agent:
         with self._lock:
             attempts = list(self.running.values())
         for attempt in attempts:
-            if d.stop_reason:
-                # Not the task's fault: the lease is given back, no `fail`.
+            # Not the task's fault: the lease is given back, no `fail`. A finished result (its
+            # task ran, its outputs are spooled) is still committed: the pause stops tasks.
+            if d.stop_reason and attempt.record.state is not State.FINISHED:
                 attempt.cancel(AttemptLapsed(d.stop_reason), self.settings.kill_grace_seconds)
             attempt.request_suspension(d.suspend_reason)
         suspended = sum(a.suspended_since is not None for a in attempts)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
 from flashnode.agent import Agent
@@ -128,3 +130,44 @@ def test_a_window_rule_holds_claims_until_the_fake_clock_enters_it(tmp_path: Pat
     first = datetime.fromtimestamp(1.7e9 + coord.names("claim")[0], timezone.utc)
     assert (first.weekday(), first.hour, first.minute) == (1, 22, 31), first
     assert len(coord.names("node_heartbeat")) >= 12  # a minute outside the window, online
+
+
+def test_a_reload_applies_new_rules_to_the_running_loop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    ctx = context(tmp_path, clock, coord, FakeRunner())
+    ctx.start_thread = lambda fn, name: fn() if name == "reload" else None
+    controls = Controls(Rules.from_settings(ctx.settings), Readers(), clock)
+    # The same settings with a window that is closed now (Tuesday 22:30 UTC on the fake clock).
+    closed = ctx.settings.model_copy(
+        update={"run_windows": ("Sat-Sun",), "run_windows_timezone": "UTC"}
+    )
+    agent = Agent(
+        ctx,
+        coord,
+        lambda current: registration(current, "node-1"),
+        reload=lambda: closed,
+        controls=controls,
+    )
+    original = coord.node_heartbeat
+    reloaded: list[float] = []
+
+    def heartbeat(hb: Any) -> None:
+        if clock.now > 1010 and not agent.settings.run_windows:
+            agent.request_reload()  # SIGHUP
+            reloaded.append(clock.now)
+        if clock.now > 1060:
+            agent.request_stop()
+        original(hb)
+
+    coord.node_heartbeat = heartbeat  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        agent.run()
+    claims = coord.names("claim")
+    assert len(claims) > 3 and claims[-1] < reloaded[0] + 1  # none once the window rule holds
+    assert len(coord.names("node_heartbeat")) >= 12  # online all along
+    assert agent.decision.hold_reason is not None
+    assert "outside run_windows (next opens Sat 00:00)" in agent.decision.hold_reason
+    assert any("owner control window holds claiming" in r.message for r in caplog.records)
