@@ -254,7 +254,8 @@ class TrustedRunner(Runner):
             try:
                 self.hierarchy.set_cpu_cap(cap, dict(self._task_cpus))
             except OSError as exc:
-                log.error("cannot apply task_cpu_percent: %s", exc.strerror or exc)
+                if cap is not None:
+                    log.error("cannot apply task_cpu_percent: %s", exc.strerror or exc)
                 return
             if cap != self._cpu_cap:
                 log.info(
