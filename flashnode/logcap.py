@@ -4,14 +4,15 @@ printed is kept for the owner's live view (``printable``: never terminal control
 
 from __future__ import annotations
 
+import itertools
 import re
-import time
 from pathlib import Path
 
 TAIL_BYTES = 8 * 1024
 LINE_CHARS = 160  # the most of a last line the live view shows
 
 # Terminal control: C0 (but tab), DEL, C1, and the bidi controls that reorder text.
+_WRITES = itertools.count(1)  # orders writes across streams: which printed last
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -21,7 +22,7 @@ class CappedFile:
         self._cap = cap
         self.total = 0
         self.tail = b""
-        self.written_at: float | None = None  # monotonic, of the latest write
+        self.written_at = 0  # when it was last written, in the order of all writes (0: never)
 
     def write(self, chunk: bytes) -> None:
         room = self._cap - self.total
@@ -30,7 +31,7 @@ class CappedFile:
         self.total += len(chunk)
         self.tail = (self.tail + chunk)[-TAIL_BYTES:]
         if chunk:
-            self.written_at = time.monotonic()
+            self.written_at = next(_WRITES)
 
     @property
     def last_line(self) -> str:
@@ -61,7 +62,5 @@ def printable(data: bytes, limit: int = LINE_CHARS) -> str:
 
 def latest_line(*files: CappedFile) -> str:
     """The last line of whichever stream printed last."""
-    written = [f for f in files if f.written_at is not None]
-    if not written:
-        return ""
-    return max(written, key=lambda f: f.written_at or 0.0).last_line
+    latest = max(files, key=lambda f: f.written_at, default=None)
+    return latest.last_line if latest is not None and latest.written_at else ""

@@ -138,7 +138,8 @@ def render(snapshot: dict[str, Any]) -> str:
         f"node        {snapshot.get('node_id')}",
         f"coordinator {snapshot.get('coordinator')}",
         f"runner      {snapshot.get('runner')}   pools {pools}",
-        f"state       {snapshot.get('state')}   last heartbeat {age} s ago",
+        f"state       {snapshot.get('state')}",
+        f"heartbeat   {age} s ago",
         f"counters    {json.dumps(snapshot.get('counters') or {})}",
     ]
     controls = snapshot.get("controls") or {}

@@ -171,3 +171,30 @@ def test_a_reload_applies_new_rules_to_the_running_loop(
     assert agent.decision.hold_reason is not None
     assert "outside run_windows (next opens Sat 00:00)" in agent.decision.hold_reason
     assert any("owner control window holds claiming" in r.message for r in caplog.records)
+
+
+def test_the_terminal_line_is_cut_to_the_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A longer line would wrap, and the next redraw ("\\r") would not clear it."""
+    import io
+
+    from flashnode.status import TerminalLine
+
+    monkeypatch.setenv("COLUMNS", "40")
+    out = io.StringIO()
+    TerminalLine(out).status("running ls-1 (j/t) execute 1m05s, lease 52s left: step 3 of 10")
+    shown = out.getvalue().split("\x1b[K", 1)[1]
+    assert len(shown) == 39 and shown.endswith("…") and shown.startswith("running ls-1")
+
+
+def test_the_last_output_line_cannot_drive_the_owners_terminal(tmp_path: Path) -> None:
+    from flashnode.logcap import CappedFile, latest_line
+
+    out, err = CappedFile(tmp_path / "o", 1024), CappedFile(tmp_path / "e", 1024)
+    out.write(b"step 1\nstep 2 \x1b]0;owned\x07\x1b[2J\xe2\x80\xae done\n\n")
+    assert out.last_line == "step 2 \\x1b]0;owned\\x07\\x1b[2J\\x202e done"
+    err.write(b"10%\r20%\r")  # a progress bar: its latest state
+    assert latest_line(out, err) == "20%"
+    out.write(b"x" * 500)
+    assert len(latest_line(out, err)) == 160 and latest_line(out, err).endswith("…")
+    out.close()
+    err.close()
