@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -332,3 +333,18 @@ def test_the_metrics_endpoint_parses_and_its_counters_match_the_ledger_after_20_
     assert m[("flashnode_uploaded_bytes_total", ())] == stored
     assert m[("flashnode_running_attempts", ())] == 0 and m[("flashnode_paused", ())] == 0
     assert m[("flashnode_info", (("version", __import__("flashnode").__version__),))] == 1
+
+
+def test_a_metrics_address_that_cannot_be_bound_stops_the_agent_at_start(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        agent = start_agent(
+            coordinator.url, *TRUSTED, env={**FAST, "FLASHNODE_METRICS_LISTEN": address}
+        )
+        assert agent.wait(60) == 69, agent.log
+    assert f"cannot serve metrics at {address}" in agent.log
+    assert "registered as node" not in agent.log
