@@ -8,6 +8,11 @@ agent returns.
 It imports no edge: the coordinator, the runner, the clock and the way attempts are started are
 all given to it, so tests drive it with fakes and a fake clock. Signal handlers (in the CLI) only
 call ``request_stop``/``request_reload``; the loop acts on them.
+
+The owner's controls (``controls.py``) are evaluated every turn: the node claims only while no
+rule holds; ``flashnode pause --now`` stops running attempts as an ending that is not the task's
+fault; a rule named in ``suspend_when`` suspends running tasks until it clears. Heartbeats go on
+throughout: a paused node is online and says why it takes no work.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.attempt.record import State
 from flashnode.clock import Clock
+from flashnode.controls import Controls, Decision, Rules
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -85,8 +91,13 @@ class Agent:
         free_bytes: Callable[[], int | None] = lambda: None,
         sink: StatusSink | None = None,
         on_settings: Callable[[Settings], None] | None = None,
+        controls: Controls | None = None,
     ) -> None:
+        """``controls``: the owner's rules (None: none). Counts go to ``ctx.metrics``."""
         self.ctx = ctx
+        self.controls = controls
+        self.metrics = ctx.metrics
+        self.decision = Decision()  # the owner controls' latest word
         self.sink: StatusSink = sink or _Quiet()
         self._pid = os.getpid()
         self._published = ""
@@ -187,6 +198,7 @@ class Agent:
             self.sink.tick()
             now = self.clock.monotonic()
             self._drain_tick(now)
+            self._owner_controls()
             if self._stop_now:
                 self._cancel_all(AttemptLapsed("agent stopping"), grace=0.0)
             elif self._draining and now >= self._drain_deadline:
@@ -239,6 +251,37 @@ class Agent:
         self._publish(final=True)
         log.info("agent stopped: %s", self.stats.outcomes)
 
+    # --- the owner's controls ------------------------------------------------------------------
+
+    def _owner_controls(self) -> None:
+        """Evaluate the owner's rules; stop or suspend running attempts as they say."""
+        d = self.decision = self.controls.evaluate() if self.controls else Decision()
+        with self._lock:
+            attempts = list(self.running.values())
+        for attempt in attempts:
+            # Not the task's fault: the lease is given back, no `fail`. A finished result (its
+            # task ran, its outputs are spooled) is still committed: the pause stops tasks.
+            if d.stop_reason and attempt.record.state is not State.FINISHED:
+                attempt.cancel(AttemptLapsed(d.stop_reason), self.settings.kill_grace_seconds)
+            attempt.request_suspension(d.suspend_reason)
+        suspended = sum(a.suspended_since is not None for a in attempts)
+        self.metrics.set_running(len(attempts), suspended)
+        self.metrics.set_controls(d.paused is not None, [h.rule for h in d.holds])
+
+    def task_cpu(self) -> dict[str, float] | None:
+        """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule);
+        None when one of them cannot be measured, so that the rule never mistakes this node's
+        own tasks for other programs."""
+        with self._lock:
+            attempts = list(self.running.items())
+        found: dict[str, float] = {}
+        for key, attempt in attempts:
+            seconds = attempt.cpu_seconds()
+            if seconds is None:
+                return None
+            found[str(key)] = seconds
+        return found
+
     # --- draining -----------------------------------------------------------------------------
 
     def _drain_tick(self, now: float) -> None:
@@ -258,29 +301,31 @@ class Agent:
 
     # --- what the agent is doing: systemd STATUS, the terminal line, status.json ---------------
 
-    def _status_text(self) -> str:
-        with self._lock:
-            attempts = list(self.running.values())
+    def _status_text(self, running: list[dict[str, Any]]) -> str:
         if self._draining:
-            return f"draining: {len(attempts)} attempt(s) running"
+            return f"draining: {len(running)} attempt(s) running"
         if self._problems:
             since = min(self._problems.values())
             wall = self.clock.wall() - (self.clock.monotonic() - since)
             what = ", ".join(sorted(self._problems))
             clock = time.strftime("%H:%M:%S", time.localtime(wall))
             return f"coordinator unreachable since {clock} ({what})"
-        if attempts:
-            return "running " + ", ".join(a.describe() for a in attempts)
-        return "idle"
+        held = self.decision.hold_reason
+        wall = self.clock.wall()
+        text = "; ".join(status.attempt_line(a, wall) for a in running) or "idle"
+        if running:
+            text = "running " + text
+        return f"{text} | not claiming: {held}" if held else text
 
     def _publish(self, final: bool = False) -> None:
-        text = "stopped" if final else self._status_text()
+        with self._lock:
+            attempts = list(self.running.values())
+        running = [a.snapshot() for a in attempts if a.lease is not None]
+        text = "stopped" if final else self._status_text(running)
         self.sink.status(text)
         if text == self._published and self._beats == self._published_beats and not final:
             return
         self._published, self._published_beats = text, self._beats
-        with self._lock:
-            attempts = list(self.running.values())
         snapshot = {
             "pid": None if final else self._pid,
             "node_id": self.node_id,
@@ -292,7 +337,8 @@ class Agent:
             "registered": self._registered,
             "last_heartbeat_at": self._last_beat_wall,
             "counters": dict(self.stats.outcomes),
-            "running": [a.snapshot() for a in attempts if a.lease is not None],
+            "running": running,
+            "controls": self.decision.snapshot(),
             "updated_at": self.clock.wall(),
         }
         try:
@@ -317,6 +363,8 @@ class Agent:
     def _may_claim(self) -> bool:
         """Claim only with a free slot that could serve a task: on a GPU node, a free GPU."""
         if not self._registered or self._draining or self._quota_spent() or self._reloading:
+            return False
+        if not self.decision.may_claim:
             return False
         gpus = self.ctx.gpus
         if self._free_slot() is None or (gpus.devices and gpus.free == 0):
@@ -381,7 +429,11 @@ class Agent:
                 log.error("reload failed, keeping the running configuration: %s", exc)
                 self._reloading = False
                 return
+            if new.metrics_listen != self.settings.metrics_listen:
+                log.warning("metrics_listen changes at the next start of the agent")
             self.settings = self.ctx.settings = new
+            if self.controls is not None:
+                self.controls.reconfigure(Rules.from_settings(new))
             if self._on_settings is not None:
                 self._on_settings(new)
             log.info(
@@ -416,15 +468,19 @@ class Agent:
         try:
             lease = self.coordinator.claim(self.node_id)
         except Unregistered:
+            self.metrics.claim_finished(self.clock.monotonic() - now, "error")
             log.info("coordinator refused the claim as unregistered; registering again")
             self._registered = False
             self._register()
             self._next_claim = now
             return
         except CoordinatorError as exc:
+            self.metrics.claim_finished(self.clock.monotonic() - now, "error")
             self._failing("claim", exc)
             self._next_claim = now + self.claim_errors.next()
             return
+        result = "empty" if lease is None else "work"
+        self.metrics.claim_finished(self.clock.monotonic() - now, result)
         self._working("claim")
         self.claim_errors.reset()
         if lease is None:
@@ -471,6 +527,7 @@ class Agent:
     # --- one log line per state change -------------------------------------------------------
 
     def _failing(self, what: str, exc: Exception) -> None:
+        self.metrics.coordinator_error(what)
         if what not in self._problems:
             self._problems[what] = self.clock.monotonic()
             log.warning("%s failing, retrying with backoff: %s", what, exc)

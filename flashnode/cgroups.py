@@ -1,10 +1,13 @@
-"""Per-attempt cgroups: limits (memory, CPU, pids), kill-everything-inside, and OOM detection.
+"""Per-attempt cgroups: limits (memory, CPU, pids), kill-everything-inside, OOM detection, and
+the freezer (an owner control suspends a task).
 
 Supports the unified hierarchy (cgroup v2, with the memory, pids and cpu controllers enabled for
 the agent's own cgroup, e.g. systemd ``Delegate=yes``) and the v1 hierarchies of hosts that mount
-``memory``, ``pids`` and ``cpu`` separately. Attempt cgroups are created below the agent's own
-cgroup in each hierarchy, under ``flashnode/<name>``. Where none of this is possible ``detect``
-returns None with the reason, and the agent carries on with process groups and tokens alone.
+``memory``, ``pids`` and ``cpu`` separately (and ``freezer``, when mounted, for suspension).
+Attempt cgroups are created below the agent's own cgroup in each hierarchy, under
+``flashnode/<name>``; the owner's CPU cap for all tasks together (``task_cpu_percent``) is the CPU
+quota of that ``flashnode`` parent. Where none of this is possible ``detect`` returns None with the
+reason, and the agent carries on with process groups and tokens alone.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +23,9 @@ from flashnode.clock import Clock, SystemClock
 
 ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
+V1_FREEZER = "freezer"  # optional on v1: without it a task is suspended with SIGSTOP
 CFS_PERIOD_US = 100_000
+FREEZE_WAIT_S = 2.0  # how long freezing may take (a task in uninterruptible sleep delays it)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,30 @@ class Hierarchy:
 
     def describe(self) -> str:
         return f"cgroup v{self.version} ({', '.join(str(p) for p in self.bases.values())})"
+
+    def set_cpu_cap(self, cpus: float | None, tasks: Mapping[str, float | None]) -> None:
+        """Cap all attempts together at ``cpus`` CPUs (None: no cap), live.
+
+        ``tasks``: the running attempts' cgroup names and their own CPU limits; each gets
+        min(own limit, cap), because cgroup v1 refuses a child quota above its parent's. Children
+        that go down are written before the parent, children that go up after it.
+        """
+        cpu = self.bases.get("cpu", self.bases.get("unified"))
+        if cpu is None:
+            return
+        late: list[tuple[Path, float | None]] = []
+        for name, own in tasks.items():
+            target = _min_cpus(own, cpus)
+            try:
+                _write_cpu(cpu / name, self.version, target)
+            except FileNotFoundError:
+                continue  # the attempt ended meanwhile
+            except OSError:
+                late.append((cpu / name, target))  # above the parent's present quota
+        _write_cpu(cpu, self.version, cpus)
+        for path, target in late:
+            with contextlib.suppress(OSError):
+                _write_cpu(path, self.version, target)
 
     def create(self, name: str, limits: Limits) -> AttemptCgroup:
         cg = AttemptCgroup(
@@ -82,12 +112,46 @@ class AttemptCgroup:
         if limits.pids is not None and pids is not None:
             _write(pids / "pids.max", str(limits.pids))
         if limits.cpus is not None and cpu is not None:
-            quota = max(int(limits.cpus * CFS_PERIOD_US), 1000)
-            if v2:
-                _write(cpu / "cpu.max", f"{quota} {CFS_PERIOD_US}")
-            else:
-                _write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
-                _write(cpu / "cpu.cfs_quota_us", str(quota))
+            _write_cpu(cpu, self.version, limits.cpus)
+
+    # --- the freezer ---------------------------------------------------------------------------
+
+    @property
+    def can_freeze(self) -> bool:
+        """Whether this cgroup has a freezer (v2: always, kernel 5.2+; v1: the freezer mount)."""
+        if self.version == 2:
+            return (self.paths["unified"] / "cgroup.freeze").exists()
+        return V1_FREEZER in self.paths
+
+    def freeze(self) -> None:
+        """Stop every process inside from running (they stay, with their memory) until
+        ``thaw``. Raises OSError when the freezer cannot be written."""
+        if self.version == 2:
+            _write(self.paths["unified"] / "cgroup.freeze", "1")
+        else:
+            _write(self.paths[V1_FREEZER] / "freezer.state", "FROZEN")
+        deadline = self.clock.monotonic() + FREEZE_WAIT_S
+        while not self.frozen() and self.clock.monotonic() < deadline:
+            self.clock.sleep(0.01)
+
+    def thaw(self) -> None:
+        """Let the processes run again; nothing happens where nothing was frozen."""
+        with contextlib.suppress(OSError):
+            if self.version == 2:
+                _write(self.paths["unified"] / "cgroup.freeze", "0")
+            elif V1_FREEZER in self.paths:
+                _write(self.paths[V1_FREEZER] / "freezer.state", "THAWED")
+
+    def frozen(self) -> bool:
+        try:
+            if self.version == 2:
+                events = (self.paths["unified"] / "cgroup.events").read_text().split()
+                return "frozen" in events and events[events.index("frozen") + 1] == "1"
+            if V1_FREEZER not in self.paths:
+                return False
+            return (self.paths[V1_FREEZER] / "freezer.state").read_text().strip() == "FROZEN"
+        except (OSError, IndexError):
+            return False
 
     def pids(self) -> set[int]:
         found: set[int] = set()
@@ -97,7 +161,9 @@ class AttemptCgroup:
         return found
 
     def kill(self, timeout: float = 5.0) -> None:
-        """SIGKILL everything inside until it is empty. Every pid listed here is the task's."""
+        """SIGKILL everything inside until it is empty. Every pid listed here is the task's.
+        A frozen cgroup is thawed first: on v1 a frozen process dies only once thawed."""
+        self.thaw()
         if self.version == 2:
             with contextlib.suppress(OSError):
                 _write(self.paths["unified"] / "cgroup.kill", "1")
@@ -157,6 +223,20 @@ def _write(path: Path, value: str) -> None:
         fh.write(value)
 
 
+def _min_cpus(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _write_cpu(path: Path, version: int, cpus: float | None) -> None:
+    """The CPU quota of one cgroup directory: ``cpus`` CPUs per period, None for no quota."""
+    quota = -1 if cpus is None else max(int(cpus * CFS_PERIOD_US), 1000)
+    if version == 2:
+        _write(path / "cpu.max", f"{'max' if quota < 0 else quota} {CFS_PERIOD_US}")
+    else:
+        _write(path / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+        _write(path / "cpu.cfs_quota_us", str(quota))
+
+
 def _own_cgroup() -> dict[str, str]:
     """This process's cgroup path per v1 controller, and under key "" for v2."""
     paths: dict[str, str] = {}
@@ -192,6 +272,13 @@ def detect(root: Path = ROOT, clock: Clock | None = None) -> tuple[Hierarchy | N
     acct = root / "cpuacct"
     if "cpuacct" in own and acct.is_dir() and not (root / "cpu" / "cpuacct.usage").exists():
         bases["cpuacct"] = acct / own["cpuacct"].lstrip("/") / "flashnode"
+    freezer = root / V1_FREEZER
+    if V1_FREEZER in own and freezer.is_dir():
+        bases[V1_FREEZER] = freezer / own[V1_FREEZER].lstrip("/") / "flashnode"
+        found, why = _probe(Hierarchy(1, bases, clock))
+        if found is not None:
+            return found, why
+        del bases[V1_FREEZER]  # the freezer is optional: suspension falls back to SIGSTOP
     return _probe(Hierarchy(1, bases, clock))
 
 

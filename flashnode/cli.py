@@ -18,10 +18,21 @@ from typing import Any
 import click
 import psutil
 
-from flashnode import __version__, controls_cli, envs_cli, inventory, owner, preflight
+from flashnode import (
+    __version__,
+    controls_cli,
+    envs_cli,
+    inventory,
+    metrics,
+    owner,
+    pausefile,
+    preflight,
+    sensors,
+)
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
+from flashnode.controls import Controls, Readers, Rules
 from flashnode.coordinator import Coordinator
 from flashnode.errors import (
     ConfigError,
@@ -234,6 +245,27 @@ def run_agent(
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
+    try:
+        served = metrics.create(settings.metrics_listen, settings.metrics_allow_remote)
+    except ValueError as exc:
+        raise ConfigError(f"metrics_listen: {exc}") from None
+    except OSError as exc:
+        raise PrerequisiteError(
+            f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}"
+        ) from None
+    try:
+        _run_agent(settings, served, reload, line, node)
+    finally:
+        served.close()
+
+
+def _run_agent(
+    settings: Settings,
+    served: metrics.MetricsSink,
+    reload: Callable[[], Settings] | None,
+    line: TerminalLine | None,
+    node: str,
+) -> None:
     nvml = Nvml.open(settings.nvml_library)
     gpus = GpuPool(nvml.devices if nvml is not None else [])
     clock = SystemClock()
@@ -257,6 +289,7 @@ def run_agent(
         gpu=nvml,
         gpus=gpus,
         limits=task_limits(settings, slots, *machine),
+        metrics=served,
     )
 
     def on_settings(new: Settings) -> None:
@@ -269,6 +302,13 @@ def run_agent(
             current, node, [d.info for d in devices], runner.module_capable
         )
 
+    readers = Readers(
+        pause=pausefile.PauseReader(settings.state_dir),
+        on_battery=sensors.on_battery,
+        idle_seconds=sensors.seat_idle_seconds,
+        host_cpu=sensors.host_cpu_times,
+    )
+    controls = Controls(Rules.from_settings(settings), readers, clock)
     agent = Agent(
         ctx,
         coordinator,
@@ -277,7 +317,9 @@ def run_agent(
         free_bytes=lambda: _free_bytes(settings.state_dir),
         sink=Sinks(Notifier(), *([line] if line else [])),
         on_settings=on_settings,
+        controls=controls,
     )
+    readers.task_cpu = agent.task_cpu  # every running task, containers included
     log.info(
         "flashnode %s: node %s, %s runner, %d slot(s), pools %s, coordinator %s",
         __version__,

@@ -1,11 +1,19 @@
 """A task's output stream kept on disk with a size cap: the first ``cap`` bytes, then (when the
-stream was longer) a marker saying how much was dropped, and its last bytes."""
+stream was longer) a marker saying how much was dropped, and its last bytes. The last line it
+printed is kept for the owner's live view (``printable``: never terminal control)."""
 
 from __future__ import annotations
 
+import itertools
+import re
 from pathlib import Path
 
 TAIL_BYTES = 8 * 1024
+LINE_CHARS = 160  # the most of a last line the live view shows
+
+# Terminal control: C0 (but tab), DEL, C1, and the bidi controls that reorder text.
+_WRITES = itertools.count(1)  # orders writes across streams: which printed last
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 class CappedFile:
@@ -14,6 +22,7 @@ class CappedFile:
         self._cap = cap
         self.total = 0
         self.tail = b""
+        self.written_at = 0  # when it was last written, in the order of all writes (0: never)
 
     def write(self, chunk: bytes) -> None:
         room = self._cap - self.total
@@ -21,6 +30,15 @@ class CappedFile:
             self._out.write(chunk[:room])
         self.total += len(chunk)
         self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+        if chunk:
+            self.written_at = next(_WRITES)
+
+    @property
+    def last_line(self) -> str:
+        """The last non-empty line printed so far (a progress bar's latest state), printable."""
+        lines = self.tail.replace(b"\r", b"\n").split(b"\n")
+        last = next((x for x in reversed(lines) if x.strip()), b"")
+        return printable(last)
 
     def close(self) -> None:
         over = self.total - self._cap
@@ -32,3 +50,17 @@ class CappedFile:
             )
             self._out.write(kept)
         self._out.close()
+
+
+def printable(data: bytes, limit: int = LINE_CHARS) -> str:
+    """One line of a task's output, safe to show on the owner's terminal: decoded, control
+    characters escaped, at most ``limit`` characters."""
+    text = data.decode("utf-8", "replace").strip()
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def latest_line(*files: CappedFile) -> str:
+    """The last line of whichever stream printed last."""
+    latest = max(files, key=lambda f: f.written_at, default=None)
+    return latest.last_line if latest is not None and latest.written_at else ""

@@ -20,6 +20,10 @@ Termination is TERM → grace → KILL over the group, the token holders and the
 until nothing of the task is left, on an injected clock. Output goes through pipes to reader
 threads that keep a size-capped head and a short tail on disk; the attempt never waits for a pipe
 held open by a detached descendant: it ends when the main process exits.
+
+Suspension (an owner control) freezes the task's cgroup where it has a freezer, else stops its
+tree with SIGSTOP (group and token holders, in rounds until none runs; SIGCONT resumes it). A
+suspended task is resumed before it is terminated, so that it can act on SIGTERM.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 OWNER_ENV = "FLASHNODE_OWNER"
 READ_CHUNK = 64 * 1024
 KILL_ROUNDS_S = 5.0
+STOP_ROUNDS_S = 2.0  # SIGSTOP rounds: until no process of the task is left running
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The only environment of the privileged steps before the task's own exec.
@@ -88,6 +93,10 @@ class Capture:
     @property
     def tail(self) -> bytes:
         return self._file.tail
+
+    @property
+    def file(self) -> CappedFile:
+        return self._file
 
     def _run(self) -> None:
         try:
@@ -241,6 +250,7 @@ class TaskProcess:
         self.start_time = start_time(self.pid)
         self._ticks: dict[tuple[int, int], int] = {}
         self.exited = threading.Event()
+        self.suspended = False
         self._on_exit = on_exit
         self.stdout = Capture(out_r, stdout, log_max_bytes)
         self.stderr = Capture(err_r, stderr, log_max_bytes)
@@ -287,9 +297,39 @@ class TaskProcess:
     def returncode(self) -> int | None:
         return self._popen.returncode if self.exited.is_set() else None
 
+    def suspend(self) -> None:
+        """Stop the task from running: its cgroup's freezer, else SIGSTOP to its group and every
+        token holder, repeated until none of them runs (a process forked between two rounds is
+        caught by the next). Raises OSError when the freezer cannot be written."""
+        self.suspended = True
+        if self.cgroup is not None and self.cgroup.can_freeze:
+            self.cgroup.freeze()
+            return
+        deadline = self._clock.monotonic() + STOP_ROUNDS_S
+        while self._clock.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGSTOP)
+            running = [p for p in self.members() if _state(p) not in ("T", "t")]
+            if not running:
+                return
+            for pid in running:
+                signal_if_owned(pid, self.token, self.pid, signal.SIGSTOP)
+            self._clock.sleep(0.01)
+
+    def resume(self) -> None:
+        """Let a suspended task run again (thaw its cgroup, SIGCONT its tree)."""
+        if not self.suspended:
+            return
+        self.suspended = False
+        if self.cgroup is not None:
+            self.cgroup.thaw()
+        self._signal_all(signal.SIGCONT)
+
     def terminate(self, grace: float) -> None:
         """SIGTERM to the group and every token holder, up to ``grace`` seconds for them to go,
-        then SIGKILL until none is left. Idempotent."""
+        then SIGKILL until none is left. Idempotent. A suspended task is resumed first, so that
+        it can act on SIGTERM."""
+        self.resume()
         if self._signal_all(signal.SIGTERM):
             deadline = self._clock.monotonic() + grace
             while self._clock.monotonic() < deadline and self._alive():
@@ -299,6 +339,7 @@ class TaskProcess:
     def kill(self) -> None:
         """SIGKILL everything the task owns, repeating while something still answers: the
         group, every token holder, then everything in its cgroup."""
+        self.resume()
         deadline = self._clock.monotonic() + KILL_ROUNDS_S
         while self._signal_all(signal.SIGKILL) and self._clock.monotonic() < deadline:
             self._clock.sleep(0.02)
@@ -335,6 +376,12 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     except OSError:
         return None
     return data[data.rfind(b")") + 2 :].split()
+
+
+def _state(pid: int) -> str | None:
+    """The one-letter state of a pid (R, S, T, Z, ...), None when it is gone."""
+    st = _stat(pid)
+    return st[0] if st else None
 
 
 def _stat(pid: int) -> tuple[str, int] | None:

@@ -403,6 +403,12 @@ class Settings(BaseModel):
     suspend_when: tuple[Literal["window", "battery", "active", "load"], ...] = ()
     metrics_listen: str | None = None
     metrics_allow_remote: bool = False
+    # task_cpu_percent: all tasks together use at most this share of the machine's CPUs
+    #   (trusted: the quota of the tasks' parent cgroup, live on reload; docker: each container
+    #   its slot's share). max_suspend_seconds: a task suspended longer gives its lease back
+    #   (not the task's fault); None: the lease's own window (lease_seconds).
+    task_cpu_percent: float | None = Field(default=None, gt=0, le=100)
+    max_suspend_seconds: float | None = Field(default=None, gt=0, le=7 * 86400)
 
     @field_validator("run_windows", mode="before")
     @classmethod

@@ -2,17 +2,21 @@
 
 A running agent publishes a snapshot of itself to ``<state dir>/status.json`` (atomically, on
 every change and at least every heartbeat); ``flashnode status`` reads it and checks that the
-agent that wrote it is still alive.
+agent that wrote it is still alive. Per running attempt it holds the live view: when it started,
+when its lease runs out (from the keeper's last renewal), whether it is suspended, checkpoints
+shipped, bytes staged and uploaded, and the task's last output line (already escaped); the
+owner controls' word (paused, which rules hold claiming) sits beside them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, TypeGuard
 
 from flashnode import statefile
 
@@ -46,8 +50,62 @@ def read(state_dir: Path) -> dict[str, Any] | None:
         round(now - beat, 1) if isinstance(beat, (int, float)) else None
     )
     for attempt in snapshot.get("running", []):
-        attempt["elapsed_s"] = round(now - attempt.get("started_at", now), 1)
+        attempt.update(ages(attempt, now))
     return snapshot
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def ages(attempt: dict[str, Any], now: float) -> dict[str, float | None]:
+    """An attempt's wall-clock times as seconds from ``now``: elapsed, lease left, suspended."""
+
+    def since(key: str, sign: float = 1.0) -> float | None:
+        value = attempt.get(key)
+        return round((now - value) * sign, 1) if _number(value) else None
+
+    return {
+        "elapsed_s": since("started_at"),
+        "lease_left_s": since("lease_expires_at", -1.0),
+        "suspended_s": since("suspended_since"),
+    }
+
+
+def duration(seconds: float | None) -> str:
+    """``42s``, ``3m05s``, ``2h03m``; ``-`` when not known."""
+    if seconds is None:
+        return "-"
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def size(n: Any) -> str:
+    if not _number(n):
+        return "-"
+    for unit, factor in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= factor:
+            return f"{n / factor:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def attempt_line(attempt: dict[str, Any], now: float) -> str:
+    """One attempt in a line (the terminal status line, systemd's STATUS)."""
+    t = ages(attempt, now)
+    line = f"{attempt.get('lease_id')} ({attempt.get('job_id')}/{attempt.get('task_id')})"
+    line += f" {attempt.get('phase')} {duration(t['elapsed_s'])}"
+    if t["suspended_s"] is not None:
+        line += f", suspended {duration(t['suspended_s'])}"
+    if t["lease_left_s"] is not None:
+        line += f", lease {duration(t['lease_left_s'])} left"
+    last = attempt.get("last_output")
+    if isinstance(last, str) and last:
+        line += f": {last}"
+    return line
 
 
 def agent_alive(pid: int) -> bool:
@@ -81,20 +139,40 @@ def render(snapshot: dict[str, Any]) -> str:
         f"node        {snapshot.get('node_id')}",
         f"coordinator {snapshot.get('coordinator')}",
         f"runner      {snapshot.get('runner')}   pools {pools}",
-        f"state       {snapshot.get('state')}   last heartbeat {age} s ago",
+        f"state       {snapshot.get('state')}",
+        f"heartbeat   {age} s ago",
         f"counters    {json.dumps(snapshot.get('counters') or {})}",
     ]
+    controls = snapshot.get("controls") or {}
+    held = controls.get("held_by") or []
+    if held:
+        lines.append("claiming    held")
+        for h in held:
+            also = " (suspends running tasks)" if h.get("suspends") else ""
+            lines.append(f"  {h.get('rule')}: {h.get('reason')}{also}")
     running = snapshot.get("running") or []
     lines.append(f"running     {len(running)}")
     for a in running:
-        line = f"  {a['lease_id']}  {a['job_id']}/{a['task_id']}  {a['elapsed_s']} s"
-        if a.get("checkpoints") or a.get("resumed_from_step") is not None:
-            line += f"  checkpoints {a.get('checkpoints') or 0}"
-            if a.get("checkpoint_step") is not None:
-                line += f" (step {a['checkpoint_step']})"
-            if a.get("resumed_from_step") is not None:
-                line += f", resumed from step {a['resumed_from_step']}"
-        lines.append(line)
+        lines.append(f"  {a.get('lease_id')}  {a.get('job_id')}/{a.get('task_id')}")
+        state = f"{a.get('phase')}, {duration(a.get('elapsed_s'))}"
+        if a.get("suspended_s") is not None:
+            state += f", suspended for {duration(a.get('suspended_s'))}"
+            if a.get("suspend_reason"):
+                state += f" ({a['suspend_reason']})"
+        lines.append(f"    state        {state}")
+        lines.append(f"    lease left   {duration(a.get('lease_left_s'))}")
+        checkpoints = a.get("checkpoints")
+        shipped = f"{checkpoints}" if _number(checkpoints) else "-"
+        if a.get("checkpoint_step") is not None:
+            shipped += f" (step {a['checkpoint_step']})"
+        if a.get("resumed_from_step") is not None:
+            shipped += f", resumed from step {a['resumed_from_step']}"
+        lines.append(f"    checkpoints  {shipped}")
+        lines.append(
+            f"    staged       {size(a.get('bytes_staged'))}"
+            f"   uploaded {size(a.get('bytes_uploaded'))}"
+        )
+        lines.append(f"    last output  {a.get('last_output') or '-'}")
     return "\n".join(lines)
 
 
@@ -106,6 +184,10 @@ class TerminalLine:
         self.text = ""
 
     def status(self, text: str) -> None:
+        # Longer than the terminal is wide, the line would wrap and "\r" not clear it.
+        width = shutil.get_terminal_size().columns - 1
+        if len(text) > width:
+            text = text[: max(width - 1, 0)] + "…"
         self.text = text
         self.stream.write(f"\r\x1b[K{text}")
         self.stream.flush()

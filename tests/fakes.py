@@ -157,6 +157,15 @@ class FakeHandle:
     def cpu_seconds(self) -> float | None:
         return None
 
+    def suspend(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def last_output(self) -> str:
+        return ""
+
 
 class FakeRunner(Runner):
     """Runs nothing: writes ``metrics`` to out/ and reports ``code``."""

@@ -115,6 +115,11 @@ class Attempt:
         self.cancel_grace = 0.0
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
+        # Owner controls (the loop asks, the execute phase acts) and the live view.
+        self.suspend_reason: str | None = None  # why the task should be suspended now
+        self.suspended_since: float | None = None  # monotonic, while the task is suspended
+        self.bytes_staged = 0
+        self.bytes_uploaded = 0
 
     # --- what the agent sees ------------------------------------------------------------------
 
@@ -127,8 +132,13 @@ class Attempt:
         return f"{lease.lease_id} ({lease.job_id}/{lease.task_id})" if lease else "a new lease"
 
     def snapshot(self) -> dict[str, Any]:
+        """For status.json (``flashnode status``): times are wall clock, so that a reader can
+        say how long ago or how long from now."""
         lease = self.lease
         assert lease is not None
+        clock = self.ctx.clock
+        now, wall = clock.monotonic(), clock.wall()
+        keeper, since = self.keeper, self.suspended_since
         return {
             "lease_id": lease.lease_id,
             "job_id": lease.job_id,
@@ -141,7 +151,51 @@ class Attempt:
             "checkpoints": self.record.checkpoints_shipped,
             "checkpoint_step": self.record.checkpoint_step,
             "resumed_from_step": self.record.resumed_from_step,
+            "lease_expires_at": wall + keeper.deadline - now if keeper else None,
+            "suspended_since": wall - (now - since) if since is not None else None,
+            "suspend_reason": self.suspend_reason if since is not None else None,
+            "bytes_staged": self.bytes_staged,
+            "bytes_uploaded": self.bytes_uploaded,
+            "last_output": self.last_output(),
         }
+
+    def last_output(self) -> str:
+        handle = self.handle
+        if handle is None:
+            return ""
+        try:
+            return handle.last_output()
+        except Exception:  # the live view must never break the loop
+            return ""
+
+    def cpu_seconds(self) -> float | None:
+        """The task's CPU seconds so far (0 before it started), None where not measurable."""
+        handle = self.handle
+        if handle is None:
+            return 0.0
+        try:
+            return handle.cpu_seconds()
+        except Exception:
+            return None
+
+    def request_suspension(self, reason: str | None) -> None:
+        """Ask that the task be suspended (``reason``) or run again (None). The execute phase
+        acts on it; a task that is not running yet starts suspended, one that is suspended
+        longer than ``max_suspend_seconds`` gives its lease back."""
+        change = (reason is None) != (self.suspend_reason is None)
+        self.suspend_reason = reason
+        if change:
+            self.wake.set()
+
+    def count_staged(self, nbytes: int) -> None:
+        """Bytes brought in for the task (inputs, data): the live view and the metrics."""
+        self.bytes_staged += nbytes
+        self.ctx.metrics.downloaded(nbytes)
+
+    def count_uploaded(self, nbytes: int) -> None:
+        """Bytes uploaded for the attempt (outputs, logs, checkpoints)."""
+        self.bytes_uploaded += nbytes
+        self.ctx.metrics.uploaded(nbytes)
 
     def cancel(self, ending: AttemptFailed | AttemptLapsed, grace: float) -> None:
         """Stop the attempt wherever it is (the task: TERM, ``grace`` seconds, KILL) and end it
@@ -328,6 +382,7 @@ class Attempt:
         except (TypeError, ValueError, RecursionError):
             digest = ""
         evidence: ExecutionEvidence | None = self.record.evidence
+        ended_at = self.ctx.clock.wall()
         entry = {
             "lease_id": lease.lease_id if lease else lease_id,
             "job_id": lease.job_id if lease else "",
@@ -347,9 +402,16 @@ class Attempt:
             "reason": reason,
             "timings": dict(self.record.timings),
             "started_at": self.record.claimed_at,
-            "ended_at": self.ctx.clock.wall(),
+            "ended_at": ended_at,
         }
         try:
             self.ctx.ledger.append(entry)
         except OSError as exc:
             log.error("lease %s: cannot write the ledger: %s", entry["lease_id"], exc)
+        usage, started, ended = self.record.task_usage, self.record.claimed_at, ended_at
+        self.ctx.metrics.attempt_finished(
+            outcome.value,
+            ended - started if started else None,
+            usage.get("cpu_percent_mean"),
+            usage.get("gpu_util_percent_mean"),
+        )

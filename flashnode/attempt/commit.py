@@ -161,7 +161,9 @@ def _upload(a: Attempt, key: str, open_file: Callable[[], Opened]) -> str | None
             if opened is None:
                 return None
             fh, size = opened
-            return a.ctx.coordinator.upload(key, fh, size)
+            sha = a.ctx.coordinator.upload(key, fh, size)
+            a.count_uploaded(size)
+            return sha
 
     try:
         return _retrying(a, f"upload of {key.rsplit('/', 1)[-1]}", once)
@@ -219,6 +221,7 @@ def _upload_logs_best_effort(a: Attempt, prefix: str, ws: Workspace) -> None:
             with ws.open_log(name) as opened:
                 if opened is not None:
                     a.ctx.coordinator.upload(f"{prefix}logs/{name}", *opened)
+                    a.count_uploaded(opened[1])
         except (CoordinatorError, CredentialsError, AttemptFailed, OSError):
             return
 

@@ -12,6 +12,7 @@ from flashnode.cgroups import Limits
 from flashnode.clock import Clock
 from flashnode.gpupool import GpuPool
 from flashnode.ledger import Ledger
+from flashnode.metrics import MetricsSink, NullMetrics
 from flashnode.runners.base import Runner
 from flashnode.sampler import CpuWindow, GpuReader
 from flashnode.settings import Settings
@@ -64,3 +65,4 @@ class AttemptContext:
     gpu: GpuReader | None = None
     gpus: GpuPool = field(default_factory=GpuPool)
     limits: Limits = field(default_factory=Limits)  # per task (runners.spec.task_limits)
+    metrics: MetricsSink = field(default_factory=NullMetrics)

@@ -1,6 +1,14 @@
 """The run: start the task through the runner, wait for it (its exit, its timeout, a cancel, a
-lost lease, its outputs outgrowing their cap), sample it, and turn how it ended into evidence and,
-when it did not succeed, the reason."""
+lost lease, its outputs outgrowing their cap, an owner control suspending it), sample it, and
+turn how it ended into evidence and, when it did not succeed, the reason.
+
+Suspension (``Attempt.request_suspension``, from the loop's owner controls): the task is frozen
+through its runner and resumed when the rule clears; time suspended does not count against the
+task's timeout, and the lease keeper keeps renewing meanwhile. A suspension longer than
+``max_suspend_seconds`` (default: the lease's window, ``lease_seconds``) stops the task and gives
+the lease back (``AttemptLapsed``: not the task's fault), so that no lease sits frozen for hours
+while other nodes could run it. A task that cannot be suspended is ended the same way: the
+owner's rule wins."""
 
 from __future__ import annotations
 
@@ -10,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from flashnode.attempt.record import State
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.runners import spec as specs
-from flashnode.runners.base import RunResult
+from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.sampler import Sampler
 from flashnode.wire import ExecutionEvidence
 
@@ -56,18 +64,25 @@ def run(a: Attempt) -> None:
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
     t0 = ctx.clock.monotonic()
     stopped: Exception | None = None
+    waited = _Wait(a, timeout, t0)
     try:
-        stopped = _wait(a, timeout, t0)
+        stopped = waited.run()
         wall = ctx.clock.monotonic() - t0
         host_gpu, task_gpu = sampler.finish()
         task_cpu = handle.cpu_seconds()
         a.result = result = handle.result()
     finally:
+        a.suspended_since = None
         sampler.finish()
         for watcher in a.during_run:
             watcher.finish(a)
+    suspended = waited.suspended_total(t0 + wall)
+    active = wall - suspended
+    if suspended > 0:
+        a.record.timings["suspended"] = round(suspended, 4)
     a.record.task_usage = {
-        "cpu_percent_mean": round(task_cpu / wall * 100, 2) if task_cpu and wall > 0 else None,
+        # Over the time the task could run: a suspension is not the task idling.
+        "cpu_percent_mean": round(task_cpu / active * 100, 2) if task_cpu and active > 0 else None,
         "gpu_util_percent_mean": task_gpu,
     }
     a.record.evidence = ExecutionEvidence(
@@ -83,34 +98,92 @@ def run(a: Attempt) -> None:
     _verdict(result)
 
 
-def _wait(a: Attempt, timeout: float, t0: float) -> Exception | None:
+class _Wait:
     """Until the main process exits; stops it (and says why) on a lost lease, a cancel, the
-    timeout or outputs past their cap."""
-    assert a.handle is not None and a.workspace is not None
-    ctx, s, handle = a.ctx, a.ctx.settings, a.handle
-    deadline = t0 + timeout
-    next_watch = t0 + WATCH_S
-    while not handle.exited():
-        now = ctx.clock.monotonic()
-        if a.keeper is not None and a.keeper.lost.is_set():
-            handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
-            return None
-        if a.cancelled is not None:
-            handle.terminate(a.cancel_grace)
-            return a.cancelled
-        if now >= deadline:
-            handle.terminate(s.kill_grace_seconds)
-            return AttemptFailed(f"timed out after {timeout:g} s")
-        if now >= next_watch:
-            next_watch = now + WATCH_S
-            if a.workspace.usage() > s.max_output_total_bytes:
+    timeout, outputs past their cap, or a suspension that lasts too long."""
+
+    def __init__(self, a: Attempt, timeout: float, t0: float) -> None:
+        assert a.lease is not None
+        self.a, self.timeout = a, timeout
+        self.deadline = t0 + timeout
+        self.next_watch = t0 + WATCH_S
+        s = a.ctx.settings
+        self.max_suspend = s.max_suspend_seconds or a.lease.window
+        self.suspended_at: float | None = None
+        self._suspended = 0.0  # seconds suspended before the present suspension
+
+    def suspended_total(self, now: float) -> float:
+        ongoing = now - self.suspended_at if self.suspended_at is not None else 0.0
+        return self._suspended + ongoing
+
+    def run(self) -> Exception | None:
+        a = self.a
+        assert a.handle is not None and a.workspace is not None
+        ctx, s, handle = a.ctx, a.ctx.settings, a.handle
+        while not handle.exited():
+            now = ctx.clock.monotonic()
+            if a.keeper is not None and a.keeper.lost.is_set():
+                handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
+                return None
+            if a.cancelled is not None:
+                handle.terminate(a.cancel_grace)
+                return a.cancelled
+            ending = self._suspension(now)
+            if ending is not None:
                 handle.terminate(s.kill_grace_seconds)
-                return AttemptFailed(
-                    f"outputs grew past {s.max_output_total_bytes} bytes; the task was stopped"
-                )
-        ctx.clock.wait(a.wake, min(deadline, next_watch) - now)
-        a.wake.clear()
-    return None
+                return ending
+            if self.suspended_at is None and now >= self.deadline:
+                handle.terminate(s.kill_grace_seconds)
+                return AttemptFailed(f"timed out after {self.timeout:g} s")
+            if now >= self.next_watch:
+                self.next_watch = now + WATCH_S
+                if a.workspace.usage() > s.max_output_total_bytes:
+                    handle.terminate(s.kill_grace_seconds)
+                    return AttemptFailed(
+                        f"outputs grew past {s.max_output_total_bytes} bytes; the task was stopped"
+                    )
+            until = self.next_watch
+            if self.suspended_at is not None:
+                until = min(until, self.suspended_at + self.max_suspend)
+            else:
+                until = min(until, self.deadline)
+            ctx.clock.wait(a.wake, until - now)
+            a.wake.clear()
+        return None
+
+    def _suspension(self, now: float) -> AttemptLapsed | None:
+        """Suspend or resume as the owner's controls ask; the ending of a suspension that
+        lasted too long or could not be done."""
+        a, handle = self.a, self.a.handle
+        assert handle is not None
+        reason = a.suspend_reason
+        if reason is not None and self.suspended_at is None:
+            try:
+                handle.suspend()
+            except SuspendFailed as exc:
+                log.error("lease %s: %s", a.lease_id, exc)
+                return AttemptLapsed(f"{exc}, while an owner control asked to suspend it")
+            self.suspended_at = now
+            a.suspended_since = now
+            log.info("lease %s: task suspended: %s", a.lease_id, reason)
+        elif reason is None and self.suspended_at is not None:
+            held = now - self.suspended_at
+            try:
+                handle.resume()
+            except SuspendFailed as exc:
+                log.error("lease %s: %s", a.lease_id, exc)
+                return AttemptLapsed(str(exc))
+            self._suspended += held
+            self.deadline += held  # suspended time does not count against the timeout
+            self.suspended_at = None
+            a.suspended_since = None
+            log.info("lease %s: task resumed after %.0f s suspended", a.lease_id, held)
+        if self.suspended_at is not None and now - self.suspended_at >= self.max_suspend:
+            return AttemptLapsed(
+                f"suspended by an owner control for longer than {self.max_suspend:g} s"
+                f" ({a.suspend_reason or 'released just now'}); the lease is given back"
+            )
+        return None
 
 
 def _verdict(result: RunResult) -> None:

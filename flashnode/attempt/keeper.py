@@ -39,6 +39,8 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self.lost = threading.Event()
         self.reason = ""
+        # Monotonic: the last renewal (at first, the claim) + the lease window; the live view.
+        self.deadline = clock.monotonic() + lease.window
 
     def stop(self) -> None:
         self._stop.set()
@@ -54,6 +56,7 @@ class LeaseKeeper:
         backoff = Backoff(Policy(first=1.0, cap=interval, jitter=(0.9, 1.0)), self._rng)
         now = self._clock.monotonic()
         next_renewal, deadline = now + interval, now + window
+        self.deadline = deadline
         while not self._clock.wait(self._stop, next_renewal - self._clock.monotonic()):
             try:
                 self._coordinator.attempt_heartbeat(self._lease.lease_id)
@@ -75,6 +78,7 @@ class LeaseKeeper:
             backoff.reset()
             now = self._clock.monotonic()
             next_renewal, deadline = now + interval, now + window
+            self.deadline = deadline
 
     def _mark_lost(self, reason: str) -> None:
         if self.lost.is_set():

@@ -28,6 +28,7 @@ def run(a: Attempt) -> None:
         a.check()
         dest = ws.stage / inp.name if inp.unpack else ws.inputs / inp.dest
         size = _download(a, inp.name, inp.key, dest, budget)
+        a.count_staged(size)
         budget -= size
         if inp.unpack:
             archives.unpack(dest, ws.inputs / inp.name, inp.name, budget)

@@ -8,7 +8,9 @@
 * ``start(spec)`` returns a Handle or raises after undoing everything it began.
 * A Handle's ``terminate(grace)`` is idempotent and escalates (polite signal, grace, kill);
   ``result()`` (once the main process exited) removes whatever the task left behind and returns
-  the RunResult: data, not an exception.
+  the RunResult: data, not an exception. ``suspend()``/``resume()`` freeze and thaw the whole
+  task for the owner's controls (the cgroup freezer or SIGSTOP; a container's pause); a
+  suspended task is resumed before it is terminated.
 * ``reconcile`` runs at agent start and removes what an earlier run of this agent left behind;
   ``reap`` does it for one recorded task.
 
@@ -102,6 +104,22 @@ class Handle(Protocol):
 
     def cpu_seconds(self) -> float | None:
         """CPU time the task used so far, None where it cannot be measured."""
+
+    def suspend(self) -> None:
+        """Stop every process of the task from running, keeping them (an owner control).
+        Raises SuspendFailed when it cannot."""
+
+    def resume(self) -> None:
+        """Let a suspended task run again; nothing for one that is not suspended. Raises
+        SuspendFailed when it cannot."""
+
+    def last_output(self) -> str:
+        """The last line the task printed (stdout or stderr, whichever was latest), escaped for
+        a terminal; "" before any."""
+
+
+class SuspendFailed(Exception):
+    """A task could not be suspended or resumed (its freezer, signals or engine refused)."""
 
 
 @dataclass

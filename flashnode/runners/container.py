@@ -31,10 +31,23 @@ import docker.types
 import requests
 
 from flashnode.errors import AttemptFailed, AttemptLapsed, ExitCode, PrerequisiteError
-from flashnode.logcap import CappedFile
+from flashnode.logcap import CappedFile, latest_line
 from flashnode.preflight import Finding, Ok, Problem
-from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
-from flashnode.runners.spec import cuda_visible, module_argv, write_module_spec
+from flashnode.runners.base import (
+    Handle,
+    Runner,
+    RunnerEnv,
+    RunResult,
+    StartSpec,
+    SuspendFailed,
+)
+from flashnode.runners.spec import (
+    cuda_visible,
+    machine_cpus,
+    min_cpus,
+    module_argv,
+    write_module_spec,
+)
 from flashnode.settings import Settings
 from flashnode.wire import MODULES, Task
 
@@ -89,6 +102,10 @@ class CappedLog:
     def tail(self) -> bytes:
         return self._file.tail
 
+    @property
+    def file(self) -> CappedFile:
+        return self._file
+
     def _run(self, chunks: Iterator[bytes]) -> None:
         try:
             with contextlib.suppress(*ENGINE_ERRORS):
@@ -110,6 +127,7 @@ class ContainerHandle:
         self._code: int | None = None
         self._cause: str | None = None
         self._done = threading.Event()
+        self._paused = False
         self._result: RunResult | None = None
         self._logs = [
             CappedLog(
@@ -140,9 +158,33 @@ class ContainerHandle:
         return self._done.is_set()
 
     def terminate(self, grace: float) -> None:
+        with contextlib.suppress(SuspendFailed):
+            self.resume()  # a paused container cannot act on SIGTERM
         with contextlib.suppress(*ENGINE_ERRORS):
             self._container.stop(timeout=max(int(grace), 0))
         self._done.wait(grace + 10)
+
+    def suspend(self) -> None:
+        """``docker pause``: the engine freezes the container's cgroup."""
+        if self._paused:
+            return
+        try:
+            self._container.pause()
+        except ENGINE_ERRORS as exc:
+            raise SuspendFailed(f"cannot pause the container ({_brief(exc)})") from None
+        self._paused = True
+
+    def resume(self) -> None:
+        if not self._paused:
+            return
+        try:
+            self._container.unpause()
+        except ENGINE_ERRORS as exc:
+            raise SuspendFailed(f"cannot unpause the container ({_brief(exc)})") from None
+        self._paused = False
+
+    def last_output(self) -> str:
+        return latest_line(*(capped.file for capped in self._logs))
 
     def result(self) -> RunResult:
         if self._result is not None:
@@ -374,8 +416,11 @@ class ContainerRunner(Runner):
         if spec.limits.memory_bytes:
             kwargs["mem_limit"] = spec.limits.memory_bytes
             kwargs["memswap_limit"] = spec.limits.memory_bytes
-        if spec.limits.cpus:
-            kwargs["nano_cpus"] = int(spec.limits.cpus * 1e9)
+        # The machine cap has no common parent cgroup here: each container gets its slot's share.
+        cap = machine_cpus(s, os.cpu_count() or 1)
+        cpus = min_cpus(spec.limits.cpus, None if cap is None else cap / max(self.env.slots, 1))
+        if cpus:
+            kwargs["nano_cpus"] = int(cpus * 1e9)
         if spec.gpus:
             kwargs["device_requests"] = [
                 docker.types.DeviceRequest(

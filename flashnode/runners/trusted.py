@@ -21,20 +21,37 @@ and the ownership token.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pwd
 import shutil
 import stat
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from flashnode import cgroups, procs
 from flashnode.errors import AttemptFailed, AttemptLapsed, ConfigError, ExitCode
+from flashnode.logcap import latest_line
 from flashnode.preflight import Finding, Ok, Problem
-from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
-from flashnode.runners.spec import cuda_visible, map_work, module_argv, write_module_spec
+from flashnode.runners.base import (
+    Handle,
+    Runner,
+    RunnerEnv,
+    RunResult,
+    StartSpec,
+    SuspendFailed,
+)
+from flashnode.runners.spec import (
+    cuda_visible,
+    machine_cpus,
+    map_work,
+    min_cpus,
+    module_argv,
+    write_module_spec,
+)
 from flashnode.settings import Settings
 from flashnode.wire import MODULES, Task
 
@@ -67,9 +84,12 @@ def task_env(
 
 
 class TrustedHandle:
-    def __init__(self, proc: procs.TaskProcess) -> None:
+    def __init__(
+        self, proc: procs.TaskProcess, on_result: Callable[[], None] = lambda: None
+    ) -> None:
         self._proc = proc
         self._result: RunResult | None = None
+        self._on_result = on_result
 
     def exited(self) -> bool:
         return self._proc.exited.is_set()
@@ -86,6 +106,7 @@ class TrustedHandle:
         if self._proc.cgroup is not None:
             oom = self._proc.cgroup.oom_killed()
             self._proc.cgroup.remove()
+        self._on_result()
         code = self._proc.returncode
         tail = self._proc.stderr.tail.decode("utf-8", "replace")
         cause = None
@@ -108,6 +129,21 @@ class TrustedHandle:
     def cpu_seconds(self) -> float | None:
         return self._proc.cpu_seconds()
 
+    def suspend(self) -> None:
+        try:
+            self._proc.suspend()
+        except OSError as exc:
+            self._proc.resume()
+            raise SuspendFailed(
+                f"cannot freeze the task's cgroup ({exc.strerror or exc})"
+            ) from None
+
+    def resume(self) -> None:
+        self._proc.resume()
+
+    def last_output(self) -> str:
+        return latest_line(self._proc.stdout.file, self._proc.stderr.file)
+
 
 class TrustedRunner(Runner):
     name = "trusted"
@@ -129,6 +165,10 @@ class TrustedRunner(Runner):
         self.settings = settings
         self.module_capable = False
         self.task_python: str | None = None
+        # The CPU limit of each running task's cgroup (by name), for a reloaded machine cap.
+        self._task_cpus: dict[str, float | None] = {}
+        self._cpu_cap: float | None = None
+        self._cpu_lock = threading.Lock()
 
     # --- construction -----------------------------------------------------------------------
 
@@ -185,6 +225,7 @@ class TrustedRunner(Runner):
 
     def reconfigure(self, settings: Settings) -> None:
         self.settings = settings
+        self._apply_cpu_cap(settings)
         if self.users is not None and settings.task_user and len(self.users) < self.env.slots:
             self.users = slot_users(settings.task_user, self.env.slots)
         python = settings.task_python
@@ -200,6 +241,27 @@ class TrustedRunner(Runner):
             else:
                 log.info("module tasks on, under %s", python)
         self.task_python, self.module_capable = python, capable
+
+    def _apply_cpu_cap(self, settings: Settings) -> None:
+        """``task_cpu_percent`` of the machine for all tasks together: the CPU quota of the
+        attempts' parent cgroup, changed live (running tasks included) on a reload."""
+        cap = machine_cpus(settings, os.cpu_count() or 1)
+        if self.hierarchy is None:
+            if cap is not None:
+                log.warning("task_cpu_percent is not applied: this host gives tasks no cgroups")
+            return
+        with self._cpu_lock:
+            try:
+                self.hierarchy.set_cpu_cap(cap, dict(self._task_cpus))
+            except OSError as exc:
+                if cap is not None:
+                    log.error("cannot apply task_cpu_percent: %s", exc.strerror or exc)
+                return
+            if cap != self._cpu_cap:
+                log.info(
+                    "tasks together use at most %s", "all CPUs" if cap is None else f"{cap:g} CPUs"
+                )
+            self._cpu_cap = cap
 
     # --- the contract -------------------------------------------------------------------------
 
@@ -249,11 +311,19 @@ class TrustedRunner(Runner):
         path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
         env = task_env(spec, token, self.agent_env, path)
         cgroup = None
+        name = ws.root.name
         if self.hierarchy is not None:
-            try:
-                cgroup = self.hierarchy.create(ws.root.name, spec.limits)
-            except OSError as exc:
-                raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
+            limits = spec.limits
+            with self._cpu_lock:
+                # Below the machine cap: cgroup v1 refuses a child quota above its parent's.
+                capped = dataclasses.replace(limits, cpus=min_cpus(limits.cpus, self._cpu_cap))
+                try:
+                    cgroup = self.hierarchy.create(name, capped)
+                except OSError as exc:
+                    raise AttemptLapsed(
+                        f"cannot create the task's cgroup: {exc.strerror}"
+                    ) from None
+                self._task_cpus[name] = limits.cpus
         uid = user.uid if user else os.geteuid()
         # Before anything runs: what finds the task's processes again after a crash.
         spec.record(
@@ -284,17 +354,26 @@ class TrustedRunner(Runner):
         except OSError as exc:
             if cgroup is not None:
                 cgroup.remove()
+            self._forget(name)
             raise AttemptFailed(f"cannot start {argv[0][:100]!r}: {exc.strerror or exc}") from None
         spec.record(proc.identity())
-        return TrustedHandle(proc)
+        return TrustedHandle(proc, lambda: self._forget(name))
+
+    def _forget(self, name: str) -> None:
+        with self._cpu_lock:
+            self._task_cpus.pop(name, None)
 
     def reap(self, identity: Mapping[str, Any]) -> None:
-        procs.reap(identity, self.env.clock)
         paths, version = identity.get("cgroup"), identity.get("cgroup_version")
+        cgroup = None
         if isinstance(paths, dict) and version in (1, 2):
-            cgroups.AttemptCgroup(
+            cgroup = cgroups.AttemptCgroup(
                 version, {k: Path(v) for k, v in paths.items()}, self.env.clock
-            ).remove()
+            )
+            cgroup.thaw()  # a task the earlier run left suspended dies only once thawed
+        procs.reap(identity, self.env.clock)
+        if cgroup is not None:
+            cgroup.remove()
 
 
 def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
