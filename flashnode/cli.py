@@ -23,9 +23,12 @@ from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
 from flashnode.coordinator import Coordinator
+from flashnode.datacache import DataCache, Fetcher
+from flashnode.envcache import EnvCache
 from flashnode.errors import (
     ConfigError,
     CredentialsError,
+    EnvUnavailable,
     ExitCode,
     FlashnodeError,
     PrerequisiteError,
@@ -224,6 +227,42 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
+def env_cache(settings: Settings) -> EnvCache | None:
+    """The agent's one cache of job environments: the trusted runner's only. A source build runs
+    as slot 0's task user when the agent is root (never as root)."""
+    if settings.runner != "trusted":
+        return None
+    build_user = None
+    if settings.allow_source_builds and os.geteuid() == 0 and settings.task_user:
+        from flashnode.runners.trusted import slot_users
+
+        user = slot_users(settings.task_user, 1)[0]
+        build_user = (user.uid, user.gid)
+    try:
+        return EnvCache(
+            settings.state_dir / envs_cli.ENVS_DIR,
+            settings.env_cache_bytes,
+            allow_python_downloads=settings.allow_python_downloads,
+            allow_source_builds=settings.allow_source_builds,
+            negative_ttl_s=settings.env_negative_seconds,
+            build_user=build_user,
+        )
+    except EnvUnavailable as exc:
+        raise PrerequisiteError(str(exc)) from None
+
+
+def data_cache(settings: Settings) -> DataCache:
+    """The agent's one dataset cache (``<state dir>/data``) and its fetcher."""
+    fetcher = Fetcher(
+        ca_file=settings.dataset_ca_file, timeout_seconds=settings.dataset_fetch_timeout_seconds
+    )
+    try:
+        return DataCache(settings.state_dir / "data", settings.dataset_cache_bytes, fetcher)
+    except OSError as exc:
+        fetcher.close()
+        raise PrerequisiteError(f"cannot set up the dataset cache: {exc}") from None
+
+
 def run_agent(
     settings: Settings,
     reload: Callable[[], Settings] | None = None,
@@ -245,6 +284,8 @@ def run_agent(
         join_code=settings.join_code.get_secret_value() if settings.join_code else None,
     )
     machine = (psutil.virtual_memory().total, os.cpu_count() or 1)
+    envs = env_cache(settings)
+    data = data_cache(settings)
     ctx = AttemptContext(
         coordinator=coordinator,
         runner=runner,
@@ -257,10 +298,17 @@ def run_agent(
         gpu=nvml,
         gpus=gpus,
         limits=task_limits(settings, slots, *machine),
+        envs=envs,
+        data=data,
     )
 
     def on_settings(new: Settings) -> None:
         ctx.limits = task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
+        data.budget_bytes = new.dataset_cache_bytes
+        data.prune()
+        if envs is not None:
+            envs.budget = new.env_cache_bytes
+            envs.prune()
 
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []
@@ -302,3 +350,4 @@ def run_agent(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         coordinator.close()
+        data.fetcher.close()

@@ -69,7 +69,8 @@ class TaskUser:
 
 @dataclass(frozen=True)
 class Sandbox:
-    """What a root agent sets up around a task before dropping to its user."""
+    """What a root agent sets up around a task before dropping to its user. Bind paths may not
+    hold a newline (``command`` refuses them)."""
 
     tmp_bytes: int  # size of each private tmpfs
     read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
@@ -134,7 +135,8 @@ def env_file(env: Mapping[str, str]) -> int:
 
 # As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
 # directories ($2: tmpfs options; the workspace, the current directory, is bound back in at its
-# path if it lived under one of them), bind the read-only views ($3: "src dst" lines), run the rest.
+# path if it lived under one of them), bind the read-only views ($3: lines, a source then its
+# target, so that paths may hold spaces), run the rest.
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
@@ -146,8 +148,7 @@ for d in $PRIVATE; do
       || fail "cannot keep the workspace under $d";;
   esac
 done
-printf '%s\n' "$3" | while read -r src dst; do
-  [ -n "$src" ] || continue
+printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
   mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
     || fail "cannot mount $dst read-only"
 done || exit 125
@@ -184,9 +185,11 @@ def command(
         ]
     if cgroup is None and sandbox is None:
         return cmd
+    if sandbox and any("\n" in p for bind in sandbox.read_only_binds for p in bind):
+        raise ValueError("a read-only view's path holds a newline")
     procs = " ".join(cgroup.procs_files) if cgroup else ""
     tmpfs = f"nosuid,nodev,mode=1777,size={sandbox.tmp_bytes}" if sandbox else ""
-    binds = "\n".join(f"{s} {d}" for s, d in sandbox.read_only_binds) if sandbox else ""
+    binds = "\n".join(f"{s}\n{d}" for s, d in sandbox.read_only_binds) if sandbox else ""
     setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, *cmd]
     if sandbox is not None:

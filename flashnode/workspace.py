@@ -6,15 +6,18 @@ Layout of ``<state_dir>/attempts/<lease_id>/`` (the task sees it as ``/work``)::
     out/      the task's outputs; every regular file is uploaded under the task's output prefix
     tmp/      the task's TMPDIR and HOME
     logs/     stdout.txt and stderr.txt of the task, written by the agent (size-capped)
+    data/     dataset slices, read-only: hard links into the agent's dataset cache (made by the
+              data phase only when the task has datasets)
     .stage/   downloads in progress (never visible under inputs/)
 
 The privilege boundary (DESIGN.md §5): the directory itself, ``inputs/``, ``logs/`` and
 ``.stage/`` belong to the agent; only ``out/`` and ``tmp/`` belong to the task's user (see
-``hand_over``), so a task can rename nothing the agent later opens by name. The output walk and
-every read of an output go through directory descriptors the agent opened itself, never
-following a link (``openat`` with ``O_NOFOLLOW``), and refuse an ``out`` that is not a real
-directory and any file its task's user did not write; an upload reads from a descriptor that is
-checked to be the very file the walk saw.
+``hand_over``), so a task can rename nothing the agent later opens by name. Nothing under
+``data/`` is ever chowned or chmodded: its files share their inodes with the dataset cache.
+The output walk and every read of an output go through directory descriptors the agent opened
+itself, never following a link (``openat`` with ``O_NOFOLLOW``), and refuse an ``out`` that is
+not a real directory and any file its task's user did not write; an upload reads from a
+descriptor that is checked to be the very file the walk saw.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Workspace:
         self.logs = root / "logs"
         self.tmp = root / "tmp"
         self.stage = root / ".stage"
+        self.data = root / "data"
         self.task_uid = task_uid  # who writes out/: the walk refuses files of anyone else
 
     @classmethod
@@ -69,7 +73,7 @@ class Workspace:
         """Give the task's user ``out/`` and ``tmp/``; let it read its inputs. ``inputs_for``:
         "group" (the trusted runner: the directory and inputs readable by the task's own group
         only, so no other slot's user can enter) or "everyone" (a container's user, which shares
-        no group with the host)."""
+        no group with the host). ``data/`` is left as it is (see the module docstring)."""
         everyone = inputs_for == "everyone"
         me = os.geteuid()
         group = os.getegid() if everyone else gid

@@ -2,7 +2,7 @@
 
 The orchestrator only sequences phases and turns how they end into one outcome:
 
-    prepare → stage → execute → check → commit
+    prepare → stage → environment → data → execute → check → commit
 
 Each phase is a function of the running ``Attempt`` in its own module; a new capability arrives
 as a new phase, not as a branch in an old one. Between phases, and inside every wait, the attempt
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from flashnode.attempt import commit, execute, prepare, stage
+from flashnode.attempt import commit, data, environment, execute, prepare, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, State
@@ -66,6 +66,8 @@ class Watcher(Protocol):
 PHASES: tuple[tuple[str, Phase], ...] = (
     ("prepare", prepare.run),
     ("stage", stage.run),
+    ("environment", environment.run),
+    ("data", data.run),
     ("execute", execute.run),
     ("check", commit.check),
     ("commit", commit.commit),
@@ -108,6 +110,9 @@ class Attempt:
         self.prepared = Preparation()  # what phases before the run add to its start
         self.during_run: list[Watcher] = []  # started with the task, finished after it exits
         self.cleanups: list[Callable[[], None]] = []  # run once the attempt ends, in any case
+        # What phases report about themselves (env built or reused, bytes fetched, labels lent):
+        # in the attempt's status while it runs, and in its ledger line.
+        self.facts: dict[str, Any] = {}
         self.wake = threading.Event()  # the execute phase's wait: exit, cancel or loss
         self.stop = threading.Event()  # every wait of every phase ends when this is set
         self._ending: AttemptFailed | AttemptLapsed | None = None
@@ -128,7 +133,7 @@ class Attempt:
     def snapshot(self) -> dict[str, Any]:
         lease = self.lease
         assert lease is not None
-        return {
+        snap = {
             "lease_id": lease.lease_id,
             "job_id": lease.job_id,
             "task_id": lease.task_id,
@@ -138,6 +143,9 @@ class Attempt:
             "slot": self.record.slot,
             "gpus": [d.visible for d in self.devices],
         }
+        for key, value in list(self.facts.items()):  # phases add to it on their thread
+            snap.setdefault(key, value)
+        return snap
 
     def cancel(self, ending: AttemptFailed | AttemptLapsed, grace: float) -> None:
         """Stop the attempt wherever it is (the task: TERM, ``grace`` seconds, KILL) and end it
@@ -342,6 +350,8 @@ class Attempt:
             "started_at": self.record.claimed_at,
             "ended_at": self.ctx.clock.wall(),
         }
+        for key, value in self.facts.items():
+            entry.setdefault(key, value)
         try:
             self.ctx.ledger.append(entry)
         except OSError as exc:

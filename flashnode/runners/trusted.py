@@ -111,6 +111,7 @@ class TrustedHandle:
 
 class TrustedRunner(Runner):
     name = "trusted"
+    installs_dependencies = True  # a task's `dependencies` get a job environment (envcache)
 
     def __init__(
         self,
@@ -151,6 +152,17 @@ class TrustedRunner(Runner):
                 )
             else:
                 found.append(Ok("module tasks", f"on, under {settings.task_python}"))
+        hidden = under_private_dir(settings.state_dir) if os.geteuid() == 0 else None
+        if hidden is not None:
+            found.append(
+                Problem(
+                    "job environments",
+                    f"the state dir {settings.state_dir} lies under {hidden}, which tasks get a"
+                    " private copy of: tasks with dependencies are refused",
+                    f"choose a state_dir outside {', '.join(procs.PRIVATE_DIRS)}",
+                    code=None,
+                )
+            )
         return found
 
     @classmethod
@@ -204,8 +216,20 @@ class TrustedRunner(Runner):
     # --- the contract -------------------------------------------------------------------------
 
     def check(self, task: Task) -> None:
+        self._check_code(task)
+        if task.local_inputs and not self.sandbox:
+            raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
+        if task.dependencies and self.sandbox:
+            hidden = under_private_dir(self.settings.state_dir)
+            if hidden is not None:
+                raise AttemptLapsed(
+                    f"job environments under {self.settings.state_dir} are hidden from tasks,"
+                    f" which get a private {hidden}: move the state dir"
+                )
+
+    def _check_code(self, task: Task) -> None:
         pools = self.settings.pools
-        if task.module is not None:
+        if task.module is not None and not task.dependencies:
             # Allowlisted installed code, not the task's own: no sandbox fallback needed, but a
             # task placed for a pool still has to be one of ours.
             if not self.module_capable:
@@ -213,13 +237,16 @@ class TrustedRunner(Runner):
             if task.pool is not None and task.pool not in pools:
                 raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
             return
-        if task.argv is None:
+        # An argv task, or a module task with dependencies: the job chooses the code it installs,
+        # so it is the job's own code, pool-only like argv.
+        if task.argv is None and task.module is None:
             raise AttemptFailed("the trusted runner runs argv and module tasks only")
         if not pools:
             raise AttemptFailed("refused: this node serves no pool, so it runs no trusted work")
         if not task.pool:
             raise AttemptFailed(
-                "refused: trusted argv work must name a pool, and this task names none"
+                "refused: trusted work that runs the job's own code must name a pool, and this"
+                " task names none"
             )
         if task.pool not in pools:
             raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
@@ -245,6 +272,11 @@ class TrustedRunner(Runner):
         else:
             assert spec.argv is not None
             argv = [map_work(a, root) for a in spec.argv]
+        binds = tuple((src, map_work(dst, root)) for src, dst in spec.read_only_binds)
+        if binds and not self.sandbox:
+            raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
+        if any("\n" in path for bind in binds for path in bind):
+            raise AttemptLapsed("cannot lend a directory whose path holds a newline")
         token = procs.new_token()
         path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
         env = task_env(spec, token, self.agent_env, path)
@@ -264,9 +296,6 @@ class TrustedRunner(Runner):
                 "cgroup_version": cgroup.version if cgroup else None,
             }
         )
-        binds = tuple((src, map_work(dst, root)) for src, dst in spec.read_only_binds)
-        if binds and not self.sandbox:
-            raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
         try:
             proc = procs.TaskProcess(
                 argv,
@@ -295,6 +324,16 @@ class TrustedRunner(Runner):
             cgroups.AttemptCgroup(
                 version, {k: Path(v) for k, v in paths.items()}, self.env.clock
             ).remove()
+
+
+def under_private_dir(path: Path) -> str | None:
+    """The private directory (``/tmp``, ...) a root agent's tasks get in place of the one
+    ``path`` lies under, hiding it from them; None when ``path`` is not under one."""
+    resolved = path.resolve()
+    for private in procs.PRIVATE_DIRS:
+        if resolved.is_relative_to(Path(private).resolve()):
+            return private
+    return None
 
 
 def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
