@@ -177,21 +177,33 @@ class Agent:
         names."""
         outbox = self.ctx.outbox
         for lease_id in outbox.leases():
-            record = outbox.read(lease_id)
-            if record is None:
+            try:
+                self._recover(lease_id)
+            except Exception:  # one bad leftover must not keep the agent from starting
+                log.exception("lease %s: recovery failed; dropping its record", lease_id)
                 outbox.remove(lease_id)
-                continue
-            if record.process:
-                self.ctx.runner.reap(record.process)
-            attempt = Attempt(self.ctx, record.lease, record.slot, record=record)
-            if record.state is State.FINISHED:
-                outcome = attempt.resume()
-            else:
-                outcome = attempt.abandon("agent restarted")
-            self.stats.count(outcome)
-        self.ctx.runner.reconcile()
-        remove_stale_workspaces(self.settings.state_dir / "attempts", keep=set(outbox.leases()))
+        try:
+            self.ctx.runner.reconcile()
+            keep = set(outbox.leases())
+            remove_stale_workspaces(self.settings.state_dir / "attempts", keep=keep)
+        except Exception:
+            log.exception("cleaning up after an earlier run failed")
         self.sink.send(READY=1)
+
+    def _recover(self, lease_id: str) -> None:
+        outbox = self.ctx.outbox
+        record = outbox.read(lease_id)
+        if record is None:
+            outbox.remove(lease_id)
+            return
+        if record.process:
+            self.ctx.runner.reap(record.process)
+        attempt = Attempt(self.ctx, record.lease, record.slot, record=record)
+        if record.state is State.FINISHED:
+            outcome = attempt.resume()
+        else:
+            outcome = attempt.abandon("agent restarted")
+        self.stats.count(outcome)
 
     def _loop(self) -> None:
         while True:
@@ -487,6 +499,15 @@ class Agent:
             self._next_claim = now + self.claim_backoff.next()
             return
         self.claim_backoff.reset()
+        lease_id = lease.get("lease_id")
+        with self._lock:
+            held = {a.record.lease_id for a in self.running.values()}
+        if isinstance(lease_id, str) and lease_id in held:
+            # The same lease again (a replayed or hostile answer): it is running here already,
+            # and a second attempt would share its workspace and cgroup.
+            log.error("claim answer names lease %s, which runs here already: ignored", lease_id)
+            self._next_claim = now + self.claim_backoff.next()
+            return
         self.stats.started += 1
         slot = self._free_slot() or 0
         attempt = Attempt(self.ctx, lease, slot, self._reserve_gpus(lease))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import tarfile
 import zipfile
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from flashnode.errors import AttemptFailed
+from flashnode.workspace import remove_tree
 
 MAX_MEMBERS = 100_000
 COPY_CHUNK = 1024 * 1024
@@ -34,10 +34,10 @@ def unpack(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
         else:
             raise AttemptFailed(f"input {name!r} is not a tar or zip archive")
     except AttemptFailed:
-        shutil.rmtree(dest, ignore_errors=True)
+        remove_tree(dest)
         raise
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, RuntimeError) as exc:
-        shutil.rmtree(dest, ignore_errors=True)
+        remove_tree(dest)
         raise AttemptFailed(f"input {name!r}: broken archive ({type(exc).__name__})") from None
 
 

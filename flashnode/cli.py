@@ -27,6 +27,7 @@ from flashnode import (
     owner,
     pausefile,
     preflight,
+    procs,
     sensors,
 )
 from flashnode.agent import Agent, effective_slots
@@ -34,9 +35,12 @@ from flashnode.attempt import AttemptContext
 from flashnode.clock import SystemClock
 from flashnode.controls import Controls, Readers, Rules
 from flashnode.coordinator import Coordinator
+from flashnode.datacache import DataCache, Fetcher
+from flashnode.envcache import EnvCache
 from flashnode.errors import (
     ConfigError,
     CredentialsError,
+    EnvUnavailable,
     ExitCode,
     FlashnodeError,
     PrerequisiteError,
@@ -235,6 +239,41 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
+def env_cache(settings: Settings) -> EnvCache | None:
+    """The agent's one cache of job environments: the trusted runner's only. A source build runs
+    as the agent's helper user (``nobody``) when the agent is root: never as root, never as a
+    slot's user (whose task could reach into it)."""
+    if settings.runner != "trusted":
+        return None
+    build_user = None
+    helper = procs.helper_user()
+    if settings.allow_source_builds and helper is not None:
+        build_user = (helper.uid, helper.gid)
+    try:
+        return EnvCache(
+            settings.state_dir / envs_cli.ENVS_DIR,
+            settings.env_cache_bytes,
+            allow_python_downloads=settings.allow_python_downloads,
+            allow_source_builds=settings.allow_source_builds,
+            negative_ttl_s=settings.env_negative_seconds,
+            build_user=build_user,
+        )
+    except EnvUnavailable as exc:
+        raise PrerequisiteError(str(exc)) from None
+
+
+def data_cache(settings: Settings) -> DataCache:
+    """The agent's one dataset cache (``<state dir>/data``) and its fetcher."""
+    fetcher = Fetcher(
+        ca_file=settings.dataset_ca_file, timeout_seconds=settings.dataset_fetch_timeout_seconds
+    )
+    try:
+        return DataCache(settings.state_dir / "data", settings.dataset_cache_bytes, fetcher)
+    except OSError as exc:
+        fetcher.close()
+        raise PrerequisiteError(f"cannot set up the dataset cache: {exc}") from None
+
+
 def run_agent(
     settings: Settings,
     reload: Callable[[], Settings] | None = None,
@@ -245,6 +284,11 @@ def run_agent(
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
+    if settings.runner == "trusted" and os.geteuid() == 0:
+        # Before any thread starts (threads, and the tasks they start, inherit it).
+        why = procs.private_session_keyring()
+        if why:
+            log.warning("tasks share this agent's session keyring (%s)", why)
     try:
         served = metrics.create(settings.metrics_listen, settings.metrics_allow_remote)
     except ValueError as exc:
@@ -277,6 +321,8 @@ def _run_agent(
         join_code=settings.join_code.get_secret_value() if settings.join_code else None,
     )
     machine = (psutil.virtual_memory().total, os.cpu_count() or 1)
+    envs = env_cache(settings)
+    data = data_cache(settings)
     ctx = AttemptContext(
         coordinator=coordinator,
         runner=runner,
@@ -290,10 +336,17 @@ def _run_agent(
         gpus=gpus,
         limits=task_limits(settings, slots, *machine),
         metrics=served,
+        envs=envs,
+        data=data,
     )
 
     def on_settings(new: Settings) -> None:
         ctx.limits = task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
+        data.budget_bytes = new.dataset_cache_bytes
+        data.prune()
+        if envs is not None:
+            envs.budget = new.env_cache_bytes
+            envs.prune()
 
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []
@@ -344,3 +397,4 @@ def _run_agent(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         coordinator.close()
+        data.fetcher.close()

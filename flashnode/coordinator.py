@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -33,6 +34,7 @@ from flashnode.errors import (
     PayloadTooLarge,
     Unregistered,
 )
+from flashnode.settings import is_loopback
 from flashnode.wire import (
     SAFE_ID,
     CheckpointManifest,
@@ -105,6 +107,18 @@ class Coordinator:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._join_code = join_code
+        # Credentials in clear text to a loopback port: whoever holds the port gets them, and
+        # any local user can take it while the coordinator is down. Each new connection first
+        # checks who listens there (transport None: a real socket, not a test's stand-in).
+        parts = urlsplit(base_url)
+        self._guard = (
+            (parts.hostname, parts.port or 80)
+            if transport is None
+            and parts.scheme == "http"
+            and is_loopback(parts.hostname or "")
+            and (token or join_code)
+            else None
+        )
         self._client = httpx.Client(
             base_url=base_url + API,
             headers=headers,
@@ -284,6 +298,8 @@ class Coordinator:
     def _call(self, what: str, method: str, path: str, **kwargs: Any) -> tuple[int, bytes]:
         """One request; the answer is read with a size cap and a total deadline and its status
         checked against ``STATUS``."""
+        if self._guard is not None:
+            _check_listener(*self._guard)
         try:
             with self._client.stream(method, path, **kwargs) as resp:
                 body = _read_capped(resp, method, path, self._answer_deadline)
@@ -312,6 +328,35 @@ class Coordinator:
         if 300 <= status < 400:
             raise CoordinatorError(f"{what}: redirect {status} refused", status)
         raise CoordinatorError(f"{what}: {status} {detail}", status)
+
+
+def _check_listener(host: str | None, port: int) -> None:
+    """Refuse (as a transport error: retried) when the loopback port is held by a user other
+    than root or this agent's: credentials never go to a local squatter."""
+    owners = listener_uids(port)
+    strangers = owners - {0, os.geteuid()}
+    if strangers:
+        raise CoordinatorUnavailable(
+            f"{host}:{port} is held by uid {min(strangers)}, not by root or this agent's user:"
+            " no credentials are sent there"
+        )
+
+
+def listener_uids(port: int) -> set[int]:
+    """The uids owning TCP sockets that listen on ``port`` (loopback or any address)."""
+    found: set[int] = set()
+    want = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[3] == "0A" and fields[1].endswith(want):
+                        found.add(int(fields[7]))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _task_path(job_id: str, task_id: str) -> str:

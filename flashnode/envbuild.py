@@ -47,6 +47,7 @@ from urllib.parse import unquote, urlsplit
 from flashnode import procs
 from flashnode.clock import Clock, SystemClock
 from flashnode.errors import Cancelled, ConfigError, EnvBuildFailed, EnvUnavailable
+from flashnode.workspace import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -580,7 +581,7 @@ def remove(path: Path) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
+        remove_tree(path)
     else:
         path.unlink()
 

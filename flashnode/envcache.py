@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import stat
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +50,7 @@ from flashnode.envbuild import (
     secure_tree,
 )
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
+from flashnode.workspace import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +494,7 @@ class EnvCache:
         finally:
             os.close(fd)
         if doomed is not None:
-            shutil.rmtree(doomed, ignore_errors=True)
+            remove_tree(doomed)
         return True
 
     def _hide(self, path: Path) -> Path | None:
@@ -510,7 +510,7 @@ class EnvCache:
         """Move ``path`` out of sight at once, then delete it."""
         doomed = self._hide(path)
         if doomed is not None:
-            shutil.rmtree(doomed, ignore_errors=True)
+            remove_tree(doomed)
 
     # --- negative cache ----------------------------------------------------------------------
 

@@ -84,6 +84,7 @@ class Nvml:
                     ),
                     visible=str(i),
                     handle=handle,
+                    minor=_read(pynvml.nvmlDeviceGetMinorNumber, handle),
                 )
             )
         return devices
@@ -106,6 +107,7 @@ class Nvml:
                     ),
                     visible=str(uuid),
                     handle=None,  # no utilisation for MIG devices
+                    minor=_read(pynvml.nvmlDeviceGetMinorNumber, parent),
                 )
             )
         return found

@@ -17,6 +17,14 @@ class Device:
     info: GpuInfo
     visible: str  # its CUDA_VISIBLE_DEVICES name: the NVML index, or a MIG device's UUID
     handle: Any = None  # the NVML handle, None where NVML reports no utilisation
+    minor: int | None = None  # its /dev/nvidia<minor> (a MIG device: its GPU's), where known
+
+    @property
+    def device_file(self) -> str | None:
+        """The device file that opens this GPU, where known."""
+        if self.minor is not None:
+            return f"/dev/nvidia{self.minor}"
+        return f"/dev/nvidia{self.visible}" if self.visible.isdigit() else None
 
 
 class GpuPool:

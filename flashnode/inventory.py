@@ -56,11 +56,18 @@ def registration(
         unsandboxed_argv_capable=settings.unsandboxed_argv_capable,
         argv_capable=settings.runner == "docker",
         sandbox_capable=settings.runner == "docker",
-        can_install_dependencies=False,
+        # The trusted runner builds job environments; a container's image is all it has.
+        can_install_dependencies=settings.runner == "trusted",
         module_capable=module_capable,
-        local_datasets=sorted(settings.local_data),  # labels only: paths never leave the node
+        # Labels only: paths never leave the node. A trusted agent that is not root cannot mount
+        # them into a task (no mount namespace), so it lends nothing.
+        local_datasets=sorted(settings.local_data) if _can_lend(settings) else [],
         agent_version=__version__,
     )
+
+
+def _can_lend(settings: Settings) -> bool:
+    return settings.runner == "docker" or os.geteuid() == 0
 
 
 def ensure_state_dir(path: Path) -> None:

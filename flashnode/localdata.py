@@ -38,6 +38,8 @@ def lent_problem(label: str, path: Path) -> str | None:
         return f"label {label[:64]!r} is not 1-64 of letters, digits, '.', '_', '-'"
     if not path.is_absolute():
         return f"{label}: {path} is not an absolute path"
+    if "\n" in str(path):
+        return f"{label}: {str(path)!r} holds a newline"
     if not path.is_dir():
         return f"{label}: {path} is not an existing directory"
     return None

@@ -383,9 +383,13 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
         line = f"{ended}  {job}  {r.get('outcome') or '-'!s:9}  {took:>8}"
         line += f"  cpu {f'{cpu:.3g}%' if _number(cpu) else '-'}"
         line += f"  gpu {f'{gpu:.3g}%' if _number(gpu) else '-'}"
+        facts = status.describe_facts(r)
+        if facts:
+            line += f"  [{facts}]"
         if r.get("reason"):
             line += f"  {r['reason']}"
-        click.echo(line)
+        # What a task wrote (its stderr is in reasons) never drives the owner's terminal.
+        click.echo("".join(c if c.isprintable() else "?" for c in line))
 
 
 def _dict(value: object) -> dict[str, object]:
@@ -574,6 +578,9 @@ def doctor(config_file: Path | None, coordinator: str | None) -> None:
         else:
             r.warn(finding.what, f"{finding.why} (fix: {finding.fix})")
     _check_coordinator(r, s)
+    from flashnode import envs_cli  # it builds on this module's options
+
+    envs_cli.doctor(r, s)
     _check_data(r, s)
     hierarchy, why = cgroups.detect()
     if hierarchy is not None:

@@ -29,10 +29,13 @@ suspended task is resumed before it is terminated, so that it can act on SIGTERM
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import pwd
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import threading
@@ -56,7 +59,10 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The only environment of the privileged steps before the task's own exec.
 PRIVILEGED_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 SETUP_FAILED = 125  # the exit status of a setup step that failed (with a "flashnode:" line)
-PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# World-writable places a task could leave things in for later tasks of its user: each its own
+# empty tmpfs in the task's mount namespace (those that exist), plus the POSIX message queues of
+# its own IPC namespace.
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 
 
 def new_token() -> str:
@@ -74,10 +80,12 @@ class TaskUser:
 
 @dataclass(frozen=True)
 class Sandbox:
-    """What a root agent sets up around a task before dropping to its user."""
+    """What a root agent sets up around a task before dropping to its user. Bind paths may not
+    hold a newline (``command`` refuses them)."""
 
     tmp_bytes: int  # size of each private tmpfs
     read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
+    hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
 
 
 class Capture:
@@ -143,24 +151,31 @@ def env_file(env: Mapping[str, str]) -> int:
 
 # As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
 # directories ($2: tmpfs options; the workspace, the current directory, is bound back in at its
-# path if it lived under one of them), bind the read-only views ($3: "src dst" lines), run the rest.
+# path if it lived under one of them), bind the read-only views ($3: lines, a source then its
+# target, so that paths may hold spaces), run the rest.
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
 ws=$(pwd -P)
 for d in $PRIVATE; do
+  [ -d "$d" ] || continue
   mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
   case "$ws/" in "$d"/*)
     (umask 022; mkdir -p "$ws") && mount --no-canonicalize --bind . "$ws" && cd "$ws" \
       || fail "cannot keep the workspace under $d";;
   esac
 done
-printf '%s\n' "$3" | while read -r src dst; do
-  [ -n "$src" ] || continue
+if [ -n "$2" ]; then  # every mount of the host's message queues: this namespace's instead
+  for q in $(awk '$3 == "mqueue" { print $2 }' /proc/self/mounts); do
+    mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
+  done
+fi
+printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
   mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
     || fail "cannot mount $dst read-only"
 done || exit 125
-shift 3
+for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
+shift 4
 exec "$@"
 """
 # As the task's user: take the task's environment from the memory file on stdin, then run the
@@ -193,11 +208,14 @@ def command(
         ]
     if cgroup is None and sandbox is None:
         return cmd
+    if sandbox and any("\n" in p for bind in sandbox.read_only_binds for p in bind):
+        raise ValueError("a read-only view's path holds a newline")
     procs = " ".join(cgroup.procs_files) if cgroup else ""
     tmpfs = f"nosuid,nodev,mode=1777,size={sandbox.tmp_bytes}" if sandbox else ""
-    binds = "\n".join(f"{s} {d}" for s, d in sandbox.read_only_binds) if sandbox else ""
+    binds = "\n".join(f"{s}\n{d}" for s, d in sandbox.read_only_binds) if sandbox else ""
     setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
-    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, *cmd]
+    hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
+    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, hidden, *cmd]
     if sandbox is not None:
         cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
     return cmd
@@ -222,6 +240,11 @@ class TaskProcess:
     ) -> None:
         self.token = env[OWNER_ENV]
         self.uid = user.uid if user else os.geteuid()
+        # Without a cgroup, a child that drops the token and leaves the group is found only by
+        # its uid: a slot's own user runs nothing but this slot's task, so all of its processes
+        # are the task's (one agent per set of task users: README).
+        self.whole_uid = user is not None and cgroup is None
+        self._uid_filter = self.uid if self.whole_uid else None
         self.cgroup = cgroup
         self._clock = clock or SystemClock()
         env_fd = env_file(env)
@@ -280,6 +303,7 @@ class TaskProcess:
     def identity(self) -> dict[str, object]:
         """What a restarted agent needs to find this task's processes again."""
         return {
+            "whole_uid": self.whole_uid,
             "pid": self.pid,
             "start_time": self.start_time,
             "token": self.token,
@@ -313,7 +337,7 @@ class TaskProcess:
             if not running:
                 return
             for pid in running:
-                signal_if_owned(pid, self.token, self.pid, signal.SIGSTOP)
+                signal_if_owned(pid, self.token, self.pid, signal.SIGSTOP, self._uid_filter)
             self._clock.sleep(0.01)
 
     def resume(self) -> None:
@@ -355,8 +379,9 @@ class TaskProcess:
         return not self.exited.is_set() or any(True for _ in self.members())
 
     def members(self) -> Iterator[int]:
-        """Live (non-zombie) processes of the task: its group, and every token holder."""
-        return find_owned(self.token, self.uid, self.pid)
+        """Live (non-zombie) processes of the task: its group, and every token holder (every
+        process of its user, when that user is the slot's own)."""
+        return find_owned(self.token, self.uid, self.pid, self.whole_uid)
 
     def _signal_all(self, sig: signal.Signals) -> bool:
         """Signal the group and every token holder; True if anything alive was there."""
@@ -364,7 +389,7 @@ class TaskProcess:
             os.killpg(self.pid, sig)
         hit = False
         for pid in self.members():
-            hit = signal_if_owned(pid, self.token, self.pid, sig) or hit
+            hit = signal_if_owned(pid, self.token, self.pid, sig, self._uid_filter) or hit
         return hit
 
 
@@ -390,30 +415,52 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return (fields[0].decode(), int(fields[2])) if fields else None
 
 
+def helper_user() -> TaskUser | None:
+    """Who the agent's own helpers run as when the agent is root (the module import check, a
+    job environment's source build): ``nobody``, whom no task runs as, so that no task can
+    reach into them (a slot's task could trace or rewrite a process of its own uid)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pw = pwd.getpwnam("nobody")
+    except KeyError:
+        return TaskUser("nobody", 65534, 65534)
+    return TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
+
+
 def popen_as(
-    argv: Sequence[str], env: Mapping[str, str], user: TaskUser | None, **kwargs: Any
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    user: TaskUser | None,
+    sandbox: Sandbox | None = None,
+    **kwargs: Any,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` as ``user`` (None: as the agent's own user) with exactly ``env``, which no
-    step that runs with the agent's privileges sees. ``kwargs`` go to Popen."""
+    step that runs with the agent's privileges sees, in ``sandbox`` if given. ``kwargs`` go to
+    Popen."""
     env_fd = env_file(env)
     try:
         return subprocess.Popen(
-            command(argv, None, user, None), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
+            command(argv, None, user, sandbox), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
         )
     finally:
         os.close(env_fd)
 
 
-def python_imports(python: str, modules: Sequence[str], user: TaskUser | None) -> str | None:
-    """None if ``python`` (run as ``user``) imports every module; else why not."""
+def python_imports(python: str, modules: Sequence[str]) -> str | None:
+    """None if ``python`` imports every module; else why not. Run as ``helper_user`` in a
+    sandbox of its own (a root agent), bounded in time, its process group killed after."""
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+    user = helper_user()
     try:
         proc = popen_as(
             [python, "-I", "-c", code, *modules],
             {"PATH": SYSTEM_PATH},
             user,
+            Sandbox(64 * 1024 * 1024) if user is not None else None,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         try:
             _, err = proc.communicate(timeout=120)
@@ -421,12 +468,65 @@ def python_imports(python: str, modules: Sequence[str], user: TaskUser | None) -
             proc.kill()
             proc.wait()
             return "TimeoutExpired"
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
     except OSError as exc:
         return type(exc).__name__
     if proc.returncode != 0:
         lines = err.decode(errors="replace").strip().splitlines()
         return lines[-1][:200] if lines else f"exit code {proc.returncode}"
     return None
+
+
+# --- kernel keyrings: no namespace holds them ------------------------------------------------
+
+KEYCTL = {"x86_64": 250, "aarch64": 219, "arm64": 219}  # the keyctl syscall's number
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_SETPERM, KEYCTL_CLEAR = 1, 5, 7
+KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
+# Possessors (every task inherits the agent's session keyring) may view and search it, and
+# nothing else: no task can leave a key in it for another.
+SESSION_PERM = 0x01000000 | 0x08000000 | 0x00010000
+CLEAR_USER_KEYRINGS = (
+    "import ctypes, sys; c = ctypes.CDLL(None)\n"
+    "for k in (-4, -5): c.syscall(int(sys.argv[1]), 7, k)"
+)
+
+
+def private_session_keyring() -> str | None:
+    """Give this process (call it before any thread starts: threads inherit it) a new session
+    keyring that the tasks it starts may not write to. None if done; else why not."""
+    number = KEYCTL.get(os.uname().machine)
+    if number is None:
+        return f"no keyctl syscall number for {os.uname().machine}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, b"flashnode") < 0:
+        errno = ctypes.get_errno()
+        if errno in (1, 38):  # EPERM, ENOSYS: keyrings denied (the unit's filter), tasks' too
+            return None
+        return os.strerror(errno)
+    if libc.syscall(number, KEYCTL_SETPERM, KEY_SPEC_SESSION_KEYRING, SESSION_PERM) < 0:
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
+def clear_user_keyrings(user: TaskUser) -> subprocess.Popen[bytes] | None:
+    """Start clearing ``user``'s own keyrings (user and user-session: a slot's user is reused by
+    every task of its slot, whoever sent it). None where it cannot be done."""
+    number = KEYCTL.get(os.uname().machine)
+    python = shutil.which("python3", path=SYSTEM_PATH)
+    if number is None or python is None:
+        return None
+    try:
+        return popen_as(
+            [python, "-I", "-S", "-c", CLEAR_USER_KEYRINGS, str(number)],
+            {"PATH": SYSTEM_PATH},
+            user,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        return None
 
 
 def sandbox_works() -> str | None:
@@ -469,9 +569,10 @@ def reap(identity: Mapping[str, object], clock: Clock | None = None) -> int:
     deadline = clock.monotonic() + KILL_ROUNDS_S
     while clock.monotonic() < deadline:
         hit = 0
+        whole = identity.get("whole_uid") is True
         if isinstance(token, str) and isinstance(uid, int):
-            for p in find_owned(token, uid):
-                hit += signal_if_owned(p, token, None, signal.SIGKILL)
+            for p in find_owned(token, uid, None, whole):
+                hit += signal_if_owned(p, token, None, signal.SIGKILL, uid if whole else None)
         if isinstance(pid, int) and started is not None and start_time(pid) == started:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -496,16 +597,26 @@ def _needle(token: str) -> bytes:
     return f"\0{OWNER_ENV}={token}\0".encode()
 
 
-def _owned(pid: int, needle: bytes, pgid: int | None) -> bool:
+def _owned(pid: int, needle: bytes, pgid: int | None, uid: int | None = None) -> bool:
+    """Live, and in the group, carrying the token, or (``uid`` given) running as that uid."""
     st = _stat(pid)
     if st is None or st[0] in ("Z", "X"):
         return False
+    if uid is not None:
+        try:
+            return os.stat(f"/proc/{pid}").st_uid == uid
+        except OSError:
+            return False
     return (pgid is not None and st[1] == pgid) or _environ_has(pid, needle)
 
 
-def find_owned(token: str, uid: int, pgid: int | None = None) -> Iterator[int]:
+def find_owned(
+    token: str, uid: int, pgid: int | None = None, whole_uid: bool = False
+) -> Iterator[int]:
     """Pids of live processes of ``uid`` that carry the ownership token in their environment or
-    belong to process group ``pgid``."""
+    belong to process group ``pgid``; with ``whole_uid`` (a slot's own user, which nothing but
+    its task runs as), every live process of ``uid``: a child that dropped the token and left
+    the group is found too, with or without a cgroup."""
     needle = _needle(token)
     me = os.getpid()
     with contextlib.suppress(FileNotFoundError), os.scandir("/proc") as it:
@@ -517,19 +628,26 @@ def find_owned(token: str, uid: int, pgid: int | None = None) -> Iterator[int]:
                     continue
             except OSError:
                 continue
-            if _owned(int(entry.name), needle, pgid):
+            if _owned(int(entry.name), needle, pgid, uid if whole_uid else None):
                 yield int(entry.name)
 
 
-def signal_if_owned(pid: int, token: str, pgid: int | None, sig: signal.Signals) -> bool:
-    """Signal ``pid`` only if it still belongs to the task, pinning its identity with a pidfd
-    first so that a reused pid is never touched."""
+def signal_if_owned(
+    pid: int,
+    token: str,
+    pgid: int | None,
+    sig: signal.Signals,
+    uid: int | None = None,
+) -> bool:
+    """Signal ``pid`` only if it still belongs to the task (``uid``: every process of that
+    dedicated uid does), pinning its identity with a pidfd first so that a reused pid is never
+    touched."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
         return False
     try:
-        if not _owned(pid, _needle(token), pgid):
+        if not _owned(pid, _needle(token), pgid, uid):
             return False
         signal.pidfd_send_signal(pidfd, sig)
         return True

@@ -172,8 +172,32 @@ def render(snapshot: dict[str, Any]) -> str:
             f"    staged       {size(a.get('bytes_staged'))}"
             f"   uploaded {size(a.get('bytes_uploaded'))}"
         )
+        facts = describe_facts(a)
+        if facts:
+            lines.append(f"    prepared     {facts}")
         lines.append(f"    last output  {a.get('last_output') or '-'}")
     return "\n".join(lines)
+
+
+def describe_facts(attempt: dict[str, Any]) -> str:
+    """What an attempt's phases reported (its status snapshot or its ledger line), in a few
+    words: its job environment built or reused, its dataset bytes fetched and cache hits, the
+    data lent to it."""
+    words = []
+    env = attempt.get("environment")
+    if isinstance(env, dict):
+        seconds = env.get("build_seconds")
+        took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
+        words.append(f"env built{took}" if env.get("built") else "env reused")
+    data = attempt.get("data")
+    if isinstance(data, dict):
+        fetched = data.get("bytes_fetched")
+        size = f"{fetched / (1 << 20):.1f} MiB" if isinstance(fetched, (int, float)) else "?"
+        words.append(f"data {size} fetched, {data.get('cache_hits', 0)} cache hit(s)")
+    lent = attempt.get("local_inputs")
+    if isinstance(lent, list) and lent:
+        words.append("lent " + ",".join(str(x) for x in lent))
+    return "; ".join(words)
 
 
 class TerminalLine:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
+from flashnode.datasets import DatasetEntry, parse_datasets
 from flashnode.errors import AttemptFailed
 
 SCHEMA_VERSION = "v1alpha1"
@@ -223,12 +224,10 @@ class Task(BaseModel):
     extra_dependencies: tuple[str, ...] = ()  # the extras alone (gate VIII)
     python: str | None = None  # the "major.minor" the dependencies were resolved against
     checkpoint: CheckpointPolicy | None = None  # set: relay checkpoints, resume from the latest
+    local_inputs: tuple[str, ...] = ()  # labels of data the owner lends, each once, in order
+    datasets: tuple[DatasetEntry, ...] = ()  # dataset slice entries, laid out under /work/data
 
 
-_UNSUPPORTED = {
-    "local_inputs": "lent local datasets",
-    "datasets": "dataset slices",
-}
 # Where a resumed attempt finds its checkpoint (inputs/resume/), and its module spec key.
 RESUME_INPUT = "resume"
 # Names a payload may not set: the agent's ownership token, and the GPU visibility that only the
@@ -237,17 +236,12 @@ RESUME_INPUT = "resume"
 RESERVED_ENV = re.compile(r"^(FLASHNODE_|NVIDIA_|CUDA_VISIBLE_DEVICES$|CUDA_DEVICE_ORDER$)")
 PYTHON_VERSION = re.compile(r"^3\.[0-9]{1,2}$")
 MAX_DEPENDENCY_LINES = 1000
+MAX_LOCAL_INPUTS = 64
 
 
 def parse_task(lease: Lease) -> Task:
     """Turn a lease payload into a Task, or raise AttemptFailed with the reason."""
     p = lease.payload
-    for key, what in _UNSUPPORTED.items():
-        if p.get(key):
-            raise AttemptFailed(
-                f"payload asks for {what} ({key}), which this node does not support"
-            )
-
     argv, module = p.get("argv"), p.get("module")
     if (argv is None) == (module is None):
         raise AttemptFailed("payload must carry exactly one of argv and module")
@@ -318,6 +312,8 @@ def parse_task(lease: Lease) -> Task:
         extra_dependencies=_lines(p.get("extra_dependencies"), "extra_dependencies"),
         python=_python(p.get("python")),
         checkpoint=checkpoint,
+        local_inputs=_labels(p.get("local_inputs")),
+        datasets=parse_datasets(p.get("datasets")),
     )
 
 
@@ -370,6 +366,19 @@ def _lines(value: Any, key: str) -> tuple[str, ...]:
     if len(value) > MAX_DEPENDENCY_LINES or any("\0" in x or len(x) > 4096 for x in value):
         raise AttemptFailed(f"payload {key} is too long or holds a NUL byte")
     return tuple(value)
+
+
+def _labels(value: Any) -> tuple[str, ...]:
+    """``local_inputs``: a list of labels, each kept once. Whether this node lends them is the
+    data phase's question (it names a label it does not lend)."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise AttemptFailed("payload local_inputs is not a list of labels")
+    labels = tuple(dict.fromkeys(value))
+    if len(labels) > MAX_LOCAL_INPUTS:
+        raise AttemptFailed(f"payload local_inputs names more than {MAX_LOCAL_INPUTS} labels")
+    return labels
 
 
 def _python(value: Any) -> str | None:

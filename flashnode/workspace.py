@@ -8,23 +8,26 @@ Layout of ``<state_dir>/attempts/<lease_id>/`` (the task sees it as ``/work``)::
               ``not_outputs``), ``step-<N>.<ext>`` files or ``step-<N>/`` directories
     tmp/      the task's TMPDIR and HOME
     logs/     stdout.txt and stderr.txt of the task, written by the agent (size-capped)
+    data/     dataset slices, read-only: hard links into the agent's dataset cache (made by the
+              data phase only when the task has datasets)
     .stage/   downloads in progress (never visible under inputs/)
 
 The privilege boundary (DESIGN.md §5): the directory itself, ``inputs/``, ``logs/`` and
 ``.stage/`` belong to the agent; only ``out/`` and ``tmp/`` belong to the task's user (see
-``hand_over``), so a task can rename nothing the agent later opens by name. The output walk and
-every read of an output go through directory descriptors the agent opened itself, never
-following a link (``openat`` with ``O_NOFOLLOW``), and refuse an ``out`` that is not a real
-directory and any file its task's user did not write; an upload reads from a descriptor that is
-checked to be the very file the walk saw.
+``hand_over``), so a task can rename nothing the agent later opens by name. Nothing under
+``data/`` is ever chowned or chmodded: its files share their inodes with the dataset cache.
+The output walk and every read of an output go through directory descriptors the agent opened
+itself, never following a link (``openat`` with ``O_NOFOLLOW``), and refuse an ``out`` that is
+not a real directory and any file its task's user did not write; an upload reads from a
+descriptor that is checked to be the very file the walk saw.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
-import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from flashnode.errors import AttemptFailed
+
+log = logging.getLogger(__name__)
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -76,6 +81,7 @@ class Workspace:
         self.logs = root / "logs"
         self.tmp = root / "tmp"
         self.stage = root / ".stage"
+        self.data = root / "data"
         self.task_uid = task_uid  # who writes out/: the walk refuses files of anyone else
         self.not_outputs: frozenset[str] = frozenset()  # names in out/ that are not outputs
 
@@ -84,7 +90,7 @@ class Workspace:
         attempts_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         ws = cls(attempts_dir / lease_id)
         if ws.root.exists():
-            shutil.rmtree(ws.root)
+            remove_tree(ws.root)
         ws.root.mkdir(mode=0o700)
         for d in (ws.inputs, ws.out, ws.logs, ws.tmp, ws.stage):
             d.mkdir(mode=0o700)
@@ -94,7 +100,7 @@ class Workspace:
         """Give the task's user ``out/`` and ``tmp/``; let it read its inputs. ``inputs_for``:
         "group" (the trusted runner: the directory and inputs readable by the task's own group
         only, so no other slot's user can enter) or "everyone" (a container's user, which shares
-        no group with the host)."""
+        no group with the host). ``data/`` is left as it is (see the module docstring)."""
         everyone = inputs_for == "everyone"
         me = os.geteuid()
         group = os.getegid() if everyone else gid
@@ -109,22 +115,22 @@ class Workspace:
                 os.chown(self.out / name, uid, gid, follow_symlinks=False)
         os.chown(self.inputs, me, group)
         self.inputs.chmod(dir_mode)
-        for dirpath, dirnames, filenames in os.walk(self.inputs):
-            for name in dirnames:
-                path = os.path.join(dirpath, name)
-                os.chown(path, me, group, follow_symlinks=False)
-                os.chmod(path, dir_mode)
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                executable = os.lstat(path).st_mode & 0o100
-                os.chown(path, me, group, follow_symlinks=False)
-                os.chmod(path, (dir_mode if executable else file_mode), follow_symlinks=False)
+        pending = [str(self.inputs)]  # a stack, not recursion: archives may nest deep
+        while pending:
+            with os.scandir(pending.pop()) as it:
+                for entry in it:
+                    st = entry.stat(follow_symlinks=False)
+                    os.chown(entry.path, me, group, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        os.chmod(entry.path, dir_mode)
+                        pending.append(entry.path)
+                    elif stat.S_ISREG(st.st_mode):
+                        executable = st.st_mode & 0o100
+                        os.chmod(entry.path, dir_mode if executable else file_mode)
         self.task_uid = uid
 
     def remove(self) -> None:
-        # rmtree works from directory descriptors where the platform has them: it never follows
-        # a link the task planted.
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
     # --- outputs ------------------------------------------------------------------------------
 
@@ -361,7 +367,69 @@ def remove_stale_workspaces(attempts_dir: Path, keep: set[str]) -> None:
         return
     for entry in entries:
         if entry.name not in keep and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_tree(entry)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory and everything below it, as deep as a task made it (no recursion: one
+    descriptor at a time, a list of names back up) and without following any link (every step
+    is relative to a directory descriptor, opened with O_NOFOLLOW; each step up is checked to be
+    the very directory it came from). Best effort: what cannot be removed stays and is logged."""
+    try:
+        fd = os.open(path, DIR_FLAGS)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc.strerror)
+        return
+    back: list[tuple[str, int, int]] = []  # (name, dev, ino) of each directory we went into
+    try:
+        while True:
+            sub = None
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        sub = sub or entry.name
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.name, dir_fd=fd)
+            if sub is not None:
+                try:
+                    child = os.open(sub, DIR_FLAGS, dir_fd=fd)
+                except PermissionError:  # a task's mode 000 (an agent that is not root)
+                    _allow_owner(fd, sub)
+                    child = os.open(sub, DIR_FLAGS, dir_fd=fd)
+                st = os.fstat(fd)
+                back.append((sub, st.st_dev, st.st_ino))
+                os.close(fd)
+                fd = child
+                continue
+            if not back:
+                break
+            name, dev, ino = back.pop()
+            parent = os.open("..", DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise OSError(f"{path} changed while it was removed")
+            os.rmdir(name, dir_fd=fd)
+    except OSError as exc:
+        log.warning("cannot remove all of %s: %s", path, exc)
+        os.close(fd)
+        return
+    os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
+
+
+def _allow_owner(dir_fd: int, name: str) -> None:
+    """chmod u+rwx a directory without following a link: through a path-only descriptor."""
+    path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=dir_fd)
+    try:
+        os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+    finally:
+        os.close(path_fd)
 
 
 def _surrogates(name: str) -> bool:

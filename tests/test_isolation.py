@@ -383,3 +383,27 @@ def test_nothing_in_the_state_dir_is_readable_by_another_local_user(
     assert (state / "status.json").stat().st_mode & 0o007 == 0
     for name in ("node-id", "ledger.jsonl"):
         assert (state / name).stat().st_mode & 0o077 == 0, name
+
+
+def test_a_task_sees_only_its_own_gpu_device_files(tmp_path: Path) -> None:
+    from flashnode.gpupool import Device
+    from flashnode.runners.trusted import hidden_gpus
+    from flashnode.wire import GpuInfo
+
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    gpus = [Device(GpuInfo(index=i), str(i), minor=i) for i in range(3)]
+
+    class Spec:
+        gpu_node = True
+
+    def hidden(held: list[Device]) -> list[str]:
+        spec = Spec()
+        spec.gpus = tuple(held)  # type: ignore[attr-defined]
+        return [Path(p).name for p in hidden_gpus(spec, tmp_path)]  # type: ignore[arg-type]
+
+    assert hidden([]) == ["nvidia0", "nvidia1", "nvidia2"]  # none given: none opens
+    assert hidden([gpus[1]]) == ["nvidia0", "nvidia2"]
+    assert hidden(gpus) == []
+    Spec.gpu_node = False
+    assert hidden([]) == []  # no GPUs on this node: nothing to hide

@@ -2,7 +2,7 @@
 
 The orchestrator only sequences phases and turns how they end into one outcome:
 
-    prepare → stage → resume → execute → check → commit
+    prepare → stage → resume → environment → data → execute → check → commit
 
 Each phase is a function of the running ``Attempt`` in its own module; a new capability arrives
 as a new phase, not as a branch in an old one. Between phases, and inside every wait, the attempt
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from flashnode.attempt import commit, execute, prepare, resume, stage
+from flashnode.attempt import commit, data, environment, execute, prepare, resume, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, State
@@ -67,6 +67,8 @@ PHASES: tuple[tuple[str, Phase], ...] = (
     ("prepare", prepare.run),
     ("stage", stage.run),
     ("resume", resume.run),
+    ("environment", environment.run),
+    ("data", data.run),
     ("execute", execute.run),
     ("check", commit.check),
     ("commit", commit.commit),
@@ -109,6 +111,9 @@ class Attempt:
         self.prepared = Preparation()  # what phases before the run add to its start
         self.during_run: list[Watcher] = []  # started with the task, finished after it exits
         self.cleanups: list[Callable[[], None]] = []  # run once the attempt ends, in any case
+        # What phases report about themselves (env built or reused, bytes fetched, labels lent):
+        # in the attempt's status while it runs, and in its ledger line.
+        self.facts: dict[str, Any] = {}
         self.wake = threading.Event()  # the execute phase's wait: exit, cancel or loss
         self.stop = threading.Event()  # every wait of every phase ends when this is set
         self._ending: AttemptFailed | AttemptLapsed | None = None
@@ -139,7 +144,7 @@ class Attempt:
         clock = self.ctx.clock
         now, wall = clock.monotonic(), clock.wall()
         keeper, since = self.keeper, self.suspended_since
-        return {
+        snap = {
             "lease_id": lease.lease_id,
             "job_id": lease.job_id,
             "task_id": lease.task_id,
@@ -158,6 +163,9 @@ class Attempt:
             "bytes_uploaded": self.bytes_uploaded,
             "last_output": self.last_output(),
         }
+        for key, value in list(self.facts.items()):  # phases add to it on their thread
+            snap.setdefault(key, value)
+        return snap
 
     def last_output(self) -> str:
         handle = self.handle
@@ -323,10 +331,12 @@ class Attempt:
         if keep:
             log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)
         else:
-            with contextlib.suppress(OSError):
+            try:
                 if self.workspace is not None:
                     self.workspace.remove()
                 self.ctx.outbox.remove(lease.lease_id)
+            except Exception:  # a cleanup that fails must not cost the ledger line
+                log.exception("lease %s: cleanup failed", lease.lease_id)
         self._record(outcome, reason)
         return outcome
 
@@ -404,9 +414,11 @@ class Attempt:
             "started_at": self.record.claimed_at,
             "ended_at": ended_at,
         }
+        for key, value in self.facts.items():
+            entry.setdefault(key, value)
         try:
             self.ctx.ledger.append(entry)
-        except OSError as exc:
+        except Exception as exc:
             log.error("lease %s: cannot write the ledger: %s", entry["lease_id"], exc)
         usage, started, ended = self.record.task_usage, self.record.claimed_at, ended_at
         self.ctx.metrics.attempt_finished(

@@ -79,6 +79,9 @@ def _checked_outputs(a: Attempt, ws: Workspace) -> list[OutputFile]:
     s = a.ctx.settings
     files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes)
     by_name = {f.rel: f for f in files}
+    for name in LOGS:
+        if f"logs/{name}" in by_name:  # the key of the agent's own capture of the task's output
+            raise AttemptFailed(f"out/logs/{name} is reserved for what the task printed")
     metrics_file = files[-1]
     if metrics_file.size > METRICS_MAX_BYTES:
         raise AttemptFailed(f"out/metrics.json is larger than {METRICS_MAX_BYTES} bytes")
@@ -239,5 +242,7 @@ def fail_quietly(ctx: AttemptContext, lease_id: str, reason: str) -> None:
 
 
 def bounded(reason: str) -> str:
-    reason = " ".join(reason.split())
+    """A reason fit for the coordinator, the ledger, the log and the owner's terminal: one
+    line, no control characters (a task's stderr could carry terminal escapes), bounded."""
+    reason = "".join(c if c.isprintable() else "?" for c in " ".join(reason.split()))
     return reason if len(reason) <= REASON_MAX else reason[: REASON_MAX - 3] + "..."

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 from flashnode.cgroups import Limits
 from flashnode.clock import Clock
@@ -20,7 +20,10 @@ from flashnode.wire import CheckpointManifest, CheckpointPart, ExecutionEvidence
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Sequence
+    from pathlib import Path
 
+    from flashnode.datasets import DatasetEntry
     from flashnode.outbox import Outbox
 
 
@@ -51,6 +54,48 @@ class CoordinatorPort(Protocol):
     def checkpoint_latest(self, job_id: str, task_id: str) -> CheckpointManifest | None: ...
 
 
+class EnvLease(Protocol):
+    """A job environment pinned for one attempt (flashnode.envcache.EnvHandle fits)."""
+
+    key: str
+    path: Path  # the venv
+    python: Path  # its interpreter
+    built: bool  # this acquire built it
+    build_seconds: float
+
+    def release(self) -> None: ...
+
+
+class EnvPort(Protocol):
+    """The agent's cache of job environments (flashnode.envcache.EnvCache fits)."""
+
+    def acquire(
+        self, python: str, lines: Sequence[str], *, stop: threading.Event, timeout_s: float
+    ) -> EnvLease: ...
+
+
+class ShardLease(Protocol):
+    """A dataset shard pinned for one attempt (flashnode.datacache.ShardHandle fits)."""
+
+    size: int
+    fetched: bool  # False: a cache hit
+    seconds: float
+
+    def release(self) -> None: ...
+
+
+H = TypeVar("H", bound=ShardLease)
+
+
+class DataPort(Protocol[H]):
+    """The agent's dataset cache (flashnode.datacache.DataCache fits)."""
+
+    budget_bytes: int
+
+    def acquire_all(self, entries: Sequence[DatasetEntry], *, stop: threading.Event) -> list[H]: ...
+    def layout(self, handles: Sequence[H], dest: Path, *, task_uid: int) -> None: ...
+
+
 @dataclass
 class AttemptContext:
     coordinator: CoordinatorPort
@@ -66,3 +111,5 @@ class AttemptContext:
     gpus: GpuPool = field(default_factory=GpuPool)
     limits: Limits = field(default_factory=Limits)  # per task (runners.spec.task_limits)
     metrics: MetricsSink = field(default_factory=NullMetrics)
+    envs: EnvPort | None = None  # job environments, one cache per agent (trusted runner)
+    data: DataPort[Any] | None = None  # dataset shards, one cache per agent

@@ -219,9 +219,11 @@ class Relay:
         if self._lost.is_set():
             raise Cancelled("the lease is lost")
         with self._ws.open_output(f) as fh:
-            return self._a.ctx.coordinator.upload(
+            sha = self._a.ctx.coordinator.upload(
                 key, cast(BinaryIO, _StopsOnLoss(fh, self._lost)), f.size
             )
+        self._a.count_uploaded(f.size)
+        return sha
 
     def _call(self, final: bool, call: Callable[[], T]) -> T:
         """While the task runs, one try (the next checkpoint supersedes this one); in the last

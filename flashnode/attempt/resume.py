@@ -18,7 +18,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 from typing import TYPE_CHECKING
 
 from flashnode import retry
@@ -32,7 +31,7 @@ from flashnode.wire import (
     CheckpointPart,
     safe_key,
 )
-from flashnode.workspace import CKPT
+from flashnode.workspace import CKPT, remove_tree
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -159,7 +158,7 @@ def _fetch(
             if _sha256(dest) != part.sha256:
                 raise Unusable(f"part {rel} does not match its sha256")
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        remove_tree(stage)
         raise
     os.rename(stage, ws.inputs / RESUME_INPUT)
     return files[0][1].split("/", 1)[0]
@@ -169,7 +168,9 @@ def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:
     def once() -> int:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as out:
-            return a.ctx.coordinator.download(part.key, out, part.size_bytes, a.stop)
+            size = a.ctx.coordinator.download(part.key, out, part.size_bytes, a.stop)
+        a.count_staged(size)
+        return size
 
     try:
         return retry.retry(

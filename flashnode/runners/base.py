@@ -135,6 +135,9 @@ class RunnerEnv:
 class Runner(ABC):
     name: ClassVar[str]
     module_capable: bool = False  # runs allowlisted `python -m` module tasks
+    # Tasks' `dependencies` are installed by the agent (a job environment) rather than being in
+    # the task's image already.
+    installs_dependencies: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

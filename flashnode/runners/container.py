@@ -9,7 +9,8 @@ Sandbox: no network, read-only root with a size-capped tmpfs ``/tmp``, all capab
 ``no-new-privileges``, a non-root user, pids/memory/CPU limits, private IPC, never privileged, no
 Docker socket, no host device but the GPUs the attempt was given, and an engine log capped in
 size (the agent keeps its own capped copy). The workspace is mounted at ``/work``: ``inputs/``
-read-only, ``out/`` writable by the container's user, and nothing else of the workspace.
+read-only, ``out/`` writable by the container's user, ``data/`` (dataset slices) read-only, and
+nothing else of the workspace; the owner's lent directories read-only at ``/work/inputs/<label>``.
 Containers carry labels naming this node and the attempt (or the module probe); at start the
 agent removes this node's labelled containers, and nothing else.
 """
@@ -389,6 +390,11 @@ class ContainerRunner(Runner):
         else:
             assert spec.argv is not None
             command = list(spec.argv)
+        if ws.data.is_dir():  # dataset slices, laid out by the data phase
+            mounts.append(
+                docker.types.Mount("/work/data", str(ws.data), type="bind", read_only=True)
+            )
+        # Lent directories at /work/inputs/<label> (the mount points exist in inputs/).
         for src, target in spec.read_only_binds:
             mounts.append(docker.types.Mount(target, src, type="bind", read_only=True))
         log_bytes = max(s.log_max_bytes, 1024 * 1024)

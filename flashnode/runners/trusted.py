@@ -27,6 +27,7 @@ import os
 import pwd
 import shutil
 import stat
+import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -147,6 +148,7 @@ class TrustedHandle:
 
 class TrustedRunner(Runner):
     name = "trusted"
+    installs_dependencies = True  # a task's `dependencies` get a job environment (envcache)
 
     def __init__(
         self,
@@ -169,6 +171,7 @@ class TrustedRunner(Runner):
         self._task_cpus: dict[str, float | None] = {}
         self._cpu_cap: float | None = None
         self._cpu_lock = threading.Lock()
+        self._clearing: dict[int, subprocess.Popen[bytes]] = {}  # slot -> its keyrings' clearing
 
     # --- construction -----------------------------------------------------------------------
 
@@ -176,8 +179,7 @@ class TrustedRunner(Runner):
     def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
         found = list(_users_and_sandbox(settings, slots))
         if settings.task_python and not any(isinstance(f, Problem) and f.fatal for f in found):
-            user = slot_users(settings.task_user, 1)[0] if settings.task_user else None
-            why = procs.python_imports(settings.task_python, MODULES, user)
+            why = procs.python_imports(settings.task_python, MODULES)
             if why:
                 found.append(
                     Problem(
@@ -191,6 +193,17 @@ class TrustedRunner(Runner):
                 )
             else:
                 found.append(Ok("module tasks", f"on, under {settings.task_python}"))
+        hidden = under_private_dir(settings.state_dir) if os.geteuid() == 0 else None
+        if hidden is not None:
+            found.append(
+                Problem(
+                    "job environments",
+                    f"the state dir {settings.state_dir} lies under {hidden}, which tasks get a"
+                    " private copy of: tasks with dependencies are refused",
+                    f"choose a state_dir outside {', '.join(procs.PRIVATE_DIRS)}",
+                    code=None,
+                )
+            )
         return found
 
     @classmethod
@@ -231,8 +244,7 @@ class TrustedRunner(Runner):
         python = settings.task_python
         capable = False
         if python:
-            user = self.users[0] if self.users else None
-            why = procs.python_imports(python, MODULES, user)
+            why = procs.python_imports(python, MODULES)
             capable = why is None
             if why:
                 log.warning(
@@ -266,8 +278,20 @@ class TrustedRunner(Runner):
     # --- the contract -------------------------------------------------------------------------
 
     def check(self, task: Task) -> None:
+        self._check_code(task)
+        if task.local_inputs and not self.sandbox:
+            raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
+        if task.dependencies and self.sandbox:
+            hidden = under_private_dir(self.settings.state_dir)
+            if hidden is not None:
+                raise AttemptLapsed(
+                    f"job environments under {self.settings.state_dir} are hidden from tasks,"
+                    f" which get a private {hidden}: move the state dir"
+                )
+
+    def _check_code(self, task: Task) -> None:
         pools = self.settings.pools
-        if task.module is not None:
+        if task.module is not None and not task.dependencies:
             # Allowlisted installed code, not the task's own: no sandbox fallback needed, but a
             # task placed for a pool still has to be one of ours.
             if not self.module_capable:
@@ -275,13 +299,16 @@ class TrustedRunner(Runner):
             if task.pool is not None and task.pool not in pools:
                 raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
             return
-        if task.argv is None:
+        # An argv task, or a module task with dependencies: the job chooses the code it installs,
+        # so it is the job's own code, pool-only like argv.
+        if task.argv is None and task.module is None:
             raise AttemptFailed("the trusted runner runs argv and module tasks only")
         if not pools:
             raise AttemptFailed("refused: this node serves no pool, so it runs no trusted work")
         if not task.pool:
             raise AttemptFailed(
-                "refused: trusted argv work must name a pool, and this task names none"
+                "refused: trusted work that runs the job's own code must name a pool, and this"
+                " task names none"
             )
         if task.pool not in pools:
             raise AttemptFailed(f"refused: pool {task.pool!r} is not one this node serves")
@@ -290,10 +317,28 @@ class TrustedRunner(Runner):
                 "refused: the task's isolation does not allow running outside a sandbox"
             )
 
+    def _settle(self, slot: int) -> None:
+        """Wait for the clearing of the slot user's keyrings after its last task."""
+        pending = self._clearing.pop(slot, None)
+        if pending is not None:
+            try:
+                pending.wait(10)
+            except subprocess.TimeoutExpired:
+                pending.kill()
+                pending.wait()
+
+    def _after(self, slot: int, user: procs.TaskUser | None, name: str) -> None:
+        self._forget(name)
+        if user is not None:
+            pending = procs.clear_user_keyrings(user)
+            if pending is not None:
+                self._clearing[slot] = pending
+
     def start(self, spec: StartSpec) -> Handle:
         ws = spec.workspace
         root = str(ws.root)
         user = self.users[spec.slot] if self.users else None
+        self._settle(spec.slot)
         if user is not None:
             ws.hand_over(user.uid, user.gid, inputs_for="group")
         else:
@@ -307,6 +352,11 @@ class TrustedRunner(Runner):
         else:
             assert spec.argv is not None
             argv = [map_work(a, root) for a in spec.argv]
+        binds = tuple((src, map_work(dst, root)) for src, dst in spec.read_only_binds)
+        if binds and not self.sandbox:
+            raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
+        if any("\n" in path for bind in binds for path in bind):
+            raise AttemptLapsed("cannot lend a directory whose path holds a newline")
         token = procs.new_token()
         path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
         env = task_env(spec, token, self.agent_env, path)
@@ -330,13 +380,11 @@ class TrustedRunner(Runner):
             {
                 "token": token,
                 "uid": uid,
+                "whole_uid": user is not None and cgroup is None,
                 "cgroup": {k: str(v) for k, v in cgroup.paths.items()} if cgroup else None,
                 "cgroup_version": cgroup.version if cgroup else None,
             }
         )
-        binds = tuple((src, map_work(dst, root)) for src, dst in spec.read_only_binds)
-        if binds and not self.sandbox:
-            raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
         try:
             proc = procs.TaskProcess(
                 argv,
@@ -348,7 +396,11 @@ class TrustedRunner(Runner):
                 on_exit=spec.on_exit,
                 cgroup=cgroup,
                 user=user,
-                sandbox=procs.Sandbox(PRIVATE_TMP_BYTES, binds) if self.sandbox else None,
+                sandbox=(
+                    procs.Sandbox(PRIVATE_TMP_BYTES, binds, hidden_gpus(spec))
+                    if self.sandbox
+                    else None
+                ),
                 clock=self.env.clock,
             )
         except OSError as exc:
@@ -357,7 +409,7 @@ class TrustedRunner(Runner):
             self._forget(name)
             raise AttemptFailed(f"cannot start {argv[0][:100]!r}: {exc.strerror or exc}") from None
         spec.record(proc.identity())
-        return TrustedHandle(proc, lambda: self._forget(name))
+        return TrustedHandle(proc, lambda: self._after(spec.slot, user, name))
 
     def _forget(self, name: str) -> None:
         with self._cpu_lock:
@@ -374,6 +426,16 @@ class TrustedRunner(Runner):
         procs.reap(identity, self.env.clock)
         if cgroup is not None:
             cgroup.remove()
+
+
+def under_private_dir(path: Path) -> str | None:
+    """The private directory (``/tmp``, ...) a root agent's tasks get in place of the one
+    ``path`` lies under, hiding it from them; None when ``path`` is not under one."""
+    resolved = path.resolve()
+    for private in procs.PRIVATE_DIRS:
+        if resolved.is_relative_to(Path(private).resolve()):
+            return private
+    return None
 
 
 def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
@@ -446,6 +508,20 @@ def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
         )
         return
     yield Ok("task sandbox", "private /tmp, /var/tmp, /dev/shm and IPC per task")
+
+
+def hidden_gpus(spec: StartSpec, dev: Path = Path("/dev")) -> tuple[str, ...]:
+    """The GPU device files the task must not open: every /dev/nvidia<N> but those of the GPUs
+    it holds (CUDA_VISIBLE_DEVICES is advice; the files are 0666). It sees them as /dev/null."""
+    if not spec.gpu_node:
+        return ()
+    files = [d.device_file for d in spec.gpus]
+    if None in files:
+        log.warning("GPU device files unknown: the task can open every GPU of this node")
+        return ()
+    keep = {Path(f).name for f in files if f is not None}
+    found = sorted(p for p in dev.glob("nvidia[0-9]*") if p.name[6:].isdigit())
+    return tuple(str(p) for p in found if p.name not in keep)
 
 
 def slot_users(task_user: str, slots: int) -> list[procs.TaskUser]:

@@ -1,0 +1,89 @@
+"""Data: the owner's lent directories a task asked for (``local_inputs``), and its dataset slices
+(``datasets``), made ready before it starts.
+
+* Lent data: exactly the labels asked for, each a read-only view of the owner's directory at
+  ``/work/inputs/<label>`` (the runner mounts it: a read-only bind mount in the task's own mount
+  namespace, or in its container). Here the mount point is made, an empty directory of the agent's
+  in ``inputs/``; the owner's files are never copied, changed or uploaded. A label this node does
+  not lend fails the attempt, naming it.
+* Dataset slices: every entry fetched through the agent's dataset cache (verified, shared, at most
+  once however many tasks need it), pinned until the attempt has ended, and laid out read-only at
+  ``/work/data/<name>/<path>`` (hard links into the cache: ``data/`` is never handed to the task's
+  user). The lease is renewed meanwhile by the keeper. Wrong bytes fail the attempt
+  (DataIntegrityError); an origin that cannot be reached, or a cache too small now, lets the
+  lease lapse (DataUnavailable).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from flashnode import localdata
+from flashnode.errors import AttemptLapsed, DataUnavailable
+from flashnode.runners.spec import WORK
+
+if TYPE_CHECKING:
+    from flashnode.attempt import Attempt
+    from flashnode.settings import Settings
+
+
+def run(a: Attempt) -> None:
+    _lend(a)
+    _fetch(a)
+
+
+def _lend(a: Attempt) -> None:
+    assert a.task is not None and a.workspace is not None
+    task, ws = a.task, a.workspace
+    if not task.local_inputs:
+        return
+    staged = {i.dest for i in task.inputs}
+    lent = localdata.mounts(list(task.local_inputs), a.ctx.settings.local_data, WORK, staged)
+    for mount in lent:
+        (ws.inputs / mount.label).mkdir(mode=0o700)
+        a.prepared.read_only_binds.append((str(mount.source), str(mount.target)))
+    a.facts["local_inputs"] = [m.label for m in lent]
+
+
+def _fetch(a: Attempt) -> None:
+    assert a.task is not None and a.workspace is not None
+    entries, cache = a.task.datasets, a.ctx.data
+    if not entries:
+        return
+    needed = sum(e.size for e in entries)
+    budget = cache.budget_bytes if cache is not None else 0
+    if needed > budget:
+        # The coordinator placed it by the budget this node advertised: smaller now (reloaded).
+        raise AttemptLapsed(
+            f"dataset slices need {needed} bytes; this node's dataset cache holds {budget}"
+        )
+    assert cache is not None
+    started = a.ctx.clock.monotonic()
+    try:
+        handles = cache.acquire_all(entries, stop=a.stop)
+    except DataUnavailable:
+        a.check()  # a fetch cut short by a lost lease or a cancel ends the way they say
+        raise
+    for handle in handles:
+        a.cleanups.append(handle.release)
+    a.check()
+    cache.layout(handles, a.workspace.data, task_uid=_task_uid(a.ctx.settings))
+    fetched = [h for h in handles if h.fetched]
+    a.facts["data"] = {
+        "entries": len(handles),
+        "cache_hits": len(handles) - len(fetched),
+        "bytes_fetched": sum(h.size for h in fetched),
+        "bytes": needed,
+        "seconds": round(a.ctx.clock.monotonic() - started, 3),
+    }
+
+
+def _task_uid(s: Settings) -> int:
+    """The uid the task will run as, as far as laying out shards cares: whether it is the
+    agent's own (a shard is then copied, never linked, since the owner of a link could make it
+    writable). A root agent's tasks never run as root (task users, a container user that is not
+    root): -1 stands for "someone else"."""
+    if s.runner == "docker" and s.container_user:
+        return int(s.container_user.split(":", 1)[0])
+    return os.geteuid() if os.geteuid() != 0 else -1
