@@ -13,6 +13,9 @@ The owner's controls (``controls.py``) are evaluated every turn: the node claims
 rule holds; ``flashnode pause --now`` stops running attempts as an ending that is not the task's
 fault; a rule named in ``suspend_when`` suspends running tasks until it clears. Heartbeats go on
 throughout: a paused node is online and says why it takes no work.
+
+Why one module of this size: the loop, its three phases, the owner controls it applies and what it
+publishes share one state.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Attempt cgroups are created below the agent's own cgroup in each hierarchy, unde
 ``flashnode/<name>``; the owner's CPU cap for all tasks together (``task_cpu_percent``) is the CPU
 quota of that ``flashnode`` parent. Where none of this is possible ``detect`` returns None with the
 reason, and the agent carries on with process groups and tokens alone.
+
+Why one module of this size: both hierarchies (v1 and v2) side by side: every operation differs
+between them in a few lines.
 """
 
 from __future__ import annotations

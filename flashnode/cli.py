@@ -1,4 +1,8 @@
-"""The ``flashnode`` command: flags/env/config → Settings → wiring; exit codes; logging setup."""
+"""The ``flashnode`` command: flags/env/config → Settings → wiring; exit codes; logging setup.
+
+Why one module of this size: mostly click declarations; the wiring of the agent's parts lives here
+so that no other module builds edges.
+"""
 
 from __future__ import annotations
 

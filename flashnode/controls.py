@@ -23,6 +23,9 @@ exception: the owner asked for something, so it fails closed (paused until resum
 Hysteresis: ``battery`` and ``load`` hold at once but release only after their condition stayed
 clear for ``hold_clear_seconds``; ``active`` releases when the owner has been idle for
 ``active_idle_seconds``, which is its own hysteresis; ``window`` and ``pause`` are exact.
+
+Why one module of this size: rule parsing (windows, durations) and evaluation with hysteresis, pure
+and tested on a fake clock.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ absurd nesting, a bad URL) becomes one of the exceptions of ``flashnode.errors``
 boundary. Every answer, error answers included, is read with a size cap and a total deadline, so
 a huge or dripping response cannot exhaust memory or hang the agent. Redirects are never followed,
 so credentials never leave for another host. Ids are checked before they go into a URL.
+
+Why one module of this size: one method per endpoint and the one status table, so that httpx stays
+behind this boundary.
 """
 
 from __future__ import annotations

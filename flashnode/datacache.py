@@ -18,6 +18,9 @@ credentials: HTTPS only (plain HTTP to a loopback address only), certificates ve
 five redirects each held to the same rule, streamed to disk, resumed with ``Range`` after a dropped
 connection, the declared size a hard cap. Wrong bytes are the task's fault (DataIntegrityError);
 an origin that cannot be reached, a full disk or cache, or a stop are not (DataUnavailable).
+
+Why one module of this size: the fetcher (redirects, Range resume, verification) and the cache
+(budget, pins, eviction, layout).
 """
 
 from __future__ import annotations

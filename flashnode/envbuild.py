@@ -21,6 +21,9 @@ uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, it
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
 redacted from every message and record. A job's lines may not make uv read a file of this host
 (``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused).
+
+Why one module of this size: uv's invocation, the checks of a job's lines and the classification of
+uv's failures belong together.
 """
 
 from __future__ import annotations

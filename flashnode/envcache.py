@@ -19,6 +19,9 @@ whose name they are given, never list the cache)::
 The key is the sha256 of the Python version (``major.minor``), the platform and the normalised
 lines (comments, surrounding space and blank lines dropped; order kept, because index directives
 are order-sensitive).
+
+Why one module of this size: the cache's concurrency (one build per key), pins, negative entries
+and eviction act on one index.
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@ printed is kept for the owner's live view (``printable``: never terminal control
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 TAIL_BYTES = 8 * 1024
@@ -64,3 +67,36 @@ def latest_line(*files: CappedFile) -> str:
     """The last line of whichever stream printed last."""
     latest = max(files, key=lambda f: f.written_at, default=None)
     return latest.last_line if latest is not None and latest.written_at else ""
+
+
+class Pump:
+    """Copies a stream of chunks into a CappedFile on its own thread (a task's pipe, a
+    container's log). ``errors``: what ending the stream early may raise, taken as its end."""
+
+    def __init__(
+        self,
+        chunks: Iterator[bytes],
+        path: Path,
+        cap: int,
+        name: str,
+        errors: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        self.file = CappedFile(path, cap)
+        self._errors = errors
+        self._thread = threading.Thread(target=self._run, args=(chunks,), name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def tail(self) -> bytes:
+        return self.file.tail
+
+    def _run(self, chunks: Iterator[bytes]) -> None:
+        try:
+            with contextlib.suppress(*self._errors):
+                for chunk in chunks:
+                    self.file.write(chunk)
+        finally:
+            self.file.close()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)

@@ -4,6 +4,9 @@ Run as root, each finds what the packaged service uses without flags: the config
 ``/etc/flashnode/flashnode.toml``, the credentials ``flashnode login`` keeps in
 ``/etc/flashnode/credentials`` (handed to the service with ``LoadCredential=``), and the state dir
 ``/var/lib/flashnode`` (the service's ``StateDirectory=``).
+
+Why one module of this size: the owner's commands share how they find the service's config,
+credentials and state.
 """
 
 from __future__ import annotations

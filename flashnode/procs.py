@@ -24,6 +24,9 @@ held open by a detached descendant: it ends when the main process exits.
 Suspension (an owner control) freezes the task's cgroup where it has a freezer, else stops its
 tree with SIGSTOP (group and token holders, in rounds until none runs; SIGCONT resumes it). A
 suspended task is resumed before it is terminated, so that it can act on SIGTERM.
+
+Why one module of this size: the only module that starts or signals processes: the launch chain,
+its sandbox script, the ownership scan, keyrings.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any
 
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
-from flashnode.logcap import CappedFile
+from flashnode.logcap import CappedFile, Pump
 
 log = logging.getLogger(__name__)
 
@@ -89,43 +92,42 @@ class Sandbox:
 
 
 class Capture:
-    """Copies a pipe into a size-capped file (logcap.CappedFile) on its own thread."""
+    """Copies a pipe into a size-capped file (logcap.Pump) until its writers close it, or, once
+    ``close`` is called, until what is already there was read: a detached descendant holding
+    the pipe open never keeps the attempt waiting."""
 
     def __init__(self, fd: int, path: Path, cap: int) -> None:
         self._fd = fd
-        self._file = CappedFile(path, cap)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"capture-{path.name}", daemon=True)
-        self._thread.start()
+        self._pump = Pump(self._chunks(), path, cap, f"capture-{path.name}")
 
     @property
     def tail(self) -> bytes:
-        return self._file.tail
+        return self._pump.tail
 
     @property
     def file(self) -> CappedFile:
-        return self._file
+        return self._pump.file
 
-    def _run(self) -> None:
+    def _chunks(self) -> Iterator[bytes]:
         try:
             while True:
                 ready, _, _ = select.select([self._fd], [], [], 0.2)
                 if not ready:
                     if self._stop.is_set():
-                        break
+                        return
                     continue
                 chunk = os.read(self._fd, READ_CHUNK)
                 if not chunk:
-                    break
-                self._file.write(chunk)
+                    return
+                yield chunk
         finally:
             os.close(self._fd)
-            self._file.close()
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop reading (after draining what is already there) and wait for the file."""
         self._stop.set()
-        self._thread.join(timeout)
+        self._pump.join(timeout)
 
 
 def _quote(value: str) -> str:

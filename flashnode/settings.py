@@ -4,6 +4,9 @@ Precedence, per key: command-line flag > ``FLASHNODE_<KEY>`` environment variabl
 TOML config file (``--config FILE``, else ``/etc/flashnode/flashnode.toml`` when present) > default.
 Secrets (the bearer token, the join code) are never flags: they come from a file named by
 ``token_file``/``join_code_file`` or from ``FLASHNODE_TOKEN``/``FLASHNODE_JOIN_CODE``.
+
+Why one module of this size: every setting with its validation, its loading and errors worded for
+the owner.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Outgoing models mirror the coordinator's own. Incoming data is untrusted: a Leas
 parsed first (its ids end up in paths and URLs, so they are checked strictly), then its payload is
 parsed into a Task; any problem with the payload becomes an AttemptFailed whose message is the
 reason reported to the coordinator.
+
+Why one module of this size: every message and the payload's strict parsing: one place for what
+crosses the wire.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ The output walk and every read of an output go through directory descriptors the
 itself, never following a link (``openat`` with ``O_NOFOLLOW``), and refuse an ``out`` that is
 not a real directory and any file its task's user did not write; an upload reads from a
 descriptor that is checked to be the very file the walk saw.
+
+Why one module of this size: every descriptor-based walk of the attempt directory (outputs,
+checkpoints, removal) beside the layout it relies on.
 """
 
 from __future__ import annotations

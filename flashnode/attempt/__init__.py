@@ -17,6 +17,9 @@ How an attempt ends (DESIGN.md §5, whose fault):
 
 Whatever raises, every attempt ends in exactly one ledger line, its GPUs released, its workspace
 and outbox record removed (unless a finished result waits in the outbox for the next start).
+
+Why one module of this size: the Attempt's shared state and hooks, which every phase reads, live
+beside the orchestrator.
 """
 
 from __future__ import annotations

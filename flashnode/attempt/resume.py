@@ -13,7 +13,6 @@ fault), so the next attempt can still resume.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -21,6 +20,7 @@ import re
 from typing import TYPE_CHECKING
 
 from flashnode import retry
+from flashnode.attempt import stage
 from flashnode.attempt.relay import Relay
 from flashnode.errors import AttemptLapsed, CoordinatorError, LeaseLost, NotFound
 from flashnode.runners.spec import WORK
@@ -165,22 +165,8 @@ def _fetch(
 
 
 def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:
-    def once() -> int:
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            size = a.ctx.coordinator.download(part.key, out, part.size_bytes, a.stop)
-        a.count_staged(size)
-        return size
-
     try:
-        return retry.retry(
-            functools.partial(once),
-            policy=retry.TRANSFER,
-            rng=a.ctx.rng,
-            clock=a.ctx.clock,
-            stop=a.stop,
-            what=f"lease {a.lease_id}: download of checkpoint part {part.key}",
-        )
+        return stage.fetch(a, part.key, dest, part.size_bytes, f"checkpoint part {part.key}")
     except LeaseLost:
         raise
     except NotFound:

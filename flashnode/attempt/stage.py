@@ -4,7 +4,6 @@ during downloads."""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -28,28 +27,37 @@ def run(a: Attempt) -> None:
         a.check()
         dest = ws.stage / inp.name if inp.unpack else ws.inputs / inp.dest
         size = _download(a, inp.name, inp.key, dest, budget)
-        a.count_staged(size)
         budget -= size
         if inp.unpack:
             archives.unpack(dest, ws.inputs / inp.name, inp.name, budget)
             dest.unlink()
 
 
-def _download(a: Attempt, name: str, key: str, dest: Path, budget: int) -> int:
+def fetch(a: Attempt, key: str, dest: Path, max_bytes: int, what: str) -> int:
+    """Download artifact ``key`` into ``dest`` (made here, never through a link), retried with
+    the shared backoff while the attempt goes on; counted as staged. Raises NotFound,
+    retry.GaveUp (the coordinator kept failing), LeaseLost or another CoordinatorError."""
+
     def once() -> int:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as out:
-            return a.ctx.coordinator.download(key, out, budget, a.stop)
+            size = a.ctx.coordinator.download(key, out, max_bytes, a.stop)
+        a.count_staged(size)
+        return size
 
+    return retry.retry(
+        once,
+        policy=retry.TRANSFER,
+        rng=a.ctx.rng,
+        clock=a.ctx.clock,
+        stop=a.stop,
+        what=f"lease {a.lease_id}: download of {what}",
+    )
+
+
+def _download(a: Attempt, name: str, key: str, dest: Path, budget: int) -> int:
     try:
-        return retry.retry(
-            functools.partial(once),
-            policy=retry.TRANSFER,
-            rng=a.ctx.rng,
-            clock=a.ctx.clock,
-            stop=a.stop,
-            what=f"lease {a.lease_id}: download of input {name}",
-        )
+        return fetch(a, key, dest, budget, f"input {name}")
     except LeaseLost:
         raise
     except NotFound:

@@ -13,6 +13,9 @@ read-only, ``out/`` writable by the container's user, ``data/`` (dataset slices)
 nothing else of the workspace; the owner's lent directories read-only at ``/work/inputs/<label>``.
 Containers carry labels naming this node and the attempt (or the module probe); at start the
 agent removes this node's labelled containers, and nothing else.
+
+Why one module of this size: the only module that imports docker: runner, handle, preflight and
+engine health.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import docker
@@ -32,7 +34,7 @@ import docker.types
 import requests
 
 from flashnode.errors import AttemptFailed, AttemptLapsed, ExitCode, PrerequisiteError
-from flashnode.logcap import CappedFile, latest_line
+from flashnode.logcap import Pump, latest_line
 from flashnode.preflight import Finding, Ok, Problem
 from flashnode.runners.base import (
     Handle,
@@ -89,36 +91,6 @@ def _client(settings: Settings, timeout: int = 60) -> Any:
     return docker.DockerClient(base_url=settings.docker_host, timeout=timeout)
 
 
-class CappedLog:
-    """Copies a container's log stream into a size-capped file on its own thread."""
-
-    def __init__(self, chunks: Iterator[bytes], path: Path, cap: int) -> None:
-        self._file = CappedFile(path, cap)
-        self._thread = threading.Thread(
-            target=self._run, args=(chunks,), name="container-log", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def tail(self) -> bytes:
-        return self._file.tail
-
-    @property
-    def file(self) -> CappedFile:
-        return self._file
-
-    def _run(self, chunks: Iterator[bytes]) -> None:
-        try:
-            with contextlib.suppress(*ENGINE_ERRORS):
-                for chunk in chunks:
-                    self._file.write(chunk)
-        finally:
-            self._file.close()
-
-    def join(self, timeout: float = 5.0) -> None:
-        self._thread.join(timeout)
-
-
 class ContainerHandle:
     def __init__(self, runner: ContainerRunner, container: Any, image_id: str, spec: StartSpec):
         self._runner = runner
@@ -131,10 +103,12 @@ class ContainerHandle:
         self._paused = False
         self._result: RunResult | None = None
         self._logs = [
-            CappedLog(
+            Pump(
                 container.logs(stream=True, follow=True, stdout=out, stderr=not out),
                 path,
                 runner.settings.log_max_bytes,
+                "container-log",
+                ENGINE_ERRORS,
             )
             for out, path in ((True, spec.stdout), (False, spec.stderr))
         ]
@@ -196,7 +170,7 @@ class ContainerHandle:
                 self._container.reload()
                 oom = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
         for capped in self._logs:
-            capped.join()
+            capped.join(5.0)
         self._runner.remove(self._container.id)
         code = self._code
         self._result = RunResult(

@@ -16,6 +16,9 @@ with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten
 directory. Its environment is built, never inherited: the locale from the agent's, then the
 payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``, the GPUs it holds
 and the ownership token.
+
+Why one module of this size: the runner, its preflight (users, sandbox, task interpreter) and its
+handle: all the trusted runner needs of the host.
 """
 
 from __future__ import annotations
