@@ -303,6 +303,15 @@ class AgentProcess:
                 self.proc.wait()
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
+    def wait_ledger(self, count: int = 1, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The ledger once it has ``count`` lines: an attempt's line is written after its
+        commit was accepted, so the coordinator may say SUCCEEDED a moment before."""
+        return wait_for(
+            f"{count} ledger line(s)",
+            lambda: len(self.ledger()) >= count and self.ledger(),
+            timeout,
+        )
+
     def ledger(self) -> list[dict[str, Any]]:
         path = self.state_dir / "ledger.jsonl"
         if not path.exists():

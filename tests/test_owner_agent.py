@@ -179,7 +179,7 @@ def test_pause_now_gives_the_running_lease_back_without_spending_the_failure_bud
     flashnode("resume", "--state-dir", str(agent.state_dir))
     # maxTaskAttempts 1: the job can succeed only if the lapse spent no failure.
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
-    outcomes = [r["outcome"] for r in agent.ledger()]
+    outcomes = [r["outcome"] for r in agent.wait_ledger(2)]
     assert outcomes == ["lapsed", "committed"]
 
 
@@ -238,7 +238,7 @@ def test_an_owner_rule_suspends_the_task_freezing_its_cgroup_and_resumes_it(
     wait_for("cpu use again", lambda: (cgroup.cpu_seconds() or 0) > (before or 0), timeout=5)
     (drop_dir / "finish").touch()
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
-    entry = agent.ledger()[-1]
+    entry = agent.wait_ledger()[-1]
     assert entry["outcome"] == "committed" and entry["timings"]["suspended"] >= 1.5
     assert "task suspended" in agent.log and "task resumed after" in agent.log
 

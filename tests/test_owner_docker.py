@@ -42,6 +42,6 @@ def test_an_owner_rule_pauses_the_container_then_unpauses_it_and_the_cap_applies
     seat.idle()
     wait_for("the container to run again", lambda: not state()["Paused"], timeout=15)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
-    entry = agent.ledger()[-1]
+    entry = agent.wait_ledger()[-1]
     assert entry["outcome"] == "committed" and entry["timings"]["suspended"] > 0
     wait_for("the container to be removed", lambda: not ours(engine, node))
