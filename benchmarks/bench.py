@@ -33,7 +33,7 @@ from harness import CoordinatorServer, argv_job, wait_for  # noqa: E402
 
 OURS = [str(HERE / ".venv-ours" / "bin" / "flashnode"), "work"]
 OLD = [str(HERE / ".venv-041" / "bin" / "flashnode"), "work"]
-TASK_USER = "flashnode-task"
+TASK_USER = "flashnode-task"  # slot N runs as flashnode-task-N (benchmarks/run makes them)
 # The trivial task: it must write metrics.json to commit (a bare `true` cannot), so both agents
 # and the floor run the same one-line shell.
 TRIVIAL = ["sh", "-c", 'echo "{}" > "$1"', "sh", "/work/out/metrics.json"]
@@ -42,8 +42,15 @@ QUICK = os.environ.get("FLASHNODE_BENCH_QUICK") == "1"
 
 class Agent:
     def __init__(
-        self, kind: str, url: str, pool: str, *extra: str, env: dict[str, str] | None = None
+        self,
+        kind: str,
+        url: str,
+        pool: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
+        """``wrap``: a command the agent runs under (a profiler: benchmarks/profile.py)."""
         self.kind = kind
         self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
         self.state.chmod(0o755)
@@ -71,7 +78,11 @@ class Agent:
         self.log = open(self.state / "agent.log", "wb")
         self.before = {n["node_id"] for n in httpx.get(url + "/v1alpha1/nodes").json()}
         self.proc = subprocess.Popen(
-            cmd, env=base, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL
+            [*(wrap or []), *cmd],
+            env=base,
+            stdout=self.log,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
         )
         self.ps = psutil.Process(self.proc.pid)
         self.url, self.pool = url, pool

@@ -30,7 +30,6 @@ import os
 import pwd
 import shutil
 import stat
-import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -174,7 +173,6 @@ class TrustedRunner(Runner):
         self._task_cpus: dict[str, float | None] = {}
         self._cpu_cap: float | None = None
         self._cpu_lock = threading.Lock()
-        self._clearing: dict[int, subprocess.Popen[bytes]] = {}  # slot -> its keyrings' clearing
 
     # --- construction -----------------------------------------------------------------------
 
@@ -320,28 +318,18 @@ class TrustedRunner(Runner):
                 "refused: the task's isolation does not allow running outside a sandbox"
             )
 
-    def _settle(self, slot: int) -> None:
-        """Wait for the clearing of the slot user's keyrings after its last task."""
-        pending = self._clearing.pop(slot, None)
-        if pending is not None:
-            try:
-                pending.wait(10)
-            except subprocess.TimeoutExpired:
-                pending.kill()
-                pending.wait()
-
-    def _after(self, slot: int, user: procs.TaskUser | None, name: str) -> None:
+    def _after(self, user: procs.TaskUser | None, name: str) -> None:
+        """Once the task's processes are gone: what the slot's user keeps between tasks."""
         self._forget(name)
         if user is not None:
-            pending = procs.clear_user_keyrings(user)
-            if pending is not None:
-                self._clearing[slot] = pending
+            why = procs.clear_user_keyrings(user)
+            if why:
+                log.warning("cannot clear the keyrings of %s: %s", user.name, why)
 
     def start(self, spec: StartSpec) -> Handle:
         ws = spec.workspace
         root = str(ws.root)
         user = self.users[spec.slot] if self.users else None
-        self._settle(spec.slot)
         if user is not None:
             ws.hand_over(user.uid, user.gid, inputs_for="group")
         else:
@@ -412,7 +400,7 @@ class TrustedRunner(Runner):
             self._forget(name)
             raise AttemptFailed(f"cannot start {argv[0][:100]!r}: {exc.strerror or exc}") from None
         spec.record(proc.identity())
-        return TrustedHandle(proc, lambda: self._after(spec.slot, user, name))
+        return TrustedHandle(proc, lambda: self._after(user, name))
 
     def _forget(self, name: str) -> None:
         with self._cpu_lock:
