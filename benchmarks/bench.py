@@ -40,6 +40,17 @@ TRIVIAL = ["sh", "-c", 'echo "{}" > "$1"', "sh", "/work/out/metrics.json"]
 QUICK = os.environ.get("FLASHNODE_BENCH_QUICK") == "1"
 
 
+def state_parent() -> Path | None:
+    """Where state dirs go: as root, under /var/lib as an owner's (/var/lib/flashnode); not
+    under /tmp, which a root agent's tasks get a private copy of (each task would then need
+    its workspace bound back in)."""
+    if os.geteuid() != 0:
+        return None
+    parent = Path("/var/lib/flashnode-bench")
+    parent.mkdir(mode=0o755, exist_ok=True)
+    return parent
+
+
 class Agent:
     def __init__(
         self,
@@ -52,7 +63,7 @@ class Agent:
     ) -> None:
         """``wrap``: a command the agent runs under (a profiler: benchmarks/profile.py)."""
         self.kind = kind
-        self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
+        self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-", dir=state_parent()))
         self.state.chmod(0o755)
         base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
         if kind == "ours":
@@ -185,7 +196,7 @@ def floor_client(url: str, pool: str, n: int) -> None:
             },
         )
         done = 0
-        work = Path(tempfile.mkdtemp(prefix="bench-floor-"))
+        work = Path(tempfile.mkdtemp(prefix="bench-floor-", dir=state_parent()))
         while done < n:
             r = c.post(api + "/leases/claim", json={"node_id": node})
             if r.status_code == 204:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashnode import statefile
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
 from flashnode.logcap import CappedFile, Pump
@@ -88,6 +89,20 @@ class Sandbox:
     tmp_bytes: int  # size of each private tmpfs
     read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
     hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
+    fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
+
+
+def private_fstab(path: Path, tmp_bytes: int) -> str:
+    """Write the table of a task's private tmpfs mounts (those of ``PRIVATE_DIRS`` that exist
+    here, ``tmp_bytes`` each) to ``path``, readable by this user only, and return its path for
+    ``Sandbox.fstab``. Each mount's source name is new (``mount -a`` skips a mount it finds
+    already there: never one of the host's)."""
+    source = f"flashnode-private-{secrets.token_hex(4)}"
+    options = f"nosuid,nodev,mode=1777,size={tmp_bytes}"
+    table = "".join(f"{source} {d} tmpfs {options} 0 0\n" for d in PRIVATE_DIRS if os.path.isdir(d))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    statefile.write(path, table.encode(), 0o600)
+    return str(path)
 
 
 class Capture:
@@ -151,32 +166,37 @@ def env_file(env: Mapping[str, str]) -> int:
 
 
 # As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
-# directories ($2: tmpfs options; the workspace, the current directory, is bound back in at its
-# path if it lived under one of them), bind the read-only views ($3: lines, a source then its
-# target, so that paths may hold spaces), run the rest.
+# directories ($2: tmpfs options; $5: a table of them all, for one `mount -a` instead of a mount
+# each; the workspace, the current directory, is bound back in at its path if it lived under one
+# of them), bind the read-only views ($3: lines, a source then its target, so that paths may hold
+# spaces), hide device files ($4), run the rest. Every step a process fewer where the shell can
+# do it itself: this runs before every task.
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
-ws=$(pwd -P)
+cd -P . && ws=$PWD || fail "cannot enter the workspace"
+[ -z "$5" ] || mount -a -T "$5" || fail "cannot mount the private directories"
 for d in $PRIVATE; do
   [ -d "$d" ] || continue
-  mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
+  [ -n "$5" ] || mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
   case "$ws/" in "$d"/*)
     (umask 022; mkdir -p "$ws") && mount --no-canonicalize --bind . "$ws" && cd "$ws" \
       || fail "cannot keep the workspace under $d";;
   esac
 done
 if [ -n "$2" ]; then  # every mount of the host's message queues: this namespace's instead
-  for q in $(awk '$3 == "mqueue" { print $2 }' /proc/self/mounts); do
+  queues=
+  while read -r _ q type _; do [ "$type" != mqueue ] || queues="$queues $q"; done </proc/self/mounts
+  for q in $queues; do
     mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
   done
 fi
-printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
+[ -z "$3" ] || printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
   mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
     || fail "cannot mount $dst read-only"
 done || exit 125
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 4
+shift 5
 exec "$@"
 """
 # As the task's user: take the task's environment from the memory file on stdin, then run the
@@ -216,7 +236,8 @@ def command(
     binds = "\n".join(f"{s}\n{d}" for s, d in sandbox.read_only_binds) if sandbox else ""
     setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
     hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
-    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, hidden, *cmd]
+    fstab = sandbox.fstab if sandbox else ""
+    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, hidden, fstab, *cmd]
     if sandbox is not None:
         cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
     return cmd

@@ -173,6 +173,12 @@ class TrustedRunner(Runner):
         self._task_cpus: dict[str, float | None] = {}
         self._cpu_cap: float | None = None
         self._cpu_lock = threading.Lock()
+        # One table of a task's private mounts, for one `mount` per task instead of one each.
+        self._fstab = (
+            procs.private_fstab(settings.state_dir / "sandbox.fstab", PRIVATE_TMP_BYTES)
+            if sandbox
+            else ""
+        )
 
     # --- construction -----------------------------------------------------------------------
 
@@ -388,7 +394,7 @@ class TrustedRunner(Runner):
                 cgroup=cgroup,
                 user=user,
                 sandbox=(
-                    procs.Sandbox(PRIVATE_TMP_BYTES, binds, hidden_gpus(spec))
+                    procs.Sandbox(PRIVATE_TMP_BYTES, binds, hidden_gpus(spec), self._fstab)
                     if self.sandbox
                     else None
                 ),
