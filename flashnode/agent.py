@@ -46,7 +46,7 @@ from flashnode.gpupool import Device
 from flashnode.retry import Backoff, Policy
 from flashnode.settings import Settings
 from flashnode.status import StatusSink
-from flashnode.wire import NodeHeartbeat, NodeRegistration
+from flashnode.wire import SAFE_ID, NodeHeartbeat, NodeRegistration
 from flashnode.workspace import remove_stale_workspaces
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,9 @@ class Agent:
         try:
             self.ctx.runner.reconcile()
             keep = set(outbox.leases())
-            remove_stale_workspaces(self.settings.state_dir / "attempts", keep=keep)
+            stale = remove_stale_workspaces(self.settings.state_dir / "attempts", keep=keep)
+            for lease_id in stale:  # ended by a crash before its task started: no record
+                self._ledger_lapsed(lease_id, "agent restarted before the task started")
         except Exception:
             log.exception("cleaning up after an earlier run failed")
         self.sink.send(READY=1)
@@ -207,6 +209,17 @@ class Agent:
         else:
             outcome = attempt.abandon("agent restarted")
         self.stats.count(outcome)
+
+    def _ledger_lapsed(self, lease_id: str, reason: str) -> None:
+        if not SAFE_ID.match(lease_id):
+            return
+        log.warning("lease %s: %s; letting its lease lapse", lease_id, reason)
+        entry = {"lease_id": lease_id, "outcome": Outcome.LAPSED.value, "reason": reason}
+        try:
+            self.ctx.ledger.append({**entry, "ended_at": self.clock.wall()})
+        except OSError as exc:
+            log.error("lease %s: cannot write the ledger: %s", lease_id, exc)
+        self.stats.count(Outcome.LAPSED)
 
     def _loop(self) -> None:
         while True:
@@ -263,6 +276,10 @@ class Agent:
                 self.coordinator.node_heartbeat(
                     NodeHeartbeat(node_id=self.node_id, status="terminating")
                 )
+        try:
+            self.ctx.runner.close()
+        except Exception:  # the last status and log line must still be written
+            log.exception("closing the runner failed")
         self._publish(final=True)
         log.info("agent stopped: %s", self.stats.outcomes)
 

@@ -73,6 +73,19 @@ class Hierarchy:
             with contextlib.suppress(OSError):
                 _write_cpu(path, self.version, target)
 
+    def sweep(self, prefix: str) -> int:
+        """Remove the attempt cgroups whose names start with ``prefix`` (what an earlier run of
+        this agent made ahead and never used: see the trusted runner); how many."""
+        names: set[str] = set()
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                names.update(p.name for p in base.iterdir() if p.name.startswith(prefix))
+        for name in names:
+            AttemptCgroup(
+                self.version, {c: base / name for c, base in self.bases.items()}, self.clock
+            ).remove()
+        return len(names)
+
     def create(self, name: str, limits: Limits) -> AttemptCgroup:
         cg = AttemptCgroup(
             self.version, {c: base / name for c, base in self.bases.items()}, self.clock
@@ -208,8 +221,11 @@ class AttemptCgroup:
                         return True
         return False
 
-    def remove(self) -> None:
+    def remove(self) -> bool:
+        """Kill everything inside and remove the directories; whether they are all gone (a
+        process that would not die keeps its directory)."""
         self.kill()
+        gone = True
         for path in self.paths.values():
             for _ in range(50):
                 try:
@@ -219,6 +235,9 @@ class AttemptCgroup:
                     break
                 except OSError:
                     self.clock.sleep(0.02)
+            else:
+                gone = False
+        return gone
 
 
 def _write(path: Path, value: str) -> None:

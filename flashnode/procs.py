@@ -12,9 +12,18 @@ the process group (``setsid``, double fork) to escape. Each task gets:
 
 The privilege boundary: every process that runs with the agent's privileges on the way to the
 task (``unshare``, the setup shell, ``setpriv``) is started with a fixed, minimal environment.
-The task's own environment is applied by the last step, a shell already running as the task's
-user, which reads it from a sealed memory file and then execs the task. So no payload variable
-(``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ...) ever reaches a privileged process.
+The task's own environment and arguments are applied by the last step, a shell already running as
+the task's user, which reads them as a script from its standard input and then execs the task.
+So no payload variable (``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ...) ever reaches a privileged
+process.
+
+The launch (``Launch``): the chain is started first and its last step waits on a pipe; the
+agent records how to find it (pid, cgroup, token) and only then sends the script (``go``), so
+that no code of the task runs before the record exists, and one record suffices. The chain can
+be started ahead, before its task is known (the trusted runner starts the next one of a slot
+while the last task's result is committed): nothing of a task is in it until ``go``. A chain
+whose pipe closes without the whole script (the agent gone, ``discard``) exits with
+``SETUP_FAILED`` and runs nothing.
 
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
 until nothing of the task is left, on an injected clock. Output goes through pipes to reader
@@ -148,16 +157,24 @@ def _quote(value: str) -> str:
     return "'" + value.replace("'", "'\\''") + "'"
 
 
-def env_script(env: Mapping[str, str]) -> bytes:
-    """A shell script that exports exactly ``env`` (names are checked by the wire parser)."""
-    return "".join(f"export {k}={_quote(v)}\n" for k, v in env.items()).encode()
+def env_script(env: Mapping[str, str], argv: Sequence[str], cwd: Path | None = None) -> bytes:
+    """The script the last step of the chain sources: enter ``cwd`` (first: no variable of the
+    task's can change what it means), export exactly ``env`` (names are checked by the wire
+    parser), set the arguments, and, last, say it is whole (``FLASHNODE_GO``: a payload cannot
+    set that name, and it is never exported)."""
+    lines = [f"cd -- {_quote(str(cwd))} || exit {SETUP_FAILED}\n"] if cwd is not None else []
+    lines += [f"export {k}={_quote(v)}\n" for k, v in env.items()]
+    lines.append("set -- " + " ".join(_quote(a) for a in argv) + "\n")
+    lines.append("FLASHNODE_GO=1\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-def env_file(env: Mapping[str, str]) -> int:
-    """A memory file holding ``env_script(env)``, at offset 0: the task's last step reads it."""
+def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
+    """A memory file holding ``env_script(env, argv)``, at offset 0, for a chain that may run
+    at once (``popen_as``)."""
     fd = os.memfd_create("flashnode-task-env")
     try:
-        os.write(fd, env_script(env))
+        os.write(fd, env_script(env, argv))
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)
@@ -199,20 +216,19 @@ for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
 shift 5
 exec "$@"
 """
-# As the task's user: take the task's environment from the memory file on stdin, then run the
-# task with stdin from /dev/null.
-APPLY_ENV = '. /dev/stdin || exit 125; exec "$@" </dev/null'
+# As the task's user: take the task's environment and arguments from the script on stdin (once it
+# is whole), then run the task with stdin from /dev/null.
+APPLY_ENV = '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; exec "$@" </dev/null'
 
 
 def command(
-    argv: Sequence[str],
     cgroup: AttemptCgroup | None,
     user: TaskUser | None,
     sandbox: Sandbox | None,
 ) -> list[str]:
-    """The command line that starts ``argv`` in ``cgroup``, in ``sandbox``, as ``user``, with
-    the environment read from stdin (``env_file``)."""
-    cmd = ["/bin/sh", "-c", APPLY_ENV, "flashnode-task", *argv]
+    """The command line of the chain that runs a task in ``cgroup``, in ``sandbox``, as ``user``;
+    its last step takes the task's environment and arguments from stdin (``env_script``)."""
+    cmd = ["/bin/sh", "-c", APPLY_ENV, "flashnode-task"]
     if user is not None:
         # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can raise
         # the task's privileges again.
@@ -243,8 +259,71 @@ def command(
     return cmd
 
 
+GO_TIMEOUT_S = 30.0  # the longest the chain may take to read its script
+
+
+class Launch:
+    """A task's chain, started and waiting for its script (see the module docstring): in
+    ``cgroup`` and ``sandbox``, as ``user``, its pipes open. ``TaskProcess`` takes it over."""
+
+    def __init__(
+        self,
+        cwd: Path,
+        cgroup: AttemptCgroup | None = None,
+        user: TaskUser | None = None,
+        sandbox: Sandbox | None = None,
+    ) -> None:
+        self.cgroup, self.user, self.sandbox = cgroup, user, sandbox
+        script_r, self.script_w = os.pipe()
+        self.out_r, out_w = os.pipe()
+        self.err_r, err_w = os.pipe()
+        try:
+            if user is not None:  # the last step opens it by name (/dev/stdin), as the user
+                os.fchown(script_r, user.uid, user.gid)
+            self.popen = subprocess.Popen(
+                command(cgroup, user, sandbox),
+                env=PRIVILEGED_ENV,
+                cwd=cwd,
+                stdin=script_r,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                close_fds=True,
+                umask=0o077,
+            )
+        except BaseException:
+            for fd in (self.script_w, self.out_r, self.err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (script_r, out_w, err_w):
+                os.close(fd)
+        self.pid = self.popen.pid
+        self.start_time = start_time(self.pid)
+
+    def alive(self) -> bool:
+        """Still waiting (a chain whose setup failed has exited)."""
+        return self.popen.poll() is None
+
+    def discard(self) -> None:
+        """End a launch no task took: its pipe closes (it exits without running anything), its
+        group is killed, its cgroup removed."""
+        for fd in (self.script_w, self.out_r, self.err_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+
 class TaskProcess:
-    """A started task: its main process, its group, its token, its cgroup and its output."""
+    """A started task: its main process, its group, its token, its cgroup and its output.
+
+    ``launch``: a chain started ahead for it (else one is started here, in ``cgroup`` and
+    ``sandbox``, as ``user``). ``hold``: do not send the task its script yet (``go``): the caller
+    first records ``identity()``."""
 
     def __init__(
         self,
@@ -259,47 +338,53 @@ class TaskProcess:
         user: TaskUser | None = None,
         sandbox: Sandbox | None = None,
         clock: Clock | None = None,
+        launch: Launch | None = None,
+        hold: bool = False,
     ) -> None:
+        if launch is None:
+            launch = Launch(cwd, cgroup, user, sandbox)
         self.token = env[OWNER_ENV]
-        self.uid = user.uid if user else os.geteuid()
+        self.uid = launch.user.uid if launch.user else os.geteuid()
         # Without a cgroup, a child that drops the token and leaves the group is found only by
         # its uid: a slot's own user runs nothing but this slot's task, so all of its processes
         # are the task's (one agent per set of task users: README).
-        self.whole_uid = user is not None and cgroup is None
+        self.whole_uid = launch.user is not None and launch.cgroup is None
         self._uid_filter = self.uid if self.whole_uid else None
-        self.cgroup = cgroup
+        self.cgroup = launch.cgroup
         self._clock = clock or SystemClock()
-        env_fd = env_file(env)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            self._popen = subprocess.Popen(
-                command(argv, cgroup, user, sandbox),
-                env=PRIVILEGED_ENV,
-                cwd=cwd,
-                stdin=env_fd,
-                stdout=out_w,
-                stderr=err_w,
-                start_new_session=True,
-                close_fds=True,
-                umask=0o077,
-            )
-        except BaseException:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (env_fd, out_w, err_w):
-                os.close(fd)
-        self.pid = self._popen.pid
-        self.start_time = start_time(self.pid)
+        self._launch = launch
+        self._script: bytes | None = env_script(env, argv, cwd)
+        self._popen = launch.popen
+        self.pid = launch.pid
+        self.start_time = launch.start_time
         self._ticks: dict[tuple[int, int], int] = {}
         self.exited = threading.Event()
         self.suspended = False
         self._on_exit = on_exit
-        self.stdout = Capture(out_r, stdout, log_max_bytes)
-        self.stderr = Capture(err_r, stderr, log_max_bytes)
+        self.stdout = Capture(launch.out_r, stdout, log_max_bytes)
+        self.stderr = Capture(launch.err_r, stderr, log_max_bytes)
         threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+        if not hold:
+            self.go()
+
+    def go(self) -> None:
+        """Send the task its script: from here on, the task's own code runs. A chain that ended
+        before it read the whole script (its setup failed) runs nothing; its exit says why."""
+        script, self._script = self._script, None
+        if script is None:
+            return
+        fd = self._launch.script_w
+        try:
+            os.set_blocking(fd, False)
+            view, deadline = memoryview(script), self._clock.monotonic() + GO_TIMEOUT_S
+            while view and not self.exited.is_set() and self._clock.monotonic() < deadline:
+                _, writable, _ = select.select([], [fd], [], 0.2)
+                if writable:
+                    view = view[os.write(fd, view) :]
+        except BrokenPipeError:
+            pass
+        finally:
+            os.close(fd)
 
     def pids(self) -> set[int]:
         """The task's live processes now (its cgroup, else its group and token holders); each
@@ -394,6 +479,10 @@ class TaskProcess:
         self._clock.wait(self.exited, KILL_ROUNDS_S)
 
     def close(self) -> None:
+        if self._script is not None:  # never sent: the chain, if still there, runs nothing
+            self._script = None
+            with contextlib.suppress(OSError):
+                os.close(self._launch.script_w)
         self.stdout.close()
         self.stderr.close()
 
@@ -460,10 +549,10 @@ def popen_as(
     """Start ``argv`` as ``user`` (None: as the agent's own user) with exactly ``env``, which no
     step that runs with the agent's privileges sees, in ``sandbox`` if given. ``kwargs`` go to
     Popen."""
-    env_fd = env_file(env)
+    env_fd = env_file(env, argv)
     try:
         return subprocess.Popen(
-            command(argv, None, user, sandbox), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
+            command(None, user, sandbox), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
         )
     finally:
         os.close(env_fd)

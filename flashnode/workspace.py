@@ -362,15 +362,18 @@ def _remove_at(dir_fd: int, name: str, depth: int) -> None:
         return
 
 
-def remove_stale_workspaces(attempts_dir: Path, keep: set[str]) -> None:
-    """Remove attempt directories whose lease is not in ``keep``."""
+def remove_stale_workspaces(attempts_dir: Path, keep: set[str]) -> list[str]:
+    """Remove attempt directories whose lease is not in ``keep``; their names (lease ids)."""
     try:
         entries = list(attempts_dir.iterdir())
     except FileNotFoundError:
-        return
+        return []
+    removed = []
     for entry in entries:
         if entry.name not in keep and entry.is_dir() and not entry.is_symlink():
             remove_tree(entry)
+            removed.append(entry.name)
+    return removed
 
 
 def remove_tree(path: Path) -> None:
