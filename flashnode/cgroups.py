@@ -209,16 +209,18 @@ class AttemptCgroup:
             return None
 
     def oom_killed(self) -> bool:
-        for path in self.paths.values():
-            for name in ("memory.events", "memory.oom_control"):
-                try:
-                    text = (path / name).read_text()
-                except OSError:
-                    continue
-                for line in text.splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
-                        return True
+        memory = self.paths.get("memory", self.paths.get("unified"))
+        if memory is None:
+            return False
+        for name in ("memory.events", "memory.oom_control"):
+            try:
+                text = (memory / name).read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                    return True
         return False
 
     def remove(self) -> bool:

@@ -26,9 +26,10 @@ whose pipe closes without the whole script (the agent gone, ``discard``) exits w
 ``SETUP_FAILED`` and runs nothing.
 
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
-until nothing of the task is left, on an injected clock. Output goes through pipes to reader
-threads that keep a size-capped head and a short tail on disk; the attempt never waits for a pipe
-held open by a detached descendant: it ends when the main process exits.
+until nothing of the task is left, on an injected clock. Output goes through pipes to one thread
+per task that keeps a size-capped head and a short tail on disk and sees the main process exit;
+the attempt never waits for a pipe held open by a detached descendant: it ends when the main
+process exits.
 
 Suspension (an owner control) freezes the task's cgroup where it has a freezer, else stops its
 tree with SIGSTOP (group and token holders, in rounds until none runs; SIGCONT resumes it). A
@@ -58,7 +59,7 @@ from typing import Any
 from flashnode import statefile
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
-from flashnode.logcap import CappedFile, Pump
+from flashnode.logcap import CappedFile
 
 log = logging.getLogger(__name__)
 
@@ -114,43 +115,15 @@ def private_fstab(path: Path, tmp_bytes: int) -> str:
     return str(path)
 
 
-class Capture:
-    """Copies a pipe into a size-capped file (logcap.Pump) until its writers close it, or, once
-    ``close`` is called, until what is already there was read: a detached descendant holding
-    the pipe open never keeps the attempt waiting."""
+@dataclass(frozen=True)
+class Stream:
+    """One of the task's output streams as captured: its size-capped file and its tail."""
 
-    def __init__(self, fd: int, path: Path, cap: int) -> None:
-        self._fd = fd
-        self._stop = threading.Event()
-        self._pump = Pump(self._chunks(), path, cap, f"capture-{path.name}")
+    file: CappedFile
 
     @property
     def tail(self) -> bytes:
-        return self._pump.tail
-
-    @property
-    def file(self) -> CappedFile:
-        return self._pump.file
-
-    def _chunks(self) -> Iterator[bytes]:
-        try:
-            while True:
-                ready, _, _ = select.select([self._fd], [], [], 0.2)
-                if not ready:
-                    if self._stop.is_set():
-                        return
-                    continue
-                chunk = os.read(self._fd, READ_CHUNK)
-                if not chunk:
-                    return
-                yield chunk
-        finally:
-            os.close(self._fd)
-
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop reading (after draining what is already there) and wait for the file."""
-        self._stop.set()
-        self._pump.join(timeout)
+        return self.file.tail
 
 
 def _quote(value: str) -> str:
@@ -361,9 +334,14 @@ class TaskProcess:
         self.exited = threading.Event()
         self.suspended = False
         self._on_exit = on_exit
-        self.stdout = Capture(launch.out_r, stdout, log_max_bytes)
-        self.stderr = Capture(launch.err_r, stderr, log_max_bytes)
-        threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+        self._closing = threading.Event()
+        self.stdout = Stream(CappedFile(stdout, log_max_bytes))
+        self.stderr = Stream(CappedFile(stderr, log_max_bytes))
+        self._watcher = threading.Thread(
+            target=self._watch, args=(launch.out_r, launch.err_r), name=f"task-{self.pid}"
+        )
+        self._watcher.daemon = True
+        self._watcher.start()
         if not hold:
             self.go()
 
@@ -424,6 +402,41 @@ class TaskProcess:
         self.exited.set()
         self._on_exit()
 
+    def _watch(self, out_fd: int, err_fd: int) -> None:
+        """One thread per task: copy both pipes into their files until their writers close
+        them, or, once ``close`` was called, until nothing more is there (a detached descendant
+        holding a pipe never keeps the attempt waiting); and see the main process exit, through
+        a pidfd (where there is none, a thread of its own waits for it)."""
+        streams = {out_fd: self.stdout.file, err_fd: self.stderr.file}
+        pidfd: int | None = None
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+        try:
+            while streams or pidfd is not None:
+                watch = [*streams, *([pidfd] if pidfd is not None else [])]
+                ready, _, _ = select.select(watch, [], [], 0.2)
+                if not ready and self._closing.is_set() and pidfd is None:
+                    return
+                for fd in ready:
+                    if fd == pidfd:
+                        os.close(pidfd)
+                        pidfd = None
+                        self._wait()
+                        continue
+                    chunk = os.read(fd, READ_CHUNK)
+                    if chunk:
+                        streams[fd].write(chunk)
+                    else:
+                        del streams[fd]
+                        os.close(fd)
+        finally:
+            for fd in [*streams, *([pidfd] if pidfd is not None else [])]:
+                os.close(fd)
+            self.stdout.file.close()
+            self.stderr.file.close()
+
     @property
     def returncode(self) -> int | None:
         return self._popen.returncode if self.exited.is_set() else None
@@ -469,13 +482,19 @@ class TaskProcess:
 
     def kill(self) -> None:
         """SIGKILL everything the task owns, repeating while something still answers: the
-        group, every token holder, then everything in its cgroup."""
+        group and everything in its cgroup; without a cgroup, the group and every token holder.
+        A cgroup holds every process of the task (the chain joins it before the task runs, and
+        no process of an unprivileged user can leave it), so a scan of /proc for the token
+        would find nothing more there, at the cost of a look at every process on the host."""
         self.resume()
-        deadline = self._clock.monotonic() + KILL_ROUNDS_S
-        while self._signal_all(signal.SIGKILL) and self._clock.monotonic() < deadline:
-            self._clock.sleep(0.02)
         if self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)
             self.cgroup.kill()
+        else:
+            deadline = self._clock.monotonic() + KILL_ROUNDS_S
+            while self._signal_all(signal.SIGKILL) and self._clock.monotonic() < deadline:
+                self._clock.sleep(0.02)
         self._clock.wait(self.exited, KILL_ROUNDS_S)
 
     def close(self) -> None:
@@ -483,8 +502,8 @@ class TaskProcess:
             self._script = None
             with contextlib.suppress(OSError):
                 os.close(self._launch.script_w)
-        self.stdout.close()
-        self.stderr.close()
+        self._closing.set()
+        self._watcher.join(2.0)
 
     def _alive(self) -> bool:
         return not self.exited.is_set() or any(True for _ in self.members())

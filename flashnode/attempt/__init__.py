@@ -49,7 +49,7 @@ from flashnode.retry import Interrupted
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.spec import Preparation
 from flashnode.wire import ExecutionEvidence, Lease, Task, parse_lease
-from flashnode.workspace import OutputFile, Workspace
+from flashnode.workspace import OutputFile, Workspace, remove_tree
 
 __all__ = ["PHASES", "Attempt", "AttemptContext", "CoordinatorPort", "LeaseKeeper", "Outcome"]
 
@@ -340,7 +340,9 @@ class Attempt:
         else:
             try:
                 if self.workspace is not None:
-                    self.workspace.remove()
+                    retired = self.workspace.retire()
+                    if retired is not None:
+                        self.ctx.later(lambda: remove_tree(retired))
                 self.ctx.outbox.remove(lease.lease_id)
             except Exception:  # a cleanup that fails must not cost the ledger line
                 log.exception("lease %s: cleanup failed", lease.lease_id)

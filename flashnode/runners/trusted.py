@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnode import cgroups, procs
+from flashnode.background import Background
 from flashnode.errors import AttemptFailed, AttemptLapsed, ConfigError, ExitCode
 from flashnode.logcap import latest_line
 from flashnode.preflight import Finding, Ok, Problem
@@ -195,7 +196,8 @@ class TrustedRunner(Runner):
         self._ahead_prefix = f"ahead-{digest[:12]}-"
         self._slots_lock = threading.Lock()
         self._ahead: dict[int, procs.Launch] = {}
-        self._turnovers: dict[int, threading.Thread] = {}
+        self._turnovers: dict[int, threading.Event] = {}  # slot -> its turnover done
+        self._worker = Background("turnovers")
         self._closed = False
 
     # --- construction -----------------------------------------------------------------------
@@ -349,15 +351,12 @@ class TrustedRunner(Runner):
         name: str,
         cgroup: cgroups.AttemptCgroup | None,
     ) -> None:
-        """Once the task's processes are all gone: the rest of the slot's turnover on a thread
-        of its own, off the attempt's way (the slot's next start waits for it)."""
+        """Once the task's processes are all gone: the rest of the slot's turnover on the
+        runner's worker thread, off the attempt's way (the slot's next start waits for it)."""
         self._forget(name)
-        thread = threading.Thread(
-            target=self._turn_over, args=(slot, user, cgroup), name=f"slot-{slot}", daemon=True
-        )
+        done = self._worker.submit(lambda: self._turn_over(slot, user, cgroup))
         with self._slots_lock:
-            self._turnovers[slot] = thread
-        thread.start()
+            self._turnovers[slot] = done
 
     def _turn_over(
         self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
@@ -398,9 +397,9 @@ class TrustedRunner(Runner):
 
     def _settle(self, slot: int) -> None:
         with self._slots_lock:
-            thread = self._turnovers.pop(slot, None)
-        if thread is not None:
-            thread.join()
+            done = self._turnovers.pop(slot, None)
+        if done is not None:
+            done.wait()
 
     def _take_ahead(self, slot: int, sandbox: procs.Sandbox | None) -> procs.Launch | None:
         """The slot's chain started ahead, if this task can use it; one it cannot use is
@@ -423,10 +422,7 @@ class TrustedRunner(Runner):
 
     def close(self) -> None:
         self._closed = True
-        with self._slots_lock:
-            turnovers = list(self._turnovers.values())
-        for thread in turnovers:
-            thread.join()
+        self._worker.drain()
         with self._slots_lock:
             left, self._ahead = list(self._ahead.values()), {}
         for launch in left:
