@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import click
+import psutil
 
 from flashnode import cgroups, datacache, localdata, preflight, status
 from flashnode.coordinator import Coordinator
@@ -24,7 +25,8 @@ from flashnode.errors import (
 from flashnode.gpu import Nvml
 from flashnode.login_cli import probe_node_id, register_dry_run
 from flashnode.owner import config_option
-from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, load
+from flashnode.runners.spec import task_limits
+from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, format_size, load
 from flashnode.wire import NodeHeartbeat
 
 
@@ -46,7 +48,12 @@ class Report:
 @click.command()
 @config_option
 @click.option("--coordinator", help="Check against this coordinator URL instead of the config's.")
-def doctor(config_file: Path | None, coordinator: str | None) -> None:
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, readable=False),
+    help="Check this state dir instead of the config's.",
+)
+def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | None) -> None:
     """Check this node's setup as `flashnode work` will see it; every failure names its fix.
 
     The same checks `work` runs before it starts, then the coordinator: it answers, and it
@@ -57,11 +64,18 @@ def doctor(config_file: Path | None, coordinator: str | None) -> None:
     if os.geteuid() != 0 and config_file is None and DEFAULT_CONFIG_FILE.exists():
         r.warn("user", f"checking as uid {os.geteuid()}; the service runs as root: sudo it")
     try:
-        s = load({"coordinator": coordinator}, os.environ, config_file)
+        s = load({"coordinator": coordinator, "state_dir": state_dir}, os.environ, config_file)
     except ConfigError as exc:
         r.fail("configuration", str(exc), "correct the setting named above")
         sys.exit(1)
-    r.ok("configuration", f"{s.runner} runner, pools {','.join(s.pools) or '-'}")
+    slots = s.slots if isinstance(s.slots, int) else 1
+    limits = task_limits(s, slots, psutil.virtual_memory().total, os.cpu_count() or 1)
+    r.ok(
+        "configuration",
+        f"{s.runner} runner, pools {','.join(s.pools) or '-'}, {s.slots} slot(s); per task"
+        f" {format_size(limits.memory_bytes or 0)} memory, {limits.cpus:g} CPU(s),"
+        f" {limits.pids} pids",
+    )
     for finding in preflight.check(s):
         if isinstance(finding, preflight.Ok):
             r.ok(finding.what, finding.detail)

@@ -32,10 +32,12 @@ config_option = click.option(
 )
 state_dir_option = click.option(
     "--state-dir",
-    type=click.Path(path_type=Path),
+    # Not readable=True: the service's state dir is 0711 (members of group flashnode reach
+    # status.json in it without listing it).
+    type=click.Path(path_type=Path, readable=False),
     default=None,
     help="The agent's state dir [default: the config's state_dir, else /var/lib/flashnode as"
-    " root, else ~/.local/state/flashnode].",
+    " root, else ~/.local/state/flashnode, else the service's /var/lib/flashnode].",
 )
 credentials_dir_option = click.option(
     "--credentials-dir",
@@ -51,13 +53,24 @@ def stop(code: ExitCode, message: str) -> NoReturn:
     sys.exit(int(code))
 
 
+SERVICE_STATE_DIR = Path("/var/lib/flashnode")  # systemd/flashnode.service's StateDirectory=
+
+
 def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
+    """The state dir an owner's command reads: given, configured, this user's default, or (a
+    member of group flashnode who is not root) the packaged service's."""
     if state_dir is not None:
         return state_dir
     try:
-        return load({}, os.environ, config_file).state_dir
+        found = load({}, os.environ, config_file).state_dir
     except ConfigError:
-        return Path(os.environ.get("FLASHNODE_STATE_DIR") or default_state_dir())
+        found = Path(os.environ.get("FLASHNODE_STATE_DIR") or default_state_dir())
+    if (
+        not (found / status.STATUS_FILE).exists()
+        and (SERVICE_STATE_DIR / status.STATUS_FILE).exists()
+    ):
+        return SERVICE_STATE_DIR
+    return found
 
 
 def register(main: click.Group) -> None:
@@ -124,7 +137,11 @@ def status_command(config_file: Path | None, state_dir: Path | None, as_json: bo
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 def history(config_file: Path | None, state_dir: Path | None, count: int, as_json: bool) -> None:
     """Recent attempts from the local ledger."""
-    records = Ledger(state_dir_of(config_file, state_dir) / "ledger.jsonl").records()[-count:]
+    ledger = Ledger(state_dir_of(config_file, state_dir) / "ledger.jsonl")
+    try:
+        records = ledger.records()[-count:]
+    except PermissionError:
+        stop(ExitCode.FAILURE, f"{ledger.path} is the agent's alone: run flashnode history as root")
     for r in records:
         if as_json:
             click.echo(json.dumps(r, sort_keys=True))
