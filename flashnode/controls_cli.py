@@ -18,7 +18,7 @@ import click
 
 from flashnode import pausefile, status
 from flashnode.controls import Pause, PauseMode, parse_duration
-from flashnode.owner import _state_dir, config_option, state_dir_option
+from flashnode.owner import config_option, state_dir_of, state_dir_option
 from flashnode.wire import SAFE_ID
 
 POLL_SECONDS = 0.2
@@ -62,7 +62,7 @@ def pause(
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--for") from None
     mode: PauseMode = "drain" if drain else "now"
-    directory = _state_dir(config_file, state_dir)
+    directory = state_dir_of(config_file, state_dir)
     try:
         pausefile.write(directory, Pause(mode, until, now))
     except OSError as exc:
@@ -86,7 +86,7 @@ def pause(
 @state_dir_option
 def resume(config_file: Path | None, state_dir: Path | None) -> None:
     """End a pause: the node takes work again (subject to the config's rules)."""
-    directory = _state_dir(config_file, state_dir)
+    directory = state_dir_of(config_file, state_dir)
     try:
         removed = pausefile.clear(directory)
     except OSError as exc:
@@ -129,7 +129,7 @@ def logs(
     """
     if not SAFE_ID.match(lease):
         raise click.BadParameter(f"{lease!r} is not a lease id", param_hint="LEASE")
-    attempt = _state_dir(config_file, state_dir) / "attempts" / lease
+    attempt = state_dir_of(config_file, state_dir) / "attempts" / lease
     try:
         os.lstat(attempt)
     except PermissionError:

@@ -14,7 +14,7 @@ import click
 from flashnode.envbuild import EnvSpec
 from flashnode.envcache import EnvCache, EnvInfo, describe, size, summary
 from flashnode.errors import ConfigError, EnvUnavailable
-from flashnode.owner import _state_dir, config_option, state_dir_option
+from flashnode.owner import config_option, state_dir_of, state_dir_option
 from flashnode.settings import Settings, load
 
 ENVS_DIR = "envs"
@@ -97,7 +97,7 @@ def _settings(config_file: Path | None, state_dir: Path | None) -> Settings:
     except ConfigError:
         # No coordinator configured is no reason not to look at the cache: defaults apply.
         s = Settings(coordinator="http://127.0.0.1")
-    return s.model_copy(update={"state_dir": _state_dir(config_file, state_dir)})
+    return s.model_copy(update={"state_dir": state_dir_of(config_file, state_dir)})
 
 
 def _open(config_file: Path | None, state_dir: Path | None) -> EnvCache | None:

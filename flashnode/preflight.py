@@ -17,6 +17,9 @@ import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
 
 from flashnode.errors import ExitCode
 from flashnode.settings import Settings, format_size
@@ -67,8 +70,66 @@ def check(settings: Settings, slots: int | None = None) -> list[Finding]:
 
     if slots is None:
         slots = settings.slots if isinstance(settings.slots, int) else 1
-    findings = [*_state_dir(settings), *_credentials(settings)]
+    findings = [*_state_dir(settings), *_credentials(settings), *_service_view(settings)]
+    findings += _machine(settings)
     return findings + runner_class(settings.runner).preflight(settings, slots)
+
+
+# --- what the packaged service can reach -------------------------------------------------------
+
+SERVICE_UNIT = Path("/usr/lib/systemd/system/flashnode.service")
+# What systemd/flashnode.service lets the agent (and its tasks) see: ProtectHome=yes hides these;
+# ProtectSystem=strict leaves only its StateDirectory= writable (tests/test_service.py checks the
+# unit still says so).
+HIDDEN_BY_UNIT = (Path("/home"), Path("/root"), Path("/run/user"))
+WRITABLE_IN_UNIT = (Path("/var/lib/flashnode"),)
+
+
+def _service_view(s: Settings) -> Iterator[Finding]:
+    """Paths the packaged unit would not let the agent use, when the unit is installed: `doctor`
+    run outside the unit sees more than the service. Warnings: an agent started by hand is not
+    held to the unit's view (the service itself then refuses with its own words)."""
+    if not SERVICE_UNIT.exists() or os.geteuid() != 0:
+        return
+    drop_in = "systemctl edit flashnode, then under [Service]"
+    for label, path in sorted(s.local_data.items()):
+        hidden = next((h for h in HIDDEN_BY_UNIT if path.is_relative_to(h)), None)
+        if hidden is not None:
+            yield Problem(
+                f"local data {label}",
+                f"{path} is under {hidden}, which the packaged service cannot see"
+                " (ProtectHome=yes)",
+                f"move the data out of {hidden}, or {drop_in}: BindReadOnlyPaths={path}",
+                code=None,
+            )
+    if not any(s.state_dir.is_relative_to(w) for w in WRITABLE_IN_UNIT):
+        yield Problem(
+            "state dir",
+            f"{s.state_dir}: the packaged service may write only {WRITABLE_IN_UNIT[0]}"
+            " (ProtectSystem=strict)",
+            f"remove state_dir from the config, or {drop_in}: ReadWritePaths={s.state_dir}",
+            code=None,
+        )
+
+
+def _machine(s: Settings) -> Iterator[Finding]:
+    """Per-task limits that this machine cannot give (they are allowed: a warning)."""
+    memory, cores = psutil.virtual_memory().total, os.cpu_count() or 1
+    if s.task_memory_bytes is not None and s.task_memory_bytes > memory:
+        yield Problem(
+            "task memory",
+            f"task_memory_bytes ({format_size(s.task_memory_bytes)}) is more than this machine"
+            f" has ({memory / 2**30:.1f} GiB)",
+            "lower task_memory_bytes, or leave it unset (a share of the machine per slot)",
+            code=None,
+        )
+    if s.task_cpus is not None and s.task_cpus > cores:
+        yield Problem(
+            "task cpus",
+            f"task_cpus ({s.task_cpus:g}) is more than this machine's {cores} core(s)",
+            "lower task_cpus, or leave it unset (a share of the machine per slot)",
+            code=None,
+        )
 
 
 # --- the state dir ----------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import pwd
@@ -194,6 +195,18 @@ exec "$@"
 APPLY_ENV = '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; exec "$@" </dev/null'
 
 
+@functools.lru_cache(maxsize=1)
+def _may_drop_bounding_set() -> bool:
+    """Whether this process holds CAP_SETPCAP (the packaged unit's bounding set has no need of
+    it: a task that runs with no_new_privs as its own uid gains no capability either way)."""
+    try:
+        with open("/proc/self/status") as fh:
+            eff = next(line for line in fh if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(eff.split()[1], 16) & (1 << 8))
+
+
 def command(
     cgroup: AttemptCgroup | None,
     user: TaskUser | None,
@@ -211,7 +224,7 @@ def command(
             f"--regid={user.gid}",
             "--clear-groups",
             "--inh-caps=-all",
-            "--bounding-set=-all",
+            *(["--bounding-set=-all"] if _may_drop_bounding_set() else []),
             "--no-new-privs",
             "--",
             *cmd,

@@ -536,6 +536,7 @@ def load(
     if path is not None:
         for key, value in read_config_file(path).items():
             merged[key], origin[key] = value, f"in {path}"
+    _misspelt_env(env)
     for key in SETTABLE:
         raw = env.get(ENV_PREFIX + key.upper())
         if raw is not None and raw != "":
@@ -577,6 +578,17 @@ def load(
         raise ConfigError(_explain(exc, merged, origin)) from None
     _check_consistency(settings)
     return settings
+
+
+def _misspelt_env(env: Mapping[str, str]) -> None:
+    """A FLASHNODE_* variable that is no setting but nearly one is a typo the owner would
+    otherwise never hear of: refuse it with the name it resembles."""
+    names = [ENV_PREFIX + k.upper() for k in (*SETTABLE, "token", "join_code")]
+    for name in env:
+        if name.startswith(ENV_PREFIX) and name not in names:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+            if close:
+                raise ConfigError(f"{name} is not a setting (did you mean {close[0]}?)")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

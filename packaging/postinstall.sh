@@ -4,7 +4,7 @@
 # upgrade); it never starts an agent that has not been configured.
 set -e
 if command -v systemd-sysusers >/dev/null 2>&1; then
-  systemd-sysusers /usr/lib/sysusers.d/flashnode.conf
+  systemd-sysusers /usr/lib/sysusers.d/flashnode.conf >/dev/null
 else
   # The same as flashnode.sysusers, by hand.
   getent group flashnode >/dev/null 2>&1 || groupadd --system flashnode

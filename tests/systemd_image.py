@@ -19,7 +19,7 @@ from pathlib import Path
 
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-INCLUDE = ("systemd", "systemd-sysv", "python3", "dbus")
+INCLUDE = ("systemd", "systemd-sysv", "python3", "dbus", "procps")
 # Bumped when what goes into the image changes in a way the fields above do not show.
 RECIPE_VERSION = "1"
 REPOSITORY = "flashnode-test-systemd"

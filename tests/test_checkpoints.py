@@ -21,7 +21,7 @@ from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
 from test_container import engine, image  # noqa: F401 - the docker runner's fixtures
 
-from flashnode.attempt import Attempt, LeaseKeeper, relay, resume
+from flashnode.attempt import Attempt, LeaseKeeper, relay, restore
 from flashnode.errors import CheckpointRefused, CoordinatorUnavailable, LeaseLost
 from flashnode.wire import CheckpointManifest, CheckpointPart, parse_lease, parse_task
 from flashnode.workspace import Workspace
@@ -492,7 +492,7 @@ class Setup:
         a.keeper = LeaseKeeper(self.coord, a.lease, self.clock, a._lost)
         a.workspace = self.ws = Workspace.create(tmp_path / "attempts", a.lease.lease_id)
         a.workspace.task_uid = os.geteuid()
-        resume.run(a)
+        restore.run(a)
         [r] = a.during_run
         assert isinstance(r, relay.Relay)
         self.relay = r

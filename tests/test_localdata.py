@@ -12,9 +12,9 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from flashnode import inventory
+from flashnode.doctor_cli import Report, _check_data
 from flashnode.errors import AttemptFailed, ConfigError
 from flashnode.localdata import LentMount, mounts, requested_labels, unreadable
-from flashnode.owner import Report, _check_data
 from flashnode.settings import load
 
 URL = "http://127.0.0.1:8100"

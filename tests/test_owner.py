@@ -532,3 +532,80 @@ def test_the_demo_cleans_up_after_itself() -> None:
         assert list(scratch.iterdir()) == []
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+# --- what a new owner met following the README (the walkthrough) -------------------------------
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="makes a user in group flashnode")
+def test_a_member_of_group_flashnode_sees_the_status_without_flags(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """status.json is 0640 root:flashnode in a 0711 state dir: a group member reads it, given
+    the state dir or not, and `history` (the ledger is root's) says so instead of nothing."""
+    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    agent = start_agent(coordinator.url, "--runner", "trusted", "--pool", "team-a", env=FAST)
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    agent.wait_ledger()
+    gid = int(
+        subprocess.run(
+            ["getent", "group", "flashnode"], capture_output=True, text=True
+        ).stdout.split(":")[2]
+    )
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    env = {"PYTHONPATH": f"{ROOT}:{site}", "HOME": "/nonexistent", "PATH": "/usr/bin:/bin"}
+    member = ["setpriv", "--reuid=65534", f"--regid={gid}", f"--groups={gid}", "--"]
+    python = "/usr/bin/python3"
+    probe = subprocess.run([*member, python, "-c", "import flashnode, pydantic_core"], env=env)
+    if probe.returncode != 0:
+        pytest.skip(f"{python} cannot import this checkout as an unprivileged user")
+    state = ["--state-dir", str(agent.state_dir)]
+    shown = subprocess.run(
+        [*member, python, "-m", "flashnode", "status", *state],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "node " in shown.stdout and "no agent is running" not in shown.stdout
+    history = subprocess.run(
+        [*member, python, "-m", "flashnode", "history", *state],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert history.returncode == 1 and "run flashnode history as root" in history.stderr
+
+
+def test_a_misspelt_environment_setting_is_refused_with_a_suggestion(tmp_path: Path) -> None:
+    done = flashnode(
+        "work",
+        "--coordinator",
+        "http://127.0.0.1:9",
+        "--state-dir",
+        str(tmp_path / "s"),
+        env={"FLASHNODE_TASK_USR": "x"},
+    )
+    assert done.returncode == 78
+    assert "FLASHNODE_TASK_USR" in done.stderr and "FLASHNODE_TASK_USER" in done.stderr
+
+
+def test_doctor_shows_slots_and_limits_and_warns_of_limits_the_machine_lacks(
+    coordinator: CoordinatorServer, tmp_path: Path
+) -> None:
+    config = tmp_path / "flashnode.toml"
+    config.write_text(
+        f'coordinator = "{coordinator.url}"\nrunner = "trusted"\npools = ["p"]\n'
+        'task_memory_bytes = "100T"\ntask_cpus = 4096\nallow_same_user = true\n'
+        + (f'task_user = "{TASK_USER}"\n' if IS_ROOT else "")
+    )
+    done = flashnode("doctor", "--config", str(config), "--state-dir", str(tmp_path / "state"))
+    assert "1 slot(s); per task 102400 GiB memory, 4096 CPU(s), 4096 pids" in done.stdout, (
+        done.stdout
+    )
+    assert (
+        "warn  task memory: task_memory_bytes (102400 GiB) is more than this machine" in done.stdout
+    )
+    assert "warn  task cpus: task_cpus (4096) is more than this machine's" in done.stdout

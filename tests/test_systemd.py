@@ -201,6 +201,17 @@ def test_the_owners_path_from_the_package_under_systemd(
     other = server.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"], pool="team-b"))
     assert server.wait_state(other, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
 
+    # What the example config says to do after an edit: the unit's own reload.
+    def reloads() -> int:
+        log = booted.sh("journalctl -u flashnode --no-pager").stdout
+        return log.count("configuration reloaded")
+
+    reloaded = reloads()
+    booted.ok("systemctl reload flashnode")
+    wait_for("the reload in the journal", lambda: reloads() > reloaded)
+    # Tasks log no complaint from the privilege drop.
+    assert "setpriv" not in booted.sh("journalctl -u flashnode --no-pager").stdout
+
     # Stop while a task runs: the agent drains, the task finishes and commits.
     slow = server.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > out/metrics.json"]))
 

@@ -2,7 +2,7 @@
 
 The orchestrator only sequences phases and turns how they end into one outcome:
 
-    prepare → stage → resume → environment → data → execute → check → commit
+    prepare → stage → restore → environment → data → execute → check → commit
 
 Each phase is a function of the running ``Attempt`` in its own module; a new capability arrives
 as a new phase, not as a branch in an old one. Between phases, and inside every wait, the attempt
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from flashnode.attempt import commit, data, environment, execute, prepare, resume, stage
+from flashnode.attempt import commit, data, environment, execute, prepare, restore, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, State
@@ -69,7 +69,7 @@ class Watcher(Protocol):
 PHASES: tuple[tuple[str, Phase], ...] = (
     ("prepare", prepare.run),
     ("stage", stage.run),
-    ("resume", resume.run),
+    ("restore", restore.run),
     ("environment", environment.run),
     ("data", data.run),
     ("execute", execute.run),
