@@ -32,7 +32,7 @@ from harness import CoordinatorServer, argv_job  # noqa: E402
 PHASES = (
     "prepare",
     "stage",
-    "resume",
+    "restore",
     "environment",
     "data",
     "execute",

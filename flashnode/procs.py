@@ -368,9 +368,10 @@ class TaskProcess:
         try:
             os.set_blocking(fd, False)
             view, deadline = memoryview(script), self._clock.monotonic() + GO_TIMEOUT_S
+            poller = select.poll()  # not select(): the agent may hold descriptors past 1023
+            poller.register(fd, select.POLLOUT)
             while view and not self.exited.is_set() and self._clock.monotonic() < deadline:
-                _, writable, _ = select.select([], [fd], [], 0.2)
-                if writable:
+                if poller.poll(200):
                     view = view[os.write(fd, view) :]
         except BrokenPipeError:
             pass
@@ -426,14 +427,19 @@ class TaskProcess:
             pidfd = os.pidfd_open(self.pid)
         except OSError:
             threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+        poller = select.poll()
+        for fd in [*streams, *([pidfd] if pidfd is not None else [])]:
+            poller.register(fd, select.POLLIN)
         try:
             while streams or pidfd is not None:
-                watch = [*streams, *([pidfd] if pidfd is not None else [])]
-                ready, _, _ = select.select(watch, [], [], 0.2)
+                ready = [fd for fd, _ in poller.poll(200)]
                 if not ready and self._closing.is_set() and pidfd is None:
                     return
                 for fd in ready:
+                    if fd != pidfd and fd not in streams:
+                        continue
                     if fd == pidfd:
+                        poller.unregister(pidfd)
                         os.close(pidfd)
                         pidfd = None
                         self._wait()
@@ -443,6 +449,7 @@ class TaskProcess:
                         streams[fd].write(chunk)
                     else:
                         del streams[fd]
+                        poller.unregister(fd)
                         os.close(fd)
         finally:
             for fd in [*streams, *([pidfd] if pidfd is not None else [])]:

@@ -330,3 +330,60 @@ def test_the_chain_kept_ahead_goes_with_the_agent_and_its_cgroup_at_the_next_sta
     second = start_agent(coordinator.url, *TRUSTED, env=FAST, state_dir=first.state_dir)
     second.wait_log("registered as node")
     assert not mine & ahead()
+
+
+@needs_cgroups
+def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_it(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The attack: a task leaves a detached process of its slot's user that ignores SIGTERM, to
+    meddle with the chain started ahead for the slot's next task (same user: it could trace it
+    or rewrite its script). The chain must wait with no other process of that user beside it;
+    and the next task of the slot runs in it (its pid is the chain's)."""
+    m = marker()
+    lurker = f"setsid sh -c 'trap \"\" TERM; sleep {m}' >/dev/null 2>&1 & {METRICS}"
+    first = coordinator.submit(argv_job(["sh", "-c", lurker], max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    assert coordinator.wait_state(first, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    hierarchy, _ = cgroups.detect()
+    assert hierarchy is not None
+    base = next(iter(hierarchy.bases.values()))
+    digest = hashlib.sha256(str(agent.state_dir.resolve()).encode()).hexdigest()
+
+    def chains() -> set[int]:
+        return {
+            int(pid)
+            for cg in base.iterdir()
+            if cg.name.startswith(f"ahead-{digest[:12]}-")
+            for pid in (cg / "cgroup.procs").read_text().split()
+        }
+
+    [chain] = wait_for("a chain kept ahead", chains)
+    uid = os.stat(f"/proc/{chain}").st_uid
+    assert uid != 0 and processes_with(f"sleep {m}") == []
+    mine = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _live(p, uid)}
+    assert mine == {chain}, {p: _describe(p) for p in mine}
+
+    second = coordinator.submit(
+        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > out/metrics.json'], max_attempts=1)
+    )
+    assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    metrics = json.loads(coordinator.artifact(f"jobs/{second}/task-000/metrics.json"))
+    assert metrics == {"pid": chain}
+
+
+def _live(proc: Path, uid: int) -> bool:
+    """A process of ``uid`` that can still act (a zombie, not yet reaped by init, cannot)."""
+    try:
+        return proc.stat().st_uid == uid and (proc / "stat").read_text().rsplit(")", 1)[1][1] != "Z"
+    except OSError:
+        return False
+
+
+def _describe(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        cg = Path(f"/proc/{pid}/cgroup").read_text().splitlines()[0]
+    except OSError as exc:
+        return str(exc)
+    return f"{cmd} [{cg}]"
