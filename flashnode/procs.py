@@ -127,6 +127,16 @@ class Stream:
         return self.file.tail
 
 
+def mqueue_mounts() -> list[str]:
+    """Where the host's POSIX message queues are mounted (this process's mount table, which a
+    task's new mount namespace copies), as the table writes them."""
+    try:
+        with open("/proc/self/mounts") as fh:
+            return [f[1] for f in (line.split() for line in fh) if len(f) > 2 and f[2] == "mqueue"]
+    except OSError:
+        return []
+
+
 def _quote(value: str) -> str:
     return "'" + value.replace("'", "'\\''") + "'"
 
@@ -160,8 +170,10 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 # directories ($2: tmpfs options; $5: a table of them all, for one `mount -a` instead of a mount
 # each; the workspace, the current directory, is bound back in at its path if it lived under one
 # of them), bind the read-only views ($3: lines, a source then its target, so that paths may hold
-# spaces), hide device files ($4), run the rest. Every step a process fewer where the shell can
-# do it itself: this runs before every task.
+# spaces), hide device files ($4), give the task this namespace's message queues where the host's
+# are mounted ($6: ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per
+# system call), run the rest. Every step a process fewer where the shell can do it itself: this
+# runs before every task.
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
@@ -175,19 +187,15 @@ for d in $PRIVATE; do
       || fail "cannot keep the workspace under $d";;
   esac
 done
-if [ -n "$2" ]; then  # every mount of the host's message queues: this namespace's instead
-  queues=
-  while read -r _ q type _; do [ "$type" != mqueue ] || queues="$queues $q"; done </proc/self/mounts
-  for q in $queues; do
-    mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
-  done
-fi
+for q in $6; do  # every mount of the host's message queues: this namespace's instead
+  mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
+done
 [ -z "$3" ] || printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
   mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
     || fail "cannot mount $dst read-only"
 done || exit 125
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 5
+shift 6
 exec "$@"
 """
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
@@ -239,7 +247,9 @@ def command(
     setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
     hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
     fstab = sandbox.fstab if sandbox else ""
-    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, hidden, fstab, *cmd]
+    queues = " ".join(mqueue_mounts()) if sandbox else ""
+    args = [procs, tmpfs, binds, hidden, fstab, queues]
+    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
     return cmd
