@@ -33,19 +33,37 @@ from harness import CoordinatorServer, argv_job, wait_for  # noqa: E402
 
 OURS = [str(HERE / ".venv-ours" / "bin" / "flashnode"), "work"]
 OLD = [str(HERE / ".venv-041" / "bin" / "flashnode"), "work"]
-TASK_USER = "flashnode-task"
+TASK_USER = "flashnode-task"  # slot N runs as flashnode-task-N (benchmarks/run makes them)
 # The trivial task: it must write metrics.json to commit (a bare `true` cannot), so both agents
 # and the floor run the same one-line shell.
 TRIVIAL = ["sh", "-c", 'echo "{}" > "$1"', "sh", "/work/out/metrics.json"]
 QUICK = os.environ.get("FLASHNODE_BENCH_QUICK") == "1"
 
 
+def state_parent() -> Path | None:
+    """Where state dirs go: as root, under /var/lib as an owner's (/var/lib/flashnode); not
+    under /tmp, which a root agent's tasks get a private copy of (each task would then need
+    its workspace bound back in)."""
+    if os.geteuid() != 0:
+        return None
+    parent = Path("/var/lib/flashnode-bench")
+    parent.mkdir(mode=0o755, exist_ok=True)
+    return parent
+
+
 class Agent:
     def __init__(
-        self, kind: str, url: str, pool: str, *extra: str, env: dict[str, str] | None = None
+        self,
+        kind: str,
+        url: str,
+        pool: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
+        """``wrap``: a command the agent runs under (a profiler: benchmarks/profile.py)."""
         self.kind = kind
-        self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
+        self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-", dir=state_parent()))
         self.state.chmod(0o755)
         base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
         if kind == "ours":
@@ -71,7 +89,11 @@ class Agent:
         self.log = open(self.state / "agent.log", "wb")
         self.before = {n["node_id"] for n in httpx.get(url + "/v1alpha1/nodes").json()}
         self.proc = subprocess.Popen(
-            cmd, env=base, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL
+            [*(wrap or []), *cmd],
+            env=base,
+            stdout=self.log,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
         )
         self.ps = psutil.Process(self.proc.pid)
         self.url, self.pool = url, pool
@@ -174,7 +196,7 @@ def floor_client(url: str, pool: str, n: int) -> None:
             },
         )
         done = 0
-        work = Path(tempfile.mkdtemp(prefix="bench-floor-"))
+        work = Path(tempfile.mkdtemp(prefix="bench-floor-", dir=state_parent()))
         while done < n:
             r = c.post(api + "/leases/claim", json={"node_id": node})
             if r.status_code == 204:

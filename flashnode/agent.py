@@ -46,13 +46,16 @@ from flashnode.gpupool import Device
 from flashnode.retry import Backoff, Policy
 from flashnode.settings import Settings
 from flashnode.status import StatusSink
-from flashnode.wire import NodeHeartbeat, NodeRegistration
+from flashnode.wire import SAFE_ID, NodeHeartbeat, NodeRegistration
 from flashnode.workspace import remove_stale_workspaces
 
 log = logging.getLogger(__name__)
 
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
 SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
+# status.json at most this often (a stream of short tasks would rewrite it for each); a change
+# within it is written by the loop's next turn after it (the loop turns at least every TICK).
+PUBLISH_EVERY_S = 0.5
 
 
 class AgentCoordinator(Protocol):
@@ -105,6 +108,7 @@ class Agent:
         self._pid = os.getpid()
         self._published = ""
         self._published_beats = -1
+        self._publish_after = 0.0  # monotonic: no status.json write before
         self._beats = 0
         self._last_beat_wall: float | None = None
         self.settings = ctx.settings
@@ -188,7 +192,9 @@ class Agent:
         try:
             self.ctx.runner.reconcile()
             keep = set(outbox.leases())
-            remove_stale_workspaces(self.settings.state_dir / "attempts", keep=keep)
+            stale = remove_stale_workspaces(self.settings.state_dir / "attempts", keep=keep)
+            for lease_id in stale:  # ended by a crash before its task started: no record
+                self._ledger_lapsed(lease_id, "agent restarted before the task started")
         except Exception:
             log.exception("cleaning up after an earlier run failed")
         self.sink.send(READY=1)
@@ -207,6 +213,17 @@ class Agent:
         else:
             outcome = attempt.abandon("agent restarted")
         self.stats.count(outcome)
+
+    def _ledger_lapsed(self, lease_id: str, reason: str) -> None:
+        if not SAFE_ID.match(lease_id):
+            return
+        log.warning("lease %s: %s; letting its lease lapse", lease_id, reason)
+        entry = {"lease_id": lease_id, "outcome": Outcome.LAPSED.value, "reason": reason}
+        try:
+            self.ctx.ledger.append({**entry, "ended_at": self.clock.wall()})
+        except OSError as exc:
+            log.error("lease %s: cannot write the ledger: %s", lease_id, exc)
+        self.stats.count(Outcome.LAPSED)
 
     def _loop(self) -> None:
         while True:
@@ -263,6 +280,10 @@ class Agent:
                 self.coordinator.node_heartbeat(
                     NodeHeartbeat(node_id=self.node_id, status="terminating")
                 )
+        try:
+            self.ctx.runner.close()
+        except Exception:  # the last status and log line must still be written
+            log.exception("closing the runner failed")
         self._publish(final=True)
         log.info("agent stopped: %s", self.stats.outcomes)
 
@@ -340,6 +361,10 @@ class Agent:
         self.sink.status(text)
         if text == self._published and self._beats == self._published_beats and not final:
             return
+        now = self.clock.monotonic()
+        if now < self._publish_after and not final:
+            return
+        self._publish_after = now + PUBLISH_EVERY_S
         self._published, self._published_beats = text, self._beats
         snapshot = {
             "pid": None if final else self._pid,

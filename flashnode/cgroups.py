@@ -73,6 +73,19 @@ class Hierarchy:
             with contextlib.suppress(OSError):
                 _write_cpu(path, self.version, target)
 
+    def sweep(self, prefix: str) -> int:
+        """Remove the attempt cgroups whose names start with ``prefix`` (what an earlier run of
+        this agent made ahead and never used: see the trusted runner); how many."""
+        names: set[str] = set()
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                names.update(p.name for p in base.iterdir() if p.name.startswith(prefix))
+        for name in names:
+            AttemptCgroup(
+                self.version, {c: base / name for c, base in self.bases.items()}, self.clock
+            ).remove()
+        return len(names)
+
     def create(self, name: str, limits: Limits) -> AttemptCgroup:
         cg = AttemptCgroup(
             self.version, {c: base / name for c, base in self.bases.items()}, self.clock
@@ -196,20 +209,25 @@ class AttemptCgroup:
             return None
 
     def oom_killed(self) -> bool:
-        for path in self.paths.values():
-            for name in ("memory.events", "memory.oom_control"):
-                try:
-                    text = (path / name).read_text()
-                except OSError:
-                    continue
-                for line in text.splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
-                        return True
+        memory = self.paths.get("memory", self.paths.get("unified"))
+        if memory is None:
+            return False
+        for name in ("memory.events", "memory.oom_control"):
+            try:
+                text = (memory / name).read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                    return True
         return False
 
-    def remove(self) -> None:
+    def remove(self) -> bool:
+        """Kill everything inside and remove the directories; whether they are all gone (a
+        process that would not die keeps its directory)."""
         self.kill()
+        gone = True
         for path in self.paths.values():
             for _ in range(50):
                 try:
@@ -219,6 +237,9 @@ class AttemptCgroup:
                     break
                 except OSError:
                     self.clock.sleep(0.02)
+            else:
+                gone = False
+        return gone
 
 
 def _write(path: Path, value: str) -> None:

@@ -36,6 +36,7 @@ from flashnode import (
 )
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
+from flashnode.background import Background
 from flashnode.clock import SystemClock
 from flashnode.controls import Controls, Readers, Rules
 from flashnode.coordinator import Coordinator
@@ -327,6 +328,7 @@ def _run_agent(
     machine = (psutil.virtual_memory().total, os.cpu_count() or 1)
     envs = env_cache(settings)
     data = data_cache(settings)
+    janitor = Background("janitor")  # retired workspaces, removed off the next claim's way
     ctx = AttemptContext(
         coordinator=coordinator,
         runner=runner,
@@ -342,6 +344,7 @@ def _run_agent(
         metrics=served,
         envs=envs,
         data=data,
+        later=janitor.submit,
     )
 
     def on_settings(new: Settings) -> None:
@@ -398,6 +401,7 @@ def _run_agent(
     try:
         agent.run()
     finally:
+        janitor.drain(60)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         coordinator.close()

@@ -1,4 +1,5 @@
-"""NVIDIA GPUs through NVML: the only module that imports pynvml (the nvidia-ml-py binding).
+"""NVIDIA GPUs through NVML: the only module that imports pynvml (the nvidia-ml-py binding),
+and only where the NVML library loads (the binding costs an agent without GPUs 2 MB).
 
 No NVML library or no driver means no GPUs (and one log line), never a crash. Every reading
 that fails is None, never 0.
@@ -16,12 +17,12 @@ import logging
 import threading
 from typing import Any
 
-import pynvml
-
 from flashnode.gpupool import Device
 from flashnode.wire import GpuInfo
 
 log = logging.getLogger(__name__)
+
+LIBRARY = "libnvidia-ml.so.1"  # what pynvml itself loads on Linux
 
 
 class Nvml:
@@ -34,8 +35,15 @@ class Nvml:
     @classmethod
     def open(cls, library: str | None = None) -> Nvml | None:
         try:
-            if library and pynvml.nvmlLib is None:
-                pynvml.nvmlLib = ctypes.CDLL(library)
+            lib = ctypes.CDLL(library or LIBRARY)
+        except OSError as exc:
+            log.info("no NVIDIA GPUs: NVML is not available (%s)", _describe(exc))
+            return None
+        import pynvml
+
+        try:
+            if pynvml.nvmlLib is None:
+                pynvml.nvmlLib = lib
             pynvml.nvmlInit()
         except (pynvml.NVMLError, OSError) as exc:
             log.info("no NVIDIA GPUs: NVML is not available (%s)", _describe(exc))
@@ -45,6 +53,8 @@ class Nvml:
         return nvml
 
     def close(self) -> None:
+        import pynvml
+
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
 
@@ -55,6 +65,8 @@ class Nvml:
         return self.devices
 
     def _read_devices(self) -> list[Device]:
+        import pynvml
+
         try:
             count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
@@ -90,6 +102,8 @@ class Nvml:
         return devices
 
     def _mig_devices(self, parent: Any, name: str, driver: str, first: int) -> list[Device]:
+        import pynvml
+
         found: list[Device] = []
         for m in range(_read(pynvml.nvmlDeviceGetMaxMigDeviceCount, parent) or 0):
             handle = _read(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, parent, m)
@@ -115,6 +129,8 @@ class Nvml:
     # --- readings (None when unreadable) ----------------------------------------------------
 
     def utilization(self, device: Device) -> float | None:
+        import pynvml
+
         if device.handle is None:
             return None
         rates = _read(pynvml.nvmlDeviceGetUtilizationRates, device.handle)
@@ -125,6 +141,8 @@ class Nvml:
     ) -> list[tuple[int, float, int]] | None:
         """(pid, SM utilisation %, timestamp µs) samples newer than ``since_us``; [] when no
         process used the GPU meanwhile; None when unreadable."""
+        import pynvml
+
         if device.handle is None:
             return None
         try:
@@ -137,6 +155,8 @@ class Nvml:
 
 
 def _read(fn: Any, *args: Any) -> Any:
+    import pynvml
+
     try:
         value = fn(*args)
     except pynvml.NVMLError:
@@ -145,11 +165,15 @@ def _read(fn: Any, *args: Any) -> Any:
 
 
 def _memory_mb(handle: Any) -> int | None:
+    import pynvml
+
     info = _read(pynvml.nvmlDeviceGetMemoryInfo, handle)
     return int(info.total) // (1024 * 1024) if info is not None else None
 
 
 def _capability(handle: Any) -> str:
+    import pynvml
+
     cc = _read(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
     return f"{cc[0]}.{cc[1]}" if cc else ""
 

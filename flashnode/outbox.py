@@ -1,9 +1,9 @@
 """The outbox: one durable record per live attempt in ``<state dir>/outbox/``.
 
-A record is written as soon as a lease is claimed, updated at each state change (the task's
-process identity when it starts; the checked outputs when it finished), and removed once the
-attempt's outcome is final. After a crash of the agent, what is left here says what to clean up
-and what may still be committed.
+A record is written once the task's processes may exist (with how to find them: a restarted
+agent lets every unfinished lease lapse, so nothing before that needs a record), updated when the
+run finished (the checked outputs), and removed once the attempt's outcome is final. After a
+crash of the agent, what is left here says what to clean up and what may still be committed.
 
 Durability: a record is always replaced atomically (write, rename), so a reader sees a whole
 record. Only the ``finished`` record, a computed result, is flushed to the disk
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class Outbox:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
+        self._made = False
 
     def _path(self, lease_id: str) -> Path:
         if not SAFE_ID.match(lease_id):
@@ -36,7 +37,9 @@ class Outbox:
         return self.dir / f"{lease_id}.json"
 
     def write(self, record: AttemptRecord, durable: bool = False) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not self._made:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._made = True
         data = record.model_dump_json().encode()
         statefile.write(self._path(record.lease_id), data, 0o600, durable=durable)
 

@@ -10,15 +10,17 @@ import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import tomlkit
-import tomlkit.exceptions
 
 from flashnode import status
 from flashnode.errors import ConfigError
 from flashnode.owner import config_option, state_dir_of, tell_agent
 from flashnode.settings import DEFAULT_CONFIG_FILE, POOL_ID, load
+
+if TYPE_CHECKING:  # tomlkit only for a `pools` command: a running agent never loads it
+    import tomlkit
 
 
 def _config_path(config_file: Path | None) -> Path:
@@ -30,6 +32,9 @@ def _parse(path: Path) -> tomlkit.TOMLDocument:
         text = path.read_text(encoding="utf-8") if path.exists() else ""
     except (OSError, UnicodeDecodeError) as exc:
         raise click.ClickException(f"cannot read {path}: {exc}") from None
+    import tomlkit
+    import tomlkit.exceptions
+
     try:
         return tomlkit.parse(text)
     except tomlkit.exceptions.ParseError as exc:
@@ -126,6 +131,8 @@ def _edit(config_file: Path | None, change: Callable[[list[str]], list[str]], po
         click.echo(f"nothing to change: pools {', '.join(current) or '-'}")
         return
     _set_pools(doc, new)
+    import tomlkit
+
     _replace(path, tomlkit.dumps(doc))
     click.echo(f"pools: {', '.join(new) or '-'} (in {path})")
     state = state_dir_of(config_file, None)

@@ -12,14 +12,24 @@ the process group (``setsid``, double fork) to escape. Each task gets:
 
 The privilege boundary: every process that runs with the agent's privileges on the way to the
 task (``unshare``, the setup shell, ``setpriv``) is started with a fixed, minimal environment.
-The task's own environment is applied by the last step, a shell already running as the task's
-user, which reads it from a sealed memory file and then execs the task. So no payload variable
-(``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ...) ever reaches a privileged process.
+The task's own environment and arguments are applied by the last step, a shell already running as
+the task's user, which reads them as a script from its standard input and then execs the task.
+So no payload variable (``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ...) ever reaches a privileged
+process.
+
+The launch (``Launch``): the chain is started first and its last step waits on a pipe; the
+agent records how to find it (pid, cgroup, token) and only then sends the script (``go``), so
+that no code of the task runs before the record exists, and one record suffices. The chain can
+be started ahead, before its task is known (the trusted runner starts the next one of a slot
+while the last task's result is committed): nothing of a task is in it until ``go``. A chain
+whose pipe closes without the whole script (the agent gone, ``discard``) exits with
+``SETUP_FAILED`` and runs nothing.
 
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
-until nothing of the task is left, on an injected clock. Output goes through pipes to reader
-threads that keep a size-capped head and a short tail on disk; the attempt never waits for a pipe
-held open by a detached descendant: it ends when the main process exits.
+until nothing of the task is left, on an injected clock. Output goes through pipes to one thread
+per task that keeps a size-capped head and a short tail on disk and sees the main process exit;
+the attempt never waits for a pipe held open by a detached descendant: it ends when the main
+process exits.
 
 Suspension (an owner control) freezes the task's cgroup where it has a freezer, else stops its
 tree with SIGSTOP (group and token holders, in rounds until none runs; SIGCONT resumes it). A
@@ -39,7 +49,6 @@ import os
 import pwd
 import secrets
 import select
-import shutil
 import signal
 import subprocess
 import threading
@@ -48,9 +57,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashnode import statefile
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
-from flashnode.logcap import CappedFile, Pump
+from flashnode.logcap import CappedFile
 
 log = logging.getLogger(__name__)
 
@@ -90,61 +100,65 @@ class Sandbox:
     tmp_bytes: int  # size of each private tmpfs
     read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
     hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
+    fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
 
 
-class Capture:
-    """Copies a pipe into a size-capped file (logcap.Pump) until its writers close it, or, once
-    ``close`` is called, until what is already there was read: a detached descendant holding
-    the pipe open never keeps the attempt waiting."""
+def private_fstab(path: Path, tmp_bytes: int) -> str:
+    """Write the table of a task's private tmpfs mounts (those of ``PRIVATE_DIRS`` that exist
+    here, ``tmp_bytes`` each) to ``path``, readable by this user only, and return its path for
+    ``Sandbox.fstab``. Each mount's source name is new (``mount -a`` skips a mount it finds
+    already there: never one of the host's)."""
+    source = f"flashnode-private-{secrets.token_hex(4)}"
+    options = f"nosuid,nodev,mode=1777,size={tmp_bytes}"
+    table = "".join(f"{source} {d} tmpfs {options} 0 0\n" for d in PRIVATE_DIRS if os.path.isdir(d))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    statefile.write(path, table.encode(), 0o600)
+    return str(path)
 
-    def __init__(self, fd: int, path: Path, cap: int) -> None:
-        self._fd = fd
-        self._stop = threading.Event()
-        self._pump = Pump(self._chunks(), path, cap, f"capture-{path.name}")
+
+@dataclass(frozen=True)
+class Stream:
+    """One of the task's output streams as captured: its size-capped file and its tail."""
+
+    file: CappedFile
 
     @property
     def tail(self) -> bytes:
-        return self._pump.tail
+        return self.file.tail
 
-    @property
-    def file(self) -> CappedFile:
-        return self._pump.file
 
-    def _chunks(self) -> Iterator[bytes]:
-        try:
-            while True:
-                ready, _, _ = select.select([self._fd], [], [], 0.2)
-                if not ready:
-                    if self._stop.is_set():
-                        return
-                    continue
-                chunk = os.read(self._fd, READ_CHUNK)
-                if not chunk:
-                    return
-                yield chunk
-        finally:
-            os.close(self._fd)
-
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop reading (after draining what is already there) and wait for the file."""
-        self._stop.set()
-        self._pump.join(timeout)
+def mqueue_mounts() -> list[str]:
+    """Where the host's POSIX message queues are mounted (this process's mount table, which a
+    task's new mount namespace copies), as the table writes them."""
+    try:
+        with open("/proc/self/mounts") as fh:
+            return [f[1] for f in (line.split() for line in fh) if len(f) > 2 and f[2] == "mqueue"]
+    except OSError:
+        return []
 
 
 def _quote(value: str) -> str:
     return "'" + value.replace("'", "'\\''") + "'"
 
 
-def env_script(env: Mapping[str, str]) -> bytes:
-    """A shell script that exports exactly ``env`` (names are checked by the wire parser)."""
-    return "".join(f"export {k}={_quote(v)}\n" for k, v in env.items()).encode()
+def env_script(env: Mapping[str, str], argv: Sequence[str], cwd: Path | None = None) -> bytes:
+    """The script the last step of the chain sources: enter ``cwd`` (first: no variable of the
+    task's can change what it means), export exactly ``env`` (names are checked by the wire
+    parser), set the arguments, and, last, say it is whole (``FLASHNODE_GO``: a payload cannot
+    set that name, and it is never exported)."""
+    lines = [f"cd -- {_quote(str(cwd))} || exit {SETUP_FAILED}\n"] if cwd is not None else []
+    lines += [f"export {k}={_quote(v)}\n" for k, v in env.items()]
+    lines.append("set -- " + " ".join(_quote(a) for a in argv) + "\n")
+    lines.append("FLASHNODE_GO=1\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-def env_file(env: Mapping[str, str]) -> int:
-    """A memory file holding ``env_script(env)``, at offset 0: the task's last step reads it."""
+def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
+    """A memory file holding ``env_script(env, argv)``, at offset 0, for a chain that may run
+    at once (``popen_as``)."""
     fd = os.memfd_create("flashnode-task-env")
     try:
-        os.write(fd, env_script(env))
+        os.write(fd, env_script(env, argv))
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)
@@ -153,37 +167,40 @@ def env_file(env: Mapping[str, str]) -> int:
 
 
 # As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
-# directories ($2: tmpfs options; the workspace, the current directory, is bound back in at its
-# path if it lived under one of them), bind the read-only views ($3: lines, a source then its
-# target, so that paths may hold spaces), run the rest.
+# directories ($2: tmpfs options; $5: a table of them all, for one `mount -a` instead of a mount
+# each; the workspace, the current directory, is bound back in at its path if it lived under one
+# of them), bind the read-only views ($3: lines, a source then its target, so that paths may hold
+# spaces), hide device files ($4), give the task this namespace's message queues where the host's
+# are mounted ($6: ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per
+# system call), run the rest. Every step a process fewer where the shell can do it itself: this
+# runs before every task.
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
-ws=$(pwd -P)
+cd -P . && ws=$PWD || fail "cannot enter the workspace"
+[ -z "$5" ] || mount -a -T "$5" || fail "cannot mount the private directories"
 for d in $PRIVATE; do
   [ -d "$d" ] || continue
-  mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
+  [ -n "$5" ] || mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
   case "$ws/" in "$d"/*)
     (umask 022; mkdir -p "$ws") && mount --no-canonicalize --bind . "$ws" && cd "$ws" \
       || fail "cannot keep the workspace under $d";;
   esac
 done
-if [ -n "$2" ]; then  # every mount of the host's message queues: this namespace's instead
-  for q in $(awk '$3 == "mqueue" { print $2 }' /proc/self/mounts); do
-    mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
-  done
-fi
-printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
+for q in $6; do  # every mount of the host's message queues: this namespace's instead
+  mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
+done
+[ -z "$3" ] || printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
   mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
     || fail "cannot mount $dst read-only"
 done || exit 125
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 4
+shift 6
 exec "$@"
 """
-# As the task's user: take the task's environment from the memory file on stdin, then run the
-# task with stdin from /dev/null.
-APPLY_ENV = '. /dev/stdin || exit 125; exec "$@" </dev/null'
+# As the task's user: take the task's environment and arguments from the script on stdin (once it
+# is whole), then run the task with stdin from /dev/null.
+APPLY_ENV = '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; exec "$@" </dev/null'
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,14 +216,13 @@ def _may_drop_bounding_set() -> bool:
 
 
 def command(
-    argv: Sequence[str],
     cgroup: AttemptCgroup | None,
     user: TaskUser | None,
     sandbox: Sandbox | None,
 ) -> list[str]:
-    """The command line that starts ``argv`` in ``cgroup``, in ``sandbox``, as ``user``, with
-    the environment read from stdin (``env_file``)."""
-    cmd = ["/bin/sh", "-c", APPLY_ENV, "flashnode-task", *argv]
+    """The command line of the chain that runs a task in ``cgroup``, in ``sandbox``, as ``user``;
+    its last step takes the task's environment and arguments from stdin (``env_script``)."""
+    cmd = ["/bin/sh", "-c", APPLY_ENV, "flashnode-task"]
     if user is not None:
         # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can raise
         # the task's privileges again.
@@ -230,14 +246,80 @@ def command(
     binds = "\n".join(f"{s}\n{d}" for s, d in sandbox.read_only_binds) if sandbox else ""
     setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
     hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
-    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", procs, tmpfs, binds, hidden, *cmd]
+    fstab = sandbox.fstab if sandbox else ""
+    queues = " ".join(mqueue_mounts()) if sandbox else ""
+    args = [procs, tmpfs, binds, hidden, fstab, queues]
+    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
     return cmd
 
 
+GO_TIMEOUT_S = 30.0  # the longest the chain may take to read its script
+
+
+class Launch:
+    """A task's chain, started and waiting for its script (see the module docstring): in
+    ``cgroup`` and ``sandbox``, as ``user``, its pipes open. ``TaskProcess`` takes it over."""
+
+    def __init__(
+        self,
+        cwd: Path,
+        cgroup: AttemptCgroup | None = None,
+        user: TaskUser | None = None,
+        sandbox: Sandbox | None = None,
+    ) -> None:
+        self.cgroup, self.user, self.sandbox = cgroup, user, sandbox
+        script_r, self.script_w = os.pipe()
+        self.out_r, out_w = os.pipe()
+        self.err_r, err_w = os.pipe()
+        try:
+            if user is not None:  # the last step opens it by name (/dev/stdin), as the user
+                os.fchown(script_r, user.uid, user.gid)
+            self.popen = subprocess.Popen(
+                command(cgroup, user, sandbox),
+                env=PRIVILEGED_ENV,
+                cwd=cwd,
+                stdin=script_r,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                close_fds=True,
+                umask=0o077,
+            )
+        except BaseException:
+            for fd in (self.script_w, self.out_r, self.err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (script_r, out_w, err_w):
+                os.close(fd)
+        self.pid = self.popen.pid
+        self.start_time = start_time(self.pid)
+
+    def alive(self) -> bool:
+        """Still waiting (a chain whose setup failed has exited)."""
+        return self.popen.poll() is None
+
+    def discard(self) -> None:
+        """End a launch no task took: its pipe closes (it exits without running anything), its
+        group is killed, its cgroup removed."""
+        for fd in (self.script_w, self.out_r, self.err_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+
 class TaskProcess:
-    """A started task: its main process, its group, its token, its cgroup and its output."""
+    """A started task: its main process, its group, its token, its cgroup and its output.
+
+    ``launch``: a chain started ahead for it (else one is started here, in ``cgroup`` and
+    ``sandbox``, as ``user``). ``hold``: do not send the task its script yet (``go``): the caller
+    first records ``identity()``."""
 
     def __init__(
         self,
@@ -252,47 +334,59 @@ class TaskProcess:
         user: TaskUser | None = None,
         sandbox: Sandbox | None = None,
         clock: Clock | None = None,
+        launch: Launch | None = None,
+        hold: bool = False,
     ) -> None:
+        if launch is None:
+            launch = Launch(cwd, cgroup, user, sandbox)
         self.token = env[OWNER_ENV]
-        self.uid = user.uid if user else os.geteuid()
+        self.uid = launch.user.uid if launch.user else os.geteuid()
         # Without a cgroup, a child that drops the token and leaves the group is found only by
         # its uid: a slot's own user runs nothing but this slot's task, so all of its processes
         # are the task's (one agent per set of task users: README).
-        self.whole_uid = user is not None and cgroup is None
+        self.whole_uid = launch.user is not None and launch.cgroup is None
         self._uid_filter = self.uid if self.whole_uid else None
-        self.cgroup = cgroup
+        self.cgroup = launch.cgroup
         self._clock = clock or SystemClock()
-        env_fd = env_file(env)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            self._popen = subprocess.Popen(
-                command(argv, cgroup, user, sandbox),
-                env=PRIVILEGED_ENV,
-                cwd=cwd,
-                stdin=env_fd,
-                stdout=out_w,
-                stderr=err_w,
-                start_new_session=True,
-                close_fds=True,
-                umask=0o077,
-            )
-        except BaseException:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (env_fd, out_w, err_w):
-                os.close(fd)
-        self.pid = self._popen.pid
-        self.start_time = start_time(self.pid)
+        self._launch = launch
+        self._script: bytes | None = env_script(env, argv, cwd)
+        self._popen = launch.popen
+        self.pid = launch.pid
+        self.start_time = launch.start_time
         self._ticks: dict[tuple[int, int], int] = {}
         self.exited = threading.Event()
         self.suspended = False
         self._on_exit = on_exit
-        self.stdout = Capture(out_r, stdout, log_max_bytes)
-        self.stderr = Capture(err_r, stderr, log_max_bytes)
-        threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+        self._closing = threading.Event()
+        self.stdout = Stream(CappedFile(stdout, log_max_bytes))
+        self.stderr = Stream(CappedFile(stderr, log_max_bytes))
+        self._watcher = threading.Thread(
+            target=self._watch, args=(launch.out_r, launch.err_r), name=f"task-{self.pid}"
+        )
+        self._watcher.daemon = True
+        self._watcher.start()
+        if not hold:
+            self.go()
+
+    def go(self) -> None:
+        """Send the task its script: from here on, the task's own code runs. A chain that ended
+        before it read the whole script (its setup failed) runs nothing; its exit says why."""
+        script, self._script = self._script, None
+        if script is None:
+            return
+        fd = self._launch.script_w
+        try:
+            os.set_blocking(fd, False)
+            view, deadline = memoryview(script), self._clock.monotonic() + GO_TIMEOUT_S
+            poller = select.poll()  # not select(): the agent may hold descriptors past 1023
+            poller.register(fd, select.POLLOUT)
+            while view and not self.exited.is_set() and self._clock.monotonic() < deadline:
+                if poller.poll(200):
+                    view = view[os.write(fd, view) :]
+        except BrokenPipeError:
+            pass
+        finally:
+            os.close(fd)
 
     def pids(self) -> set[int]:
         """The task's live processes now (its cgroup, else its group and token holders); each
@@ -331,6 +425,47 @@ class TaskProcess:
         self._popen.wait()
         self.exited.set()
         self._on_exit()
+
+    def _watch(self, out_fd: int, err_fd: int) -> None:
+        """One thread per task: copy both pipes into their files until their writers close
+        them, or, once ``close`` was called, until nothing more is there (a detached descendant
+        holding a pipe never keeps the attempt waiting); and see the main process exit, through
+        a pidfd (where there is none, a thread of its own waits for it)."""
+        streams = {out_fd: self.stdout.file, err_fd: self.stderr.file}
+        pidfd: int | None = None
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+        poller = select.poll()
+        for fd in [*streams, *([pidfd] if pidfd is not None else [])]:
+            poller.register(fd, select.POLLIN)
+        try:
+            while streams or pidfd is not None:
+                ready = [fd for fd, _ in poller.poll(200)]
+                if not ready and self._closing.is_set() and pidfd is None:
+                    return
+                for fd in ready:
+                    if fd != pidfd and fd not in streams:
+                        continue
+                    if fd == pidfd:
+                        poller.unregister(pidfd)
+                        os.close(pidfd)
+                        pidfd = None
+                        self._wait()
+                        continue
+                    chunk = os.read(fd, READ_CHUNK)
+                    if chunk:
+                        streams[fd].write(chunk)
+                    else:
+                        del streams[fd]
+                        poller.unregister(fd)
+                        os.close(fd)
+        finally:
+            for fd in [*streams, *([pidfd] if pidfd is not None else [])]:
+                os.close(fd)
+            self.stdout.file.close()
+            self.stderr.file.close()
 
     @property
     def returncode(self) -> int | None:
@@ -377,18 +512,28 @@ class TaskProcess:
 
     def kill(self) -> None:
         """SIGKILL everything the task owns, repeating while something still answers: the
-        group, every token holder, then everything in its cgroup."""
+        group and everything in its cgroup; without a cgroup, the group and every token holder.
+        A cgroup holds every process of the task (the chain joins it before the task runs, and
+        no process of an unprivileged user can leave it), so a scan of /proc for the token
+        would find nothing more there, at the cost of a look at every process on the host."""
         self.resume()
-        deadline = self._clock.monotonic() + KILL_ROUNDS_S
-        while self._signal_all(signal.SIGKILL) and self._clock.monotonic() < deadline:
-            self._clock.sleep(0.02)
         if self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)
             self.cgroup.kill()
+        else:
+            deadline = self._clock.monotonic() + KILL_ROUNDS_S
+            while self._signal_all(signal.SIGKILL) and self._clock.monotonic() < deadline:
+                self._clock.sleep(0.02)
         self._clock.wait(self.exited, KILL_ROUNDS_S)
 
     def close(self) -> None:
-        self.stdout.close()
-        self.stderr.close()
+        if self._script is not None:  # never sent: the chain, if still there, runs nothing
+            self._script = None
+            with contextlib.suppress(OSError):
+                os.close(self._launch.script_w)
+        self._closing.set()
+        self._watcher.join(2.0)
 
     def _alive(self) -> bool:
         return not self.exited.is_set() or any(True for _ in self.members())
@@ -453,10 +598,10 @@ def popen_as(
     """Start ``argv`` as ``user`` (None: as the agent's own user) with exactly ``env``, which no
     step that runs with the agent's privileges sees, in ``sandbox`` if given. ``kwargs`` go to
     Popen."""
-    env_fd = env_file(env)
+    env_fd = env_file(env, argv)
     try:
         return subprocess.Popen(
-            command(argv, None, user, sandbox), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
+            command(None, user, sandbox), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
         )
     finally:
         os.close(env_fd)
@@ -497,15 +642,12 @@ def python_imports(python: str, modules: Sequence[str]) -> str | None:
 # --- kernel keyrings: no namespace holds them ------------------------------------------------
 
 KEYCTL = {"x86_64": 250, "aarch64": 219, "arm64": 219}  # the keyctl syscall's number
+SETRESUID = {"x86_64": 117, "aarch64": 147, "arm64": 147}  # the setresuid syscall's number
 KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_SETPERM, KEYCTL_CLEAR = 1, 5, 7
 KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 # Possessors (every task inherits the agent's session keyring) may view and search it, and
 # nothing else: no task can leave a key in it for another.
 SESSION_PERM = 0x01000000 | 0x08000000 | 0x00010000
-CLEAR_USER_KEYRINGS = (
-    "import ctypes, sys; c = ctypes.CDLL(None)\n"
-    "for k in (-4, -5): c.syscall(int(sys.argv[1]), 7, k)"
-)
 
 
 def private_session_keyring() -> str | None:
@@ -525,23 +667,40 @@ def private_session_keyring() -> str | None:
     return None
 
 
-def clear_user_keyrings(user: TaskUser) -> subprocess.Popen[bytes] | None:
-    """Start clearing ``user``'s own keyrings (user and user-session: a slot's user is reused by
-    every task of its slot, whoever sent it). None where it cannot be done."""
-    number = KEYCTL.get(os.uname().machine)
-    python = shutil.which("python3", path=SYSTEM_PATH)
-    if number is None or python is None:
-        return None
-    try:
-        return popen_as(
-            [python, "-I", "-S", "-c", CLEAR_USER_KEYRINGS, str(number)],
-            {"PATH": SYSTEM_PATH},
-            user,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    except OSError:
-        return None
+def clear_user_keyrings(user: TaskUser) -> str | None:
+    """Clear ``user``'s own keyrings (user and user-session: a slot's user is reused by every
+    task of its slot, whoever sent it). None when done (or when keyrings are denied to every
+    process here, the unit's filter); else why not.
+
+    Without a process (a Python helper cost tens of milliseconds of CPU per task): the kernel
+    finds a user's keyrings by the caller's real uid, and credentials belong to each thread, so
+    a short-lived thread of the agent takes the user's real and effective uid with the raw
+    ``setresuid`` (``os.setresuid`` would change every thread), clears, and ends; its
+    credentials end with it. It keeps saved uid 0, so no process of the user may trace it (the
+    kernel lets a process trace only a target whose real, effective and saved uids are all its
+    own); call it once the user's processes are gone."""
+    machine = os.uname().machine
+    keyctl, setresuid = KEYCTL.get(machine), SETRESUID.get(machine)
+    if keyctl is None or setresuid is None:
+        return f"no keyctl or setresuid syscall number for {machine}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    syscall = libc.syscall
+    why: list[str] = []
+
+    def clear() -> None:
+        if syscall(setresuid, user.uid, user.uid, 0) < 0:
+            why.append(f"setresuid: {os.strerror(ctypes.get_errno())}")
+            return
+        for keyring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+            if syscall(keyctl, KEYCTL_CLEAR, keyring) < 0:
+                errno = ctypes.get_errno()
+                if errno not in (1, 38):  # EPERM, ENOSYS: keyrings denied here to everyone
+                    why.append(f"keyctl: {os.strerror(errno)}")
+
+    thread = threading.Thread(target=clear, name=f"keyrings-{user.name}", daemon=True)
+    thread.start()
+    thread.join()
+    return why[0] if why else None
 
 
 def sandbox_works() -> str | None:

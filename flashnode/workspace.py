@@ -135,6 +135,22 @@ class Workspace:
     def remove(self) -> None:
         remove_tree(self.root)
 
+    def retire(self) -> Path | None:
+        """Put the directory out of every task's reach at once (mode 0700: the slot's next task
+        runs as the same user) under a dot name, which the next start of the agent removes
+        without a ledger line; where it went, to ``remove_tree`` later. None: it is removed
+        here instead (it could not be renamed)."""
+        gone = self.root.with_name(f".retired-{self.root.name}")
+        try:
+            os.chmod(self.root, 0o700)
+            os.rename(self.root, gone)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            remove_tree(self.root)
+            return None
+        return gone
+
     # --- outputs ------------------------------------------------------------------------------
 
     def outputs(self, max_file_bytes: int, max_total_bytes: int) -> list[OutputFile]:
@@ -362,15 +378,20 @@ def _remove_at(dir_fd: int, name: str, depth: int) -> None:
         return
 
 
-def remove_stale_workspaces(attempts_dir: Path, keep: set[str]) -> None:
-    """Remove attempt directories whose lease is not in ``keep``."""
+def remove_stale_workspaces(attempts_dir: Path, keep: set[str]) -> list[str]:
+    """Remove attempt directories whose lease is not in ``keep``; the names (lease ids) of
+    those that were not retired (``Workspace.retire``: their attempts ended)."""
     try:
         entries = list(attempts_dir.iterdir())
     except FileNotFoundError:
-        return
+        return []
+    removed = []
     for entry in entries:
         if entry.name not in keep and entry.is_dir() and not entry.is_symlink():
             remove_tree(entry)
+            if not entry.name.startswith("."):
+                removed.append(entry.name)
+    return removed
 
 
 def remove_tree(path: Path) -> None:

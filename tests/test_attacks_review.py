@@ -191,15 +191,19 @@ def test_task_stderr_cannot_write_escape_sequences_to_the_owners_terminal(
 KEYRING = r"""
 import ctypes, json, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
-SYS_add_key, SYS_keyctl, USER_KEYRING = 248, 250, -4
-KEYCTL_SEARCH, KEYCTL_READ = 10, 11
+SYS_add_key, SYS_keyctl, USER_KEYRING, SESSION_KEYRING = 248, 250, -4, -3
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_LINK, KEYCTL_SEARCH, KEYCTL_READ = 1, 8, 10, 11
 name = b"flashnode-review-" + sys.argv[2].encode()
 if sys.argv[1] == "leave":
     secret = open('inputs/secret.txt', 'rb').read()
     r = libc.syscall(SYS_add_key, b"user", name, secret, len(secret), USER_KEYRING)
     result = {"added": r}
 else:
-    kid = libc.syscall(SYS_keyctl, KEYCTL_SEARCH, USER_KEYRING, b"user", name, 0)
+    # The slot's user keyring is the thief's own: linked into a session keyring of its own,
+    # every key in it is possessed, readable whatever its owner-only permissions say.
+    libc.syscall(SYS_keyctl, KEYCTL_JOIN_SESSION_KEYRING, None)
+    libc.syscall(SYS_keyctl, KEYCTL_LINK, USER_KEYRING, SESSION_KEYRING)
+    kid = libc.syscall(SYS_keyctl, KEYCTL_SEARCH, SESSION_KEYRING, b"user", name, 0)
     buf = ctypes.create_string_buffer(4096)
     n = libc.syscall(SYS_keyctl, KEYCTL_READ, kid, buf, 4096) if kid > 0 else -1
     result = {"found": buf.raw[:n].decode() if n > 0 else None}

@@ -202,5 +202,6 @@ def test_the_cpu_cap_is_the_tasks_parent_quota_and_a_reload_changes_it_live(
     finally:
         handle.terminate(0.0)
         handle.result()
+        runner.close()  # the slot's turnover (the cgroup's removal) runs off the attempt's way
     assert not task.exists()
     assert runner._task_cpus == {}

@@ -3,6 +3,7 @@ and overrun memory, run by the real agent against the real coordinator."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -251,3 +252,138 @@ def test_term_then_kill_follows_the_grace_on_the_injected_clock(tmp_path: Path) 
     assert done.wait(10) and proc.returncode == -signal.SIGKILL
     assert time.monotonic() - started < 30 and clock.slept >= 600.0
     proc.close()
+
+
+# --- the launch: nothing of a task runs before it is recorded and sent ---------------------------
+
+
+def _waiting(pid: int) -> bool:
+    """The chain's last step is up and blocked reading its script."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return cmdline[-2:-1] == [b"flashnode-task"] and state == "S"
+
+
+def test_a_held_task_runs_only_once_sent_and_a_torn_script_runs_nothing(tmp_path: Path) -> None:
+    from flashnode import procs
+
+    ran = tmp_path / "ran"
+    env = {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH}
+    proc = procs.TaskProcess(
+        ["sh", "-c", f"touch {ran}"],
+        env,
+        cwd=tmp_path,
+        stdout=tmp_path / "out",
+        stderr=tmp_path / "err",
+        log_max_bytes=1024,
+        on_exit=lambda: None,
+        hold=True,
+    )
+    wait_for("the chain to wait for its script", lambda: _waiting(proc.pid))
+    assert not ran.exists() and not proc.exited.is_set()
+    proc.go()
+    wait_for("the task to run once sent", lambda: proc.exited.is_set())
+    assert ran.exists() and proc.returncode == 0
+    proc.close()
+
+    # The script arrives torn (the agent died while sending it): the exports and the arguments
+    # are there, the last line is not. The chain runs nothing.
+    launch = procs.Launch(tmp_path)
+    wait_for("the chain to wait for its script", lambda: _waiting(launch.pid))
+    whole = procs.env_script(env, ["sh", "-c", f"touch {ran}-torn"], tmp_path)
+    os.write(launch.script_w, whole[: whole.rindex(b"FLASHNODE_GO")])
+    os.close(launch.script_w)
+    assert launch.popen.wait(10) == procs.SETUP_FAILED
+    assert not Path(f"{ran}-torn").exists()
+    for fd in (launch.out_r, launch.err_r):
+        os.close(fd)
+
+
+@needs_cgroups
+def test_the_chain_kept_ahead_goes_with_the_agent_and_its_cgroup_at_the_next_start(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """After a task, its slot's next chain waits ahead (its own cgroup, the slot's user). An
+    agent killed outright leaves it: it reads the end of its pipe and exits having run nothing,
+    and the next start of the agent removes its cgroup."""
+    job = coordinator.submit(argv_job(["sh", "-c", METRICS], max_attempts=1))
+    first = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", first.log
+    hierarchy, _ = cgroups.detect()
+    assert hierarchy is not None
+    base = next(iter(hierarchy.bases.values()))
+    digest = hashlib.sha256(str(first.state_dir.resolve()).encode()).hexdigest()
+
+    def ahead() -> set[Path]:
+        return {p for p in base.iterdir() if p.name.startswith(f"ahead-{digest[:12]}-")}
+
+    mine = wait_for("a chain kept ahead", ahead)
+    [chain] = {int(pid) for cg in mine for pid in (cg / "cgroup.procs").read_text().split()}
+    assert pid_alive(chain)
+    first.proc.kill()  # SIGKILL: no cleanup at all
+    first.proc.wait()
+    wait_for("the chain to end with its pipe", lambda: not pid_alive(chain), timeout=10)
+    assert mine <= ahead()  # still there: nobody removed it
+    second = start_agent(coordinator.url, *TRUSTED, env=FAST, state_dir=first.state_dir)
+    second.wait_log("registered as node")
+    assert not mine & ahead()
+
+
+@needs_cgroups
+def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_it(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The attack: a task leaves a detached process of its slot's user that ignores SIGTERM, to
+    meddle with the chain started ahead for the slot's next task (same user: it could trace it
+    or rewrite its script). The chain must wait with no other process of that user beside it;
+    and the next task of the slot runs in it (its pid is the chain's)."""
+    m = marker()
+    lurker = f"setsid sh -c 'trap \"\" TERM; sleep {m}' >/dev/null 2>&1 & {METRICS}"
+    first = coordinator.submit(argv_job(["sh", "-c", lurker], max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    assert coordinator.wait_state(first, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    hierarchy, _ = cgroups.detect()
+    assert hierarchy is not None
+    base = next(iter(hierarchy.bases.values()))
+    digest = hashlib.sha256(str(agent.state_dir.resolve()).encode()).hexdigest()
+
+    def chains() -> set[int]:
+        return {
+            int(pid)
+            for cg in base.iterdir()
+            if cg.name.startswith(f"ahead-{digest[:12]}-")
+            for pid in (cg / "cgroup.procs").read_text().split()
+        }
+
+    [chain] = wait_for("a chain kept ahead", chains)
+    uid = os.stat(f"/proc/{chain}").st_uid
+    assert uid != 0 and processes_with(f"sleep {m}") == []
+    mine = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _live(p, uid)}
+    assert mine == {chain}, {p: _describe(p) for p in mine}
+
+    second = coordinator.submit(
+        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > out/metrics.json'], max_attempts=1)
+    )
+    assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    metrics = json.loads(coordinator.artifact(f"jobs/{second}/task-000/metrics.json"))
+    assert metrics == {"pid": chain}
+
+
+def _live(proc: Path, uid: int) -> bool:
+    """A process of ``uid`` that can still act (a zombie, not yet reaped by init, cannot)."""
+    try:
+        return proc.stat().st_uid == uid and (proc / "stat").read_text().rsplit(")", 1)[1][1] != "Z"
+    except OSError:
+        return False
+
+
+def _describe(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        cg = Path(f"/proc/{pid}/cgroup").read_text().splitlines()[0]
+    except OSError as exc:
+        return str(exc)
+    return f"{cmd} [{cg}]"

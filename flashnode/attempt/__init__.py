@@ -49,7 +49,7 @@ from flashnode.retry import Interrupted
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.spec import Preparation
 from flashnode.wire import ExecutionEvidence, Lease, Task, parse_lease
-from flashnode.workspace import OutputFile, Workspace
+from flashnode.workspace import OutputFile, Workspace, remove_tree
 
 __all__ = ["PHASES", "Attempt", "AttemptContext", "CoordinatorPort", "LeaseKeeper", "Outcome"]
 
@@ -239,9 +239,12 @@ class Attempt:
         self.ctx.outbox.write(self.record, durable=durable)
 
     @contextlib.contextmanager
-    def timed(self, name: str) -> Iterator[None]:
+    def timed(self, name: str, phase: bool = True) -> Iterator[None]:
+        """Add the time spent inside to ``timings[name]`` (the ledger's per-phase timers);
+        ``phase``: it is a phase, shown in the live view (else a step inside one)."""
         start = time.monotonic()
-        self.phase = name
+        if phase:
+            self.phase = name
         try:
             yield
         finally:
@@ -323,6 +326,7 @@ class Attempt:
             log.exception("lease %s: unexpected error", lease.lease_id)
             outcome, reason = commit.report_failure(self, f"agent error ({type(exc).__name__})")
         finally:
+            ended = time.monotonic()
             self.keeper.stop()
             execute.release(self)
             for cleanup in reversed(self.cleanups):
@@ -336,10 +340,14 @@ class Attempt:
         else:
             try:
                 if self.workspace is not None:
-                    self.workspace.remove()
+                    retired = self.workspace.retire()
+                    if retired is not None:
+                        self.ctx.later(lambda: remove_tree(retired))
                 self.ctx.outbox.remove(lease.lease_id)
             except Exception:  # a cleanup that fails must not cost the ledger line
                 log.exception("lease %s: cleanup failed", lease.lease_id)
+        # After the phases: stopping the keeper, the task's leftovers, workspace and record.
+        self.record.timings["end"] = round(time.monotonic() - ended, 4)
         self._record(outcome, reason)
         return outcome
 

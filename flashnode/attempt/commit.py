@@ -124,16 +124,18 @@ def commit(a: Attempt) -> None:
     """Upload the logs and every output (metrics.json last), then complete."""
     assert a.task is not None and a.workspace is not None and a.record.evidence is not None
     ws, prefix = a.workspace, a.task.output_prefix
-    for name in LOGS:
-        _upload(a, f"{prefix}logs/{name}", lambda n=name: _log_file(ws, n))  # type: ignore[misc]
-    for f in a.files:
-        sha = _upload(a, prefix + f.rel, lambda f=f: _output(ws, f))  # type: ignore[misc]
-        if f.rel == "metrics.json" and sha is not None:
-            a.output_sha256 = sha
+    with a.timed("commit.upload", phase=False):
+        for name in LOGS:
+            _upload(a, f"{prefix}logs/{name}", lambda n=name: _log_file(ws, n))  # type: ignore[misc]
+        for f in a.files:
+            sha = _upload(a, prefix + f.rel, lambda f=f: _output(ws, f))  # type: ignore[misc]
+            if f.rel == "metrics.json" and sha is not None:
+                a.output_sha256 = sha
     evidence, sha = a.record.evidence, a.output_sha256
-    accepted, detail = _retrying(
-        a, "complete", lambda: a.ctx.coordinator.complete(a.lease_id, sha, evidence)
-    )
+    with a.timed("commit.complete", phase=False):
+        accepted, detail = _retrying(
+            a, "complete", lambda: a.ctx.coordinator.complete(a.lease_id, sha, evidence)
+        )
     if accepted:
         log.info("lease %s: committed, accepted", a.lease_id)
         a.outcome = (Outcome.COMMITTED, "")

@@ -56,7 +56,8 @@ def run(a: Attempt) -> None:
     )
     a.check()
     cpu.start()
-    a.handle = handle = ctx.runner.start(start)
+    with a.timed("execute.start", phase=False):
+        a.handle = handle = ctx.runner.start(start)
     sampler = Sampler(ctx.clock, s.sample_seconds, handle, ctx.gpu, ctx.gpus.devices, a.devices)
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
     for watcher in a.during_run:
@@ -66,11 +67,13 @@ def run(a: Attempt) -> None:
     stopped: Exception | None = None
     waited = _Wait(a, timeout, t0)
     try:
-        stopped = waited.run()
+        with a.timed("execute.wait", phase=False):
+            stopped = waited.run()
         wall = ctx.clock.monotonic() - t0
-        host_gpu, task_gpu = sampler.finish()
-        task_cpu = handle.cpu_seconds()
-        a.result = result = handle.result()
+        with a.timed("execute.result", phase=False):
+            host_gpu, task_gpu = sampler.finish()
+            task_cpu = handle.cpu_seconds()
+            a.result = result = handle.result()
     finally:
         a.suspended_since = None
         sampler.finish()

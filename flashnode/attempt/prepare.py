@@ -1,11 +1,15 @@
-"""The first phase: the lease is ours (recorded before anything else), its payload becomes a
-Task, the runner may refuse it, and the GPUs it asks for are taken."""
+"""The first phase: the lease's payload becomes a Task, the runner may refuse it, and the GPUs it
+asks for are taken.
+
+Nothing is written to the outbox yet: a restarted agent lets every lease it finds unfinished
+lapse, so a record matters only once the task's processes may exist (the execute phase writes
+it before anything starts); the workspace of an attempt a crash ended earlier is removed at the
+next start, with a ledger line (``Agent.startup``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flashnode.attempt.record import State
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.wire import parse_task
 
@@ -15,8 +19,6 @@ if TYPE_CHECKING:
 
 def run(a: Attempt) -> None:
     assert a.lease is not None
-    # First of all: a restarted agent must know this lease was ours.
-    a.save(State.CLAIMED)
     a.task = task = parse_task(a.lease)
     a.ctx.runner.check(task)
     if len(a.devices) != task.gpus:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def run(a: Attempt) -> None:
     assert a.lease is not None and a.task is not None
-    a.save(State.STAGING)
+    a.record.state = State.STAGING  # in memory: no process exists yet (prepare.py)
     a.workspace = ws = Workspace.create(a.ctx.settings.state_dir / "attempts", a.lease.lease_id)
     budget = a.ctx.settings.max_input_bytes
     for inp in a.task.inputs:

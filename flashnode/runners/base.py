@@ -174,6 +174,10 @@ class Runner(ABC):
     def reconcile(self) -> None:  # noqa: B027 - optional hook
         """Remove leftovers of an earlier run of this agent that no record names."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """The agent stops (every attempt has ended): release what the runner keeps between
+        tasks."""
+
 
 RUNNERS: dict[str, str] = {
     "trusted": "flashnode.runners.trusted:TrustedRunner",

@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import pwd
 import shutil
 import stat
-import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from flashnode import cgroups, procs
+from flashnode.background import Background
 from flashnode.errors import AttemptFailed, AttemptLapsed, ConfigError, ExitCode
 from flashnode.logcap import latest_line
 from flashnode.preflight import Finding, Ok, Problem
@@ -88,6 +89,9 @@ def task_env(
 
 
 class TrustedHandle:
+    """``on_result``: called once the task's processes are all gone (its cgroup is left to it
+    to remove)."""
+
     def __init__(
         self, proc: procs.TaskProcess, on_result: Callable[[], None] = lambda: None
     ) -> None:
@@ -106,10 +110,7 @@ class TrustedHandle:
             return self._result
         self._proc.kill()  # whatever the task left running
         self._proc.close()
-        oom = False
-        if self._proc.cgroup is not None:
-            oom = self._proc.cgroup.oom_killed()
-            self._proc.cgroup.remove()
+        oom = self._proc.cgroup.oom_killed() if self._proc.cgroup is not None else False
         self._on_result()
         code = self._proc.returncode
         tail = self._proc.stderr.tail.decode("utf-8", "replace")
@@ -174,7 +175,30 @@ class TrustedRunner(Runner):
         self._task_cpus: dict[str, float | None] = {}
         self._cpu_cap: float | None = None
         self._cpu_lock = threading.Lock()
-        self._clearing: dict[int, subprocess.Popen[bytes]] = {}  # slot -> its keyrings' clearing
+        # One table of a task's private mounts, for one `mount` per task instead of one each.
+        self._fstab = (
+            procs.private_fstab(settings.state_dir / "sandbox.fstab", PRIVATE_TMP_BYTES)
+            if sandbox
+            else ""
+        )
+        # Each slot's next chain, started ahead once its last task is gone (``_turn_over``), so
+        # that a task starts with one exec: only where every task gets the same chain (its own
+        # user, a cgroup, the sandbox, a workspace that needs no binding back).
+        self._ahead_ok = (
+            sandbox
+            and users is not None
+            and hierarchy is not None
+            and under_private_dir(settings.state_dir) is None
+        )
+        # Cgroups made ahead are named for this state dir, so that the next start of this agent
+        # removes the ones a crash left (``reconcile``), and no other agent's.
+        digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()
+        self._ahead_prefix = f"ahead-{digest[:12]}-"
+        self._slots_lock = threading.Lock()
+        self._ahead: dict[int, procs.Launch] = {}
+        self._turnovers: dict[int, threading.Event] = {}  # slot -> its turnover done
+        self._worker = Background("turnovers")
+        self._closed = False
 
     # --- construction -----------------------------------------------------------------------
 
@@ -320,22 +344,89 @@ class TrustedRunner(Runner):
                 "refused: the task's isolation does not allow running outside a sandbox"
             )
 
-    def _settle(self, slot: int) -> None:
-        """Wait for the clearing of the slot user's keyrings after its last task."""
-        pending = self._clearing.pop(slot, None)
-        if pending is not None:
-            try:
-                pending.wait(10)
-            except subprocess.TimeoutExpired:
-                pending.kill()
-                pending.wait()
-
-    def _after(self, slot: int, user: procs.TaskUser | None, name: str) -> None:
+    def _after(
+        self,
+        slot: int,
+        user: procs.TaskUser | None,
+        name: str,
+        cgroup: cgroups.AttemptCgroup | None,
+    ) -> None:
+        """Once the task's processes are all gone: the rest of the slot's turnover on the
+        runner's worker thread, off the attempt's way (the slot's next start waits for it)."""
         self._forget(name)
-        if user is not None:
-            pending = procs.clear_user_keyrings(user)
-            if pending is not None:
-                self._clearing[slot] = pending
+        done = self._worker.submit(lambda: self._turn_over(slot, user, cgroup))
+        with self._slots_lock:
+            self._turnovers[slot] = done
+
+    def _turn_over(
+        self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
+    ) -> None:
+        """Remove the last task's cgroup, clear what the slot's user keeps between tasks (its
+        keyrings), then start the slot's next chain. In this order: no process of the slot's
+        user may live beside a chain waiting for the next task (it could rewrite it)."""
+        try:
+            gone = cgroup.remove() if cgroup is not None else True
+            if user is not None:
+                why = procs.clear_user_keyrings(user)
+                if why:
+                    log.warning("cannot clear the keyrings of %s: %s", user.name, why)
+            if gone and user is not None and self._ahead_ok and not self._closed:
+                self._launch_ahead(slot, user)
+        except Exception:  # the next start takes the plain way
+            log.exception("slot %d: the turnover after its task failed", slot)
+
+    def _launch_ahead(self, slot: int, user: procs.TaskUser) -> None:
+        assert self.hierarchy is not None
+        name = f"{self._ahead_prefix}{slot}-{procs.new_token()[:8]}"
+        try:
+            cgroup = self.hierarchy.create(name, cgroups.Limits())
+        except OSError as exc:
+            log.debug("slot %d: no cgroup ahead: %s", slot, exc)
+            return
+        sandbox = procs.Sandbox(PRIVATE_TMP_BYTES, fstab=self._fstab)
+        try:
+            launch = procs.Launch(self.settings.state_dir / "attempts", cgroup, user, sandbox)
+        except OSError as exc:
+            log.debug("slot %d: no chain ahead: %s", slot, exc)
+            cgroup.remove()
+            return
+        with self._slots_lock:
+            old, self._ahead[slot] = self._ahead.get(slot), launch
+        if old is not None:
+            old.discard()
+
+    def _settle(self, slot: int) -> None:
+        with self._slots_lock:
+            done = self._turnovers.pop(slot, None)
+        if done is not None:
+            done.wait()
+
+    def _take_ahead(self, slot: int, sandbox: procs.Sandbox | None) -> procs.Launch | None:
+        """The slot's chain started ahead, if this task can use it; one it cannot use is
+        ended first (nothing of the slot's user runs beside a task of another chain)."""
+        with self._slots_lock:
+            launch = self._ahead.pop(slot, None)
+        if launch is None:
+            return None
+        fits = sandbox is not None and not sandbox.read_only_binds and not sandbox.hidden_devices
+        if fits and launch.alive():
+            return launch
+        launch.discard()
+        return None
+
+    def reconcile(self) -> None:
+        if self.hierarchy is not None:
+            swept = self.hierarchy.sweep(self._ahead_prefix)
+            if swept:
+                log.info("removed %d cgroup(s) an earlier run made ahead", swept)
+
+    def close(self) -> None:
+        self._closed = True
+        self._worker.drain()
+        with self._slots_lock:
+            left, self._ahead = list(self._ahead.values()), {}
+        for launch in left:
+            launch.discard()
 
     def start(self, spec: StartSpec) -> Handle:
         ws = spec.workspace
@@ -363,56 +454,75 @@ class TrustedRunner(Runner):
         token = procs.new_token()
         path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
         env = task_env(spec, token, self.agent_env, path)
-        cgroup = None
-        name = ws.root.name
-        if self.hierarchy is not None:
-            limits = spec.limits
-            with self._cpu_lock:
-                # Below the machine cap: cgroup v1 refuses a child quota above its parent's.
-                capped = dataclasses.replace(limits, cpus=min_cpus(limits.cpus, self._cpu_cap))
+        sandbox = (
+            procs.Sandbox(PRIVATE_TMP_BYTES, binds, hidden_gpus(spec), self._fstab)
+            if self.sandbox
+            else None
+        )
+        launch = self._take_ahead(spec.slot, sandbox)
+        limits = spec.limits
+        with self._cpu_lock:
+            # Below the machine cap: cgroup v1 refuses a child quota above its parent's.
+            capped = dataclasses.replace(limits, cpus=min_cpus(limits.cpus, self._cpu_cap))
+            if launch is not None and launch.cgroup is not None:
                 try:
-                    cgroup = self.hierarchy.create(name, capped)
+                    launch.cgroup.apply(capped)
                 except OSError as exc:
-                    raise AttemptLapsed(
-                        f"cannot create the task's cgroup: {exc.strerror}"
-                    ) from None
+                    log.warning("cannot limit the cgroup made ahead (%s)", exc.strerror or exc)
+                    launch.discard()
+                    launch = None
+            if launch is None:
+                launch = self._launch(ws.root, capped, user, sandbox, argv[0])
+            cgroup = launch.cgroup
+            name = next(iter(cgroup.paths.values())).name if cgroup else ws.root.name
+            if cgroup is not None:
                 self._task_cpus[name] = limits.cpus
-        uid = user.uid if user else os.geteuid()
-        # Before anything runs: what finds the task's processes again after a crash.
-        spec.record(
-            {
-                "token": token,
-                "uid": uid,
-                "whole_uid": user is not None and cgroup is None,
-                "cgroup": {k: str(v) for k, v in cgroup.paths.items()} if cgroup else None,
-                "cgroup_version": cgroup.version if cgroup else None,
-            }
+        proc = procs.TaskProcess(
+            argv,
+            env,
+            cwd=ws.root,
+            stdout=spec.stdout,
+            stderr=spec.stderr,
+            log_max_bytes=self.settings.log_max_bytes,
+            on_exit=spec.on_exit,
+            clock=self.env.clock,
+            launch=launch,
+            hold=True,
         )
         try:
-            proc = procs.TaskProcess(
-                argv,
-                env,
-                cwd=ws.root,
-                stdout=spec.stdout,
-                stderr=spec.stderr,
-                log_max_bytes=self.settings.log_max_bytes,
-                on_exit=spec.on_exit,
-                cgroup=cgroup,
-                user=user,
-                sandbox=(
-                    procs.Sandbox(PRIVATE_TMP_BYTES, binds, hidden_gpus(spec))
-                    if self.sandbox
-                    else None
-                ),
-                clock=self.env.clock,
-            )
-        except OSError as exc:
+            # Before any code of the task runs: what finds its processes again after a crash.
+            spec.record(proc.identity())
+        except BaseException:
+            proc.kill()
+            proc.close()
             if cgroup is not None:
                 cgroup.remove()
             self._forget(name)
-            raise AttemptFailed(f"cannot start {argv[0][:100]!r}: {exc.strerror or exc}") from None
-        spec.record(proc.identity())
-        return TrustedHandle(proc, lambda: self._after(spec.slot, user, name))
+            raise
+        proc.go()
+        return TrustedHandle(proc, lambda: self._after(spec.slot, user, name, cgroup))
+
+    def _launch(
+        self,
+        cwd: Path,
+        limits: cgroups.Limits,
+        user: procs.TaskUser | None,
+        sandbox: procs.Sandbox | None,
+        program: str,
+    ) -> procs.Launch:
+        """A task's chain started now, in a cgroup of its own (named for its workspace)."""
+        cgroup = None
+        if self.hierarchy is not None:
+            try:
+                cgroup = self.hierarchy.create(cwd.name, limits)
+            except OSError as exc:
+                raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
+        try:
+            return procs.Launch(cwd, cgroup, user, sandbox)
+        except OSError as exc:
+            if cgroup is not None:
+                cgroup.remove()
+            raise AttemptFailed(f"cannot start {program[:100]!r}: {exc.strerror or exc}") from None
 
     def _forget(self, name: str) -> None:
         with self._cpu_lock:
