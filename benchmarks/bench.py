@@ -365,9 +365,25 @@ def main() -> int:
     report = summarise(raw, n)
     print(report)
     (HERE / "RESULTS.md").write_text(
-        report + "\n## Raw\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n"
+        report + kept_section() + "\n## Raw\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n"
     )
     return 0
+
+
+KEPT = "## Where the time goes"  # written from benchmarks/profile.py runs, kept across runs
+
+
+def kept_section() -> str:
+    """The hand-written profile section of the last RESULTS.md, if any (up to ``## Raw``)."""
+    try:
+        text = (HERE / "RESULTS.md").read_text()
+    except OSError:
+        return ""
+    start = text.find(KEPT)
+    if start < 0:
+        return ""
+    end = text.find("\n## Raw", start)
+    return "\n" + text[start : end if end >= 0 else None].rstrip() + "\n"
 
 
 def med(runs: list[dict[str, float]], key: str) -> float:
