@@ -337,6 +337,8 @@ class TaskProcess:
         launch: Launch | None = None,
         hold: bool = False,
     ) -> None:
+        # First: a script that cannot be made (what cannot be encoded) fails before any chain.
+        script = env_script(env, argv, cwd)
         if launch is None:
             launch = Launch(cwd, cgroup, user, sandbox)
         self.token = env[OWNER_ENV]
@@ -349,7 +351,7 @@ class TaskProcess:
         self.cgroup = launch.cgroup
         self._clock = clock or SystemClock()
         self._launch = launch
-        self._script: bytes | None = env_script(env, argv, cwd)
+        self._script: bytes | None = script
         self._popen = launch.popen
         self.pid = launch.pid
         self.start_time = launch.start_time
