@@ -337,6 +337,8 @@ class TaskProcess:
         launch: Launch | None = None,
         hold: bool = False,
     ) -> None:
+        # First: a script that cannot be made (what cannot be encoded) fails before any chain.
+        script = env_script(env, argv, cwd)
         if launch is None:
             launch = Launch(cwd, cgroup, user, sandbox)
         self.token = env[OWNER_ENV]
@@ -349,7 +351,7 @@ class TaskProcess:
         self.cgroup = launch.cgroup
         self._clock = clock or SystemClock()
         self._launch = launch
-        self._script: bytes | None = env_script(env, argv, cwd)
+        self._script: bytes | None = script
         self._popen = launch.popen
         self.pid = launch.pid
         self.start_time = launch.start_time
@@ -648,6 +650,9 @@ KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING =
 # Possessors (every task inherits the agent's session keyring) may view and search it, and
 # nothing else: no task can leave a key in it for another.
 SESSION_PERM = 0x01000000 | 0x08000000 | 0x00010000
+# What the kernel gives a user's own keyrings (possessor all but setattr, user all): a task may
+# have opened them to every user, and a clear does not touch permissions.
+USER_KEYRING_PERM = 0x1F3F0000
 
 
 def private_session_keyring() -> str | None:
@@ -678,7 +683,11 @@ def clear_user_keyrings(user: TaskUser) -> str | None:
     ``setresuid`` (``os.setresuid`` would change every thread), clears, and ends; its
     credentials end with it. It keeps saved uid 0, so no process of the user may trace it (the
     kernel lets a process trace only a target whose real, effective and saved uids are all its
-    own); call it once the user's processes are gone."""
+    own); call it once the user's processes are gone.
+
+    The permissions go back to the kernel's first (a task may have opened its keyrings to every
+    user: another slot's task could then leave keys there, or link them into its own keyrings
+    and read what the slot's next task keeps there), then the keys go."""
     machine = os.uname().machine
     keyctl, setresuid = KEYCTL.get(machine), SETRESUID.get(machine)
     if keyctl is None or setresuid is None:
@@ -692,10 +701,11 @@ def clear_user_keyrings(user: TaskUser) -> str | None:
             why.append(f"setresuid: {os.strerror(ctypes.get_errno())}")
             return
         for keyring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
-            if syscall(keyctl, KEYCTL_CLEAR, keyring) < 0:
-                errno = ctypes.get_errno()
-                if errno not in (1, 38):  # EPERM, ENOSYS: keyrings denied here to everyone
-                    why.append(f"keyctl: {os.strerror(errno)}")
+            for op, args in ((KEYCTL_SETPERM, (USER_KEYRING_PERM,)), (KEYCTL_CLEAR, ())):
+                if syscall(keyctl, op, keyring, *args) < 0:
+                    errno = ctypes.get_errno()
+                    if errno not in (1, 38):  # EPERM, ENOSYS: keyrings denied here to everyone
+                        why.append(f"keyctl: {os.strerror(errno)}")
 
     thread = threading.Thread(target=clear, name=f"keyrings-{user.name}", daemon=True)
     thread.start()

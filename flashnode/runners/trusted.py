@@ -477,18 +477,28 @@ class TrustedRunner(Runner):
             name = next(iter(cgroup.paths.values())).name if cgroup else ws.root.name
             if cgroup is not None:
                 self._task_cpus[name] = limits.cpus
-        proc = procs.TaskProcess(
-            argv,
-            env,
-            cwd=ws.root,
-            stdout=spec.stdout,
-            stderr=spec.stderr,
-            log_max_bytes=self.settings.log_max_bytes,
-            on_exit=spec.on_exit,
-            clock=self.env.clock,
-            launch=launch,
-            hold=True,
-        )
+        try:
+            proc = procs.TaskProcess(
+                argv,
+                env,
+                cwd=ws.root,
+                stdout=spec.stdout,
+                stderr=spec.stderr,
+                log_max_bytes=self.settings.log_max_bytes,
+                on_exit=spec.on_exit,
+                clock=self.env.clock,
+                launch=launch,
+                hold=True,
+            )
+        except BaseException as exc:
+            # No chain may be left waiting with nobody to send or end it: the slot's next task
+            # (the same user) could write a script of its own into it, through /proc, and have
+            # a process outside its cgroup that outlives it.
+            launch.discard()
+            self._forget(name)
+            if isinstance(exc, UnicodeEncodeError):
+                raise AttemptFailed("the task's argv or env cannot be encoded") from None
+            raise
         try:
             # Before any code of the task runs: what finds its processes again after a crash.
             spec.record(proc.identity())
