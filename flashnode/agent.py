@@ -53,9 +53,6 @@ log = logging.getLogger(__name__)
 
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
 SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
-# status.json at most this often (a stream of short tasks would rewrite it for each); a change
-# within it is written by the loop's next turn after it (the loop turns at least every TICK).
-PUBLISH_EVERY_S = 0.5
 
 
 class AgentCoordinator(Protocol):
@@ -108,7 +105,6 @@ class Agent:
         self._pid = os.getpid()
         self._published = ""
         self._published_beats = -1
-        self._publish_after = 0.0  # monotonic: no status.json write before
         self._beats = 0
         self._last_beat_wall: float | None = None
         self.settings = ctx.settings
@@ -361,10 +357,6 @@ class Agent:
         self.sink.status(text)
         if text == self._published and self._beats == self._published_beats and not final:
             return
-        now = self.clock.monotonic()
-        if now < self._publish_after and not final:
-            return
-        self._publish_after = now + PUBLISH_EVERY_S
         self._published, self._published_beats = text, self._beats
         snapshot = {
             "pid": None if final else self._pid,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -128,7 +129,10 @@ class Coordinator:
             transport=transport,
             follow_redirects=False,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            verify=True,
+            # Plain http (a loopback coordinator) has no certificate to verify: a context with
+            # no trusted certificate at all (any https use fails closed) instead of loading the
+            # trust store, 3 MB of an idle agent's memory.
+            verify=True if parts.scheme != "http" else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT),
             trust_env=False,
         )
 

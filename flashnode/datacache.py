@@ -153,19 +153,37 @@ class Fetcher:
         self.timeout_seconds = timeout_seconds
         self.retry_delays = tuple(retry_delays)
         self.clock = clock or SystemClock()
-        # No auth, no environment (proxies, netrc, SSL_CERT_FILE), no cookies, no automatic
-        # redirects: this client must never carry anything of the agent's to a data origin.
-        self._client = httpx.Client(
-            verify=verify,
-            trust_env=False,
-            follow_redirects=False,
-            cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
-            timeout=httpx.Timeout(read_timeout_seconds, connect=connect_timeout_seconds),
-            headers={"User-Agent": f"flashnode/{__version__}", "Accept-Encoding": "identity"},
-        )
+        self._verify = verify
+        self._timeout = httpx.Timeout(read_timeout_seconds, connect=connect_timeout_seconds)
+        self._made: httpx.Client | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def _client(self) -> httpx.Client:
+        """Made at the first fetch: its trust store costs an agent that never fetches 3 MB."""
+        with self._lock:
+            if self._made is None:
+                # No auth, no environment (proxies, netrc, SSL_CERT_FILE), no cookies, no
+                # automatic redirects: this client must never carry anything of the agent's to
+                # a data origin.
+                self._made = httpx.Client(
+                    verify=self._verify,
+                    trust_env=False,
+                    follow_redirects=False,
+                    cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
+                    timeout=self._timeout,
+                    headers={
+                        "User-Agent": f"flashnode/{__version__}",
+                        "Accept-Encoding": "identity",
+                    },
+                )
+            return self._made
 
     def close(self) -> None:
-        self._client.close()
+        with self._lock:
+            made, self._made = self._made, None
+        if made is not None:
+            made.close()
 
     def fetch(self, entry: DatasetEntry, dest: Path, *, stop: threading.Event) -> Fetched:
         """Fetch ``entry`` into the new file ``dest`` and verify it; on any error ``dest`` is

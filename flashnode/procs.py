@@ -146,7 +146,8 @@ def env_script(env: Mapping[str, str], argv: Sequence[str], cwd: Path | None = N
     task's can change what it means), export exactly ``env`` (names are checked by the wire
     parser), set the arguments, and, last, say it is whole (``FLASHNODE_GO``: a payload cannot
     set that name, and it is never exported)."""
-    lines = [f"cd -- {_quote(str(cwd))} || exit {SETUP_FAILED}\n"] if cwd is not None else []
+    enter = f"cd -- {_quote(str(cwd))} || {{ echo 'flashnode: cannot enter the workspace' >&2;"
+    lines = [f"{enter} exit {SETUP_FAILED}; }}\n"] if cwd is not None else []
     lines += [f"export {k}={_quote(v)}\n" for k, v in env.items()]
     lines.append("set -- " + " ".join(_quote(a) for a in argv) + "\n")
     lines.append("FLASHNODE_GO=1\n")

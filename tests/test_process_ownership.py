@@ -387,3 +387,16 @@ def _describe(pid: int) -> str:
     except OSError as exc:
         return str(exc)
     return f"{cmd} [{cg}]"
+
+
+def test_a_state_dir_closed_again_is_opened_for_the_next_task(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """systemd sets StateDirectoryMode again on every Exec line (a reload): the next task still
+    enters its workspace by its path, as its user (and a chain that cannot is the node's fault)."""
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    first = coordinator.submit(argv_job(["sh", "-c", METRICS], max_attempts=1))
+    assert coordinator.wait_state(first, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    agent.state_dir.chmod(0o700)
+    second = coordinator.submit(argv_job(["sh", "-c", f"cd $PWD && {METRICS}"], max_attempts=1))
+    assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log

@@ -216,8 +216,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     slow = server.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > out/metrics.json"]))
 
     def running() -> bool:
-        # This task's attempt: status.json is written at most every half second, so the last
-        # task's may still be listed a moment after it ended.
+        # This task's attempt (not the last one's, in a status read before it was rewritten).
         r = booted.sh("flashnode status --json")
         if r.returncode != 0:
             return False

@@ -243,7 +243,7 @@ class TrustedRunner(Runner):
             sandbox = True
             for d in (settings.state_dir, settings.state_dir / "attempts"):
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
-                d.chmod(stat.S_IMODE(d.stat().st_mode) | 0o111)  # task users pass, never list
+            passable(settings.state_dir)
             log.info(
                 "trusted tasks run as %s (one user per slot)",
                 ", ".join(u.name for u in users),
@@ -368,8 +368,13 @@ class TrustedRunner(Runner):
             gone = cgroup.remove() if cgroup is not None else True
             if user is not None:
                 why = procs.clear_user_keyrings(user)
-                if why:
-                    log.warning("cannot clear the keyrings of %s: %s", user.name, why)
+                if why:  # a task may lock its user's keyrings open: only a reboot resets them
+                    log.error(
+                        "cannot reset the keyrings of %s (%s): keys may pass between tasks;"
+                        " run under the packaged unit, which denies keyring calls, or reboot",
+                        user.name,
+                        why,
+                    )
             if gone and user is not None and self._ahead_ok and not self._closed:
                 self._launch_ahead(slot, user)
         except Exception:  # the next start takes the plain way
@@ -432,6 +437,8 @@ class TrustedRunner(Runner):
         ws = spec.workspace
         root = str(ws.root)
         user = self.users[spec.slot] if self.users else None
+        if user is not None:
+            passable(self.settings.state_dir)
         self._settle(spec.slot)
         if user is not None:
             ws.hand_over(user.uid, user.gid, inputs_for="group")
@@ -663,6 +670,16 @@ def slot_users(task_user: str, slots: int) -> list[procs.TaskUser]:
         # A shared uid or group would let one slot's task read another's workspace.
         raise ConfigError(f"the {task_user}-N task users must have distinct uids and groups")
     return users
+
+
+def passable(state_dir: Path) -> None:
+    """Let task users pass through the state dir and ``attempts/`` to their own workspaces
+    (search, never list). Again before each task: systemd sets ``StateDirectoryMode`` again on a
+    reload, and the task's launch enters its workspace by its path, as the task's user."""
+    for d in (state_dir, state_dir / "attempts"):
+        mode = stat.S_IMODE(d.stat().st_mode)
+        if mode & 0o111 != 0o111:
+            d.chmod(mode | 0o111)
 
 
 def _unreachable(state_dir: Path) -> Path | None:
