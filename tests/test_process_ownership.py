@@ -302,6 +302,15 @@ def test_a_held_task_runs_only_once_sent_and_a_torn_script_runs_nothing(tmp_path
         os.close(fd)
 
 
+def ahead_cgroups(agent: AgentProcess) -> set[Path]:
+    """The cgroups of the chains ``agent`` started ahead (named for its state dir)."""
+    hierarchy, _ = cgroups.detect()
+    assert hierarchy is not None
+    base = next(iter(hierarchy.bases.values()))
+    digest = hashlib.sha256(str(agent.state_dir.resolve()).encode()).hexdigest()
+    return {p for p in base.iterdir() if p.name.startswith(f"ahead-{digest[:12]}-")}
+
+
 @needs_cgroups
 def test_the_chain_kept_ahead_goes_with_the_agent_and_its_cgroup_at_the_next_start(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
@@ -312,13 +321,9 @@ def test_the_chain_kept_ahead_goes_with_the_agent_and_its_cgroup_at_the_next_sta
     job = coordinator.submit(argv_job(["sh", "-c", METRICS], max_attempts=1))
     first = start_agent(coordinator.url, *TRUSTED, env=FAST)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", first.log
-    hierarchy, _ = cgroups.detect()
-    assert hierarchy is not None
-    base = next(iter(hierarchy.bases.values()))
-    digest = hashlib.sha256(str(first.state_dir.resolve()).encode()).hexdigest()
 
     def ahead() -> set[Path]:
-        return {p for p in base.iterdir() if p.name.startswith(f"ahead-{digest[:12]}-")}
+        return ahead_cgroups(first)
 
     mine = wait_for("a chain kept ahead", ahead)
     [chain] = {int(pid) for cg in mine for pid in (cg / "cgroup.procs").read_text().split()}
@@ -345,17 +350,10 @@ def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_
     first = coordinator.submit(argv_job(["sh", "-c", lurker], max_attempts=1))
     agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
     assert coordinator.wait_state(first, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
-    hierarchy, _ = cgroups.detect()
-    assert hierarchy is not None
-    base = next(iter(hierarchy.bases.values()))
-    digest = hashlib.sha256(str(agent.state_dir.resolve()).encode()).hexdigest()
 
     def chains() -> set[int]:
         return {
-            int(pid)
-            for cg in base.iterdir()
-            if cg.name.startswith(f"ahead-{digest[:12]}-")
-            for pid in (cg / "cgroup.procs").read_text().split()
+            int(p) for cg in ahead_cgroups(agent) for p in (cg / "cgroup.procs").read_text().split()
         }
 
     [chain] = wait_for("a chain kept ahead", chains)
