@@ -302,12 +302,21 @@ class Launch:
         """Still waiting (a chain whose setup failed has exited)."""
         return self.popen.poll() is None
 
+    def take(self) -> tuple[int, int, int]:
+        """Hand the pipes (script, stdout, stderr) to the task that runs in this chain: from
+        here on they are its to close, and ``discard`` leaves them."""
+        fds = (self.script_w, self.out_r, self.err_r)
+        self.script_w = self.out_r = self.err_r = -1
+        return fds
+
     def discard(self) -> None:
         """End a launch no task took: its pipe closes (it exits without running anything), its
         group is killed, its cgroup removed."""
         for fd in (self.script_w, self.out_r, self.err_r):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.script_w = self.out_r = self.err_r = -1
         with contextlib.suppress(OSError):
             os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait()
@@ -351,7 +360,6 @@ class TaskProcess:
         self._uid_filter = self.uid if self.whole_uid else None
         self.cgroup = launch.cgroup
         self._clock = clock or SystemClock()
-        self._launch = launch
         self._script: bytes | None = script
         self._popen = launch.popen
         self.pid = launch.pid
@@ -363,8 +371,9 @@ class TaskProcess:
         self._closing = threading.Event()
         self.stdout = Stream(CappedFile(stdout, log_max_bytes))
         self.stderr = Stream(CappedFile(stderr, log_max_bytes))
+        self._script_w, out_r, err_r = launch.take()
         self._watcher = threading.Thread(
-            target=self._watch, args=(launch.out_r, launch.err_r), name=f"task-{self.pid}"
+            target=self._watch, args=(out_r, err_r), name=f"task-{self.pid}"
         )
         self._watcher.daemon = True
         self._watcher.start()
@@ -377,7 +386,7 @@ class TaskProcess:
         script, self._script = self._script, None
         if script is None:
             return
-        fd = self._launch.script_w
+        fd = self._script_w
         try:
             os.set_blocking(fd, False)
             view, deadline = memoryview(script), self._clock.monotonic() + GO_TIMEOUT_S
@@ -534,7 +543,7 @@ class TaskProcess:
         if self._script is not None:  # never sent: the chain, if still there, runs nothing
             self._script = None
             with contextlib.suppress(OSError):
-                os.close(self._launch.script_w)
+                os.close(self._script_w)
         self._closing.set()
         self._watcher.join(2.0)
 
