@@ -90,13 +90,19 @@ class Hierarchy:
         cg = AttemptCgroup(
             self.version, {c: base / name for c, base in self.bases.items()}, self.clock
         )
+        made: dict[str, Path] = {}
         try:
-            for path in cg.paths.values():
+            for controller, path in cg.paths.items():
                 path.parent.mkdir(exist_ok=True)
-                path.mkdir(exist_ok=True)
+                if os.path.realpath(path) in {os.path.realpath(p) for p in made.values()}:
+                    continue  # co-mounted controllers (cpu,cpuacct): one directory
+                # Never one that exists: it is another attempt's, or a chain's started ahead (a
+                # lease id is the coordinator's to choose).
+                path.mkdir()
+                made[controller] = path
             cg.apply(limits)
         except OSError:
-            cg.remove()
+            AttemptCgroup(self.version, made, self.clock).remove()
             raise
         return cg
 

@@ -398,3 +398,21 @@ def test_a_state_dir_closed_again_is_opened_for_the_next_task(
     agent.state_dir.chmod(0o700)
     second = coordinator.submit(argv_job(["sh", "-c", f"cd $PWD && {METRICS}"], max_attempts=1))
     assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+
+
+@needs_cgroups
+def test_a_cgroup_that_exists_is_never_joined_or_removed() -> None:
+    """A lease id is the coordinator's to choose: one that names a live cgroup (another
+    attempt's, or a chain's started ahead, which a task sees in /proc/self/cgroup) must not put
+    the new task in it, nor remove it when the attempt fails to start."""
+    hierarchy, _ = cgroups.detect()
+    assert hierarchy is not None
+    name = f"ahead-test-{secrets.token_hex(4)}"
+    first = hierarchy.create(name, cgroups.Limits())
+    try:
+        with pytest.raises(FileExistsError):
+            hierarchy.create(name, cgroups.Limits())
+        assert all(path.is_dir() for path in first.paths.values())
+    finally:
+        first.remove()
+    assert not any(path.exists() for path in first.paths.values())
