@@ -99,6 +99,20 @@ class FakeNvml:
 
 
 @pytest.fixture(scope="session")
+def box() -> str:
+    """The busybox test image (tests/test_container.py builds it), for the docker runner."""
+    docker = pytest.importorskip("docker")
+    from test_container import IMAGE, _import_image
+
+    try:
+        engine = docker.from_env(timeout=30)
+        engine.ping()
+    except Exception as exc:
+        pytest.skip(f"no Docker engine answers ({type(exc).__name__}); .ci/run starts one")
+    return _import_image(engine, IMAGE)
+
+
+@pytest.fixture(scope="session")
 def fake_nvml_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to build the stand-in NVML library")

@@ -418,19 +418,6 @@ def test_a_1_gb_shard_is_fetched_and_verified_in_bounded_agent_memory(
 # --- the docker runner --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def box() -> str:
-    docker = pytest.importorskip("docker")
-    from test_container import IMAGE, _import_image
-
-    try:
-        engine = docker.from_env(timeout=30)
-        engine.ping()
-    except Exception as exc:
-        pytest.skip(f"no Docker engine answers ({type(exc).__name__}); .ci/run starts one")
-    return _import_image(engine, IMAGE)
-
-
 # In busybox: what the container sees of /work/inputs and /work/data, and whether it can change
 # them ("y" for each change that worked).
 BOX_PROBE = r"""

@@ -270,19 +270,6 @@ def test_a_python_this_node_lacks_is_refused_naming_the_version(
 # --- the docker runner: the image holds the base; extras are never installed --------------------
 
 
-@pytest.fixture(scope="module")
-def box() -> str:
-    docker = pytest.importorskip("docker")
-    from test_container import IMAGE, _import_image
-
-    try:
-        engine = docker.from_env(timeout=30)
-        engine.ping()
-    except Exception as exc:
-        pytest.skip(f"no Docker engine answers ({type(exc).__name__}); .ci/run starts one")
-    return _import_image(engine, IMAGE)
-
-
 def test_the_docker_runner_runs_dependencies_in_its_image_and_never_installs_extras(
     box: str,
     recording_coordinator: CoordinatorServer,
