@@ -40,7 +40,7 @@ from flashnode.background import Background
 from flashnode.clock import SystemClock
 from flashnode.controls import Controls, Readers, Rules
 from flashnode.coordinator import Coordinator
-from flashnode.datacache import DataCache, Fetcher
+from flashnode.datacache import DataCache, Fetcher, OriginPolicy
 from flashnode.envcache import EnvCache
 from flashnode.errors import (
     ConfigError,
@@ -270,7 +270,9 @@ def env_cache(settings: Settings) -> EnvCache | None:
 def data_cache(settings: Settings) -> DataCache:
     """The agent's one dataset cache (``<state dir>/data``) and its fetcher."""
     fetcher = Fetcher(
-        ca_file=settings.dataset_ca_file, timeout_seconds=settings.dataset_fetch_timeout_seconds
+        ca_file=settings.dataset_ca_file,
+        policy=OriginPolicy.of(settings.dataset_allow_private_origins),
+        timeout_seconds=settings.dataset_fetch_timeout_seconds,
     )
     try:
         return DataCache(settings.state_dir / "data", settings.dataset_cache_bytes, fetcher)
@@ -350,6 +352,7 @@ def _run_agent(
     def on_settings(new: Settings) -> None:
         ctx.limits = task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
         data.budget_bytes = new.dataset_cache_bytes
+        data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)
         data.prune()
         if envs is not None:
             envs.budget = new.env_cache_bytes

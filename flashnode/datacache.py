@@ -19,6 +19,14 @@ five redirects each held to the same rule, streamed to disk, resumed with ``Rang
 connection, the declared size a hard cap. Wrong bytes are the task's fault (DataIntegrityError);
 an origin that cannot be reached, a full disk or cache, or a stop are not (DataUnavailable).
 
+Only public addresses (``OriginPolicy``): every connection resolves its host here, checks every
+address it resolves to, and connects to a checked one (never resolving again, so a name cannot
+pass the check and then lead elsewhere: DNS rebinding); TLS still names the host (SNI, the
+certificate check). No proxy is ever used: one would connect on the agent's behalf to wherever
+the name leads from there, past the check. A failure reason names the check that failed, never
+what the origin answered (its ETag, its length, a digest of its bytes, its status beyond the
+class): a job must not read an origin it is refused, or the owner's network, through them.
+
 Why one module of this size: the fetcher (redirects, Range resume, verification) and the cache
 (budget, pins, eviction, layout).
 """
@@ -34,15 +42,17 @@ import logging
 import os
 import re
 import secrets
+import socket
 import ssl
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin
 
+import httpcore
 import httpx
 
 from flashnode import __version__
@@ -53,7 +63,7 @@ from flashnode.datasets import (
     DatasetEntry,
     Integrity,
     IntegrityKind,
-    _show,
+    OriginPolicy,
     parse_datasets,
     safe_path,
     url_problem,
@@ -72,6 +82,7 @@ __all__ = [
     "Fetcher",
     "Integrity",
     "IntegrityKind",
+    "OriginPolicy",
     "ShardHandle",
     "cache_usage",
     "parse_datasets",
@@ -84,6 +95,7 @@ log = logging.getLogger(__name__)
 CACHE_KEY = re.compile(r"^(etag-)?[0-9a-f]{64}$")
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
+NOT_THE_SIZE = "the origin's size is not the manifest's"
 
 
 # --- fetching --------------------------------------------------------------------------------
@@ -103,6 +115,87 @@ class Fetched:
 
 class _Retry(Exception):
     """A transient failure: try again (resuming where the bytes stopped)."""
+
+
+class _Refused(Exception):
+    """A host resolved to an address the policy refuses (the message says what kind)."""
+
+    def __init__(self, host: str, problem: str) -> None:
+        super().__init__(f"{host} resolves to {problem}")
+
+
+Resolver = Callable[[str, int], Sequence[str]]
+
+
+def resolve(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (the system's resolver), in its order."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+class _CheckedBackend(httpcore.NetworkBackend):
+    """httpcore's sockets, to checked addresses only (see the module docstring)."""
+
+    def __init__(self, policy: Callable[[], OriginPolicy], resolver: Resolver) -> None:
+        self._policy = policy
+        self._resolve = resolver
+        self._sockets = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        try:
+            addresses = self._resolve(host, port)
+        except OSError:
+            raise httpcore.ConnectError("cannot resolve the host") from None
+        if not addresses:
+            raise httpcore.ConnectError("the host resolves to no address")
+        policy = self._policy()
+        for address in addresses:
+            problem = policy.problem(address)
+            if problem:
+                log.info("dataset origin %s refused: %s is %s", host, address, problem)
+                raise _Refused(host, problem)
+        failed: httpcore.ConnectError | httpcore.ConnectTimeout | None = None
+        for address in addresses:
+            try:
+                return self._sockets.connect_tcp(
+                    address, port, timeout, local_address, socket_options
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                failed = exc
+        assert failed is not None
+        raise failed
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        raise httpcore.ConnectError("no data origin is a unix socket")
+
+    def sleep(self, seconds: float) -> None:
+        self._sockets.sleep(seconds)
+
+
+class _CheckedTransport(httpx.HTTPTransport):
+    """httpx's transport (its request and error mapping), its connections made by
+    ``_CheckedBackend``."""
+
+    def __init__(self, verify: ssl.SSLContext | bool, backend: _CheckedBackend) -> None:
+        # The pool httpx makes here is replaced at once: verify=False spares loading a trust
+        # store for it; the pool that is used verifies.
+        super().__init__(verify=False, trust_env=False)
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
+            max_connections=100,
+            max_keepalive_connections=20,
+            keepalive_expiry=5.0,
+            network_backend=backend,
+        )
 
 
 @dataclass
@@ -132,6 +225,8 @@ class Fetcher:
     """Fetches one dataset entry to a file, verified. Thread-safe; one per agent.
 
     ``ca_file`` replaces the default trust store (owners with a private CA, and the tests).
+    ``policy``: which addresses an origin may have (public ones by default; changed on a reload);
+    ``resolver``: how a host name becomes addresses (the system's; the tests give their own).
     ``timeout_seconds`` bounds one entry's whole fetch, retries included; ``read_timeout_seconds``
     bounds each read. Transient failures (transport errors, 408, 429, 5xx) are retried after
     each of ``retry_delays`` in turn; progress resets the count.
@@ -141,6 +236,8 @@ class Fetcher:
         self,
         *,
         ca_file: Path | None = None,
+        policy: OriginPolicy | None = None,
+        resolver: Resolver = resolve,
         timeout_seconds: float = 3600.0,
         read_timeout_seconds: float = 60.0,
         connect_timeout_seconds: float = 30.0,
@@ -153,6 +250,8 @@ class Fetcher:
         self.timeout_seconds = timeout_seconds
         self.retry_delays = tuple(retry_delays)
         self.clock = clock or SystemClock()
+        self.policy = policy or OriginPolicy()
+        self._resolver = resolver
         self._verify = verify
         self._timeout = httpx.Timeout(read_timeout_seconds, connect=connect_timeout_seconds)
         self._made: httpx.Client | None = None
@@ -165,9 +264,10 @@ class Fetcher:
             if self._made is None:
                 # No auth, no environment (proxies, netrc, SSL_CERT_FILE), no cookies, no
                 # automatic redirects: this client must never carry anything of the agent's to
-                # a data origin.
+                # a data origin. Its connections go to checked addresses only.
+                backend = _CheckedBackend(lambda: self.policy, self._resolver)
                 self._made = httpx.Client(
-                    verify=self._verify,
+                    transport=_CheckedTransport(self._verify, backend),
                     trust_env=False,
                     follow_redirects=False,
                     cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
@@ -229,15 +329,10 @@ class Fetcher:
                     raise DataUnavailable(f"{where}: fetch stopped") from None
                 progress.resumes += progress.offset > 0
         if progress.offset != entry.size:
-            raise DataIntegrityError(
-                f"{where}: origin sent {progress.offset} bytes, the manifest says {entry.size}"
-            )
+            raise DataIntegrityError(f"{where}: {NOT_THE_SIZE}")
         digest: str = progress.hasher.hexdigest()
         if entry.integrity.verifies and digest != entry.integrity.value:
-            raise DataIntegrityError(
-                f"{where}: sha256 {digest[:16]}… does not match the manifest's"
-                f" {entry.integrity.value[:16]}…"
-            )
+            raise DataIntegrityError(f"{where}: the bytes' sha256 does not match the manifest's")
         return Fetched(entry.size, digest, progress.etag, progress.requests, progress.resumes)
 
     def _check_running(self, where: str, stop: threading.Event, deadline: float) -> None:
@@ -270,6 +365,9 @@ class Fetcher:
                 response = self._client.send(request, stream=True)
             except httpx.TransportError as exc:
                 raise _Retry(f"origin unreachable ({_transport(exc)})") from None
+            except _Refused as exc:
+                kind = "redirect" if hop else "url"
+                raise AttemptFailed(f"{where}: {kind} refused ({exc})") from None
             try:
                 if response.status_code in REDIRECTS and "location" in response.headers:
                     if hop == MAX_REDIRECTS:
@@ -296,20 +394,14 @@ class Fetcher:
         where = f"dataset entry {entry.where}"
         status = response.status_code
         if status in (408, 429) or status >= 500:
-            raise _Retry(f"origin answered {status}")
+            raise _Retry(f"origin answered {status // 100}xx")
         if status == 416:
-            raise DataIntegrityError(
-                f"{where}: origin refused the range from byte {progress.offset} (416):"
-                " it holds fewer bytes than the manifest says"
-            )
+            raise DataIntegrityError(f"{where}: {NOT_THE_SIZE}")
         if status not in (200, 206):
-            raise AttemptFailed(f"{where}: origin answered {status}")
+            raise AttemptFailed(f"{where}: origin refused the request ({status // 100}xx)")
         etag = response.headers.get("etag")
         if entry.integrity.kind == "etag" and _opaque(etag) != _opaque(entry.integrity.value):
-            raise DataIntegrityError(
-                f"{where}: origin's ETag {_show(etag)} is not the manifest's"
-                f" {_show(entry.integrity.value)}"
-            )
+            raise DataIntegrityError(f"{where}: the origin's ETag is not the manifest's")
         if status == 200:
             if progress.offset:
                 log.info("%s: origin ignored the range; starting again from byte 0", where)
@@ -317,37 +409,27 @@ class Fetcher:
                 progress.restart()
             length = response.headers.get("content-length")
             if length is not None and length.strip() != str(entry.size):
-                raise DataIntegrityError(
-                    f"{where}: origin declares {_show(length)} bytes, the manifest {entry.size}"
-                )
+                raise DataIntegrityError(f"{where}: {NOT_THE_SIZE}")
         else:
             first, total = _content_range(response.headers.get("content-range"))
             if first != progress.offset or total not in (None, entry.size):
-                raise DataIntegrityError(
-                    f"{where}: origin answered a range that does not fit"
-                    f" ({_show(response.headers.get('content-range'))} for byte"
-                    f" {progress.offset} of {entry.size})"
-                )
+                raise DataIntegrityError(f"{where}: the origin answered a range that does not fit")
         progress.etag = etag
         os.lseek(fd, progress.offset, os.SEEK_SET)
         try:
             for chunk in response.iter_raw():  # as they arrive: at most one read's worth
                 if progress.offset + len(chunk) > entry.size:
-                    raise DataIntegrityError(
-                        f"{where}: origin sent more than the declared {entry.size} bytes"
-                    )
+                    raise DataIntegrityError(f"{where}: {NOT_THE_SIZE}")
                 _write_all(fd, chunk, where)
                 progress.hasher.update(chunk)
                 progress.offset += len(chunk)
                 self._check_running(where, stop, deadline)
         except httpx.TransportError as exc:
-            raise _Retry(
-                f"connection dropped at byte {progress.offset} ({_transport(exc)})"
-            ) from None
+            raise _Retry(f"connection dropped ({_transport(exc)})") from None
         if progress.offset < entry.size:
             # A body delimited by the connection's close looks complete when it was cut; asking
             # for the rest tells the two apart (416 when the origin really has no more).
-            raise _Retry(f"origin ended the body at byte {progress.offset}")
+            raise _Retry("origin ended the body early")
 
 
 def _write_all(fd: int, data: bytes, where: str) -> None:

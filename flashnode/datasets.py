@@ -4,11 +4,16 @@
 "value": V}}]}]`` becomes a tuple of ``DatasetEntry``: a safe name and relative path (laid out at
 ``/work/data/<N>/<P>``), an allowed URL (HTTPS; plain HTTP only to loopback; no credentials), a
 size and how the bytes are known to be right. Fetching and caching them is flashnode.datacache.
+
+Which addresses an origin may have is ``OriginPolicy.problem``: public (global unicast) ones,
+unless the owner allows private ones (``dataset_allow_private_origins``); the fetcher applies it
+to every address a host name resolves to, before it connects.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +23,8 @@ from urllib.parse import urlsplit
 from flashnode.errors import AttemptFailed
 from flashnode.settings import is_loopback
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IntegrityKind = Literal["sha256", "declared-sha256", "etag"]
 CHECKSUM_KINDS = ("sha256", "declared-sha256")
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -194,6 +201,88 @@ def url_problem(url: str) -> str | None:
         return "carries credentials"
     if scheme == "http" and not is_loopback(parts.hostname):
         return "plain http is allowed only to a loopback address"
+    return None
+
+
+# IPv6 forms that carry an IPv4 address in their last 32 bits, each reaching that address.
+_V4_IN_V6 = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "::/96",  # IPv4-compatible (deprecated)
+        "::ffff:0:0/96",  # IPv4-mapped
+        "::ffff:0:0:0/96",  # IPv4-translated (SIIT)
+        "64:ff9b::/96",  # NAT64, the well-known prefix
+    )
+)
+_NOT_PUBLIC_V4 = ipaddress.ip_network("192.0.0.0/24")  # IETF protocol assignments
+_UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
+
+
+@dataclass(frozen=True)
+class OriginPolicy:
+    """Which addresses a data origin may have (the owner's ``dataset_allow_private_origins``).
+
+    Public (global unicast) addresses always. ``private``: also loopback, private, unique-local,
+    shared and other non-public unicast addresses, but never link-local ones (169.254.0.0/16,
+    fe80::/10: where cloud metadata services answer). ``networks``: also the addresses in these,
+    whatever they are. Never an unspecified, multicast or broadcast address.
+    """
+
+    private: bool = False
+    networks: tuple[IPNetwork, ...] = ()
+
+    @classmethod
+    def of(cls, allow: bool | Sequence[str]) -> OriginPolicy:
+        """From the setting's value: true/false, or networks (``10.0.0.0/8``, ``::1``)."""
+        if isinstance(allow, bool):
+            return cls(private=allow)
+        return cls(networks=tuple(ipaddress.ip_network(n, strict=False) for n in allow))
+
+    def problem(self, address: str | IPAddress) -> str | None:
+        """Why an origin at ``address`` is refused (what kind of address it is); None when it
+        is allowed. An IPv6 form of an IPv4 address (mapped, compatible, NAT64, 6to4) is judged
+        by the IPv4 address it reaches."""
+        ip = ipaddress.ip_address(address) if isinstance(address, str) else address
+        if isinstance(ip, ipaddress.IPv6Address):
+            inner = _embedded_v4(ip)
+            if inner is not None:
+                return self.problem(inner)
+        if ip.is_unspecified:
+            return "an unspecified address"
+        if ip.is_multicast:
+            return "a multicast address"
+        if ip == ipaddress.IPv4Address("255.255.255.255"):
+            return "a broadcast address"
+        if any(ip.version == n.version and ip in n for n in self.networks):
+            return None
+        if ip.is_link_local:
+            return "a link-local address"
+        if self.private:
+            return None
+        if ip.is_loopback:
+            return "a loopback address"
+        if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+            return "a site-local address"
+        if ip in _UNIQUE_LOCAL:
+            return "a unique-local address"
+        if ip.is_private:
+            return "a private address"
+        if ip.is_reserved:
+            return "a reserved address"
+        if not ip.is_global or ip in _NOT_PUBLIC_V4:
+            return "not a public address"
+        return None
+
+
+def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address reaches (None when it is not one of those forms); ``::``
+    and ``::1`` are themselves."""
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if int(ip) <= 1:
+        return None
+    if any(ip in n for n in _V4_IN_V6):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return None
 
 

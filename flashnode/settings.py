@@ -332,11 +332,14 @@ class Settings(BaseModel):
     #   where the sum of its entries' sizes fits; 0 (the default) advertises "no dataset work".
     # dataset_ca_file: a PEM bundle that replaces the default trust store for dataset origins.
     # dataset_fetch_timeout_seconds: the most one entry's fetch may take, retries included.
+    # dataset_allow_private_origins: origins at addresses that are not public (datasets.
+    #   OriginPolicy): true (all but link-local), or the networks allowed; false: public only.
     # local_data: the [local_data] table, label = "/absolute/dir"; advertised as local_datasets
     #   (labels only, never paths); env FLASHNODE_LOCAL_DATA="label=/dir,label2=/dir2".
     dataset_cache_bytes: int = Field(default=0, ge=0)
     dataset_ca_file: Path | None = None
     dataset_fetch_timeout_seconds: float = Field(default=3600.0, gt=0)
+    dataset_allow_private_origins: bool | tuple[str, ...] = False
     local_data: dict[str, Path] = Field(default_factory=dict)
 
     @field_validator("dataset_cache_bytes", mode="before")
@@ -352,6 +355,32 @@ class Settings(BaseModel):
         if not math.isfinite(value):
             raise ValueError("must be a finite number")
         return value
+
+    @field_validator("dataset_allow_private_origins", mode="before")
+    @classmethod
+    def _private_origins(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+                return word in ("true", "yes", "on", "1")
+            return tuple(n.strip() for n in value.split(",") if n.strip())
+        return value
+
+    @field_validator("dataset_allow_private_origins")
+    @classmethod
+    def _networks(cls, value: bool | tuple[str, ...]) -> bool | tuple[str, ...]:
+        if isinstance(value, bool):
+            return value
+        networks = []
+        for text in value:
+            try:
+                networks.append(str(ipaddress.ip_network(text, strict=False)))
+            except ValueError:
+                raise ValueError(
+                    f"{text!r} is not a network: true, false, or networks such as"
+                    ' ["192.168.1.0/24", "10.0.0.5"]'
+                ) from None
+        return tuple(networks)
 
     @field_validator("dataset_ca_file")
     @classmethod

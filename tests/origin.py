@@ -33,11 +33,14 @@ BLOCK = 1024 * 1024
 
 
 class TestCA:
-    """A throwaway CA and a server certificate it signed for 127.0.0.1 and localhost."""
+    """A throwaway CA and a server certificate it signed for 127.0.0.1, 127.0.0.2, localhost
+    and ``names``."""
 
     __test__ = False  # not a test class, whatever pytest thinks of the name
 
-    def __init__(self, directory: Path, name: str = "flashnode test CA") -> None:
+    def __init__(
+        self, directory: Path, name: str = "flashnode test CA", names: tuple[str, ...] = ()
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         now = datetime.datetime.now(datetime.timezone.utc)
         ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -81,7 +84,11 @@ class TestCA:
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                    [
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.2")),
+                        *(x509.DNSName(n) for n in ("localhost", *names)),
+                    ]
                 ),
                 critical=False,
             )
@@ -108,9 +115,12 @@ class TestCA:
             )
         )
 
-    def server_context(self) -> ssl.SSLContext:
+    def server_context(self, seen: list[str | None] | None = None) -> ssl.SSLContext:
+        """The server's context; ``seen`` collects the name each client asked for (SNI)."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(self.cert_file, self.key_file)
+        if seen is not None:
+            context.sni_callback = lambda sock, name, ctx: seen.append(name)
         return context
 
 
@@ -195,11 +205,13 @@ class Request:
 
 
 class Origin:
-    """The HTTPS server; a context manager. Thread-safe enough for the tests."""
+    """The HTTPS server on ``host``; a context manager. Thread-safe enough for the tests.
+    ``server_names``: the name each TLS client asked for (SNI; None: none)."""
 
-    def __init__(self, ca: TestCA) -> None:
+    def __init__(self, ca: TestCA, host: str = "127.0.0.1") -> None:
         self.routes: dict[str, Route] = {}
         self.requests: list[Request] = []
+        self.server_names: list[str | None] = []
         self._lock = threading.Lock()
         origin = self
 
@@ -212,9 +224,10 @@ class Origin:
             def do_GET(self) -> None:
                 origin._serve(self)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
-        self.server.socket = ca.server_context().wrap_socket(
+        self.host = host
+        self.server.socket = ca.server_context(self.server_names).wrap_socket(
             self.server.socket, server_side=True, do_handshake_on_connect=False
         )
         self.port = self.server.server_address[1]
@@ -231,8 +244,8 @@ class Origin:
         self.server.shutdown()
         self.server.server_close()
 
-    def url(self, path: str, host: str = "127.0.0.1") -> str:
-        return f"https://{host}:{self.port}{path}"
+    def url(self, path: str, host: str | None = None) -> str:
+        return f"https://{host or self.host}:{self.port}{path}"
 
     def add(self, path: str, content: bytes | Content, **how: Any) -> Route:
         blob = content if isinstance(content, Content) else Blob(content)

@@ -122,11 +122,13 @@ def entry(origin: Origin, path: str, content: bytes | Content, **how: Any) -> di
     }
 
 
-def data_env(ca: TestCA, budget: int) -> dict[str, str]:
+def data_env(ca: TestCA, budget: int, allow_private: str = "true") -> dict[str, str]:
+    """The test origins listen on loopback: the owner allows private origins (by default)."""
     return {
         **FAST,
         "FLASHNODE_DATASET_CA_FILE": str(ca.ca_file),
         "FLASHNODE_DATASET_CACHE_BYTES": str(budget),
+        "FLASHNODE_DATASET_ALLOW_PRIVATE_ORIGINS": allow_private,
     }
 
 
@@ -277,6 +279,45 @@ def test_each_task_sees_its_slice_and_a_shared_shard_is_fetched_once(
     )
     assert "0.1 MiB fetched, 0 cache hit(s)" in history.stdout, history.stdout
     assert "1 cache hit(s)" in history.stdout
+
+
+def test_a_job_cannot_read_the_owners_private_service_through_a_dataset_entry(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    origin: Origin,
+    ca: TestCA,
+) -> None:
+    """Issue 27, finding 1: an entry naming a service on the owner's loopback, with the
+    service's own ETag as its integrity. Without the owner's opt-in nothing reaches it, the task
+    never runs, and the reason says which check failed and nothing of what the service holds."""
+    page = b"private: the owner's router admin page\n"
+    tag = '"private-etag-9c1e"'
+    origin.add("/private", page, etag=tag)
+    private = {
+        "path": "page.html",
+        "url": origin.url("/private"),
+        "size": len(page),
+        "integrity": {"kind": "etag", "value": tag},
+    }
+    job = coordinator.submit(
+        argv_job(
+            ["python3", "-c", PROBE, "/work/out/metrics.json", "/work/data"],
+            dataset_slices=[[{"name": "ds", "entries": [private]}]],
+            max_attempts=1,
+        )
+    )
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--max-tasks", "1", env=data_env(ca, MiB, "false")
+    )
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED", agent.log
+    [reason] = failures(coordinator, job)
+    assert "dataset entry ds/page.html: url refused" in reason, reason
+    assert "resolves to a loopback address" in reason, reason
+    assert "9c1e" not in reason and str(len(page)) not in reason
+    assert origin.count() == 0 and origin.server_names == []
+    assert not any(key.endswith("metrics.json") for key in coordinator.artifacts(job))
+    assert list((agent.state_dir / "data" / "shards").iterdir()) == []
 
 
 def test_a_dropped_connection_resumes_and_wrong_bytes_fail_naming_the_entry(

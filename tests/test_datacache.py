@@ -25,6 +25,7 @@ from flashnode.datacache import (
     Fetcher,
     FetchStats,
     Integrity,
+    OriginPolicy,
     cache_usage,
     parse_datasets,
 )
@@ -61,9 +62,17 @@ def origin(ca: TestCA) -> Iterator[Origin]:
         yield server
 
 
+LOOPBACK_ALLOWED = OriginPolicy(private=True)  # the test origins listen on loopback
+
+
 @pytest.fixture
 def fetcher(ca: TestCA) -> Iterator[Fetcher]:
-    f = Fetcher(ca_file=ca.ca_file, retry_delays=(0.01, 0.01), read_timeout_seconds=10)
+    f = Fetcher(
+        ca_file=ca.ca_file,
+        policy=LOOPBACK_ALLOWED,
+        retry_delays=(0.01, 0.01),
+        read_timeout_seconds=10,
+    )
     yield f
     f.close()
 
@@ -379,10 +388,10 @@ def test_an_origin_that_ignores_the_range_is_read_again_from_the_start(
 @pytest.mark.parametrize(
     ("how", "size_delta", "reason"),
     [
-        ({"corrupt": True}, 0, "sha256 .* does not match the manifest's"),
-        ({}, 10, r"origin declares '1000' bytes, the manifest 1010"),
-        ({"no_length": True, "extra": b"more"}, 0, "origin sent more than the declared 1000"),
-        ({"no_length": True}, 10, r"\(416\): it holds fewer bytes than the manifest says"),
+        ({"corrupt": True}, 0, "the bytes' sha256 does not match the manifest's"),
+        ({}, 10, "the origin's size is not the manifest's"),
+        ({"no_length": True, "extra": b"more"}, 0, "the origin's size is not the manifest's"),
+        ({"no_length": True}, 10, "the origin's size is not the manifest's"),
     ],
 )
 def test_wrong_bytes_fail_the_attempt_naming_the_entry_and_leave_nothing(
@@ -423,10 +432,10 @@ def test_5xx_is_retried_then_unavailable_and_4xx_fails(
     cache = cache_at(tmp_path / "data", fetcher)
     assert cache.acquire(entry(origin.url("/flaky"), data), stop=NEVER).fetched
     assert origin.count("/flaky") == 3
-    with pytest.raises(DataUnavailable, match="origin answered 502"):
+    with pytest.raises(DataUnavailable, match="origin answered 5xx"):
         cache.acquire(entry(origin.url("/down"), b"other", path="d"), stop=NEVER)
     assert origin.count("/down") == 3
-    with pytest.raises(AttemptFailed, match="dataset entry ds/g: origin answered 404") as err:
+    with pytest.raises(AttemptFailed, match=r"ds/g: origin refused the request \(4xx\)") as err:
         cache.acquire(entry(origin.url("/gone"), os.urandom(10), path="g"), stop=NEVER)
     assert not isinstance(err.value, DataIntegrityError) and origin.count("/gone") == 1
 
@@ -435,7 +444,7 @@ def test_an_origin_whose_certificate_is_not_trusted_is_unavailable(
     origin: Origin, tmp_path: Path
 ) -> None:
     origin.add("/a", b"x")
-    default_trust = Fetcher(retry_delays=())
+    default_trust = Fetcher(policy=LOOPBACK_ALLOWED, retry_delays=())
     with pytest.raises(DataUnavailable, match="certificate not trusted"):
         cache_at(tmp_path / "data", default_trust).acquire(
             entry(origin.url("/a"), b"x"), stop=NEVER
@@ -479,7 +488,7 @@ def test_nothing_of_the_agents_reaches_a_data_origin(
     origin.add("/b", data[::-1])
     with_token = origin.url("/b").replace("https://", "https://agent:token@")
     origin.routes["/leak"] = Route(redirect=with_token)
-    fetcher = Fetcher(ca_file=ca.ca_file, retry_delays=())
+    fetcher = Fetcher(ca_file=ca.ca_file, policy=LOOPBACK_ALLOWED, retry_delays=())
     cache = cache_at(tmp_path / "data", fetcher)
     cache.acquire(entry(origin.url("/a"), data), stop=NEVER)
     cache.acquire(entry(origin.url("/b"), data[::-1], path="b"), stop=NEVER)
@@ -495,6 +504,198 @@ def test_nothing_of_the_agents_reaches_a_data_origin(
         assert "proxy-authorization" not in request.headers
 
 
+# --- origins: public unless the owner says otherwise (issue 27, finding 1) --------------------
+
+PRIVATE_PAGE = b"the owner's router admin page: admin / hunter2"
+
+
+@pytest.mark.parametrize(
+    ("address", "public_only", "private_allowed"),
+    [
+        ("8.8.8.8", None, None),
+        ("2606:4700::1", None, None),
+        ("::ffff:8.8.8.8", None, None),  # the IPv6 forms of a public address are public
+        ("2002:808:808::1", None, None),
+        ("64:ff9b::808:808", None, None),
+        ("127.0.0.1", "a loopback address", None),
+        ("127.1.2.3", "a loopback address", None),
+        ("::1", "a loopback address", None),
+        ("10.1.2.3", "a private address", None),
+        ("172.16.0.1", "a private address", None),
+        ("192.168.1.1", "a private address", None),
+        ("100.64.0.1", "not a public address", None),  # shared (carrier-grade NAT)
+        ("192.0.0.8", "not a public address", None),
+        ("198.18.0.1", "a private address", None),
+        ("fc00::1", "a unique-local address", None),
+        ("fd12:3456::1", "a unique-local address", None),
+        ("fec0::1", "a site-local address", None),
+        ("64:ff9b:1::1", "a reserved address", None),  # local-use NAT64
+        ("2001:db8::1", "a private address", None),
+        ("169.254.169.254", "a link-local address", "a link-local address"),  # cloud metadata
+        ("fe80::1", "a link-local address", "a link-local address"),
+        ("224.0.0.1", "a multicast address", "a multicast address"),
+        ("ff02::1", "a multicast address", "a multicast address"),
+        ("255.255.255.255", "a broadcast address", "a broadcast address"),
+        ("0.0.0.0", "an unspecified address", "an unspecified address"),
+        ("::", "an unspecified address", "an unspecified address"),
+        # An IPv6 form of an IPv4 address is judged by the address it reaches.
+        ("::ffff:127.0.0.1", "a loopback address", None),
+        ("::127.0.0.1", "a loopback address", None),
+        ("::ffff:0:7f00:1", "a loopback address", None),
+        ("64:ff9b::a9fe:a9fe", "a link-local address", "a link-local address"),
+        ("2002:a00:1::1", "a private address", None),
+        ("::ffff:169.254.169.254", "a link-local address", "a link-local address"),
+    ],
+)
+def test_origin_addresses_are_judged_by_what_they_reach(
+    address: str, public_only: str | None, private_allowed: str | None
+) -> None:
+    assert OriginPolicy().problem(address) == public_only
+    assert OriginPolicy(private=True).problem(address) == private_allowed
+    # Networks the owner names are allowed, whatever they are, but never a non-unicast address.
+    named = OriginPolicy.of(["169.254.169.254/32", "127.0.0.0/8", "224.0.0.0/4"])
+    assert named.problem("169.254.169.254") is None and named.problem("::ffff:127.0.0.1") is None
+    assert named.problem("224.0.0.1") == "a multicast address"
+    assert named.problem("10.0.0.1") == "a private address"
+
+
+def test_a_job_cannot_fetch_the_owners_loopback_service_without_the_owners_opt_in(
+    ca: TestCA, origin: Origin, tmp_path: Path
+) -> None:
+    """The attack: a dataset entry naming a service on the owner's machine, by address and by
+    name. Refused before any connection (not even a TLS handshake reaches it); the owner who
+    serves datasets from this machine opts in."""
+    origin.add("/private", PRIVATE_PAGE, etag='"v1"')
+    fetcher = Fetcher(ca_file=ca.ca_file, retry_delays=())
+    cache = cache_at(tmp_path / "data", fetcher)
+    for url in (origin.url("/private"), origin.url("/private", host="localhost")):
+        with pytest.raises(AttemptFailed, match=r"url refused \(.+ resolves to a loopback") as err:
+            cache.acquire(entry(url, PRIVATE_PAGE), stop=NEVER)
+        assert not isinstance(err.value, (DataIntegrityError, DataUnavailable))
+    assert origin.count() == 0 and origin.server_names == []
+    assert leftovers(tmp_path / "data") == []
+
+    fetcher.policy = OriginPolicy(private=True)  # dataset_allow_private_origins = true
+    handle = cache.acquire(entry(origin.url("/private"), PRIVATE_PAGE), stop=NEVER)
+    assert handle.path.read_bytes() == PRIVATE_PAGE
+    fetcher.close()
+
+
+def test_a_redirect_from_an_allowed_origin_to_the_owners_loopback_is_refused(
+    ca: TestCA, tmp_path: Path
+) -> None:
+    with Origin(ca, host="127.0.0.2") as allowed, Origin(ca) as private:
+        private.add("/secret", PRIVATE_PAGE)
+        targets = {
+            "/to-address": private.url("/secret"),
+            "/to-name": private.url("/secret", host="localhost"),
+            "/to-mapped": f"https://[::ffff:127.0.0.1]:{private.port}/secret",
+        }
+        for path, target in targets.items():
+            allowed.routes[path] = Route(redirect=target)
+        allowed.add("/public", b"public bytes")
+        # The owner allows one address of their network, not the rest of it.
+        fetcher = Fetcher(
+            ca_file=ca.ca_file, policy=OriginPolicy.of(["127.0.0.2"]), retry_delays=()
+        )
+        cache = cache_at(tmp_path / "data", fetcher)
+        for path in targets:
+            with pytest.raises(AttemptFailed, match=r"redirect refused \(.+ a loopback address\)"):
+                cache.acquire(entry(allowed.url(path), PRIVATE_PAGE, path=path[1:]), stop=NEVER)
+        assert private.count() == 0 and private.server_names == []
+        assert allowed.count() == len(targets)
+        good = cache.acquire(entry(allowed.url("/public"), b"public bytes", path="p"), stop=NEVER)
+        assert good.path.read_bytes() == b"public bytes"
+        fetcher.close()
+
+
+def test_a_name_is_resolved_once_per_connection_and_connected_to_as_checked(
+    tmp_path: Path,
+) -> None:
+    """The resolution is injected at the edge (no DNS here). A name whose every other answer is
+    the owner's private service (DNS rebinding): each connection resolves once, connects to the
+    address it checked, and speaks TLS to the name (SNI, the certificate checked for it)."""
+    named = TestCA(tmp_path / "ca", names=("flip.example.org", "rebind.example.org"))
+    calls: list[str] = []
+    answers = {"flip.example.org": 0, "rebind.example.org": 0}
+
+    def resolver(host: str, port: int) -> list[str]:
+        calls.append(host)
+        answers[host] += 1
+        # flip: allowed, refused, allowed, ... per call; rebind: allowed once, then refused.
+        first = answers[host] % 2 == 1 if host == "flip.example.org" else answers[host] == 1
+        return ["127.0.0.2"] if first else ["127.0.0.1"]
+
+    big = os.urandom(2 * 1024 * 1024)
+    with Origin(named, host="127.0.0.2") as allowed, Origin(named) as private:
+        allowed.add("/a", b"bytes")
+        allowed.add("/big", big, drop_at=500_000)
+        private.add("/a", PRIVATE_PAGE)
+        private.add("/big", PRIVATE_PAGE)
+        fetcher = Fetcher(
+            ca_file=named.ca_file,
+            policy=OriginPolicy.of(["127.0.0.2"]),
+            resolver=resolver,
+            retry_delays=(0.01,),
+        )
+        cache = cache_at(tmp_path / "data", fetcher)
+        url = f"https://flip.example.org:{allowed.port}/a"
+        assert cache.acquire(entry(url, b"bytes"), stop=NEVER).path.read_bytes() == b"bytes"
+        assert calls == ["flip.example.org"]  # one resolution, and its answer was used
+        assert allowed.server_names == ["flip.example.org"]
+        assert allowed.requests[0].headers["host"] == f"flip.example.org:{allowed.port}"
+
+        # The first connection is cut; the resumed one resolves again: to the private service.
+        url = f"https://rebind.example.org:{allowed.port}/big"
+        with pytest.raises(AttemptFailed, match=r"url refused \(rebind.example.org resolves"):
+            cache.acquire(entry(url, big, path="big"), stop=NEVER)
+        assert calls[1:] == ["rebind.example.org", "rebind.example.org"]
+        assert private.count() == 0 and private.server_names == []
+        fetcher.close()
+
+        # The certificate is checked for the name, not the address connected to.
+        other = Fetcher(
+            ca_file=named.ca_file,
+            policy=OriginPolicy.of(["127.0.0.2"]),
+            resolver=lambda host, port: ["127.0.0.2"],
+            retry_delays=(),
+        )
+        with pytest.raises(DataUnavailable, match="certificate not trusted"):
+            cache_at(tmp_path / "other", other).acquire(
+                entry(f"https://elsewhere.example.org:{allowed.port}/a", b"bytes"), stop=NEVER
+            )
+        assert allowed.count("/a") == 1
+        other.close()
+
+
+def test_a_failure_reason_never_echoes_what_the_origin_answered(
+    origin: Origin, fetcher: Fetcher, tmp_path: Path
+) -> None:
+    """Probing a service through failure reasons: its ETag, its length, a digest of its bytes,
+    its exact status. The reason names the check that failed, and nothing of the answer."""
+    page = PRIVATE_PAGE * 100
+    tag = '"etag-of-the-private-page-7f3a"'
+    origin.add("/page", page, etag=tag)
+    origin.add("/denied", page, status=403)
+    cache = cache_at(tmp_path / "data", fetcher)
+    url = origin.url("/page")
+    probes = {
+        "the origin's ETag is not the manifest's": DatasetEntry(
+            "ds", "e", url, len(page), Integrity("etag", '"guess"')
+        ),
+        "the origin's size is not the manifest's": entry(url, page, path="s", size=10),
+        "the bytes' sha256 does not match": entry(url, b"y" * len(page), path="h"),
+        "origin refused the request (4xx)": entry(origin.url("/denied"), page, path="d"),
+    }
+    for check, probe in probes.items():
+        with pytest.raises(AttemptFailed) as err:
+            cache.acquire(probe, stop=NEVER)
+        reason = str(err.value)
+        assert check in reason, reason
+        for answered in ("7f3a", str(len(page)), hashlib.sha256(page).hexdigest()[:8], "403"):
+            assert answered not in reason, reason
+
+
 def test_an_etag_entry_is_recorded_but_not_called_verified(
     origin: Origin, fetcher: Fetcher, tmp_path: Path
 ) -> None:
@@ -507,7 +708,7 @@ def test_an_etag_entry_is_recorded_but_not_called_verified(
     assert handle.sha256 == hashlib.sha256(data).hexdigest()  # recorded, for the ledger
     assert [e.verified for e in cache.entries()] == [False]
     moved = DatasetEntry("ds", "t.bin", origin.url("/a"), len(data), Integrity("etag", '"old"'))
-    with pytest.raises(DataIntegrityError, match="origin's ETag '\"abc\"' is not the manifest's"):
+    with pytest.raises(DataIntegrityError, match="the origin's ETag is not the manifest's"):
         cache.acquire(moved, stop=NEVER)
 
 
