@@ -56,6 +56,7 @@ from flashnode.ledger import Ledger
 from flashnode.outbox import Outbox
 from flashnode.runners.base import Runner, RunnerEnv, runner_class
 from flashnode.runners.spec import task_limits
+from flashnode.sanitise import sanitise
 from flashnode.settings import Settings, load
 from flashnode.status import Sinks, TerminalLine
 from flashnode.systemd import Notifier
@@ -74,11 +75,33 @@ PRIORITY = {
 }
 
 
-class JournalFormatter(logging.Formatter):
-    """No timestamp (journald stamps each line), and the priority as a prefix."""
+class LogFormatter(logging.Formatter):
+    """Every record is one line, sanitised, whatever its source (a task, the coordinator, a data
+    origin, a job): a newline in a message cannot start a line (or a journal record) of its own.
+    A traceback's lines follow, each sanitised and led like its record (``lead``), indented."""
+
+    def lead(self, record: logging.LogRecord) -> str:
+        return ""
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"<{PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
+        record.message = sanitise(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        lead = self.lead(record)
+        more: list[str] = []
+        if record.exc_info:
+            more += self.formatException(record.exc_info).splitlines()
+        if record.stack_info:
+            more += self.formatStack(record.stack_info).splitlines()
+        lines = [lead + self.formatMessage(record), *(f"{lead}  {sanitise(x)}" for x in more)]
+        return "\n".join(lines)
+
+
+class JournalFormatter(LogFormatter):
+    """No timestamp (journald stamps each line), and the priority as a prefix of every line."""
+
+    def lead(self, record: logging.LogRecord) -> str:
+        return f"<{PRIORITY.get(record.levelno, 6)}>"
 
 
 class LineClearingHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -101,7 +124,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": sanitise(record.getMessage()),
         }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
@@ -117,7 +140,7 @@ def setup_logging(log_json: bool, line: TerminalLine | None = None) -> None:
     elif os.environ.get("JOURNAL_STREAM"):
         handler.setFormatter(JournalFormatter("%(message)s"))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s"))
+        handler.setFormatter(LogFormatter("%(asctime)s %(levelname)-7s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
@@ -126,7 +149,7 @@ def setup_logging(log_json: bool, line: TerminalLine | None = None) -> None:
 
 
 def _fail(code: ExitCode, message: str) -> None:
-    click.echo(f"flashnode: {message}", err=True)
+    click.echo(f"flashnode: {sanitise(message)}", err=True)
     sys.exit(int(code))
 
 

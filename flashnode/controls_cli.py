@@ -5,7 +5,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
-import re
 import stat
 import sys
 import time
@@ -19,6 +18,7 @@ import click
 from flashnode import pausefile, status
 from flashnode.controls import Pause, PauseMode, parse_duration
 from flashnode.owner import config_option, state_dir_of, state_dir_option
+from flashnode.sanitise import sanitise
 from flashnode.wire import SAFE_ID
 
 POLL_SECONDS = 0.2
@@ -160,10 +160,6 @@ class Sink(Protocol):
     def flush(self) -> None: ...
 
 
-# Terminal control: C0 (but tab and newline), DEL, C1, and the bidi controls that reorder text.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
 class Clean:
     """Decodes UTF-8 across chunk boundaries and escapes what would drive a terminal."""
 
@@ -178,7 +174,7 @@ class Clean:
             text = text[1:]
         self._cr = text.endswith("\r")
         text = text.replace("\r\n", "\n").replace("\r", "\n")  # progress bars: one line each
-        self.stream.write(_CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text))
+        self.stream.write(sanitise(text, keep="\t\n"))
         return len(data)
 
     def flush(self) -> None:

@@ -26,6 +26,7 @@ from flashnode.gpu import Nvml
 from flashnode.login_cli import probe_node_id, register_dry_run
 from flashnode.owner import config_option
 from flashnode.runners.spec import task_limits
+from flashnode.sanitise import sanitise
 from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, format_size, load
 from flashnode.wire import NodeHeartbeat
 
@@ -34,15 +35,18 @@ class Report:
     def __init__(self) -> None:
         self.failures = 0
 
+    """Each finding on its line, sanitised (a coordinator's answer is in some)."""
+
     def ok(self, what: str, detail: str = "") -> None:
-        click.echo(f"ok    {what}" + (f": {detail}" if detail else ""))
+        click.echo(sanitise(f"ok    {what}" + (f": {detail}" if detail else "")))
 
     def warn(self, what: str, detail: str) -> None:
-        click.echo(f"warn  {what}: {detail}")
+        click.echo(sanitise(f"warn  {what}: {detail}"))
 
     def fail(self, what: str, problem: str, fix: str) -> None:
         self.failures += 1
-        click.echo(f"FAIL  {what}: {problem}\n      fix: {fix}")
+        click.echo(sanitise(f"FAIL  {what}: {problem}"))
+        click.echo(sanitise(f"      fix: {fix}"))
 
 
 @click.command()

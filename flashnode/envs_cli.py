@@ -15,6 +15,7 @@ from flashnode.envbuild import EnvSpec
 from flashnode.envcache import EnvCache, EnvInfo, describe, size, summary
 from flashnode.errors import ConfigError, EnvUnavailable
 from flashnode.owner import config_option, state_dir_of, state_dir_option
+from flashnode.sanitise import sanitise
 from flashnode.settings import Settings, load
 
 ENVS_DIR = "envs"
@@ -147,7 +148,7 @@ def envs_list(config_file: Path | None, state_dir: Path | None, as_json: bool) -
             click.echo(json.dumps(_as_dict(info), sort_keys=True))
         return
     for line in describe(infos, cache.budget):
-        click.echo(line)
+        click.echo(sanitise(line))  # a job's lines: C1 and bidi controls pass uv's check
 
 
 @envs.command("prune")
@@ -161,7 +162,7 @@ def envs_prune(config_file: Path | None, state_dir: Path | None, everything: boo
         return
     evicted = cache.prune(everything=everything)
     for info in evicted:
-        click.echo(f"removed {info.key[:12]}  py{info.python}  {size(info.bytes)}")
+        click.echo(sanitise(f"removed {info.key[:12]}  py{info.python}  {size(info.bytes)}"))
     click.echo(summary(cache.entries(), cache.budget))
 
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from flashnode.sanitise import sanitise
+
 TAIL_BYTES = 8 * 1024
 LINE_CHARS = 160  # the most of a last line the live view shows
 
-# Terminal control: C0 (but tab), DEL, C1, and the bidi controls that reorder text.
 _WRITES = itertools.count(1)  # orders writes across streams: which printed last
-_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 class CappedFile:
@@ -57,10 +56,8 @@ class CappedFile:
 
 def printable(data: bytes, limit: int = LINE_CHARS) -> str:
     """One line of a task's output, safe to show on the owner's terminal: decoded, control
-    characters escaped, at most ``limit`` characters."""
-    text = data.decode("utf-8", "replace").strip()
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    characters escaped (``sanitise``), at most ``limit`` characters."""
+    return sanitise(data.decode("utf-8", "replace").strip(), limit=limit)
 
 
 def latest_line(*files: CappedFile) -> str:

@@ -22,6 +22,7 @@ import click
 from flashnode import status
 from flashnode.errors import ConfigError, ExitCode
 from flashnode.ledger import Ledger
+from flashnode.sanitise import sanitise
 from flashnode.settings import DEFAULT_CONFIG_FILE, default_state_dir, load, read_config_file
 
 config_option = click.option(
@@ -49,7 +50,7 @@ credentials_dir_option = click.option(
 
 
 def stop(code: ExitCode, message: str) -> NoReturn:
-    click.echo(f"flashnode: {message}", err=True)
+    click.echo(f"flashnode: {sanitise(message)}", err=True)
     sys.exit(int(code))
 
 
@@ -168,7 +169,7 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
         if r.get("reason"):
             line += f"  {r['reason']}"
         # What a task wrote (its stderr is in reasons) never drives the owner's terminal.
-        click.echo("".join(c if c.isprintable() else "?" for c in line))
+        click.echo(sanitise(line))
 
 
 def _dict(value: object) -> dict[str, object]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO, TypeGuard
 
 from flashnode import statefile
+from flashnode.sanitise import sanitise
 
 STATUS_FILE = "status.json"
 
@@ -105,7 +106,7 @@ def attempt_line(attempt: dict[str, Any], now: float) -> str:
     last = attempt.get("last_output")
     if isinstance(last, str) and last:
         line += f": {last}"
-    return line
+    return sanitise(line)
 
 
 def agent_alive(pid: int) -> bool:
@@ -176,7 +177,7 @@ def render(snapshot: dict[str, Any]) -> str:
         if facts:
             lines.append(f"    prepared     {facts}")
         lines.append(f"    last output  {a.get('last_output') or '-'}")
-    return "\n".join(lines)
+    return "\n".join(sanitise(line) for line in lines)
 
 
 def describe_facts(attempt: dict[str, Any]) -> str:
@@ -209,9 +210,7 @@ class TerminalLine:
 
     def status(self, text: str) -> None:
         # Longer than the terminal is wide, the line would wrap and "\r" not clear it.
-        width = shutil.get_terminal_size().columns - 1
-        if len(text) > width:
-            text = text[: max(width - 1, 0)] + "…"
+        text = sanitise(text, limit=shutil.get_terminal_size().columns - 1)
         self.text = text
         self.stream.write(f"\r\x1b[K{text}")
         self.stream.flush()

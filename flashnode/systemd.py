@@ -12,6 +12,8 @@ import socket
 import time
 from collections.abc import Mapping
 
+from flashnode.sanitise import sanitise
+
 
 class Notifier:
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
@@ -41,7 +43,8 @@ class Notifier:
             self._sock.sendto(message, self._address)
 
     def status(self, text: str) -> None:
-        """STATUS=, sent only when it changes."""
+        """STATUS=, sent only when it changes; one line (a newline would start a field)."""
+        text = sanitise(text)
         if text != self._status:
             self._status = text
             self.send(STATUS=text)

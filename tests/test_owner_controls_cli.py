@@ -149,7 +149,7 @@ def test_logs_follow_shows_a_printed_line_within_a_second_and_ends_with_the_atte
     for t in threads:
         t.join(timeout=5)
     assert got["out"] == b"first\nstep 2 of 10\nlast words\n"
-    assert got["err"] == b"warn \\x1b]0;owned\\x07 \\x202e\n"
+    assert got["err"] == b"warn \\x1b]0;owned\\x07 \\u202e\n"
 
 
 def test_logs_without_follow_prints_what_there_is(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from flashnode.errors import (
     LeaseLost,
     PayloadTooLarge,
 )
+from flashnode.sanitise import sanitise
 from flashnode.wire import SAFE_ID, parse_task
 from flashnode.workspace import CKPT, OutputFile, Workspace
 
@@ -246,5 +247,4 @@ def fail_quietly(ctx: AttemptContext, lease_id: str, reason: str) -> None:
 def bounded(reason: str) -> str:
     """A reason fit for the coordinator, the ledger, the log and the owner's terminal: one
     line, no control characters (a task's stderr could carry terminal escapes), bounded."""
-    reason = "".join(c if c.isprintable() else "?" for c in " ".join(reason.split()))
-    return reason if len(reason) <= REASON_MAX else reason[: REASON_MAX - 3] + "..."
+    return sanitise(" ".join(reason.split()), limit=REASON_MAX)
