@@ -64,12 +64,6 @@ def doctor(r: Report, s: Settings) -> None:
             "uv is missing: tasks with dependencies cannot get an environment",
             "install flashnode with its dependencies (pip install uv)",
         )
-    if s.allow_source_builds and os.geteuid() == 0 and not s.task_user:
-        r.fail(
-            "job environments",
-            "allow_source_builds is on without task_user to build as",
-            "set task_user, or turn allow_source_builds off",
-        )
     root = s.state_dir / ENVS_DIR
     if not root.exists():
         r.ok("job environments", f"none yet, budget {size(s.env_cache_bytes)} ({root})")
