@@ -218,9 +218,13 @@ class Settings(BaseModel):
     task_memory_bytes: int | None = Field(default=None, ge=4 * MiB)
     task_cpus: float | None = Field(default=None, gt=0)
     task_pids: int | None = Field(default=4096, ge=8)
+    # Everything a task can write (out/, tmp/, its private /tmp, /var/tmp, /dev/shm, /run/lock;
+    # a container's /tmp), measured while it runs: past it the task is stopped and fails.
+    task_disk_bytes: int = Field(default=16 * 1024 * MiB, ge=MiB)
     log_max_bytes: int = Field(default=8 * MiB, ge=0)
     max_output_file_bytes: int = Field(default=256 * MiB, ge=1)
     max_output_total_bytes: int = Field(default=4096 * MiB, ge=1)
+    max_output_files: int = Field(default=5000, ge=1)
     max_input_bytes: int = Field(default=4096 * MiB, ge=1)
 
     token: SecretStr | None = None
@@ -247,6 +251,7 @@ class Settings(BaseModel):
         "container_tmp_bytes",
         "min_free_bytes",
         "task_memory_bytes",
+        "task_disk_bytes",
         "log_max_bytes",
         "max_output_file_bytes",
         "max_output_total_bytes",

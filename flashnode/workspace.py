@@ -60,6 +60,15 @@ class OutputFile:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What a running task's files take in its workspace now (the live watch)."""
+
+    output_bytes: int  # regular files under out/, but ``not_outputs``: what would be uploaded
+    output_files: int
+    disk_bytes: int  # the blocks of everything under out/ and tmp/, each file once
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """One checkpoint as found under out/ckpt/: a file or a directory named by its step."""
 
@@ -153,11 +162,13 @@ class Workspace:
 
     # --- outputs ------------------------------------------------------------------------------
 
-    def outputs(self, max_file_bytes: int, max_total_bytes: int) -> list[OutputFile]:
+    def outputs(
+        self, max_file_bytes: int, max_total_bytes: int, max_files: int | None = None
+    ) -> list[OutputFile]:
         """Every regular file under out/, checked: no symlink, FIFO, socket or device anywhere,
-        only files the task's user owns, nothing over the caps, and ``metrics.json`` present at
-        the root. metrics.json comes last: the commit anchor goes up once everything else is
-        there."""
+        only files the task's user owns, nothing over the caps (their size, their total, how
+        many), and ``metrics.json`` present at the root. metrics.json comes last: the commit
+        anchor goes up once everything else is there."""
         files: list[OutputFile] = []
         total = 0
         for rel, st in self._walk(["out"], skip=self.not_outputs):
@@ -177,21 +188,34 @@ class Workspace:
             total += st.st_size
             if total > max_total_bytes:
                 raise AttemptFailed(f"outputs are larger than {max_total_bytes} bytes in all")
+            if max_files is not None and len(files) >= max_files:
+                raise AttemptFailed(f"outputs hold more than {max_files} files (max_output_files)")
             files.append(OutputFile(rel, st.st_size, st.st_dev, st.st_ino))
         if not any(f.rel == "metrics.json" for f in files):
             raise AttemptFailed("the task wrote no out/metrics.json")
         files.sort(key=lambda f: (f.rel == "metrics.json", f.rel))
         return files
 
-    def usage(self) -> int:
-        """Bytes of outputs under out/ now (regular files; nothing is followed; what is in
-        ``not_outputs`` is not counted): for the output watch."""
-        total = 0
-        with contextlib.suppress(OSError, AttemptFailed):
-            for _, st in self._walk(["out"], skip=self.not_outputs):
-                if stat.S_ISREG(st.st_mode):
-                    total += st.st_size
-        return total
+    def usage(self) -> Usage:
+        """What the task's files under out/ and tmp/ take now, walked the way outputs are
+        (nothing followed; what vanishes meanwhile is left out): the outputs' bytes and count,
+        and the disk all of it holds (blocks, so a sparse file counts what it really holds; a
+        file with several names once; directories too)."""
+        out_bytes = out_files = disk = 0
+        seen: set[tuple[int, int]] = set()
+        for top in ("out", "tmp"):
+            with contextlib.suppress(OSError, AttemptFailed):
+                for rel, st in self._walk([top], tolerant=True):
+                    output = top == "out" and rel.split("/", 1)[0] not in self.not_outputs
+                    if output and stat.S_ISREG(st.st_mode):
+                        out_bytes += st.st_size
+                        out_files += 1
+                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                        if (st.st_dev, st.st_ino) in seen:
+                            continue
+                        seen.add((st.st_dev, st.st_ino))
+                    disk += st.st_blocks * 512
+        return Usage(out_bytes, out_files, disk)
 
     @contextlib.contextmanager
     def open_output(self, f: OutputFile) -> Iterator[BinaryIO]:

@@ -157,6 +157,9 @@ class FakeHandle:
     def cpu_seconds(self) -> float | None:
         return None
 
+    def disk_bytes(self) -> int:
+        return 0
+
     def suspend(self) -> None:
         pass
 

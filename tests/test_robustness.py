@@ -135,6 +135,26 @@ def test_a_file_that_grows_while_it_is_uploaded_fails_the_attempt(tmp_path: Path
     assert "complete" not in [c[1] for c in coord.calls]
 
 
+class FillsTmp(FakeRunner):
+    """A task that writes 2 MiB into its tmp/ and its outputs, and has exited before any watch
+    could look."""
+
+    def start(self, spec: Any) -> Any:
+        (spec.workspace.tmp / "scratch.bin").write_bytes(os.urandom(2 << 20))
+        (spec.workspace.out / "metrics.json").write_text("{}")
+        return super().start(spec)
+
+
+def test_a_task_that_exited_past_its_disk_cap_fails_with_the_reason(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    ctx = context(tmp_path, clock, coord, FillsTmp(), task_disk_bytes="1M")
+    assert Attempt(ctx, lease()).run() is Outcome.FAILED
+    [reason] = [c[2][1] for c in coord.calls if c[1] == "fail"]
+    assert "the task's files grew past 1 MiB (task_disk_bytes" in reason, reason
+    assert "complete" not in [c[1] for c in coord.calls]
+
+
 # --- runaway tasks -------------------------------------------------------------------------------
 
 FLOOD = r"""

@@ -77,6 +77,9 @@ class WorkingHandle:
     def cpu_seconds(self) -> float | None:
         return self.done
 
+    def disk_bytes(self) -> int:
+        return 0
+
     def last_output(self) -> str:
         return f"{self.done:.0f} s of work done"
 

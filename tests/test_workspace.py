@@ -130,6 +130,42 @@ def test_outputs_lists_regular_files_with_metrics_last(ws: Workspace) -> None:
     assert [f.rel for f in ws.outputs(100, 1000)] == ["a/b.txt", "z.txt", "metrics.json"]
 
 
+def test_outputs_past_max_output_files_are_refused_before_upload(ws: Workspace) -> None:
+    (ws.out / "metrics.json").write_text("{}")
+    for i in range(5):
+        (ws.out / f"f{i}").touch()
+    assert len(ws.outputs(100, 1000, max_files=6)) == 6
+    with pytest.raises(AttemptFailed, match="outputs hold more than 5 files .max_output_files."):
+        ws.outputs(100, 1000, max_files=5)
+
+
+def test_usage_counts_what_out_and_tmp_hold_on_disk(ws: Workspace) -> None:
+    """Outputs by their size and number (checkpoints are not outputs); the disk by the blocks
+    of everything under out/ and tmp/: a sparse file by what it holds, a file with two names
+    once, checkpoints and directories too."""
+    ws.not_outputs = frozenset({"ckpt"})
+    (ws.out / "ckpt").mkdir()
+    (ws.out / "ckpt" / "step-1.bin").write_bytes(os.urandom(300_000))
+    (ws.out / "a.bin").write_bytes(os.urandom(100_000))
+    with open(ws.tmp / "sparse", "wb") as f:
+        f.truncate(1 << 40)  # a terabyte of nothing
+    (ws.tmp / "deep" / "er").mkdir(parents=True)
+    (ws.tmp / "deep" / "er" / "b.bin").write_bytes(os.urandom(200_000))
+    os.link(ws.tmp / "deep" / "er" / "b.bin", ws.tmp / "again.bin")
+    use = ws.usage()
+    assert (use.output_bytes, use.output_files) == (100_000, 1)
+    held = sum(
+        os.lstat(p).st_blocks * 512
+        for p in [ws.out / "ckpt" / "step-1.bin", ws.out / "a.bin", ws.tmp / "again.bin"]
+    )
+    dirs = sum(
+        os.lstat(d).st_blocks * 512
+        for d in [ws.out / "ckpt", ws.tmp / "deep", ws.tmp / "deep" / "er"]
+    )
+    assert use.disk_bytes == held + dirs + os.lstat(ws.tmp / "sparse").st_blocks * 512
+    assert 600_000 <= use.disk_bytes < 1 << 30
+
+
 def test_outputs_refuse_links_fifos_sockets_and_oversize(ws: Workspace, tmp_path: Path) -> None:
     (ws.out / "metrics.json").write_text("{}")
     (ws.out / "sub").mkdir()

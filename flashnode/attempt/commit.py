@@ -78,7 +78,7 @@ def recheck(a: Attempt) -> None:
 def _checked_outputs(a: Attempt, ws: Workspace) -> list[OutputFile]:
     assert a.task is not None
     s = a.ctx.settings
-    files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes)
+    files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes, s.max_output_files)
     by_name = {f.rel: f for f in files}
     for name in LOGS:
         if f"logs/{name}" in by_name:  # the key of the agent's own capture of the task's output

@@ -1,6 +1,13 @@
 """The run: start the task through the runner, wait for it (its exit, its timeout, a cancel, a
-lost lease, its outputs outgrowing their cap, an owner control suspending it), sample it, and
+lost lease, its files outgrowing their caps, an owner control suspending it), sample it, and
 turn how it ended into evidence and, when it did not succeed, the reason.
+
+The caps on a task's files are watched while it runs and looked at once more when it has
+exited: its outputs (``max_output_total_bytes``, ``max_output_files``) and everything it wrote
+(``task_disk_bytes``: out/ and tmp/ as the workspace walk finds them, plus what its handle
+measures beyond them: its private temporary directories, files it removed but keeps open). The
+watch runs every ``WATCH_S``, less often when a walk is slow (a tree of many files), so that it
+never takes more than a small share of the agent's time.
 
 Suspension (``Attempt.request_suspension``, from the loop's owner controls): the task is frozen
 through its runner and resumed when the rule clears; time suspended does not count against the
@@ -20,14 +27,17 @@ from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.runners import spec as specs
 from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.sampler import Sampler
+from flashnode.settings import Settings, format_size
 from flashnode.wire import ExecutionEvidence
+from flashnode.workspace import Usage
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.5  # how often out/ is measured against its cap while the task runs
+WATCH_S = 0.5  # how often the task's files are measured against their caps while it runs
+WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits that many walks
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost
 
 
@@ -103,7 +113,7 @@ def run(a: Attempt) -> None:
 
 class _Wait:
     """Until the main process exits; stops it (and says why) on a lost lease, a cancel, the
-    timeout, outputs past their cap, or a suspension that lasts too long."""
+    timeout, files past their caps, or a suspension that lasts too long."""
 
     def __init__(self, a: Attempt, timeout: float, t0: float) -> None:
         assert a.lease is not None
@@ -139,12 +149,10 @@ class _Wait:
                 handle.terminate(s.kill_grace_seconds)
                 return AttemptFailed(f"timed out after {self.timeout:g} s")
             if now >= self.next_watch:
-                self.next_watch = now + WATCH_S
-                if a.workspace.usage() > s.max_output_total_bytes:
+                over = self._watch(now)
+                if over is not None:
                     handle.terminate(s.kill_grace_seconds)
-                    return AttemptFailed(
-                        f"outputs grew past {s.max_output_total_bytes} bytes; the task was stopped"
-                    )
+                    return AttemptFailed(f"{over}; the task was stopped")
             until = self.next_watch
             if self.suspended_at is not None:
                 until = min(until, self.suspended_at + self.max_suspend)
@@ -152,7 +160,17 @@ class _Wait:
                 until = min(until, self.deadline)
             ctx.clock.wait(a.wake, until - now)
             a.wake.clear()
-        return None
+        over = over_caps(a.workspace.usage(), 0, s)  # what it left: written faster than a watch
+        return AttemptFailed(over) if over is not None else None
+
+    def _watch(self, now: float) -> str | None:
+        a = self.a
+        assert a.handle is not None and a.workspace is not None
+        clock = a.ctx.clock
+        started = clock.monotonic()
+        usage, held = a.workspace.usage(), a.handle.disk_bytes()
+        self.next_watch = now + max(WATCH_S, (clock.monotonic() - started) * WATCH_COST)
+        return over_caps(usage, held, a.ctx.settings)
 
     def _suspension(self, now: float) -> AttemptLapsed | None:
         """Suspend or resume as the owner's controls ask; the ending of a suspension that
@@ -187,6 +205,21 @@ class _Wait:
                 f" ({a.suspend_reason or 'released just now'}); the lease is given back"
             )
         return None
+
+
+def over_caps(usage: Usage, held: int, s: Settings) -> str | None:
+    """Which cap a task's files are past (``held``: what its handle measured beyond its
+    workspace), in the owner's words; None within them all."""
+    if usage.output_bytes > s.max_output_total_bytes:
+        return f"outputs grew past {s.max_output_total_bytes} bytes"
+    if usage.output_files > s.max_output_files:
+        return f"outputs grew past {s.max_output_files} files (max_output_files)"
+    if usage.disk_bytes + held > s.task_disk_bytes:
+        return (
+            f"the task's files grew past {format_size(s.task_disk_bytes)} (task_disk_bytes:"
+            " out/, tmp/ and its private temporary directories)"
+        )
+    return None
 
 
 def _verdict(result: RunResult) -> None:

@@ -105,6 +105,11 @@ class Handle(Protocol):
     def cpu_seconds(self) -> float | None:
         """CPU time the task used so far, None where it cannot be measured."""
 
+    def disk_bytes(self) -> int:
+        """What the task holds on disk now beyond what a walk of its workspace finds: its
+        private temporary directories (a tmpfs each), and files it removed but keeps open
+        (``flashnode.diskuse``); 0 where nothing can be measured."""
+
     def suspend(self) -> None:
         """Stop every process of the task from running, keeping them (an owner control).
         Raises SuspendFailed when it cannot."""

@@ -33,6 +33,7 @@ import docker.errors
 import docker.types
 import requests
 
+from flashnode import diskuse
 from flashnode.errors import AttemptFailed, AttemptLapsed, ExitCode, PrerequisiteError
 from flashnode.logcap import Pump, latest_line
 from flashnode.preflight import Finding, Ok, Problem
@@ -102,6 +103,8 @@ class ContainerHandle:
         self._done = threading.Event()
         self._paused = False
         self._result: RunResult | None = None
+        self._dev = os.stat(spec.workspace.root).st_dev
+        self._main_pid: int | None = None  # the container's first process, on the host
         self._logs = [
             Pump(
                 container.logs(stream=True, follow=True, stdout=out, stderr=not out),
@@ -191,6 +194,21 @@ class ContainerHandle:
         titles = top.get("Titles") or []
         col = titles.index("PID") if "PID" in titles else 0
         return {int(row[col]) for row in top.get("Processes") or [] if str(row[col]).isdigit()}
+
+    def disk_bytes(self) -> int:
+        """Its ``/tmp`` (a tmpfs), seen through its first process (an agent that is not root
+        cannot look: ``/tmp`` is still capped by its size), and what it removed but keeps open
+        under ``/work/out``."""
+        if self._done.is_set():
+            return 0
+        if self._main_pid is None:
+            with contextlib.suppress(*ENGINE_ERRORS, KeyError, TypeError, ValueError):
+                self._container.reload()
+                self._main_pid = int(self._container.attrs["State"]["Pid"]) or None
+        held = diskuse.unlinked_bytes(self.pids(), self._dev)
+        if self._main_pid is not None:
+            held += diskuse.private_bytes(self._main_pid, ("/tmp",))
+        return held
 
     def cpu_seconds(self) -> float | None:
         try:
@@ -372,6 +390,7 @@ class ContainerRunner(Runner):
         for src, target in spec.read_only_binds:
             mounts.append(docker.types.Mount(target, src, type="bind", read_only=True))
         log_bytes = max(s.log_max_bytes, 1024 * 1024)
+        tmp_bytes = min(s.container_tmp_bytes, s.task_disk_bytes)  # it counts against both
         kwargs: dict[str, Any] = {
             "image": image.id,
             "command": command,
@@ -380,7 +399,7 @@ class ContainerRunner(Runner):
             "working_dir": "/work",
             "network_mode": "none",
             "read_only": True,
-            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={s.container_tmp_bytes},mode=1777"},
+            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={tmp_bytes},mode=1777"},
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges:true"],
             "ipc_mode": "private",

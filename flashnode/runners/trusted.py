@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from flashnode import cgroups, procs
+from flashnode import cgroups, diskuse, procs
 from flashnode.background import Background
 from flashnode.errors import AttemptFailed, AttemptLapsed, ConfigError, ExitCode
 from flashnode.logcap import latest_line
@@ -90,14 +90,21 @@ def task_env(
 
 class TrustedHandle:
     """``on_result``: called once the task's processes are all gone (its cgroup is left to it
-    to remove)."""
+    to remove). ``private``: the task's private directories (its sandbox's tmpfs mounts);
+    ``workspace``: where it runs (the disk its removed-but-open files are looked for on)."""
 
     def __init__(
-        self, proc: procs.TaskProcess, on_result: Callable[[], None] = lambda: None
+        self,
+        proc: procs.TaskProcess,
+        on_result: Callable[[], None] = lambda: None,
+        private: tuple[str, ...] = (),
+        workspace: Path | None = None,
     ) -> None:
         self._proc = proc
         self._result: RunResult | None = None
         self._on_result = on_result
+        self._private = private
+        self._dev = os.stat(workspace).st_dev if workspace is not None else None
 
     def exited(self) -> bool:
         return self._proc.exited.is_set()
@@ -133,6 +140,14 @@ class TrustedHandle:
 
     def cpu_seconds(self) -> float | None:
         return self._proc.cpu_seconds()
+
+    def disk_bytes(self) -> int:
+        if self._proc.exited.is_set():
+            return 0  # its namespace, its private directories and its open files are gone
+        held = diskuse.private_bytes(self._proc.pid, self._private)
+        if self._dev is not None:
+            held += diskuse.unlinked_bytes(self._proc.pids(), self._dev)
+        return held
 
     def suspend(self) -> None:
         try:
@@ -517,7 +532,12 @@ class TrustedRunner(Runner):
             self._forget(name)
             raise
         proc.go()
-        return TrustedHandle(proc, lambda: self._after(spec.slot, user, name, cgroup))
+        return TrustedHandle(
+            proc,
+            lambda: self._after(spec.slot, user, name, cgroup),
+            private=procs.PRIVATE_DIRS if sandbox is not None else (),
+            workspace=ws.root,
+        )
 
     def _launch(
         self,
