@@ -78,7 +78,7 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         "configuration",
         f"{s.runner} runner, pools {','.join(s.pools) or '-'}, {s.slots} slot(s); per task"
         f" {format_size(limits.memory_bytes or 0)} memory, {limits.cpus:g} CPU(s),"
-        f" {limits.pids} pids",
+        f" {limits.pids} pids, {format_size(s.task_disk_bytes)} disk",
     )
     for finding in preflight.check(s):
         if isinstance(finding, preflight.Ok):
