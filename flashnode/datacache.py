@@ -186,8 +186,9 @@ class _CheckedTransport(httpx.HTTPTransport):
     ``_CheckedBackend``."""
 
     def __init__(self, verify: ssl.SSLContext | bool, backend: _CheckedBackend) -> None:
-        # The pool httpx makes here is replaced at once: verify=False spares loading a trust
-        # store for it; the pool that is used verifies.
+        # The pool httpx makes here (its ``_pool``, which its request handling uses) is replaced
+        # at once: verify=False spares loading a trust store for it; the pool used verifies. Were
+        # httpx to keep it elsewhere, the tests' refused origins would be fetched, and fail.
         super().__init__(verify=False, trust_env=False)
         self._pool = httpcore.ConnectionPool(
             ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),

@@ -191,7 +191,7 @@ def test_the_last_output_line_cannot_drive_the_owners_terminal(tmp_path: Path) -
 
     out, err = CappedFile(tmp_path / "o", 1024), CappedFile(tmp_path / "e", 1024)
     out.write(b"step 1\nstep 2 \x1b]0;owned\x07\x1b[2J\xe2\x80\xae done\n\n")
-    assert out.last_line == "step 2 \\x1b]0;owned\\x07\\x1b[2J\\x202e done"
+    assert out.last_line == "step 2 \\x1b]0;owned\\x07\\x1b[2J\\u202e done"
     err.write(b"10%\r20%\r")  # a progress bar: its latest state
     assert latest_line(out, err) == "20%"
     out.write(b"x" * 500)
