@@ -6,6 +6,7 @@ so that no other module builds edges.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import psutil
@@ -33,6 +34,7 @@ from flashnode import (
     preflight,
     procs,
     sensors,
+    statelock,
 )
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
@@ -125,7 +127,7 @@ def setup_logging(log_json: bool, line: TerminalLine | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _fail(code: ExitCode, message: str) -> None:
+def _fail(code: ExitCode, message: str) -> NoReturn:
     click.echo(f"flashnode: {message}", err=True)
     sys.exit(int(code))
 
@@ -205,6 +207,12 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         settings = load(flags, os.environ, config_file)
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
+    # First, before the checks (they take seconds) and before anything is touched: a second
+    # agent on this state dir stops here.
+    lock = None
+    if settings.state_dir.is_dir():
+        with contextlib.suppress(OSError):  # a state dir that is not ours: the checks say why
+            lock = lock_state_dir(settings.state_dir)
     found = preflight.problems(settings)
     for problem in found:
         if problem.code is not None:
@@ -215,7 +223,9 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     for problem in found:
         log.warning("%s", problem.line())
     try:
-        run_agent(settings, reload=lambda: load(flags, os.environ, config_file), line=line)
+        run_agent(
+            settings, reload=lambda: load(flags, os.environ, config_file), line=line, lock=lock
+        )
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
     except CredentialsError as exc:
@@ -224,6 +234,21 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         _fail(ExitCode.UNAVAILABLE, str(exc))
     except FlashnodeError as exc:
         _fail(ExitCode.FAILURE, str(exc))
+
+
+def lock_state_dir(state_dir: Path) -> statelock.StateLock:
+    """The state dir's lock; exit 75 naming the holder when another agent has it. OSError when
+    the lock file cannot be opened."""
+    try:
+        return statelock.acquire(state_dir)
+    except statelock.Held as exc:
+        unit = exc.holder.unit
+        how = f"sudo systemctl stop {unit}" if unit else "stop it"
+        _fail(
+            ExitCode.LOCKED,
+            f"another agent runs on the state dir {state_dir}: {exc.holder.describe()};"
+            f" {how} first, or give this one its own --state-dir",
+        )
 
 
 def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
@@ -283,12 +308,29 @@ def run_agent(
     settings: Settings,
     reload: Callable[[], Settings] | None = None,
     line: TerminalLine | None = None,
+    lock: statelock.StateLock | None = None,
 ) -> None:
+    """Run the agent on its state dir, holding the state dir's lock (``lock``: already taken)
+    until every attempt has ended and the last status is written."""
     try:
         inventory.ensure_state_dir(settings.state_dir)
+        if lock is None:
+            lock = lock_state_dir(settings.state_dir)
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
+    try:
+        _locked_run(settings, reload, line, node)
+    finally:
+        lock.release()
+
+
+def _locked_run(
+    settings: Settings,
+    reload: Callable[[], Settings] | None,
+    line: TerminalLine | None,
+    node: str,
+) -> None:
     if settings.runner == "trusted" and os.geteuid() == 0:
         # Before any thread starts (threads, and the tasks they start, inherit it).
         why = procs.private_session_keyring()

@@ -16,6 +16,7 @@ class ExitCode(enum.IntEnum):
     FAILURE = 1  # an unexpected error: a bug, reported with a traceback
     USAGE = 2  # click's code for a bad command line
     UNAVAILABLE = 69  # a prerequisite is missing (EX_UNAVAILABLE), e.g. no Docker engine
+    LOCKED = 75  # another agent holds the state dir (EX_TEMPFAIL: systemd retries later)
     CREDENTIALS = 77  # the coordinator refused the join code or token (EX_NOPERM)
     CONFIG = 78  # the configuration is invalid (EX_CONFIG); systemd must not restart
 
