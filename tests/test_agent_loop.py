@@ -192,3 +192,42 @@ def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: P
     assert seen[0] == (2, 0)  # two claims, both GPUs held before either attempt ran
     assert len(coord.names("claim")) == 3 and agent.stats.outcomes == {"committed": 3}
     assert ctx.gpus.free == 2
+
+
+def test_an_attempt_keeps_the_settings_it_was_claimed_under_across_a_reload(
+    tmp_path: Path,
+) -> None:
+    import threading as th
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0), lease(1)])
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=2)
+    lowered = ctx.settings.model_copy(update={"max_output_total_bytes": 1})
+    deferred: list[object] = []
+
+    def start(fn: object, name: str) -> None:
+        if name.startswith("attempt-"):
+            deferred.append(fn)
+        elif name == "reload":
+            fn()  # type: ignore[operator]
+
+    ctx.start_thread = start  # type: ignore[assignment]
+    agent = Agent(
+        ctx, coord, lambda current: registration(current, "node-1"), reload=lambda: lowered
+    )
+    original_wait = clock.wait
+
+    def wait(event: th.Event, timeout: float) -> bool:
+        if deferred and agent.settings is lowered:
+            deferred.pop(0)()  # type: ignore[operator]  # the reload came while it ran
+            return True
+        if deferred and not agent._reload_requested:
+            agent.request_reload()  # SIGHUP: lower the output cap under the running attempt
+        return original_wait(event, timeout)
+
+    clock.wait = wait  # type: ignore[method-assign]
+    agent.run()
+    # The first attempt, claimed before the reload, kept its cap; the next one has the new one.
+    outcomes = [(r["task_id"], r["outcome"], r["reason"]) for r in ctx.ledger.records()]
+    assert outcomes[0] == ("task-000", "committed", "")
+    assert outcomes[1][:2] == ("task-001", "failed") and "larger than 1 bytes" in outcomes[1][2]

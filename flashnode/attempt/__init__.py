@@ -25,6 +25,7 @@ beside the orchestrator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -93,8 +94,12 @@ class Attempt:
         reserved: list[Device] | None = None,
         record: AttemptRecord | None = None,
     ) -> None:
-        """``reserved``: GPUs the agent already took for this lease when it claimed it."""
-        self.ctx = ctx
+        """``reserved``: GPUs the agent already took for this lease when it claimed it.
+
+        The attempt keeps the context it was claimed under: a copy, so that a reload, which
+        swaps the agent's settings and per-task limits for the next claim, never changes them
+        halfway through this attempt (caps, timeouts and grace periods stay what they were)."""
+        self.ctx = dataclasses.replace(ctx)
         self.data = lease_data
         self.record = record or AttemptRecord(
             lease=lease_data if isinstance(lease_data, dict) else {},

@@ -98,6 +98,9 @@ class DataPort(Protocol[H]):
 
 @dataclass
 class AttemptContext:
+    """The agent's edges and configuration. The agent swaps ``settings`` and ``limits`` on a
+    reload; each Attempt works on the copy it took when it was claimed."""
+
     coordinator: CoordinatorPort
     runner: Runner
     settings: Settings
