@@ -93,6 +93,11 @@ def size(n: Any) -> str:
     return f"{int(n)} B"
 
 
+def percent(value: float) -> str:
+    """``0.4%``, ``97%``, ``310%``: for the task's CPU and GPU figures."""
+    return f"{value:.1f}%" if value < 10 else f"{value:.0f}%"
+
+
 def attempt_line(attempt: dict[str, Any], now: float) -> str:
     """One attempt in a line (the terminal status line, systemd's STATUS)."""
     t = ages(attempt, now)
@@ -160,6 +165,9 @@ def render(snapshot: dict[str, Any]) -> str:
             if a.get("suspend_reason"):
                 state += f" ({a['suspend_reason']})"
         lines.append(f"    state        {state}")
+        cpu = a.get("cpu_percent")
+        if _number(cpu):
+            lines.append(f"    task cpu     {percent(cpu)} of one core")
         lines.append(f"    lease left   {duration(a.get('lease_left_s'))}")
         checkpoints = a.get("checkpoints")
         shipped = f"{checkpoints}" if _number(checkpoints) else "-"

@@ -13,13 +13,14 @@ owner's rule wins."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from flashnode.attempt.record import State
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.runners import spec as specs
 from flashnode.runners.base import RunResult, SuspendFailed
-from flashnode.sampler import Sampler
+from flashnode.sampler import Sampler, task_cpu_percent
 from flashnode.wire import ExecutionEvidence
 
 if TYPE_CHECKING:
@@ -58,12 +59,22 @@ def run(a: Attempt) -> None:
     cpu.start()
     with a.timed("execute.start", phase=False):
         a.handle = handle = ctx.runner.start(start)
-    sampler = Sampler(ctx.clock, s.sample_seconds, handle, ctx.gpu, ctx.gpus.devices, a.devices)
+    cores = os.cpu_count() or 1
+    a.sampler = sampler = Sampler(
+        ctx.clock,
+        s.sample_seconds,
+        handle,
+        ctx.gpu,
+        ctx.gpus.devices,
+        a.devices,
+        cpu=handle.cpu_seconds,
+        cores=cores,
+    )
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
     for watcher in a.during_run:
         watcher.start(a)
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
-    t0 = ctx.clock.monotonic()
+    t0, cpu0 = sampler.cpu_start
     stopped: Exception | None = None
     waited = _Wait(a, timeout, t0)
     try:
@@ -84,8 +95,11 @@ def run(a: Attempt) -> None:
     if suspended > 0:
         a.record.timings["suspended"] = round(suspended, 4)
     a.record.task_usage = {
-        # Over the time the task could run: a suspension is not the task idling.
-        "cpu_percent_mean": round(task_cpu / active * 100, 2) if task_cpu and active > 0 else None,
+        # Over the time the task could run (a suspension is not the task idling), and from the
+        # moment it was handed over: the CPU of its launch is not its own.
+        "cpu_percent_mean": task_cpu_percent(
+            None if task_cpu is None else task_cpu - (cpu0 or 0.0), active, cores
+        ),
         "gpu_util_percent_mean": task_gpu,
     }
     a.record.evidence = ExecutionEvidence(
