@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -40,7 +41,7 @@ from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.background import Background
 from flashnode.clock import SystemClock
-from flashnode.controls import Controls, Readers, Rules
+from flashnode.controls import Controls, Pause, PauseMode, Readers, Rules
 from flashnode.coordinator import Coordinator
 from flashnode.datacache import DataCache, Fetcher
 from flashnode.envcache import EnvCache
@@ -224,7 +225,11 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         log.warning("%s", problem.line())
     try:
         run_agent(
-            settings, reload=lambda: load(flags, os.environ, config_file), line=line, lock=lock
+            settings,
+            reload=lambda: load(flags, os.environ, config_file),
+            line=line,
+            lock=lock,
+            accepted=frozenset(p.what for p in found),
         )
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
@@ -309,9 +314,11 @@ def run_agent(
     reload: Callable[[], Settings] | None = None,
     line: TerminalLine | None = None,
     lock: statelock.StateLock | None = None,
+    accepted: frozenset[str] = frozenset(),
 ) -> None:
     """Run the agent on its state dir, holding the state dir's lock (``lock``: already taken)
-    until every attempt has ended and the last status is written."""
+    until every attempt has ended and the last status is written. ``accepted``: what the
+    preflight warned of at start (the quarantine's checks do not count it again)."""
     try:
         inventory.ensure_state_dir(settings.state_dir)
         if lock is None:
@@ -320,7 +327,7 @@ def run_agent(
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
     try:
-        _locked_run(settings, reload, line, node)
+        _locked_run(settings, reload, line, node, accepted)
     finally:
         lock.release()
 
@@ -330,6 +337,7 @@ def _locked_run(
     reload: Callable[[], Settings] | None,
     line: TerminalLine | None,
     node: str,
+    accepted: frozenset[str],
 ) -> None:
     if settings.runner == "trusted" and os.geteuid() == 0:
         # Before any thread starts (threads, and the tasks they start, inherit it).
@@ -345,7 +353,7 @@ def _locked_run(
             f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}"
         ) from None
     try:
-        _run_agent(settings, served, reload, line, node)
+        _run_agent(settings, served, reload, line, node, accepted)
     finally:
         served.close()
 
@@ -356,6 +364,7 @@ def _run_agent(
     reload: Callable[[], Settings] | None,
     line: TerminalLine | None,
     node: str,
+    accepted: frozenset[str],
 ) -> None:
     nvml = Nvml.open(settings.nvml_library)
     gpus = GpuPool(nvml.devices if nvml is not None else [])
@@ -383,6 +392,7 @@ def _run_agent(
         gpu=nvml,
         gpus=gpus,
         limits=task_limits(settings, slots, *machine),
+        free_bytes=lambda: _free_bytes(settings.state_dir),
         metrics=served,
         envs=envs,
         data=data,
@@ -404,22 +414,30 @@ def _run_agent(
             current, node, [d.info for d in devices], runner.module_capable
         )
 
+    pause_reader = pausefile.PauseReader(settings.state_dir)
     readers = Readers(
-        pause=pausefile.PauseReader(settings.state_dir),
+        pause=pause_reader,
         on_battery=sensors.on_battery,
         idle_seconds=sensors.seat_idle_seconds,
         host_cpu=sensors.host_cpu_times,
     )
     controls = Controls(Rules.from_settings(settings), readers, clock)
+
+    def health(current: Settings) -> list[str]:
+        """The quarantine's check: the preflight's problems, but those the owner started with."""
+        found = preflight.problems(current)
+        return [p.line() for p in found if p.fatal or p.what not in accepted]
+
     agent = Agent(
         ctx,
         coordinator,
         registration,
         reload=reload,
-        free_bytes=lambda: _free_bytes(settings.state_dir),
         sink=Sinks(Notifier(), *([line] if line else [])),
         on_settings=on_settings,
         controls=controls,
+        health=health,
+        status_extra={"signals": {k: int(v) for k, v in pausefile.SIGNALS.items()}},
     )
     readers.task_cpu = agent.task_cpu  # every running task, containers included
     log.info(
@@ -438,13 +456,27 @@ def _run_agent(
     def on_hangup(signum: int, frame: FrameType | None) -> None:
         agent.request_reload()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hangup)
+    def on_pause(mode: PauseMode) -> Callable[[int, FrameType | None], None]:
+        return lambda signum, frame: pause_reader.signalled(Pause(mode, None, time.time()))
+
+    def on_resume(signum: int, frame: FrameType | None) -> None:
+        pause_reader.signalled(None)
+
+    handlers: list[tuple[int, Callable[[int, FrameType | None], None]]] = [
+        (signal.SIGTERM, on_signal),
+        (signal.SIGINT, on_signal),
+        (signal.SIGHUP, on_hangup),
+        # `flashnode pause` and `resume` on a full disk, where the pause file cannot be written.
+        (pausefile.SIGNALS["pause"], on_pause("drain")),
+        (pausefile.SIGNALS["pause_now"], on_pause("now")),
+        (pausefile.SIGNALS["resume"], on_resume),
+    ]
+    previous = [(sig, signal.signal(sig, handler)) for sig, handler in handlers]
     try:
         agent.run()
     finally:
         janitor.drain(60)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous:
+            signal.signal(sig, old)
         coordinator.close()
         data.fetcher.close()

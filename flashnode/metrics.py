@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HELD_RULES = ("pause", "window", "battery", "active", "load")
+HELD_RULES = ("pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked")
 _LABEL = re.compile(r"[^a-z0-9_]+")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 

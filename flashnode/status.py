@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO, TypeGuard
 
 from flashnode import statefile
+from flashnode.errors import disk_full
 
 STATUS_FILE = "status.json"
+BLOCK_BYTES = 4096
+SLACK_BYTES = 1024  # what a snapshot may grow by and still be written in place
 
 
 class StatusSink(Protocol):
@@ -30,16 +33,32 @@ class StatusSink(Protocol):
 
 
 def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
-    """Readable by the agent's user and the ``flashnode`` group only."""
-    data = json.dumps(snapshot, sort_keys=True).encode()
-    statefile.write(state_dir / STATUS_FILE, data, 0o640, statefile.STATUS_GROUP)
+    """Readable by the agent's user and the ``flashnode`` group only. Padded with spaces to a
+    whole number of blocks, with room to spare, so that on a full disk the next snapshot can
+    still be written in place (and say that the disk is full)."""
+    data = json.dumps(snapshot, sort_keys=True).encode() + b"\n"
+    data = data.ljust(-(-(len(data) + SLACK_BYTES) // BLOCK_BYTES) * BLOCK_BYTES)
+    path = state_dir / STATUS_FILE
+    try:
+        statefile.write(path, data, 0o640, statefile.STATUS_GROUP)
+    except OSError as exc:
+        if disk_full(exc) is None:
+            raise
+        statefile.overwrite(path, data.rstrip(b" "))
 
 
 def read(state_dir: Path) -> dict[str, Any] | None:
     """The running agent's snapshot, or None when no agent runs on this state dir."""
-    try:
-        snapshot: dict[str, Any] = json.loads((state_dir / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+    snapshot: dict[str, Any] | None = None
+    for _ in range(3):  # a snapshot written in place (a full disk) may be read half-written
+        try:
+            snapshot = json.loads((state_dir / STATUS_FILE).read_text())
+            break
+        except ValueError:
+            time.sleep(0.05)
+        except OSError:
+            return None
+    if not isinstance(snapshot, dict):
         return None
     pid = snapshot.get("pid")
     if isinstance(pid, bool) or not isinstance(pid, int) or not agent_alive(pid):
@@ -94,8 +113,8 @@ def size(n: Any) -> str:
 
 
 def percent(value: float) -> str:
-    """``0.4%``, ``97%``, ``310%``: for the task's CPU and GPU figures."""
-    return f"{value:.1f}%" if value < 10 else f"{value:.0f}%"
+    """``0.15%``, ``97.2%``, ``1520%``: for the task's CPU and GPU figures (no exponents)."""
+    return f"{value:.3g}%" if value < 1000 else f"{value:.0f}%"
 
 
 def attempt_line(attempt: dict[str, Any], now: float) -> str:

@@ -1,6 +1,9 @@
 """The run: start the task through the runner, wait for it (its exit, its timeout, a cancel, a
-lost lease, its outputs outgrowing their cap, an owner control suspending it), sample it, and
-turn how it ended into evidence and, when it did not succeed, the reason.
+lost lease, its outputs outgrowing their cap, the state dir's disk filling up, an owner control
+suspending it), sample it, and turn how it ended into evidence and, when it did not succeed, the
+reason. A full disk is the node's fault (``DiskFull``: the lease is left to lapse): the task is
+stopped as soon as it is seen, and a task that failed while the disk was full is taken to have
+failed because of it.
 
 Suspension (``Attempt.request_suspension``, from the loop's owner controls): the task is frozen
 through its runner and resumed when the rule clears; time suspended does not count against the
@@ -17,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from flashnode.attempt.record import State
-from flashnode.errors import AttemptFailed, AttemptLapsed
+from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, Stopped
 from flashnode.runners import spec as specs
 from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.sampler import Sampler, task_cpu_percent
@@ -28,8 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.5  # how often out/ is measured against its cap while the task runs
-LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost
+WATCH_S = 0.5  # how often out/ and the state dir's free space are measured while it runs
+LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
+FULL_BELOW_BYTES = 1 << 20  # the state dir's disk is full with less than this free
 
 
 def run(a: Attempt) -> None:
@@ -112,7 +116,19 @@ def run(a: Attempt) -> None:
     a.check()
     if stopped is not None:
         raise stopped
+    if result.status != 0 or result.cause or result.oom:
+        full = disk_full(a)  # what made it fail, most likely: the node's fault, not the task's
+        if full is not None:
+            raise full
     _verdict(result)
+
+
+def disk_full(a: Attempt) -> DiskFull | None:
+    """The ending of an attempt whose state dir has (almost) no space left, else None."""
+    free = a.ctx.free_bytes()
+    if free is None or free >= FULL_BELOW_BYTES:
+        return None
+    return DiskFull(f"disk full ({free >> 10} KiB free in the state dir)")
 
 
 class _Wait:
@@ -154,6 +170,10 @@ class _Wait:
                 return AttemptFailed(f"timed out after {self.timeout:g} s")
             if now >= self.next_watch:
                 self.next_watch = now + WATCH_S
+                full = disk_full(a)
+                if full is not None:  # stopped at once: the next write of anyone would fail
+                    handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
+                    return full
                 if a.workspace.usage() > s.max_output_total_bytes:
                     handle.terminate(s.kill_grace_seconds)
                     return AttemptFailed(
@@ -179,7 +199,7 @@ class _Wait:
                 handle.suspend()
             except SuspendFailed as exc:
                 log.error("lease %s: %s", a.lease_id, exc)
-                return AttemptLapsed(f"{exc}, while an owner control asked to suspend it")
+                return Stopped(f"{exc}, while an owner control asked to suspend it")
             self.suspended_at = now
             a.suspended_since = now
             log.info("lease %s: task suspended: %s", a.lease_id, reason)
@@ -189,14 +209,14 @@ class _Wait:
                 handle.resume()
             except SuspendFailed as exc:
                 log.error("lease %s: %s", a.lease_id, exc)
-                return AttemptLapsed(str(exc))
+                return Stopped(str(exc))
             self._suspended += held
             self.deadline += held  # suspended time does not count against the timeout
             self.suspended_at = None
             a.suspended_since = None
             log.info("lease %s: task resumed after %.0f s suspended", a.lease_id, held)
         if self.suspended_at is not None and now - self.suspended_at >= self.max_suspend:
-            return AttemptLapsed(
+            return Stopped(
                 f"suspended by an owner control for longer than {self.max_suspend:g} s"
                 f" ({a.suspend_reason or 'released just now'}); the lease is given back"
             )
