@@ -221,6 +221,7 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
             _fail(problem.code, prefix + problem.line())
     line = TerminalLine() if sys.stderr.isatty() and not settings.log_json else None
     setup_logging(settings.log_json, line)
+    threading.excepthook = _log_thread_death
     for problem in found:
         log.warning("%s", problem.line())
     try:
@@ -264,7 +265,22 @@ def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
 
 
 def _thread(fn: Callable[[], None], name: str) -> None:
-    threading.Thread(target=fn, name=name, daemon=True).start()
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # never silently: the log says which thread and why
+            log.exception("thread %s ended with an error", name)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
+def _log_thread_death(args: threading.ExceptHookArgs) -> None:
+    """Any other thread of the agent's that dies says so in the agent's log (journald)."""
+    if args.exc_type is SystemExit:
+        return
+    exc = (args.exc_type, args.exc_value, args.exc_traceback)
+    name = args.thread.name if args.thread is not None else "?"
+    log.error("thread %s ended with an error", name, exc_info=exc)  # type: ignore[arg-type]
 
 
 def _free_bytes(path: Path) -> int | None:
