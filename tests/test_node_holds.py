@@ -1,6 +1,6 @@
-"""The black-hole guard end to end: a node whose task interpreter breaks stops claiming after a
-few failures, says why (status, log, metrics), and takes work again by itself once its own
-checks pass."""
+"""The node's own holds end to end. The black-hole guard: a node whose task interpreter breaks
+stops claiming after a few failures, says why (status, log, metrics), and takes work again by
+itself once its own checks pass. The backoff after a lease the coordinator's watchdog revoked."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import AgentProcess, CoordinatorServer, free_port, wait_for
+from harness import AgentProcess, CoordinatorServer, argv_job, free_port, wait_for
 
 TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
 POOL = "team-a"
 TRUSTED = ("--runner", "trusted", "--pool", POOL)
 
-pytestmark = pytest.mark.skipif(
+needs_task_python = pytest.mark.skipif(
     not os.path.exists(TASK_PYTHON),
     reason=f"no task interpreter with flashruntime at {TASK_PYTHON} (.ci/run makes one)",
 )
@@ -67,7 +67,7 @@ def interpreter(path: Path, body: str) -> None:
     tmp.rename(path)
 
 
-def quarantine_hold(state_dir: Path) -> str | None:
+def hold(state_dir: Path, rule: str) -> str | None:
     done = subprocess.run(
         [sys.executable, "-m", "flashnode", "status", "--json", "--state-dir", str(state_dir)],
         capture_output=True,
@@ -77,9 +77,14 @@ def quarantine_hold(state_dir: Path) -> str | None:
     if done.returncode != 0:
         return None
     held = json.loads(done.stdout)["controls"]["held_by"]
-    return next((h["reason"] for h in held if h["rule"] == "quarantine"), None)
+    return next((h["reason"] for h in held if h["rule"] == rule), None)
 
 
+def quarantine_hold(state_dir: Path) -> str | None:
+    return hold(state_dir, "quarantine")
+
+
+@needs_task_python
 def test_a_node_whose_interpreter_breaks_quarantines_itself_and_comes_back_once_fixed(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
 ) -> None:
@@ -123,3 +128,33 @@ def test_a_node_whose_interpreter_breaks_quarantines_itself_and_comes_back_once_
     assert "quarantine ends: this node passes its own checks" in agent.log
     assert quarantine_hold(agent.state_dir) is None
     assert [r["outcome"] for r in agent.wait_ledger(5)][3:] == ["committed"] * 2
+
+
+def test_a_node_whose_lease_the_watchdog_revoked_does_not_claim_straight_back(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    silent = coordinator.submit(
+        argv_job(
+            ["sleep", "300"],
+            pool=POOL,
+            checkpoint={"watchdog_seconds": 3},
+            lease_seconds=30,
+            max_attempts=4,
+        )
+    )
+    agent = start_agent(
+        coordinator.url, *TRUSTED, env={"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
+    )
+    why = wait_for("the backoff", lambda: hold(agent.state_dir, "revoked"), timeout=60)
+    assert "watchdog revoked lease" in why and "not claiming for" in why, why
+    [line] = agent.ledger()
+    assert line["outcome"] == "lost" and "revoked: no progress" in line["reason"], line
+    # The task is back in the queue, and this node leaves it there for a while.
+    wait_for("the task to be pending", lambda: coordinator.tasks(silent)[0]["state"] == "PENDING")
+    with pytest.raises(AssertionError):
+        wait_for(
+            "a claim during the backoff",
+            lambda: coordinator.tasks(silent)[0]["attempts"] > 1,
+            timeout=10,
+        )
+    assert "watchdog revoked lease" in agent.log
