@@ -341,8 +341,7 @@ class Attempt:
                 outcome, reason = self._lapse(disk_full_error(full))
             else:  # a bug: still end the attempt cleanly and keep the agent up
                 log.exception("lease %s: unexpected error", lease.lease_id)
-                reason = f"agent error ({type(exc).__name__})"
-                outcome, reason = commit.report_failure(self, reason)
+                outcome, reason = commit.report_failure(self, f"agent error ({type(exc).__name__})")
         finally:
             ended = time.monotonic()
             self.keeper.stop()

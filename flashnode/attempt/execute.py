@@ -117,13 +117,13 @@ def run(a: Attempt) -> None:
     if stopped is not None:
         raise stopped
     if result.status != 0 or result.cause or result.oom:
-        full = disk_full(a)  # what made it fail, most likely: the node's fault, not the task's
+        full = full_disk(a)  # what made it fail, most likely: the node's fault, not the task's
         if full is not None:
             raise full
     _verdict(result)
 
 
-def disk_full(a: Attempt) -> DiskFull | None:
+def full_disk(a: Attempt) -> DiskFull | None:
     """The ending of an attempt whose state dir has (almost) no space left, else None."""
     free = a.ctx.free_bytes()
     if free is None or free >= FULL_BELOW_BYTES:
@@ -133,7 +133,7 @@ def disk_full(a: Attempt) -> DiskFull | None:
 
 class _Wait:
     """Until the main process exits; stops it (and says why) on a lost lease, a cancel, the
-    timeout, outputs past their cap, or a suspension that lasts too long."""
+    timeout, outputs past their cap, a full disk, or a suspension that lasts too long."""
 
     def __init__(self, a: Attempt, timeout: float, t0: float) -> None:
         assert a.lease is not None
@@ -170,7 +170,7 @@ class _Wait:
                 return AttemptFailed(f"timed out after {self.timeout:g} s")
             if now >= self.next_watch:
                 self.next_watch = now + WATCH_S
-                full = disk_full(a)
+                full = full_disk(a)
                 if full is not None:  # stopped at once: the next write of anyone would fail
                     handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
                     return full
