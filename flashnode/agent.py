@@ -141,6 +141,7 @@ class Agent:
         self.quarantine = Quarantine(s.quarantine_after, s.quarantine_check_seconds, self.clock)
         self.revoked = RevokedBackoff(self.clock, rng)
         self._status_failing = False
+        self._last_ended: dict[str, Any] | None = None  # the latest attempt's end, for status
         self.node_id = ""
         self.stats = Stats()
         self.running: dict[int, Attempt] = {}
@@ -429,6 +430,7 @@ class Agent:
             "counters": dict(self.stats.outcomes),
             "running": running,
             "controls": self.decision.snapshot(),
+            "last_ended": self._last_ended,
             "updated_at": self.clock.wall(),
             **self._status_extra,
         }
@@ -618,6 +620,14 @@ class Agent:
         ending = Ending(outcome, reason, lease.job_id if lease else "", attempt.node_fault, seconds)
         self.quarantine.record(ending)
         self.revoked.record(ending, attempt.lease_id)
+        self._last_ended = {
+            "lease_id": attempt.lease_id,
+            "job_id": ending.job_id,
+            "task_id": lease.task_id if lease else "",
+            "outcome": outcome.value,
+            "reason": reason,
+            "ended_at": self.clock.wall(),
+        }
 
     def _cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
         with self._lock:

@@ -174,6 +174,14 @@ def render(snapshot: dict[str, Any]) -> str:
         for h in held:
             also = " (suspends running tasks)" if h.get("suspends") else ""
             lines.append(f"  {h.get('rule')}: {h.get('reason')}{also}")
+    last = snapshot.get("last_ended")
+    if isinstance(last, dict):
+        why = f": {last['reason']}" if last.get("reason") else ""
+        line = (
+            f"last ended  {last.get('lease_id')} ({last.get('job_id')}/{last.get('task_id')})"
+            f" {last.get('outcome')}{why}"
+        )
+        lines.append("".join(c if c.isprintable() else "?" for c in line))  # a task's stderr
     running = snapshot.get("running") or []
     lines.append(f"running     {len(running)}")
     for a in running:

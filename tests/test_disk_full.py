@@ -176,6 +176,8 @@ def test_a_task_that_fills_the_disk_ends_at_once_and_the_node_carries_on(
     [line] = agent.wait_ledger(1, timeout=30)
     assert time.monotonic() - t0 < 15, agent.log
     assert line["outcome"] == "lapsed" and line["reason"].startswith("disk full"), line
+    last = (status_of(state_dir) or {}).get("last_ended")
+    assert isinstance(last, dict) and last["reason"] == line["reason"], last
     assert [e for e in coordinator.events(greedy) if e["type"] == "TASK_ATTEMPT_FAILED"] == []
     assert "Traceback" not in agent.log and "OSError" not in agent.log
     coordinator.cancel(greedy)  # else it comes back once its lease lapses
@@ -215,3 +217,25 @@ def test_a_task_that_fills_the_disk_ends_at_once_and_the_node_carries_on(
     agent.signal(15)
     assert agent.wait(30) == 0
     assert time.monotonic() - t0 < 10  # a stop waits for no attempt that already ended
+
+
+def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:
+    text = status.render(
+        {
+            "node_id": "n",
+            "state": "idle | not claiming: the state dir's disk is full",
+            "controls": {
+                "held_by": [{"rule": "disk", "reason": "the state dir's disk is full: 0 MiB free"}]
+            },
+            "last_ended": {
+                "lease_id": "ls-1",
+                "job_id": "j",
+                "task_id": "t",
+                "outcome": "lapsed",
+                "reason": "disk full (No space left on device)\x1b[2J",
+            },
+            "running": [],
+        }
+    )
+    assert "  disk: the state dir's disk is full: 0 MiB free" in text
+    assert "last ended  ls-1 (j/t) lapsed: disk full (No space left on device)?[2J" in text
