@@ -32,7 +32,7 @@ from flashnode.clock import Clock
 from flashnode.gpupool import Device
 
 CpuTimes = Callable[[], tuple[float, float]]  # (busy seconds, total seconds), host-wide
-MIN_WALL_S = 0.1  # shorter, a task's CPU figure is not measured: ten clock ticks
+MIN_WALL_S = 0.01  # shorter, a task's CPU figure is not measured: one clock tick
 CPU_EVERY_S = 5.0  # the live view's task CPU is read at most this often (a container's costs)
 
 
@@ -123,8 +123,6 @@ class Sampler:
         """``cpu``: the task's CPU seconds so far (for the live view), read from now on."""
         self._clock, self._interval, self._probe = clock, interval, probe
         self._cpu, self._cores = cpu, cores
-        self._cpu_start: tuple[float, float | None] = (clock.monotonic(), _read(cpu))
-        self._cpu_last: tuple[float, float | None] | None = None
         self._gpu = gpu
         self._host = list(host_devices or []) if gpu else []
         self._task = list(task_devices or []) if gpu else []
@@ -132,6 +130,11 @@ class Sampler:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._seen: set[int] = set()  # every pid the task ever had: samples outlive processes
+        # Its processes' CPU so far first (without cgroup accounting, reading its processes is
+        # what measures it): the baseline its own CPU is counted from.
+        self._remember_pids()
+        self._cpu_start: tuple[float, float | None] = (clock.monotonic(), _read(cpu))
+        self._cpu_last: tuple[float, float | None] | None = None
         self._readings = 0
         self.host_gpu, self.task_gpu = _Series(), _Series()
 
