@@ -31,18 +31,21 @@ from typing import Any, Protocol
 
 from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
+from flashnode.attempt.execute import FULL_BELOW_BYTES
 from flashnode.attempt.record import State
 from flashnode.clock import Clock
-from flashnode.controls import Controls, Decision, Rules
+from flashnode.controls import Controls, Decision, Hold, Rules
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
     CoordinatorError,
     CredentialsError,
     FlashnodeError,
+    Stopped,
     Unregistered,
 )
 from flashnode.gpupool import Device
+from flashnode.guard import Ending, Quarantine, RevokedBackoff
 from flashnode.retry import Backoff, Policy
 from flashnode.settings import Settings
 from flashnode.status import StatusSink
@@ -91,12 +94,18 @@ class Agent:
         registration: Callable[[Settings], NodeRegistration],
         clock: Clock | None = None,
         reload: Callable[[], Settings] | None = None,
-        free_bytes: Callable[[], int | None] = lambda: None,
+        free_bytes: Callable[[], int | None] | None = None,
         sink: StatusSink | None = None,
         on_settings: Callable[[Settings], None] | None = None,
         controls: Controls | None = None,
+        health: Callable[[Settings], list[str]] | None = None,
+        status_extra: dict[str, Any] | None = None,
     ) -> None:
-        """``controls``: the owner's rules (None: none). Counts go to ``ctx.metrics``."""
+        """``controls``: the owner's rules (None: none). ``free_bytes``: free space in the state
+        dir (default: ``ctx.free_bytes``). ``health``: this node's own checks for the given
+        settings, as one line per problem (the preflight; none: always healthy).
+        ``status_extra``: more for status.json (what owners' commands may use to reach it).
+        Counts go to ``ctx.metrics``."""
         self.ctx = ctx
         self.controls = controls
         self.metrics = ctx.metrics
@@ -112,7 +121,9 @@ class Agent:
         self.registration = registration
         self._reload_settings = reload
         self._on_settings = on_settings
-        self._free_bytes = free_bytes
+        self._free_bytes = free_bytes or ctx.free_bytes
+        self._health = health
+        self._status_extra = dict(status_extra or {})
         self._reload_requested = False
         self._reloading = False
         self._low_disk = False
@@ -126,6 +137,11 @@ class Agent:
         errors = Policy(1.0, s.error_backoff_max_seconds)
         self.register_errors = Backoff(errors, rng)
         self.claim_errors = Backoff(errors, rng)
+        # The node's own holds: the black-hole guard and the backoff after a revoked lease.
+        self.quarantine = Quarantine(s.quarantine_after, s.quarantine_check_seconds, self.clock)
+        self.revoked = RevokedBackoff(self.clock, rng)
+        self._status_failing = False
+        self._last_ended: dict[str, Any] | None = None  # the latest attempt's end, for status
         self.node_id = ""
         self.stats = Stats()
         self.running: dict[int, Attempt] = {}
@@ -227,10 +243,12 @@ class Agent:
             now = self.clock.monotonic()
             self._drain_tick(now)
             self._owner_controls()
+            if self.ctx.ledger.pending:  # lines a full disk kept back
+                self.ctx.ledger.flush()
             if self._stop_now:
-                self._cancel_all(AttemptLapsed("agent stopping"), grace=0.0)
+                self._cancel_all(Stopped("agent stopping"), grace=0.0)
             elif self._draining and now >= self._drain_deadline:
-                self._cancel_all(AttemptLapsed("node draining"), self.settings.kill_grace_seconds)
+                self._cancel_all(Stopped("node draining"), self.settings.kill_grace_seconds)
             if not self.running and (self._draining or self._quota_spent()):
                 return
             if self._reload_requested and not self._reloading:
@@ -261,9 +279,7 @@ class Agent:
             left = list(self.running.values())
         if left:
             log.info("stopping %d running attempt(s)", len(left))
-            self._cancel_all(
-                AttemptLapsed("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds
-            )
+            self._cancel_all(Stopped("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds)
             deadline = self.clock.monotonic() + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
             while self.running and self.clock.monotonic() < deadline:
                 self.sink.tick()
@@ -286,19 +302,62 @@ class Agent:
     # --- the owner's controls ------------------------------------------------------------------
 
     def _owner_controls(self) -> None:
-        """Evaluate the owner's rules; stop or suspend running attempts as they say."""
-        d = self.decision = self.controls.evaluate() if self.controls else Decision()
+        """Evaluate the owner's rules; stop or suspend running attempts as they say. Add the
+        node's own holds (a full disk, the quarantine, the backoff after a revoked lease): they
+        hold claiming and say why, but stop or suspend nothing."""
+        d = self.controls.evaluate() if self.controls else Decision()
+        if self.quarantine.check_due():
+            self._check_health()
+        self.decision = d.holding(self._disk_hold(), self.quarantine.hold(), self.revoked.hold())
         with self._lock:
             attempts = list(self.running.values())
         for attempt in attempts:
             # Not the task's fault: the lease is given back, no `fail`. A finished result (its
             # task ran, its outputs are spooled) is still committed: the pause stops tasks.
             if d.stop_reason and attempt.record.state is not State.FINISHED:
-                attempt.cancel(AttemptLapsed(d.stop_reason), self.settings.kill_grace_seconds)
+                attempt.cancel(Stopped(d.stop_reason), self.settings.kill_grace_seconds)
             attempt.request_suspension(d.suspend_reason)
         suspended = sum(a.suspended_since is not None for a in attempts)
         self.metrics.set_running(len(attempts), suspended)
-        self.metrics.set_controls(d.paused is not None, [h.rule for h in d.holds])
+        self.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
+
+    def _check_health(self) -> None:
+        """The quarantine's check, on a thread of its own (the preflight takes seconds)."""
+        health, settings = self._health, self.settings
+
+        def check() -> None:
+            try:
+                problems = health(settings) if health is not None else []
+            except Exception as exc:  # a check that cannot run is a failing one
+                log.exception("the quarantine's check failed to run")
+                problems = [f"the checks could not run ({type(exc).__name__})"]
+            self.quarantine.checked(problems)
+            self._wake.set()
+
+        self.ctx.start_thread(check, "quarantine-check")
+
+    def _disk_hold(self) -> Hold | None:
+        """Below ``min_free_bytes`` free in the state dir, claim nothing; say so once."""
+        free, floor = self._free_bytes(), self.settings.min_free_bytes
+        low = free is not None and free < floor
+        if low and not self._low_disk:
+            log.warning(
+                "not claiming: %d MiB free in the state dir, below the %d MiB floor",
+                (free or 0) >> 20,
+                floor >> 20,
+            )
+        elif self._low_disk and not low:
+            log.info("free space is back above the floor; claiming again")
+        self._low_disk = low
+        if not low:
+            return None
+        assert free is not None
+        what = "the state dir's disk is full" if free < FULL_BELOW_BYTES else "low disk"
+        return Hold(
+            "disk",
+            f"{what}: {free >> 20} MiB free, below min_free_bytes ({floor >> 20} MiB);"
+            " claims resume above it",
+        )
 
     def task_cpu(self) -> dict[str, float] | None:
         """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule);
@@ -371,12 +430,20 @@ class Agent:
             "counters": dict(self.stats.outcomes),
             "running": running,
             "controls": self.decision.snapshot(),
+            "last_ended": self._last_ended,
             "updated_at": self.clock.wall(),
+            **self._status_extra,
         }
         try:
             status.write(self.settings.state_dir, snapshot)
         except OSError as exc:
-            log.debug("cannot write status.json: %s", exc)
+            if not self._status_failing:
+                log.error("cannot write status.json (%s): `flashnode status` lags", exc.strerror)
+            self._status_failing = True
+            return
+        if self._status_failing:
+            self._status_failing = False
+            log.info("status.json is written again")
 
     def _quota_spent(self) -> bool:
         m = self.settings.max_tasks
@@ -464,6 +531,8 @@ class Agent:
             if new.metrics_listen != self.settings.metrics_listen:
                 log.warning("metrics_listen changes at the next start of the agent")
             self.settings = self.ctx.settings = new
+            self.quarantine.after = new.quarantine_after
+            self.quarantine.check_seconds = new.quarantine_check_seconds
             if self.controls is not None:
                 self.controls.reconfigure(Rules.from_settings(new))
             if self._on_settings is not None:
@@ -478,25 +547,8 @@ class Agent:
 
         self.ctx.start_thread(reconfigure, "reload")
 
-    def _disk_ok(self) -> bool:
-        free, floor = self._free_bytes(), self.settings.min_free_bytes
-        low = free is not None and free < floor
-        if low and not self._low_disk:
-            log.warning(
-                "not claiming: %d MiB free in the state dir, below the %d MiB floor",
-                (free or 0) >> 20,
-                floor >> 20,
-            )
-        elif self._low_disk and not low:
-            log.info("free space is back above the floor; claiming again")
-        self._low_disk = low
-        return not low
-
     def _claim(self) -> None:
         now = self.clock.monotonic()
-        if not self._disk_ok():
-            self._next_claim = now + self.settings.heartbeat_seconds
-            return
         try:
             lease = self.coordinator.claim(self.node_id)
         except Unregistered:
@@ -550,14 +602,32 @@ class Agent:
 
     def _run_attempt(self, key: int, attempt: Attempt) -> None:
         outcome = Outcome.FAILED
+        started = self.clock.monotonic()
         try:
             outcome = attempt.run()
         finally:
             with self._lock:
                 self.running.pop(key, None)
             self.stats.count(outcome)
+            self._ended(attempt, outcome, self.clock.monotonic() - started)
             self._next_claim = self.clock.monotonic()  # claim again at once
             self._wake.set()
+
+    def _ended(self, attempt: Attempt, outcome: Outcome, seconds: float) -> None:
+        """Tell the node's own holds how an attempt ended."""
+        lease = attempt.lease
+        reason = attempt.ended[1] if attempt.ended else ""
+        ending = Ending(outcome, reason, lease.job_id if lease else "", attempt.node_fault, seconds)
+        self.quarantine.record(ending)
+        self.revoked.record(ending, attempt.lease_id)
+        self._last_ended = {
+            "lease_id": attempt.lease_id,
+            "job_id": ending.job_id,
+            "task_id": lease.task_id if lease else "",
+            "outcome": outcome.value,
+            "reason": reason,
+            "ended_at": self.clock.wall(),
+        }
 
     def _cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
         with self._lock:

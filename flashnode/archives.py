@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import IO
 
-from flashnode.errors import AttemptFailed
+from flashnode.errors import AttemptFailed, disk_full, disk_full_error
 from flashnode.workspace import remove_tree
 
 MAX_MEMBERS = 100_000
@@ -38,6 +38,9 @@ def unpack(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
         raise
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, RuntimeError) as exc:
         remove_tree(dest)
+        full = disk_full(exc)
+        if full is not None:  # the node's disk, not the archive
+            raise disk_full_error(full) from None
         raise AttemptFailed(f"input {name!r}: broken archive ({type(exc).__name__})") from None
 
 

@@ -6,6 +6,7 @@ so that no other module builds edges.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,10 +15,11 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import psutil
@@ -33,12 +35,13 @@ from flashnode import (
     preflight,
     procs,
     sensors,
+    statelock,
 )
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.background import Background
 from flashnode.clock import SystemClock
-from flashnode.controls import Controls, Readers, Rules
+from flashnode.controls import Controls, Pause, PauseMode, Readers, Rules
 from flashnode.coordinator import Coordinator
 from flashnode.datacache import DataCache, Fetcher, OriginPolicy
 from flashnode.envcache import EnvCache
@@ -148,7 +151,7 @@ def setup_logging(log_json: bool, line: TerminalLine | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _fail(code: ExitCode, message: str) -> None:
+def _fail(code: ExitCode, message: str) -> NoReturn:
     click.echo(f"flashnode: {sanitise(message)}", err=True)
     sys.exit(int(code))
 
@@ -228,6 +231,12 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         settings = load(flags, os.environ, config_file)
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
+    # First, before the checks (they take seconds) and before anything is touched: a second
+    # agent on this state dir stops here.
+    lock = None
+    if settings.state_dir.is_dir():
+        with contextlib.suppress(OSError):  # a state dir that is not ours: the checks say why
+            lock = lock_state_dir(settings.state_dir)
     found = preflight.problems(settings)
     for problem in found:
         if problem.code is not None:
@@ -235,10 +244,17 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
             _fail(problem.code, prefix + problem.line())
     line = TerminalLine() if sys.stderr.isatty() and not settings.log_json else None
     setup_logging(settings.log_json, line)
+    threading.excepthook = _log_thread_death
     for problem in found:
         log.warning("%s", problem.line())
     try:
-        run_agent(settings, reload=lambda: load(flags, os.environ, config_file), line=line)
+        run_agent(
+            settings,
+            reload=lambda: load(flags, os.environ, config_file),
+            line=line,
+            lock=lock,
+            accepted=frozenset(p.what for p in found),
+        )
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
     except CredentialsError as exc:
@@ -249,6 +265,21 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
         _fail(ExitCode.FAILURE, str(exc))
 
 
+def lock_state_dir(state_dir: Path) -> statelock.StateLock:
+    """The state dir's lock; exit 75 naming the holder when another agent has it. OSError when
+    the lock file cannot be opened."""
+    try:
+        return statelock.acquire(state_dir)
+    except statelock.Held as exc:
+        unit = exc.holder.unit
+        how = f"sudo systemctl stop {unit}" if unit else "stop it"
+        _fail(
+            ExitCode.LOCKED,
+            f"another agent runs on the state dir {state_dir}: {exc.holder.describe()};"
+            f" {how} first, or give this one its own --state-dir",
+        )
+
+
 def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
     """The configured runner (its preflight already passed in ``work``); ConfigError or
     PrerequisiteError when it cannot run here after all (e.g. a task user for a slot that
@@ -257,7 +288,22 @@ def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
 
 
 def _thread(fn: Callable[[], None], name: str) -> None:
-    threading.Thread(target=fn, name=name, daemon=True).start()
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # never silently: the log says which thread and why
+            log.exception("thread %s ended with an error", name)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
+def _log_thread_death(args: threading.ExceptHookArgs) -> None:
+    """Any other thread of the agent's that dies says so in the agent's log (journald)."""
+    if args.exc_type is SystemExit:
+        return
+    exc = (args.exc_type, args.exc_value, args.exc_traceback)
+    name = args.thread.name if args.thread is not None else "?"
+    log.error("thread %s ended with an error", name, exc_info=exc)  # type: ignore[arg-type]
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -308,12 +354,32 @@ def run_agent(
     settings: Settings,
     reload: Callable[[], Settings] | None = None,
     line: TerminalLine | None = None,
+    lock: statelock.StateLock | None = None,
+    accepted: frozenset[str] = frozenset(),
 ) -> None:
+    """Run the agent on its state dir, holding the state dir's lock (``lock``: already taken)
+    until every attempt has ended and the last status is written. ``accepted``: what the
+    preflight warned of at start (the quarantine's checks do not count it again)."""
     try:
         inventory.ensure_state_dir(settings.state_dir)
+        if lock is None:
+            lock = lock_state_dir(settings.state_dir)
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
+    try:
+        _locked_run(settings, reload, line, node, accepted)
+    finally:
+        lock.release()
+
+
+def _locked_run(
+    settings: Settings,
+    reload: Callable[[], Settings] | None,
+    line: TerminalLine | None,
+    node: str,
+    accepted: frozenset[str],
+) -> None:
     if settings.runner == "trusted" and os.geteuid() == 0:
         # Before any thread starts (threads, and the tasks they start, inherit it).
         why = procs.private_session_keyring()
@@ -328,7 +394,7 @@ def run_agent(
             f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}"
         ) from None
     try:
-        _run_agent(settings, served, reload, line, node)
+        _run_agent(settings, served, reload, line, node, accepted)
     finally:
         served.close()
 
@@ -339,6 +405,7 @@ def _run_agent(
     reload: Callable[[], Settings] | None,
     line: TerminalLine | None,
     node: str,
+    accepted: frozenset[str],
 ) -> None:
     nvml = Nvml.open(settings.nvml_library)
     gpus = GpuPool(nvml.devices if nvml is not None else [])
@@ -366,6 +433,7 @@ def _run_agent(
         gpu=nvml,
         gpus=gpus,
         limits=task_limits(settings, slots, *machine),
+        free_bytes=lambda: _free_bytes(settings.state_dir),
         metrics=served,
         envs=envs,
         data=data,
@@ -388,22 +456,30 @@ def _run_agent(
             current, node, [d.info for d in devices], runner.module_capable
         )
 
+    pause_reader = pausefile.PauseReader(settings.state_dir)
     readers = Readers(
-        pause=pausefile.PauseReader(settings.state_dir),
+        pause=pause_reader,
         on_battery=sensors.on_battery,
         idle_seconds=sensors.seat_idle_seconds,
         host_cpu=sensors.host_cpu_times,
     )
     controls = Controls(Rules.from_settings(settings), readers, clock)
+
+    def health(current: Settings) -> list[str]:
+        """The quarantine's check: the preflight's problems, but those the owner started with."""
+        found = preflight.problems(current)
+        return [p.line() for p in found if p.fatal or p.what not in accepted]
+
     agent = Agent(
         ctx,
         coordinator,
         registration,
         reload=reload,
-        free_bytes=lambda: _free_bytes(settings.state_dir),
         sink=Sinks(Notifier(), *([line] if line else [])),
         on_settings=on_settings,
         controls=controls,
+        health=health,
+        status_extra={"signals": {k: int(v) for k, v in pausefile.SIGNALS.items()}},
     )
     readers.task_cpu = agent.task_cpu  # every running task, containers included
     log.info(
@@ -422,13 +498,27 @@ def _run_agent(
     def on_hangup(signum: int, frame: FrameType | None) -> None:
         agent.request_reload()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hangup)
+    def on_pause(mode: PauseMode) -> Callable[[int, FrameType | None], None]:
+        return lambda signum, frame: pause_reader.signalled(Pause(mode, None, time.time()))
+
+    def on_resume(signum: int, frame: FrameType | None) -> None:
+        pause_reader.signalled(None)
+
+    handlers: list[tuple[int, Callable[[int, FrameType | None], None]]] = [
+        (signal.SIGTERM, on_signal),
+        (signal.SIGINT, on_signal),
+        (signal.SIGHUP, on_hangup),
+        # `flashnode pause` and `resume` on a full disk, where the pause file cannot be written.
+        (pausefile.SIGNALS["pause"], on_pause("drain")),
+        (pausefile.SIGNALS["pause_now"], on_pause("now")),
+        (pausefile.SIGNALS["resume"], on_resume),
+    ]
+    previous = [(sig, signal.signal(sig, handler)) for sig, handler in handlers]
     try:
         agent.run()
     finally:
         janitor.drain(60)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous:
+            signal.signal(sig, old)
         coordinator.close()
         data.fetcher.close()

@@ -34,7 +34,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -294,7 +294,9 @@ class Readers:
 class Hold:
     """One rule holding claiming, and whether it also suspends running tasks."""
 
-    rule: Literal["pause", "window", "battery", "active", "load"]
+    # The owner's rules, and the node's own holds: a full disk, the black-hole guard's
+    # quarantine, the backoff after a revoked lease (guard.py).
+    rule: Literal["pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked"]
     reason: str
     suspends: bool = False
 
@@ -326,6 +328,11 @@ class Decision:
     @property
     def suspend_reason(self) -> str | None:
         return "; ".join(h.reason for h in self.holds if h.suspends) or None
+
+    def holding(self, *more: Hold | None) -> Decision:
+        """This decision with the node's own holds added (those that hold: not None)."""
+        extra = tuple(h for h in more if h is not None)
+        return replace(self, holds=self.holds + extra) if extra else self
 
     def snapshot(self) -> dict[str, Any]:
         """For status.json."""

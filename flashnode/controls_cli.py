@@ -66,9 +66,19 @@ def pause(
     try:
         pausefile.write(directory, Pause(mode, until, now))
     except OSError as exc:
-        raise click.ClickException(
-            f"cannot write the pause in {directory}: {exc.strerror}"
-        ) from None
+        # A full disk: the running agent is told by a signal (it keeps the pause in memory, and
+        # writes it to the file once it can).
+        pid = _signal(directory, "pause" if drain else "pause_now")
+        if pid is None:
+            raise click.ClickException(
+                f"cannot write the pause in {directory}: {exc.strerror}"
+            ) from None
+        lost = " (--for needs the file: it lasts until then)" if until is not None else ""
+        click.echo(
+            f"cannot write the pause in {directory} ({exc.strerror}): told the running agent"
+            f" (pid {pid}) by a signal; paused until `flashnode resume`{lost}"
+        )
+        return
     when = (
         "until `flashnode resume`"
         if until is None
@@ -93,8 +103,14 @@ def resume(config_file: Path | None, state_dir: Path | None) -> None:
         raise click.ClickException(
             f"cannot remove the pause in {directory}: {exc.strerror}"
         ) from None
-    click.echo("resumed" if removed else "not paused")
-    if removed:
+    snapshot = status.read(directory)
+    held = bool(snapshot and (snapshot.get("controls") or {}).get("paused"))
+    # Also a pause the agent keeps in memory (it came by signal on a full disk): a signal.
+    told = _signal(directory, "resume") if removed or held else None
+    click.echo("resumed" if removed or held else "not paused")
+    if told is not None:
+        click.echo(f"told the running agent (pid {told}): it takes work again within a second")
+    elif removed:
         _tell(directory)
 
 
@@ -104,6 +120,22 @@ def _tell(directory: Path) -> None:
         click.echo("no agent is running on this state dir; it applies at the next start")
     else:
         click.echo(f"the running agent (pid {snapshot['pid']}) applies it within a second")
+
+
+def _signal(directory: Path, what: str) -> int | None:
+    """Send the running agent the signal it lists for ``what`` (status.json); its pid, or None
+    when no agent runs or it lists none (an agent before 0.5 would die of an unknown one)."""
+    snapshot = status.read(directory)
+    signals = snapshot.get("signals") if snapshot else None
+    number = signals.get(what) if isinstance(signals, dict) else None
+    if snapshot is None or not isinstance(number, int) or isinstance(number, bool) or number <= 0:
+        return None
+    pid = int(snapshot["pid"])
+    try:
+        os.kill(pid, number)
+    except OSError:
+        return None
+    return pid
 
 
 # --- logs ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import httpx
 from flashnode import __version__
 from flashnode.errors import (
     AttemptFailed,
+    AttemptLapsed,
     CheckpointRefused,
     CoordinatorError,
     CoordinatorUnavailable,
@@ -37,6 +38,8 @@ from flashnode.errors import (
     NotFound,
     PayloadTooLarge,
     Unregistered,
+    disk_full,
+    disk_full_error,
 )
 from flashnode.settings import is_loopback
 from flashnode.wire import (
@@ -236,7 +239,8 @@ class Coordinator:
     ) -> int:
         """GET an artifact into ``out`` as a stream; returns its size. NotFound if missing;
         CoordinatorError past ``max_bytes``; CoordinatorUnavailable when ``stop`` is set or the
-        transfer stalls (no byte for the client's read timeout)."""
+        transfer stalls (no byte for the client's read timeout); AttemptLapsed (``DiskFull``)
+        when ``out`` cannot be written: this node's fault, not the coordinator's."""
         size = 0
         try:
             with self._client.stream("GET", f"/artifacts/{_key(key)}") as resp:
@@ -249,7 +253,13 @@ class Coordinator:
                         raise CoordinatorError(f"input {key} is larger than {max_bytes} bytes")
                     if stop is not None and stop.is_set():
                         raise CoordinatorUnavailable(f"download of {key} stopped")
-                    out.write(chunk)
+                    try:
+                        out.write(chunk)
+                    except OSError as exc:  # this node's disk, not the coordinator
+                        full = disk_full(exc)
+                        if full is not None:
+                            raise disk_full_error(full) from None
+                        raise AttemptLapsed(f"cannot write {key}: {exc.strerror}") from None
                 return size
         except FlashnodeError:
             raise

@@ -7,6 +7,8 @@ boundary, so the loop in the middle handles a small, documented set of outcomes.
 from __future__ import annotations
 
 import enum
+import errno
+import os
 
 
 class ExitCode(enum.IntEnum):
@@ -16,6 +18,7 @@ class ExitCode(enum.IntEnum):
     FAILURE = 1  # an unexpected error: a bug, reported with a traceback
     USAGE = 2  # click's code for a bad command line
     UNAVAILABLE = 69  # a prerequisite is missing (EX_UNAVAILABLE), e.g. no Docker engine
+    LOCKED = 75  # another agent holds the state dir (EX_TEMPFAIL: systemd retries later)
     CREDENTIALS = 77  # the coordinator refused the join code or token (EX_NOPERM)
     CONFIG = 78  # the configuration is invalid (EX_CONFIG); systemd must not restart
 
@@ -88,6 +91,37 @@ class AttemptLapsed(FlashnodeError):
     restarted; it cannot reach what the task needs; it should not have been given the lease): the
     agent stops renewing and lets the lease lapse, which spends the coordinator's separate expiry
     budget meant for churn. Nothing is reported; the ledger records the reason."""
+
+
+class DiskFull(AttemptLapsed):
+    """A write of the agent's failed because the state dir's disk (or the agent's quota) is
+    full: the node's fault. The attempt ends at once, its lease left to lapse, and its files are
+    removed to give the space back."""
+
+
+class Stopped(AttemptLapsed):
+    """The attempt was ended by the node's owner or its service manager, not by a fault: a drain,
+    a stop, ``flashnode pause --now``, an owner control's suspension. Its lease is left to lapse,
+    and it says nothing about the node's health."""
+
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def disk_full(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC or EDQUOT error ``exc`` is, or was raised while handling; None if none."""
+    for _ in range(16):  # a bounded walk down the chain of causes
+        if exc is None:
+            return None
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def disk_full_error(exc: OSError) -> DiskFull:
+    """The attempt's ending for a disk-full error, in the words the log, ledger and status use."""
+    return DiskFull(f"disk full ({os.strerror(exc.errno) if exc.errno else exc})")
 
 
 class DataIntegrityError(AttemptFailed):

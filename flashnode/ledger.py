@@ -1,28 +1,48 @@
-"""The local audit ledger: one JSON line per attempt, appended and fsynced."""
+"""The local audit ledger: one JSON line per attempt, appended and fsynced.
+
+A line that cannot be written (a full disk) is kept in memory, in order, and written before the
+next one, or by ``flush``, which the agent's loop calls while lines wait: the ledger is complete
+again once space is back. At most ``MAX_PENDING`` lines wait; an agent that stops meanwhile loses
+them (its log has each attempt's outcome too).
+"""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 10_000
 
 
 class Ledger:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._pending: list[bytes] = []
+        self._failing = False
+
+    @property
+    def pending(self) -> int:
+        """Lines waiting to be written."""
+        return len(self._pending)
 
     def append(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, sort_keys=True, default=str) + "\n"
+        """Write the line (after any still waiting); on an OSError keep it for later, and say so
+        in the log once per stretch of failures."""
+        line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line.encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if len(self._pending) < MAX_PENDING:
+                self._pending.append(line)
+            else:
+                log.error("ledger: %d lines wait already; this one is dropped", MAX_PENDING)
+            self._write_pending()
 
     def records(self) -> list[dict[str, Any]]:
         try:
@@ -36,3 +56,41 @@ class Ledger:
             except ValueError:
                 continue  # a torn last line after a crash
         return out
+
+    def flush(self) -> None:
+        """Write the lines that wait, if they can be written now."""
+        with self._lock:
+            if self._pending:
+                self._write_pending()
+
+    def _write_pending(self) -> None:
+        waiting = len(self._pending)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                while self._pending:
+                    line = self._pending[0]
+                    # Whole or not at all: a partly written line is cut back, so that the line
+                    # written again later is not glued to its own first half.
+                    size = os.fstat(fd).st_size
+                    try:
+                        if os.write(fd, line) != len(line):
+                            raise OSError(errno.ENOSPC, "short write")
+                    except OSError:
+                        os.ftruncate(fd, size)
+                        raise
+                    self._pending.pop(0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if not self._failing:
+                self._failing = True
+                log.error(
+                    "cannot write the ledger (%s): its lines are kept until they can be",
+                    exc.strerror or exc,
+                )
+            return
+        if self._failing:
+            self._failing = False
+            log.info("the ledger is written again (%d line(s) that waited)", waiting)

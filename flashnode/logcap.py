@@ -19,17 +19,25 @@ _WRITES = itertools.count(1)  # orders writes across streams: which printed last
 
 
 class CappedFile:
+    """``write`` never raises: a file that cannot be written (a full disk) stops being written,
+    ``error`` says why, and the stream is still read to its end (the tail kept in memory), so the
+    thread that copies it goes on and the task is never left blocked on a full pipe."""
+
     def __init__(self, path: Path, cap: int) -> None:
         self._out = path.open("wb", buffering=0)  # written as the task prints
         self._cap = cap
         self.total = 0
         self.tail = b""
         self.written_at = 0  # when it was last written, in the order of all writes (0: never)
+        self.error: OSError | None = None  # why the file stopped being written
 
     def write(self, chunk: bytes) -> None:
         room = self._cap - self.total
-        if room > 0:
-            self._out.write(chunk[:room])
+        if room > 0 and self.error is None:
+            try:
+                self._out.write(chunk[:room])
+            except OSError as exc:
+                self.error = exc
         self.total += len(chunk)
         self.tail = (self.tail + chunk)[-TAIL_BYTES:]
         if chunk:
@@ -44,14 +52,19 @@ class CappedFile:
 
     def close(self) -> None:
         over = self.total - self._cap
-        if over > 0:
-            kept = self.tail[-over:]
-            self._out.write(
-                f"\n[flashnode: {over} bytes over the {self._cap}-byte cap not kept;"
-                f" the last {len(kept)} follow]\n".encode()
-            )
-            self._out.write(kept)
-        self._out.close()
+        try:
+            if over > 0 and self.error is None:
+                kept = self.tail[-over:]
+                self._out.write(
+                    f"\n[flashnode: {over} bytes over the {self._cap}-byte cap not kept;"
+                    f" the last {len(kept)} follow]\n".encode()
+                )
+                self._out.write(kept)
+        except OSError as exc:
+            self.error = exc
+        finally:
+            with contextlib.suppress(OSError):
+                self._out.close()
 
 
 def printable(data: bytes, limit: int = LINE_CHARS) -> str:

@@ -18,7 +18,7 @@ The series (all prefixed ``flashnode_``):
 ``running_attempts``               gauge      attempts running now
 ``suspended_attempts``             gauge      of those, suspended by an owner control
 ``paused``                         gauge      1 while ``flashnode pause`` is in force
-``claiming_held{rule}``            gauge      1 while that owner control holds claiming
+``claiming_held{rule}``            gauge      1 while that owner control or node hold holds claiming
 ``task_cpu_percent``               histogram  per attempt, the task's mean CPU (% of one core)
 ``task_gpu_percent``               histogram  per attempt, the task's mean GPU use (%)
 ``info{version}``                  gauge      always 1
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HELD_RULES = ("pause", "window", "battery", "active", "load")
+HELD_RULES = ("pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked")
 _LABEL = re.compile(r"[^a-z0-9_]+")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 
@@ -221,7 +221,7 @@ class Metrics:
         )
         self._held = Gauge(
             "flashnode_claiming_held",
-            "1 while this owner control holds claiming.",
+            "1 while this owner control (or the node's own hold) holds claiming.",
             ["rule"],
             registry=r,
         )

@@ -139,6 +139,7 @@ def status_command(config_file: Path | None, state_dir: Path | None, as_json: bo
 def history(config_file: Path | None, state_dir: Path | None, count: int, as_json: bool) -> None:
     """Recent attempts from the local ledger."""
     ledger = Ledger(state_dir_of(config_file, state_dir) / "ledger.jsonl")
+    cores = os.cpu_count() or 1
     try:
         records = ledger.records()[-count:]
     except PermissionError:
@@ -161,8 +162,7 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
         took = f"{wall:.1f}s" if _number(wall) else "-"
         job = f"{r.get('job_id') or '-'}/{r.get('task_id') or '-'}"
         line = f"{ended}  {job}  {r.get('outcome') or '-'!s:9}  {took:>8}"
-        line += f"  cpu {f'{cpu:.3g}%' if _number(cpu) else '-'}"
-        line += f"  gpu {f'{gpu:.3g}%' if _number(gpu) else '-'}"
+        line += f"  cpu {_figure(cpu, 100.0 * cores)}  gpu {_figure(gpu, 100.0)}"
         facts = status.describe_facts(r)
         if facts:
             line += f"  [{facts}]"
@@ -170,6 +170,14 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
             line += f"  {r['reason']}"
         # What a task wrote (its stderr is in reasons) never drives the owner's terminal.
         click.echo(sanitise(line))
+
+
+def _figure(value: object, most: float) -> str:
+    """A task's figure in percent; '-' when not measured, or past what it can be (a line an
+    agent before 0.5 wrote: CPU over too short a wall time)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= most:
+        return "-"
+    return status.percent(value)
 
 
 def _dict(value: object) -> dict[str, object]:

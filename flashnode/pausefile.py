@@ -4,6 +4,12 @@
 it. A running agent needs no signal: ``PauseReader`` is called once per loop turn, costs one
 ``stat`` while the file is unchanged, and re-reads it when it changed; a pause written while no
 agent runs applies when one starts.
+
+On a full disk the file cannot be written: ``flashnode pause`` then tells the running agent by
+a signal (``SIGNALS``, which the agent lists in its status), and ``flashnode resume`` always
+does. A pause that came by signal holds at once, until ``flashnode resume`` (a duration cannot
+travel in a signal); the reader writes it to the file as soon as it can, so that it outlives a
+restart like any other.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 
 from flashnode.controls import Pause
@@ -68,15 +75,45 @@ def read(state_dir: Path) -> Pause | None:
         raise ValueError(f"{path}: {exc}") from None
 
 
+# What `flashnode pause` and `resume` send a running agent when the file cannot do (the agent
+# lists them in status.json, so that a command never signals an agent that does not handle them).
+SIGNALS = {
+    "pause": signal.SIGUSR1,
+    "pause_now": signal.SIGUSR2,
+    "resume": signal.SIGRTMIN + 1,  # nothing else ever sends it (SIGCONT is job control's)
+}
+
+
 class PauseReader:
-    """``read`` for the loop: re-reads only when the file changed (inode, size, mtime)."""
+    """``read`` for the loop: re-reads only when the file changed (inode, size, mtime).
+
+    ``signalled`` takes a pause, or a resume, sent by signal; it only sets a flag (it runs in a
+    signal handler), and the next call acts on it."""
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         self._key: tuple[int, int, int] | None = None
         self._value: Pause | None = None
+        self._request: tuple[Pause | None] | None = None  # set by a signal: (pause or None,)
+        self._held: Pause | None = None  # a signalled pause not yet in the file
+
+    def signalled(self, pause: Pause | None) -> None:
+        """A pause (None: a resume) the owner sent by signal."""
+        self._request = (pause,)
 
     def __call__(self) -> Pause | None:
+        request, self._request = self._request, None
+        if request is not None:
+            (self._held,) = request
+            if self._held is None:  # a resume: whatever the file says is over too
+                with contextlib.suppress(OSError):
+                    clear(self.state_dir)
+        if self._held is not None:
+            try:
+                write(self.state_dir, self._held)  # from now on the file says it
+            except OSError:
+                return self._held  # the disk is still full: it holds from memory
+            self._held = None
         try:
             st = os.lstat(self.state_dir / PAUSE_FILE)
         except FileNotFoundError:

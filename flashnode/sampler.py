@@ -6,7 +6,12 @@ is None for the whole run.
 * Host-wide CPU: the busy share of the host's cumulative CPU counters between the start and the
   end of the run: exact over the run, with no first-reading artefact.
 * Task CPU: the task's CPU seconds (its cgroup's accounting, else what sampling its processes
-  saw) over the run's wall time, in percent of one core.
+  saw) over the same stretch of its own wall time, in percent of one core: both measured from
+  the moment its runner handed it over (the CPU it had used then is subtracted, so that its
+  launch, and a short task's whole life inside that launch, never count against no wall time).
+  It lies within 0 … 100 times the machine's cores; a run shorter than ``MIN_WALL_S``, or whose
+  counter went backwards, is not measured (None), never a huge figure. While the task runs, the
+  sampler reads it every ``CPU_EVERY_S`` for the live view.
 * GPU, host-wide and task-scoped: sampled every ``interval`` seconds while the task runs, and
   once more at its end so that a run shorter than one interval still has a reading.
   Host-wide is the mean over all of this node's GPUs; task-scoped is the SM utilisation of the
@@ -27,6 +32,16 @@ from flashnode.clock import Clock
 from flashnode.gpupool import Device
 
 CpuTimes = Callable[[], tuple[float, float]]  # (busy seconds, total seconds), host-wide
+MIN_WALL_S = 0.01  # shorter, a task's CPU figure is not measured: one clock tick
+CPU_EVERY_S = 5.0  # the live view's task CPU is read at most this often (a container's costs)
+
+
+def task_cpu_percent(cpu_seconds: float | None, wall_seconds: float, cores: int) -> float | None:
+    """The task's CPU seconds over ``wall_seconds`` of its own, in percent of one core, within
+    0 … 100 times ``cores``; None when not measured, too short to tell, or inconsistent."""
+    if cpu_seconds is None or cpu_seconds < 0 or wall_seconds < MIN_WALL_S:
+        return None
+    return round(min(cpu_seconds / wall_seconds * 100.0, 100.0 * max(cores, 1)), 2)
 
 
 def host_cpu_times() -> tuple[float, float]:
@@ -102,8 +117,12 @@ class Sampler:
         gpu: GpuReader | None = None,
         host_devices: list[Device] | None = None,
         task_devices: list[Device] | None = None,
+        cpu: Callable[[], float | None] | None = None,
+        cores: int = 1,
     ) -> None:
+        """``cpu``: the task's CPU seconds so far (for the live view), read from now on."""
         self._clock, self._interval, self._probe = clock, interval, probe
+        self._cpu, self._cores = cpu, cores
         self._gpu = gpu
         self._host = list(host_devices or []) if gpu else []
         self._task = list(task_devices or []) if gpu else []
@@ -111,6 +130,11 @@ class Sampler:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._seen: set[int] = set()  # every pid the task ever had: samples outlive processes
+        # Its processes' CPU so far first (without cgroup accounting, reading its processes is
+        # what measures it): the baseline its own CPU is counted from.
+        self._remember_pids()
+        self._cpu_start: tuple[float, float | None] = (clock.monotonic(), _read(cpu))
+        self._cpu_last: tuple[float, float | None] | None = None
         self._readings = 0
         self.host_gpu, self.task_gpu = _Series(), _Series()
 
@@ -118,6 +142,21 @@ class Sampler:
         self._remember_pids()
         while not self._clock.wait(self._stop, self._interval):
             self.sample()
+
+    @property
+    def cpu_start(self) -> tuple[float, float | None]:
+        """When the task was handed over (monotonic) and the CPU seconds it had used then."""
+        return self._cpu_start
+
+    def live_cpu_percent(self) -> float | None:
+        """The task's CPU so far, from its last reading (None before one)."""
+        last = self._cpu_last
+        if last is None:
+            return None
+        (t0, cpu0), (t1, cpu1) = self._cpu_start, last
+        if cpu1 is None:
+            return None
+        return task_cpu_percent(cpu1 - (cpu0 or 0.0), t1 - t0, self._cores)
 
     def finish(self) -> tuple[float | None, float | None]:
         """Stop and return (host GPU mean, task GPU mean). A run that ended before its first
@@ -137,6 +176,10 @@ class Sampler:
         with self._lock:
             self._readings += 1
             self._remember_pids()
+            now = self._clock.monotonic()
+            last = self._cpu_last
+            if self._cpu is not None and (last is None or now - last[0] >= CPU_EVERY_S):
+                self._cpu_last = (now, _read(self._cpu))
             if self._gpu is None:
                 return
             if self._host:
@@ -157,3 +200,12 @@ class Sampler:
                             self._since[d.visible] = max(self._since[d.visible], ts)
                     total += sum(sum(v) / len(v) for v in per_pid.values())
                 self.task_gpu.add(min(total / len(self._task), 100.0))
+
+
+def _read(cpu: Callable[[], float | None] | None) -> float | None:
+    if cpu is None:
+        return None
+    try:
+        return cpu()
+    except Exception:  # unreadable: not measured
+        return None

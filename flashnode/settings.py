@@ -446,6 +446,11 @@ class Settings(BaseModel):
     #   (not the task's fault); None: the lease's own window (lease_seconds).
     task_cpu_percent: float | None = Field(default=None, gt=0, le=100)
     max_suspend_seconds: float | None = Field(default=None, gt=0, le=7 * 86400)
+    # The black-hole guard (guard.py): after quarantine_after attempts in a row that ended
+    #   through this node's fault (or failed fast with one reason across jobs) the node stops
+    #   claiming and runs its own checks every quarantine_check_seconds; 0 turns it off.
+    quarantine_after: int = Field(default=5, ge=0)
+    quarantine_check_seconds: float = Field(default=300.0, gt=0, le=86400)
 
     @field_validator("run_windows", mode="before")
     @classmethod

@@ -1,11 +1,13 @@
 """Files in the state dir, written whole or not at all, with a mode other local users cannot
 widen: a temporary file made with ``O_EXCL | O_NOFOLLOW`` and the exact mode (whatever the
 umask), optionally handed to the ``flashnode`` group (what ``flashnode status`` may read), then
-renamed into place."""
+renamed into place. ``overwrite`` is the way on a full disk: in place, within the blocks the file
+already has."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import os
 from pathlib import Path
@@ -41,3 +43,17 @@ def write(
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def overwrite(path: Path, data: bytes) -> None:
+    """Write ``data`` over the file in place, padded with spaces to its size: no new block is
+    needed, so it works on a full disk. OSError (EFBIG) when ``data`` is larger than the file.
+    Not atomic: a reader may see a mix of old and new (``status.read`` tries again)."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if len(data) > size:
+            raise OSError(errno.EFBIG, f"{len(data)} bytes do not fit in {size}", str(path))
+        os.pwrite(fd, data.ljust(size, b" "), 0)
+    finally:
+        os.close(fd)

@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO, TypeGuard
 
 from flashnode import statefile
+from flashnode.errors import disk_full
 from flashnode.sanitise import sanitise
 
 STATUS_FILE = "status.json"
+BLOCK_BYTES = 4096
+SLACK_BYTES = 1024  # what a snapshot may grow by and still be written in place
 
 
 class StatusSink(Protocol):
@@ -31,16 +34,32 @@ class StatusSink(Protocol):
 
 
 def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
-    """Readable by the agent's user and the ``flashnode`` group only."""
-    data = json.dumps(snapshot, sort_keys=True).encode()
-    statefile.write(state_dir / STATUS_FILE, data, 0o640, statefile.STATUS_GROUP)
+    """Readable by the agent's user and the ``flashnode`` group only. Padded with spaces to a
+    whole number of blocks, with room to spare, so that on a full disk the next snapshot can
+    still be written in place (and say that the disk is full)."""
+    data = json.dumps(snapshot, sort_keys=True).encode() + b"\n"
+    data = data.ljust(-(-(len(data) + SLACK_BYTES) // BLOCK_BYTES) * BLOCK_BYTES)
+    path = state_dir / STATUS_FILE
+    try:
+        statefile.write(path, data, 0o640, statefile.STATUS_GROUP)
+    except OSError as exc:
+        if disk_full(exc) is None:
+            raise
+        statefile.overwrite(path, data.rstrip(b" "))
 
 
 def read(state_dir: Path) -> dict[str, Any] | None:
     """The running agent's snapshot, or None when no agent runs on this state dir."""
-    try:
-        snapshot: dict[str, Any] = json.loads((state_dir / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+    snapshot: dict[str, Any] | None = None
+    for _ in range(3):  # a snapshot written in place (a full disk) may be read half-written
+        try:
+            snapshot = json.loads((state_dir / STATUS_FILE).read_text())
+            break
+        except ValueError:
+            time.sleep(0.05)
+        except OSError:
+            return None
+    if not isinstance(snapshot, dict):
         return None
     pid = snapshot.get("pid")
     if isinstance(pid, bool) or not isinstance(pid, int) or not agent_alive(pid):
@@ -92,6 +111,11 @@ def size(n: Any) -> str:
         if n >= factor:
             return f"{n / factor:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def percent(value: float) -> str:
+    """``0.15%``, ``97.2%``, ``1520%``: for the task's CPU and GPU figures (no exponents)."""
+    return f"{value:.3g}%" if value < 1000 else f"{value:.0f}%"
 
 
 def attempt_line(attempt: dict[str, Any], now: float) -> str:
@@ -151,6 +175,14 @@ def render(snapshot: dict[str, Any]) -> str:
         for h in held:
             also = " (suspends running tasks)" if h.get("suspends") else ""
             lines.append(f"  {h.get('rule')}: {h.get('reason')}{also}")
+    last = snapshot.get("last_ended")
+    if isinstance(last, dict):
+        why = f": {last['reason']}" if last.get("reason") else ""
+        line = (
+            f"last ended  {last.get('lease_id')} ({last.get('job_id')}/{last.get('task_id')})"
+            f" {last.get('outcome')}{why}"
+        )
+        lines.append(line)
     running = snapshot.get("running") or []
     lines.append(f"running     {len(running)}")
     for a in running:
@@ -161,6 +193,9 @@ def render(snapshot: dict[str, Any]) -> str:
             if a.get("suspend_reason"):
                 state += f" ({a['suspend_reason']})"
         lines.append(f"    state        {state}")
+        cpu = a.get("cpu_percent")
+        if _number(cpu):
+            lines.append(f"    task cpu     {percent(cpu)} of one core")
         lines.append(f"    lease left   {duration(a.get('lease_left_s'))}")
         checkpoints = a.get("checkpoints")
         shipped = f"{checkpoints}" if _number(checkpoints) else "-"

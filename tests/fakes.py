@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from flashnode.attempt import AttemptContext
-from flashnode.errors import AttemptFailed
+from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.ledger import Ledger
 from flashnode.outbox import Outbox
 from flashnode.preflight import Finding
@@ -183,6 +183,8 @@ class FakeRunner(Runner):
             metrics if metrics is not None else {"ok": 1},
             refuse,
         )
+        self.lapse = ""  # a reason the node cannot run tasks now (AttemptLapsed in check)
+        self.start_error: Exception | None = None  # what start raises instead of starting
         self.started: list[StartSpec] = []
 
     @classmethod
@@ -196,8 +198,12 @@ class FakeRunner(Runner):
     def check(self, task: Task) -> None:
         if self.refuse:
             raise AttemptFailed(self.refuse)
+        if self.lapse:
+            raise AttemptLapsed(self.lapse)
 
     def start(self, spec: StartSpec) -> Handle:
+        if self.start_error is not None:
+            raise self.start_error
         self.started.append(spec)
         spec.record({"fake": True})
         spec.workspace.task_uid = os.geteuid()
@@ -206,12 +212,12 @@ class FakeRunner(Runner):
         return FakeHandle(self.code)
 
 
-def lease(n: int = 0, **payload: Any) -> dict[str, Any]:
+def lease(n: int = 0, job: str = "j1", **payload: Any) -> dict[str, Any]:
     body = {
         "argv": ["true"],
         "env": {},
         "inputs": {},
-        "output_prefix": f"jobs/j1/task-{n:03d}/",
+        "output_prefix": f"jobs/{job}/task-{n:03d}/",
         "task_id": f"task-{n:03d}",
         "isolation": {"tier": "sandboxed", "allowFallback": True},
         "pool": "team-a",
@@ -221,7 +227,7 @@ def lease(n: int = 0, **payload: Any) -> dict[str, Any]:
     return {
         "lease_id": f"ls-{n:012d}",
         "task_id": f"task-{n:03d}",
-        "job_id": "j1",
+        "job_id": job,
         "attempt_number": 1,
         "lease_seconds": 60.0,
         "payload": body,

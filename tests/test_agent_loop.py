@@ -192,3 +192,220 @@ def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: P
     assert seen[0] == (2, 0)  # two claims, both GPUs held before either attempt ran
     assert len(coord.names("claim")) == 3 and agent.stats.outcomes == {"committed": 3}
     assert ctx.gpus.free == 2
+
+
+def test_an_attempt_keeps_the_settings_it_was_claimed_under_across_a_reload(
+    tmp_path: Path,
+) -> None:
+    import threading as th
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0), lease(1)])
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=2)
+    lowered = ctx.settings.model_copy(update={"max_output_total_bytes": 1})
+    deferred: list[object] = []
+
+    def start(fn: object, name: str) -> None:
+        if name.startswith("attempt-"):
+            deferred.append(fn)
+        elif name == "reload":
+            fn()  # type: ignore[operator]
+
+    ctx.start_thread = start  # type: ignore[assignment]
+    agent = Agent(
+        ctx, coord, lambda current: registration(current, "node-1"), reload=lambda: lowered
+    )
+    original_wait = clock.wait
+
+    def wait(event: th.Event, timeout: float) -> bool:
+        if deferred and agent.settings is lowered:
+            deferred.pop(0)()  # type: ignore[operator]  # the reload came while it ran
+            return True
+        if deferred and not agent._reload_requested:
+            agent.request_reload()  # SIGHUP: lower the output cap under the running attempt
+        return original_wait(event, timeout)
+
+    clock.wait = wait  # type: ignore[method-assign]
+    agent.run()
+    # The first attempt, claimed before the reload, kept its cap; the next one has the new one.
+    outcomes = [(r["task_id"], r["outcome"], r["reason"]) for r in ctx.ledger.records()]
+    assert outcomes[0] == ("task-000", "committed", "")
+    assert outcomes[1][:2] == ("task-001", "failed") and "larger than 1 bytes" in outcomes[1][2]
+
+
+# --- the node's own holds: the black-hole guard, the backoff after a revoked lease -----------
+
+
+def held_agent(
+    tmp_path: Path,
+    coord: FakeCoordinator,
+    clock: FakeClock,
+    runner: FakeRunner,
+    health: object = None,
+    **settings: object,
+) -> Agent:
+    """An agent whose attempts and quarantine checks run inline."""
+    ctx = context(tmp_path, clock, coord, runner, **settings)
+
+    def start(fn: object, name: str) -> None:
+        if name.startswith("attempt-") or name == "quarantine-check":
+            fn()  # type: ignore[operator]
+
+    ctx.start_thread = start  # type: ignore[assignment]
+    return Agent(
+        ctx,
+        coord,
+        lambda current: registration(current, "node-1"),
+        health=health,  # type: ignore[arg-type]
+    )
+
+
+def stop_at(agent: Agent, clock: FakeClock, coord: FakeCoordinator, at: float) -> list[str]:
+    """Stop the agent at ``at`` on the fake clock; what it said it was held by, turn by turn."""
+    held: list[str] = []
+    original = coord.node_heartbeat
+
+    def heartbeat(hb: object) -> None:
+        held.append(agent.decision.hold_reason or "")
+        if clock.now >= at:
+            agent.request_stop()
+        original(hb)  # type: ignore[arg-type]
+
+    coord.node_heartbeat = heartbeat  # type: ignore[method-assign,assignment]
+    return held
+
+
+def test_a_node_that_lapses_attempt_after_attempt_quarantines_itself_until_its_checks_pass(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(n, job=f"j{n}") for n in range(8)])
+    runner = FakeRunner()
+    runner.lapse = "container engine unavailable (ConnectionError)"
+    checks: list[float] = []
+
+    def health(settings: object) -> list[str]:
+        checks.append(clock.now)
+        if clock.now > 1400:  # the owner fixed the node by then
+            runner.lapse = ""
+            return []
+        return ["docker: no engine answers; fix: start the Docker engine"]
+
+    agent = held_agent(
+        tmp_path, coord, clock, runner, health, quarantine_after=3, quarantine_check_seconds=120
+    )
+    held = stop_at(agent, clock, coord, 1700)
+    with caplog.at_level(logging.INFO):
+        agent.run()
+    claims = coord.names("claim")
+    outcomes = [r["outcome"] for r in agent.ctx.ledger.records()]
+    assert outcomes[:3] == ["lapsed"] * 3 and set(outcomes[3:]) == {"committed"}
+    # No claim between the third lapse and the first check that passed (every 120 s).
+    assert claims[3] > 1400 and claims[3] - claims[2] >= 120
+    assert checks[0] == claims[2] and all(b - a >= 119.9 for a, b in zip(checks, checks[1:]))
+    why = next(h for h in held if "quarantined" in h)
+    assert "3 attempts in a row ended through this node's fault" in why
+    assert "container engine unavailable" in why and "no engine answers" in why
+    assert sum("quarantined:" in r.message for r in caplog.records) <= 2  # not once per turn
+    assert any("quarantine ends" in r.message for r in caplog.records)
+
+
+def test_fast_failures_with_one_reason_across_jobs_quarantine_but_one_jobs_do_not(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    one_job = FakeCoordinator(clock, claims=[lease(n) for n in range(4)])
+    (tmp_path / "a").mkdir()
+    agent = held_agent(
+        tmp_path / "a", one_job, clock, FakeRunner(code=1), quarantine_after=3, max_tasks=4
+    )
+    agent.run()
+    assert len(one_job.names("claim")) == 4  # a broken job fails on every node: not our fault
+    assert agent.quarantine.hold() is None
+
+    clock = FakeClock()
+    jobs = FakeCoordinator(clock, claims=[lease(n, job=f"j{n % 2}") for n in range(4)])
+    agent = held_agent(tmp_path, jobs, clock, FakeRunner(code=1), quarantine_after=3)
+    stop_at(agent, clock, jobs, 1100)
+    agent.run()
+    assert len(jobs.names("claim")) == 3
+    hold = agent.quarantine.hold()
+    assert hold is not None and "3 attempts of 2 jobs in a row failed within 60 s" in hold.reason
+    assert "exit code 1" in hold.reason
+
+
+def test_one_success_resets_the_count(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(n, job=f"j{n}") for n in range(5)])
+    runner = FakeRunner()
+    outcomes = iter(["sandbox failing", "sandbox failing", "", "sandbox failing", ""])
+    original = runner.check
+
+    def check(task: object) -> None:
+        runner.lapse = next(outcomes)
+        original(task)  # type: ignore[arg-type]
+
+    runner.check = check  # type: ignore[method-assign]
+    agent = held_agent(tmp_path, coord, clock, runner, quarantine_after=3, max_tasks=5)
+    agent.run()
+    assert len(coord.names("claim")) == 5 and agent.quarantine.hold() is None
+
+
+def test_endings_that_are_not_the_nodes_fault_neither_count_nor_reset() -> None:
+    from flashnode.attempt.record import Outcome
+    from flashnode.guard import Ending, Quarantine
+
+    q = Quarantine(3, 60, FakeClock())
+    fault = Ending(Outcome.LAPSED, "disk full (No space left on device)", "j", node_fault=True)
+    q.record(fault)
+    q.record(fault)
+    for neutral in (
+        Ending(Outcome.LAPSED, "node draining", "j"),  # a drain, a stop, a pause --now
+        Ending(Outcome.LOST, "lease lost (410)", "j"),
+        Ending(Outcome.REJECTED, "", "j"),
+        Ending(Outcome.FAILED, "exit code 1", "j", seconds=3600.0),  # slow: the task's own
+    ):
+        q.record(neutral)
+    assert q.hold() is None and q.streak == 0  # the slow failure broke the streak
+    for _ in range(3):
+        q.record(fault)
+    hold = q.hold()
+    assert hold is not None and hold.rule == "quarantine" and "disk full" in hold.reason
+
+
+def test_a_lease_revoked_by_the_watchdog_is_not_claimed_straight_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from flashnode.errors import LeaseLost
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0), lease(0), lease(1), lease(2)])
+    runner = FakeRunner()
+    revoked = LeaseLost(
+        "attempt heartbeat: 410 lease ls-000000000000 revoked: no progress within 3s"
+    )
+    errors = iter([revoked, revoked, None, None])
+    original = runner.start
+
+    def start(spec: object) -> object:
+        runner.start_error = next(errors)
+        return original(spec)  # type: ignore[arg-type]
+
+    runner.start = start  # type: ignore[method-assign,assignment]
+    agent = held_agent(tmp_path, coord, clock, runner, max_tasks=4)
+    held = stop_at(agent, clock, coord, 5000)
+    with caplog.at_level(logging.INFO):
+        agent.run()
+    claims = coord.names("claim")
+    g = gaps(claims)
+    assert 48 <= g[0] <= 60.5  # about a minute after the first revocation
+    assert 96 <= g[1] <= 120.5  # doubled after the second in a row
+    assert g[2] < 1  # a commit resets it: back to claiming at once
+    assert any("watchdog revoked lease ls-000000000000" in h for h in held)
+    assert any("not claiming for" in r.message for r in caplog.records)
+    assert [r["outcome"] for r in agent.ctx.ledger.records()] == [
+        "lost",
+        "lost",
+        "committed",
+        "committed",
+    ]

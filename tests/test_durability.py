@@ -135,3 +135,32 @@ def test_sighup_reloads_pools_and_takes_the_new_pools_work(
     agent.signal(signal.SIGHUP)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=30) == "SUCCEEDED"
     assert "configuration reloaded: pools team-a,team-b" in agent.log
+
+
+def test_a_reload_lowering_the_output_cap_leaves_the_running_task_its_own(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
+    drop_dir: Path,
+) -> None:
+    config = tmp_path / "flashnode.toml"
+    config.write_text('runner = "trusted"\npools = ["team-a"]\nmax_output_total_bytes = "10M"\n')
+    started, go = drop_dir / "started", drop_dir / "go"
+    script = (
+        "head -c 2000000 /dev/zero > out/blob;"
+        f" touch {started}.{{n}}; while [ ! -e {go} ]; do sleep 0.1; done;"
+        " echo '{{\"ok\": 1}}' > out/metrics.json"  # braces doubled: the command is a template
+    )
+    coordinator.submit(argv_job(["sh", "-c", script], params=[{"n": 0}, {"n": 1}], max_attempts=1))
+    agent = start_agent(coordinator.url, "--config", str(config), env=FAST)
+    wait_for("the first task to write its 2 MB", lambda: Path(f"{started}.0").exists())
+    config.write_text('runner = "trusted"\npools = ["team-a"]\nmax_output_total_bytes = "1M"\n')
+    agent.signal(signal.SIGHUP)
+    agent.wait_log("configuration reloaded")
+    go.touch()  # its outputs are checked (while it runs and after) under the reloaded settings
+    ledger = agent.wait_ledger(2, timeout=60)
+    by_task = {r["task_id"]: r for r in ledger}
+    # Claimed under a 10 MB cap, it keeps it; the next claim gets the reloaded 1 MB.
+    assert by_task["task-000"]["outcome"] == "committed", by_task["task-000"]
+    assert by_task["task-001"]["outcome"] == "failed"
+    assert "1048576 bytes" in by_task["task-001"]["reason"]

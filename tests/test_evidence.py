@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +53,115 @@ def test_busy_and_idle_tasks_give_honest_cpu_figures(
         or idle_rec["task_usage"]["cpu_percent_mean"] <= 5
     )
     assert 2.9 <= wall < 6
+
+
+def test_sub_second_tasks_get_cpu_figures_within_what_the_machine_has(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    # Python's start-up is most of such a task's life; some spin briefly on two threads.
+    short = (
+        "import json, threading, time\n"
+        "def spin(s):\n"
+        "    t = time.time()\n"
+        "    while time.time() - t < s: pass\n"
+        "ts = [threading.Thread(target=spin, args=({n} * 0.02,)) for _ in range(2)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "json.dump({{}}, open('out/metrics.json', 'w'))"
+    )
+    quick = "echo '{{}}' > out/metrics.json"
+    jobs = [
+        coordinator.submit(argv_job(["python3", "-c", short], params=[{"n": n} for n in range(5)])),
+        coordinator.submit(argv_job(["sh", "-c", quick], params=[{"n": n} for n in range(5)])),
+    ]
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "10", env=FAST)
+    assert agent.wait(120) == 0, agent.log
+    for job in jobs:
+        assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashnode",
+            "history",
+            "--json",
+            "--state-dir",
+            str(agent.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(records) == 10, done.stdout + done.stderr
+    most = 100.0 * (os.cpu_count() or 1)
+    for r in records:
+        assert r["evidence"]["wall_seconds"] < 1.0, r
+        cpu = r["task_usage"]["cpu_percent_mean"]
+        assert cpu is None or 0 <= cpu <= most, r  # never 310 % or 4.62e+03 % on two cores
+    table = subprocess.run(
+        [sys.executable, "-m", "flashnode", "history", "--state-dir", str(agent.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    assert "e+" not in table, table
+
+
+def test_task_cpu_figure_is_bounded_and_null_when_too_short_to_tell() -> None:
+    from flashnode.sampler import MIN_WALL_S, task_cpu_percent
+
+    assert task_cpu_percent(0.5, 1.0, 2) == 50.0
+    assert task_cpu_percent(0.0, 1.0, 2) == 0.0  # measured zero, not "not measured"
+    assert task_cpu_percent(9.0, 1.0, 2) == 200.0  # a counter's overshoot stays within the cores
+    assert task_cpu_percent(0.2, MIN_WALL_S / 2, 2) is None
+    assert task_cpu_percent(None, 1.0, 2) is None
+    assert task_cpu_percent(-0.1, 1.0, 2) is None
+
+
+def test_the_live_cpu_figure_counts_from_the_hand_over_and_is_read_at_most_every_few_seconds() -> (
+    None
+):
+    from flashnode.sampler import CPU_EVERY_S
+
+    clock = FakeClock()
+    used = {"cpu": 0.7}  # what the launch used before the task was handed over
+    reads: list[float] = []
+
+    def cpu() -> float:
+        reads.append(clock.now)
+        return used["cpu"]
+
+    sampler = Sampler(clock, 1.0, Pids(set()), cpu=cpu, cores=2)
+    assert sampler.live_cpu_percent() is None  # no reading yet
+    clock.now += 2.0
+    used["cpu"] += 1.0  # half a core over two seconds
+    sampler.sample()
+    assert sampler.live_cpu_percent() == 50.0
+    clock.now += 1.0
+    sampler.sample()  # too soon for another reading
+    assert len(reads) == 2 and sampler.live_cpu_percent() == 50.0
+    clock.now += CPU_EVERY_S
+    used["cpu"] += 100.0  # a counter's jump never shows past the machine's two cores
+    sampler.sample()
+    assert sampler.live_cpu_percent() == 200.0
+
+
+def test_history_shows_a_figure_past_the_machines_cores_as_not_measured(tmp_path: Path) -> None:
+    """Ledger lines an older agent wrote (CPU over no wall time) are not shown as figures."""
+    from click.testing import CliRunner
+
+    from flashnode.cli import main
+
+    lines = [
+        {"job_id": "j", "task_id": f"t{i}", "outcome": "committed", "task_usage": usage}
+        for i, usage in enumerate(
+            [{"cpu_percent_mean": 4620.0}, {"cpu_percent_mean": 97.25}, {"cpu_percent_mean": 0.4}]
+        )
+    ]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = CliRunner().invoke(main, ["history", "--state-dir", str(tmp_path)]).output
+    rows = out.splitlines()
+    assert "cpu -" in rows[0] and "cpu 97.2%" in rows[1] and "cpu 0.4%" in rows[2], out
 
 
 def test_without_nvml_the_node_reports_no_gpus_and_null_not_zero(

@@ -25,3 +25,15 @@ def test_a_stream_over_the_cap_keeps_its_head_a_marker_and_its_tail(tmp_path: Pa
     assert "890 bytes over the 10-byte cap not kept; the last 890 follow" in text
     assert text.endswith("line 099\n")
     assert f.tail.endswith(b"line 099\n")
+
+
+def test_a_full_disk_stops_the_file_but_not_the_stream() -> None:
+    """/dev/full answers every write with ENOSPC, as a full state dir does."""
+    import errno
+
+    f = CappedFile(Path("/dev/full"), 1 << 20)
+    f.write(b"step 1\n")  # never raises: the thread copying the task's pipe goes on
+    f.write(b"step 2\n")
+    f.close()
+    assert f.error is not None and f.error.errno == errno.ENOSPC
+    assert f.tail == b"step 1\nstep 2\n" and f.last_line == "step 2"

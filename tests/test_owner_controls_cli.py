@@ -232,7 +232,7 @@ def test_history_shows_the_task_scoped_cpu_and_a_dash_for_what_was_not_measured(
             "task_id": "t3",
             "outcome": "failed",
             "evidence": {"wall_seconds": 1.0},
-            "task_usage": {"cpu_percent_mean": 250.0, "gpu_util_percent_mean": 87.5},
+            "task_usage": {"cpu_percent_mean": 150.0, "gpu_util_percent_mean": 87.5},
             "reason": "exit code 1",
         }
     )
@@ -241,5 +241,5 @@ def test_history_shows_the_task_scoped_cpu_and_a_dash_for_what_was_not_measured(
     first, second, third = out.splitlines()
     assert "cpu 0.15%  gpu -" in first and "52" not in first
     assert "j/t2" in second and "cpu -  gpu -" in second
-    assert "cpu 250%  gpu 87.5%" in third and third.endswith("exit code 1")
+    assert "cpu 150%  gpu 87.5%" in third and third.endswith("exit code 1")
     assert "None" not in out

@@ -25,6 +25,7 @@ beside the orchestrator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -43,11 +44,15 @@ from flashnode.errors import (
     Cancelled,
     CredentialsError,
     LeaseLost,
+    Stopped,
+    disk_full,
+    disk_full_error,
 )
 from flashnode.gpupool import Device
 from flashnode.retry import Interrupted
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.spec import Preparation
+from flashnode.sampler import Sampler
 from flashnode.wire import ExecutionEvidence, Lease, Task, parse_lease
 from flashnode.workspace import OutputFile, Workspace, remove_tree
 
@@ -93,8 +98,12 @@ class Attempt:
         reserved: list[Device] | None = None,
         record: AttemptRecord | None = None,
     ) -> None:
-        """``reserved``: GPUs the agent already took for this lease when it claimed it."""
-        self.ctx = ctx
+        """``reserved``: GPUs the agent already took for this lease when it claimed it.
+
+        The attempt keeps the context it was claimed under: a copy, so that a reload, which
+        swaps the agent's settings and per-task limits for the next claim, never changes them
+        halfway through this attempt (caps, timeouts and grace periods stay what they were)."""
+        self.ctx = dataclasses.replace(ctx)
         self.data = lease_data
         self.record = record or AttemptRecord(
             lease=lease_data if isinstance(lease_data, dict) else {},
@@ -107,6 +116,7 @@ class Attempt:
         self.keeper: LeaseKeeper | None = None
         self.devices: list[Device] = list(reserved or [])
         self.handle: Handle | None = None
+        self.sampler: Sampler | None = None  # while the task runs (the live CPU figure)
         self.result: RunResult | None = None
         self.files: list[OutputFile] = []
         self.output_sha256 = ""
@@ -121,6 +131,8 @@ class Attempt:
         self.stop = threading.Event()  # every wait of every phase ends when this is set
         self._ending: AttemptFailed | AttemptLapsed | None = None
         self.cancel_grace = 0.0
+        self.node_fault = False  # it lapsed through the node's fault (the black-hole guard)
+        self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
         # Owner controls (the loop asks, the execute phase acts) and the live view.
@@ -165,6 +177,7 @@ class Attempt:
             "bytes_staged": self.bytes_staged,
             "bytes_uploaded": self.bytes_uploaded,
             "last_output": self.last_output(),
+            "cpu_percent": self.sampler.live_cpu_percent() if self.sampler else None,
         }
         for key, value in list(self.facts.items()):  # phases add to it on their thread
             snap.setdefault(key, value)
@@ -319,12 +332,16 @@ class Attempt:
         except (Interrupted, Cancelled):
             outcome, reason = self._interrupted()
         except AttemptLapsed as exc:
-            outcome, reason = self._lapse(str(exc))
+            outcome, reason = self._lapse(exc)
         except AttemptFailed as exc:
-            outcome, reason = commit.report_failure(self, str(exc))
-        except Exception as exc:  # a bug: still end the attempt cleanly and keep the agent up
-            log.exception("lease %s: unexpected error", lease.lease_id)
-            outcome, reason = commit.report_failure(self, f"agent error ({type(exc).__name__})")
+            outcome, reason = self._failed(exc)
+        except Exception as exc:
+            full = disk_full(exc)  # a write of the agent's, wherever it was: the node's fault
+            if full is not None:
+                outcome, reason = self._lapse(disk_full_error(full))
+            else:  # a bug: still end the attempt cleanly and keep the agent up
+                log.exception("lease %s: unexpected error", lease.lease_id)
+                outcome, reason = commit.report_failure(self, f"agent error ({type(exc).__name__})")
         finally:
             ended = time.monotonic()
             self.keeper.stop()
@@ -368,14 +385,24 @@ class Attempt:
         except (LeaseLost, CredentialsError) as exc:
             return self._lost_reason(exc)
         except AttemptLapsed as exc:
-            return self._lapse(str(exc))
+            return self._lapse(exc)
         except AttemptFailed as exc:
-            return commit.report_failure(self, str(exc))
-        return self._lapse("interrupted")
+            return self._failed(exc)
+        return self._lapse(Stopped("interrupted"))
 
-    def _lapse(self, reason: str) -> tuple[Outcome, str]:
-        log.warning("lease %s: %s; letting the lease lapse", self.lease_id, reason)
-        return Outcome.LAPSED, reason
+    def _failed(self, exc: AttemptFailed) -> tuple[Outcome, str]:
+        """The task's fault, unless a full disk is what made it fail."""
+        full = disk_full(exc)
+        if full is not None:
+            return self._lapse(disk_full_error(full))
+        return commit.report_failure(self, str(exc))
+
+    def _lapse(self, ending: AttemptLapsed) -> tuple[Outcome, str]:
+        """Not the task's fault: the lease is left to lapse. ``node_fault`` says whether the
+        node is to blame (not an owner's or a service manager's stop)."""
+        self.node_fault = not isinstance(ending, Stopped)
+        log.warning("lease %s: %s; letting the lease lapse", self.lease_id, ending)
+        return Outcome.LAPSED, str(ending)
 
     def _drop(self) -> Outcome:
         """A claim answer whose envelope is unusable: fail it if it names a lease, else drop."""
@@ -402,6 +429,7 @@ class Attempt:
             ).hexdigest()
         except (TypeError, ValueError, RecursionError):
             digest = ""
+        self.ended = (outcome, reason)
         evidence: ExecutionEvidence | None = self.record.evidence
         ended_at = self.ctx.clock.wall()
         entry = {

@@ -27,6 +27,7 @@ from flashnode.errors import (
     CredentialsError,
     LeaseLost,
     PayloadTooLarge,
+    disk_full,
 )
 from flashnode.sanitise import sanitise
 from flashnode.wire import SAFE_ID, parse_task
@@ -51,12 +52,24 @@ def check(a: Attempt) -> None:
     """The outputs of a run that ended well, checked, then the result spooled durably."""
     assert a.workspace is not None
     a.files = files = _checked_outputs(a, a.workspace)
-    a.save(
-        State.FINISHED,
-        durable=True,
-        outputs={f.rel: f.size for f in files},
-        metrics_sha256=_sha256(a.workspace, files[-1]),
-    )
+    try:
+        a.save(
+            State.FINISHED,
+            durable=True,
+            outputs={f.rel: f.size for f in files},
+            metrics_sha256=_sha256(a.workspace, files[-1]),
+        )
+    except OSError as exc:
+        if disk_full(exc) is None:
+            raise
+        # A computed result is not given up for a full disk: committing it reads, never writes.
+        # Not spooled, it is not kept for a next start either (the record on disk says running).
+        a.record.state = State.RUNNING
+        log.warning(
+            "lease %s: the result cannot be spooled (disk full); committing it now without a"
+            " durable record",
+            a.lease_id,
+        )
 
 
 def recheck(a: Attempt) -> None:

@@ -98,6 +98,9 @@ class DataPort(Protocol[H]):
 
 @dataclass
 class AttemptContext:
+    """The agent's edges and configuration. The agent swaps ``settings`` and ``limits`` on a
+    reload; each Attempt works on the copy it took when it was claimed."""
+
     coordinator: CoordinatorPort
     runner: Runner
     settings: Settings
@@ -113,6 +116,7 @@ class AttemptContext:
     metrics: MetricsSink = field(default_factory=NullMetrics)
     envs: EnvPort | None = None  # job environments, one cache per agent (trusted runner)
     data: DataPort[Any] | None = None  # dataset shards, one cache per agent
+    free_bytes: Callable[[], int | None] = lambda: None  # free in the state dir (None: unknown)
     # What may run after an attempt's outcome (removing its retired workspace): at once by
     # default; the agent hands it to a thread off the next claim's way (background.py).
     later: Callable[[Callable[[], None]], object] = field(default=lambda job: job())

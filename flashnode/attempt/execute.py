@@ -1,6 +1,9 @@
 """The run: start the task through the runner, wait for it (its exit, its timeout, a cancel, a
-lost lease, its files outgrowing their caps, an owner control suspending it), sample it, and
-turn how it ended into evidence and, when it did not succeed, the reason.
+lost lease, its files outgrowing their caps, the state dir's disk filling up, an owner control
+suspending it), sample it, and turn how it ended into evidence and, when it did not succeed, the
+reason. A full disk is the node's fault (``DiskFull``: the lease is left to lapse): the task is
+stopped as soon as it is seen, and a task that failed while the disk was full is taken to have
+failed because of it.
 
 The caps on a task's files are watched while it runs and looked at once more when it has
 exited: its outputs (``max_output_total_bytes``, ``max_output_files``) and everything it wrote
@@ -20,13 +23,14 @@ owner's rule wins."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from flashnode.attempt.record import State
-from flashnode.errors import AttemptFailed, AttemptLapsed
+from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, Stopped
 from flashnode.runners import spec as specs
 from flashnode.runners.base import RunResult, SuspendFailed
-from flashnode.sampler import Sampler
+from flashnode.sampler import Sampler, task_cpu_percent
 from flashnode.settings import Settings, format_size
 from flashnode.wire import ExecutionEvidence
 from flashnode.workspace import Usage
@@ -36,9 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.5  # how often the task's files are measured against their caps while it runs
+WATCH_S = 0.5  # how often the task's files and the state dir's free space are measured
 WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits that many walks
-LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost
+LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
+FULL_BELOW_BYTES = 1 << 20  # the state dir's disk is full with less than this free
 
 
 def run(a: Attempt) -> None:
@@ -68,12 +73,22 @@ def run(a: Attempt) -> None:
     cpu.start()
     with a.timed("execute.start", phase=False):
         a.handle = handle = ctx.runner.start(start)
-    sampler = Sampler(ctx.clock, s.sample_seconds, handle, ctx.gpu, ctx.gpus.devices, a.devices)
+    cores = os.cpu_count() or 1
+    a.sampler = sampler = Sampler(
+        ctx.clock,
+        s.sample_seconds,
+        handle,
+        ctx.gpu,
+        ctx.gpus.devices,
+        a.devices,
+        cpu=handle.cpu_seconds,
+        cores=cores,
+    )
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
     for watcher in a.during_run:
         watcher.start(a)
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
-    t0 = ctx.clock.monotonic()
+    t0, cpu0 = sampler.cpu_start
     stopped: Exception | None = None
     waited = _Wait(a, timeout, t0)
     try:
@@ -94,8 +109,11 @@ def run(a: Attempt) -> None:
     if suspended > 0:
         a.record.timings["suspended"] = round(suspended, 4)
     a.record.task_usage = {
-        # Over the time the task could run: a suspension is not the task idling.
-        "cpu_percent_mean": round(task_cpu / active * 100, 2) if task_cpu and active > 0 else None,
+        # Over the time the task could run (a suspension is not the task idling), and from the
+        # moment it was handed over: the CPU of its launch is not its own.
+        "cpu_percent_mean": task_cpu_percent(
+            None if task_cpu is None else task_cpu - (cpu0 or 0.0), active, cores
+        ),
         "gpu_util_percent_mean": task_gpu,
     }
     a.record.evidence = ExecutionEvidence(
@@ -108,12 +126,24 @@ def run(a: Attempt) -> None:
     a.check()
     if stopped is not None:
         raise stopped
+    if result.status != 0 or result.cause or result.oom:
+        full = full_disk(a)  # what made it fail, most likely: the node's fault, not the task's
+        if full is not None:
+            raise full
     _verdict(result)
+
+
+def full_disk(a: Attempt) -> DiskFull | None:
+    """The ending of an attempt whose state dir has (almost) no space left, else None."""
+    free = a.ctx.free_bytes()
+    if free is None or free >= FULL_BELOW_BYTES:
+        return None
+    return DiskFull(f"disk full ({free >> 10} KiB free in the state dir)")
 
 
 class _Wait:
     """Until the main process exits; stops it (and says why) on a lost lease, a cancel, the
-    timeout, files past their caps, or a suspension that lasts too long."""
+    timeout, files past their caps, a full disk, or a suspension that lasts too long."""
 
     def __init__(self, a: Attempt, timeout: float, t0: float) -> None:
         assert a.lease is not None
@@ -149,6 +179,10 @@ class _Wait:
                 handle.terminate(s.kill_grace_seconds)
                 return AttemptFailed(f"timed out after {self.timeout:g} s")
             if now >= self.next_watch:
+                full = full_disk(a)
+                if full is not None:  # stopped at once: the next write of anyone would fail
+                    handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
+                    return full
                 over = self._watch(now)
                 if over is not None:
                     handle.terminate(s.kill_grace_seconds)
@@ -183,7 +217,7 @@ class _Wait:
                 handle.suspend()
             except SuspendFailed as exc:
                 log.error("lease %s: %s", a.lease_id, exc)
-                return AttemptLapsed(f"{exc}, while an owner control asked to suspend it")
+                return Stopped(f"{exc}, while an owner control asked to suspend it")
             self.suspended_at = now
             a.suspended_since = now
             log.info("lease %s: task suspended: %s", a.lease_id, reason)
@@ -193,14 +227,14 @@ class _Wait:
                 handle.resume()
             except SuspendFailed as exc:
                 log.error("lease %s: %s", a.lease_id, exc)
-                return AttemptLapsed(str(exc))
+                return Stopped(str(exc))
             self._suspended += held
             self.deadline += held  # suspended time does not count against the timeout
             self.suspended_at = None
             a.suspended_since = None
             log.info("lease %s: task resumed after %.0f s suspended", a.lease_id, held)
         if self.suspended_at is not None and now - self.suspended_at >= self.max_suspend:
-            return AttemptLapsed(
+            return Stopped(
                 f"suspended by an owner control for longer than {self.max_suspend:g} s"
                 f" ({a.suspend_reason or 'released just now'}); the lease is given back"
             )
