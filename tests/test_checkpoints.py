@@ -170,7 +170,7 @@ else:
     if not os.path.exists(sys.argv[1]):
         open(sys.argv[1], "w").close()
         sys.exit(3)  # crash once, after the checkpoint is in place
-json.dump(report, open("out/metrics.json", "w"))
+json.dump(report, open("metrics.json", "w"))
 """
 
 
@@ -248,7 +248,7 @@ while step < int(sys.argv[1]):
         json.dump({"step": step}, f)
     os.rename(tmp, os.path.join(ckpt, "step-%d.json" % step))
     time.sleep(pause)
-json.dump({"started_from": start, "step": step}, open("out/metrics.json", "w"))
+json.dump({"started_from": start, "step": step}, open("metrics.json", "w"))
 """
 
 
@@ -387,7 +387,7 @@ with open(os.path.join(ckpt, ".tmp"), "wb") as f:
     for _ in range(500):
         f.write(block)
 os.rename(os.path.join(ckpt, ".tmp"), os.path.join(ckpt, "step-1.bin"))
-open("out/metrics.json", "w").write("{}")
+open("metrics.json", "w").write("{}")
 """
 
 
@@ -527,10 +527,11 @@ def test_relay_ships_the_newest_complete_checkpoint_and_keeps_only_it(tmp_path: 
     # step-3 is complete (a newer one exists), step-4 not yet; 1 and 2 are deleted.
     assert t.commits() == [1, 3]
     assert sorted(p.name for p in t.ckpt.iterdir()) == [".step-3.tmp", "step-3", "step-4.json"]
-    (_, _, (lease_id, step, parts, prefix)) = next(
+    (_, _, (lease_id, step, parts, prefix, world_size, framework)) = next(
         c for c in reversed(t.coord.calls) if c[1] == "checkpoint_commit"
     )
     assert step == 3 and prefix == f"artifact://jobs/j1/task-000/ckpt/{lease_id}/3/"
+    assert (world_size, framework) == (1, "")
     assert [p.key.removeprefix(prefix[len("artifact://") :]) for p in parts] == [
         "step-3/a.bin",
         "step-3/deep/b.bin",

@@ -140,13 +140,13 @@ def test_a_file_that_grows_while_it_is_uploaded_fails_the_attempt(tmp_path: Path
 FLOOD = r"""
 import os, sys, time
 chunk = b'x' * (1 << 20)
-with open('out/flood.bin', 'wb') as f:
+with open('flood.bin', 'wb') as f:
     for i in range(200):
         f.write(chunk); f.flush()
         print(i + 1, flush=True)
         time.sleep(0.02)
 print('done', flush=True)
-open('out/metrics.json', 'w').write('{}')
+open('metrics.json', 'w').write('{}')
 """
 
 
@@ -184,7 +184,7 @@ def read(*names):
 json.dump({
     'memory': read(('memory', 'memory.limit_in_bytes'), ('', 'memory.max')),
     'cpu': read(('cpu', 'cpu.cfs_quota_us'), ('', 'cpu.max')),
-}, open('out/metrics.json', 'w'))
+}, open('metrics.json', 'w'))
 """
     job = coordinator.submit(argv_job(["python3", "-c", probe]))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
@@ -218,7 +218,7 @@ def test_credentials_revoked_mid_run_stop_the_agent_cleanly(
     token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
     tc = token_coordinator
-    job = tc.server.submit(argv_job(["sh", "-c", "sleep 30; echo '{}' > out/metrics.json"]))
+    job = tc.server.submit(argv_job(["sh", "-c", "sleep 30; echo '{}' > metrics.json"]))
     agent = start_agent(tc.server.url, *TRUSTED, *tc.agent_args(), env={**FAST, **tc.agent_env()})
     wait_for("the task to run", lambda: tc.server.tasks(job)[0]["state"] == "LEASED")
     agent.wait_log("running (trusted runner")
@@ -276,7 +276,7 @@ def test_a_stop_during_staging_ends_the_attempt_before_the_task_starts(
         lease_answer(
             1,
             inputs={"data": "artifact://shared/slow.bin"},
-            argv=["sh", "-c", f"touch {marker}; echo '{{}}' > out/metrics.json"],
+            argv=["sh", "-c", f"touch {marker}; echo '{{}}' > metrics.json"],
         )
     ]
     agent = start_agent(bad.url, *TRUSTED, env={**FAST, "FLASHNODE_DRAIN_SECONDS": "1"})
