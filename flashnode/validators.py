@@ -9,8 +9,11 @@ top-level keys that must be present and not null; ``json_schema`` is a JSON Sche
 conform to. The schema is checked where ``jsonschema`` can be imported, in a helper process of
 its own (``procs.json_schema_problem``): a schema is the job's, and a pattern that backtracks
 without end must not hold the agent (Python's regular expressions keep the interpreter's lock).
-A schema that cannot be checked on the node (no ``jsonschema``, the helper's time ran out, the
-schema itself is not valid) is left to the coordinator.
+Where the coordinator would fail without a reason, the node fails the attempt with one: a schema
+that is not a valid JSON Schema or cannot be applied (a ``$ref`` it cannot resolve: the
+coordinator answers 500), a check that does not end in ``procs.SCHEMA_CHECK_S`` (it would hold
+the coordinator as long). Where ``jsonschema`` cannot be
+imported, the schema is left to the coordinator.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ MAX_KEYS = 1000
 MAX_KEY_CHARS = 1024
 # What the helper process runs: one JSON object on the descriptor named by argv[1] ({"schema",
 # "metrics"}); one line of JSON on stdout: {"problem": reason or null} or {"unchecked": why}.
-# Its reasons are the coordinator's, word for word.
+# Its reasons are the coordinator's, word for word. Started as the agent's user (its interpreter
+# may lie where only that user can read); a root helper becomes `nobody` (argv[2]) once
+# jsonschema is imported and has run once (what it imports on first use), before it reads
+# anything of the job's.
 SCHEMA_HELPER = r"""
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
@@ -37,6 +43,18 @@ try:
     from jsonschema import SchemaError, ValidationError
 except ImportError:
     say(unchecked="jsonschema is not installed for the agent")
+warm = {"type": "object", "required": ["a"], "properties": {"a": {"type": "array", "items": {
+    "type": ["integer", "string"], "pattern": "^x", "minimum": 0, "format": "date"}}}}
+jsonschema.validate({"a": [1, "x"]}, warm)
+try:
+    jsonschema.validate({"a": [-1]}, warm)
+except ValidationError as exc:
+    "/".join(str(p) for p in exc.absolute_path) + exc.message
+if os.geteuid() == 0:
+    uid = int(sys.argv[2])
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
 with os.fdopen(int(sys.argv[1]), "rb") as fh:
     given = json.loads(fh.read())
 try:
@@ -45,7 +63,9 @@ except ValidationError as exc:
     where = "/".join(str(p) for p in exc.absolute_path) or "<root>"
     say(problem=f"metrics.json does not conform to the declared schema at {where}: {exc.message}")
 except SchemaError as exc:
-    say(unchecked="the declared schema is not a valid JSON Schema")
+    say(problem=f"the declared json_schema is not a valid JSON Schema: {exc.message}")
+except Exception as exc:  # what the coordinator would answer with a 500 (an unresolvable $ref)
+    say(problem=f"the declared json_schema cannot be applied ({type(exc).__name__}: {exc})")
 say(problem=None)
 """
 
