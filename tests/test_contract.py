@@ -275,7 +275,9 @@ def test_a_hugging_face_checkpoint_directory_is_relayed_and_restored_for_latest_
     assert final is not None and final["step"] == 5 and final["framework"] == "transformers"
     names = part_names(final)
     assert sorted(names) == ["manifest.json", "model.safetensors", "trainer_state.json"]
-    assert names["manifest.json"].endswith(f"/ckpt/{second['lease_id']}/5/checkpoint-5/manifest.json")
+    assert names["manifest.json"].endswith(
+        f"/ckpt/{second['lease_id']}/5/checkpoint-5/manifest.json"
+    )
 
 
 # --- 5. declared validators: refused on the node, with the coordinator's reason ----------------
@@ -314,7 +316,7 @@ def test_a_result_against_a_declared_json_schema_fails_with_the_coordinators_rea
     declared = {"json_schema": {"properties": {"loss": {"type": "number"}}, "required": ["loss"]}}
     job = coordinator.submit(
         argv_job(
-            ["sh", "-c", "echo '{\"loss\": \"low\"}' > metrics.json"],
+            ["sh", "-c", 'echo \'{"loss": "low"}\' > metrics.json'],
             pool=POOL,
             validators=declared,
             max_attempts=1,
