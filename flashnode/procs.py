@@ -667,7 +667,9 @@ def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
     data = os.memfd_create("flashnode-schema-check")
     user = helper_user()
     try:
-        os.write(data, body)
+        view = memoryview(body)
+        while view:
+            view = view[os.write(data, view) :]
         os.lseek(data, 0, os.SEEK_SET)
         proc = popen_as(
             [
@@ -676,7 +678,7 @@ def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
                 "-c",
                 validators.SCHEMA_HELPER,
                 str(data),
-                str(user.uid if user is not None else os.geteuid()),
+                f"{user.uid}:{user.gid}" if user is not None else "",
             ],
             {"PATH": SYSTEM_PATH},
             None,

@@ -29,9 +29,9 @@ MAX_KEY_CHARS = 1024
 # What the helper process runs: one JSON object on the descriptor named by argv[1] ({"schema",
 # "metrics"}); one line of JSON on stdout: {"problem": reason or null} or {"unchecked": why}.
 # Its reasons are the coordinator's, word for word. Started as the agent's user (its interpreter
-# may lie where only that user can read); a root helper becomes `nobody` (argv[2]) once
-# jsonschema is imported and has run once (what it imports on first use), before it reads
-# anything of the job's.
+# may lie where only that user can read); a root agent's helper becomes argv[2] ("uid:gid", the
+# helper user) once jsonschema is imported and has run once (what it imports on first use),
+# before it reads anything of the job's.
 SCHEMA_HELPER = r"""
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
@@ -50,10 +50,10 @@ try:
     jsonschema.validate({"a": [-1]}, warm)
 except ValidationError as exc:
     "/".join(str(p) for p in exc.absolute_path) + exc.message
-if os.geteuid() == 0:
-    uid = int(sys.argv[2])
+if sys.argv[2]:
+    uid, gid = (int(n) for n in sys.argv[2].split(":"))
     os.setgroups([])
-    os.setresgid(uid, uid, uid)
+    os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
 with os.fdopen(int(sys.argv[1]), "rb") as fh:
     given = json.loads(fh.read())
