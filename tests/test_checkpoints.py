@@ -776,6 +776,28 @@ def test_a_manifest_being_written_waits_and_a_half_written_step_of_a_crash_is_ne
     assert t.a.record.checkpoint_step == 20
 
 
+def test_a_step_directory_is_not_taken_as_complete_while_its_manifest_may_still_come(
+    tmp_path: Path,
+) -> None:
+    """flashruntime.torch.checkpoint writes its parts into step-NNNNNN/ itself, then hashes them
+    (seconds, for a large model) and writes the manifest: a directory that stays unchanged over
+    a scan is no complete checkpoint."""
+    t = Setup(tmp_path)
+    (t.ckpt / "step-000010").mkdir()
+    (t.ckpt / "step-000010" / "model.pt").write_bytes(b"10")
+    t.relay.sweep()
+    t.relay.sweep()
+    assert commit_args(t) == []
+    write_step(t, "step-000010-tmp", {"model.pt": b"10"}, step=10)  # its manifest, made aside
+    (t.ckpt / "step-000010-tmp" / "manifest.json").rename(t.ckpt / "step-000010" / "manifest.json")
+    t.relay.sweep()
+    [(_, step, parts, _, _, _)] = commit_args(t)
+    assert step == 10 and sorted(p.key.rsplit("/", 1)[1] for p in parts) == [
+        "manifest.json",
+        "model.pt",
+    ]
+
+
 @pytest.mark.parametrize(
     ("key", "why"),
     [

@@ -50,6 +50,32 @@ def part_names(manifest: dict[str, Any]) -> dict[str, str]:
     return {p["key"].rsplit("/", 1)[1]: p["key"] for p in manifest["parts"]}
 
 
+# --- the variables and the working directory -------------------------------------------------
+
+CONTRACT = r"""
+mkdir -p "$FLASHML_CKPT_DIR/step-000001" && echo scratch > "$FLASHML_CKPT_DIR/step-000001/a"
+printf '{"pwd": "%s", "out": "%s", "ckpt": "%s", "job": "%s", "attempt": "%s"}' "$(pwd -P)" \
+  "$FLASHML_OUTPUT_DIR" "$FLASHML_CKPT_DIR" "$FLASHML_JOB_ID" "$FLASHML_ATTEMPT_ID" > metrics.json
+"""
+
+
+def test_a_trusted_task_starts_in_its_output_directory_with_flashruntimes_variables(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """And, its payload carrying no `checkpoint`, what it writes into its checkpoint directory is
+    scratch: neither relayed nor uploaded."""
+    job = coordinator.submit(argv_job(["sh", "-c", CONTRACT], pool=POOL, max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    report = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert report["out"] == report["pwd"] and report["pwd"].endswith("/out")
+    assert report["ckpt"] == report["out"] + "/ckpt"
+    assert (report["job"], report["attempt"]) == (job, only_line(agent)["lease_id"])
+    assert coordinator.artifacts(job) == [f"jobs/{job}/task-000/metrics.json"]
+    assert latest(coordinator, job) is None
+
+
 # --- 1. flashruntime.torch: crash on node A after the third checkpoint, resume on node B -------
 
 # Written from the torch-helper reference's "usage shape" alone: prepare, checkpoint every N
