@@ -73,7 +73,7 @@ class Checkpoint:
     files: tuple[OutputFile, ...]  # rel is under out/ ("ckpt/step-5/a.bin"), sorted
     stamp: tuple[tuple[str, int, int, int], ...]  # (rel, size, mtime_ns, ino) of every file
     problem: str = ""  # why it cannot be shipped; "" when it can
-    directory: bool = False
+    directory: bool = False  # a directory (else one file)
     # flashruntime's layout: its checked manifest (the step is the manifest's; ``files`` are the
     # parts it lists, then manifest.json), complete as soon as it is there.
     manifest: manifests.Manifest | None = None
