@@ -437,6 +437,7 @@ def _run_agent(
         metrics=served,
         envs=envs,
         data=data,
+        schema_check=procs.json_schema_problem,
         later=janitor.submit,
     )
 

@@ -286,6 +286,8 @@ class Coordinator:
         step: int,
         parts: list[CheckpointPart],
         storage_prefix: str,
+        world_size: int = 1,
+        framework: str = "",
     ) -> None:
         self._call(
             "checkpoint commit",
@@ -296,7 +298,8 @@ class Coordinator:
                 "step": step,
                 "expected_parts": [p.model_dump(mode="json") for p in parts],
                 "storage_prefix": storage_prefix,
-                "world_size": 1,
+                "world_size": world_size,
+                "framework": framework,
             },
         )
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import pwd
@@ -51,13 +52,14 @@ import secrets
 import select
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashnode import statefile
+from flashnode import statefile, validators
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
 from flashnode.logcap import CappedFile
@@ -649,6 +651,68 @@ def python_imports(python: str, modules: Sequence[str]) -> str | None:
         lines = err.decode(errors="replace").strip().splitlines()
         return lines[-1][:200] if lines else f"exit code {proc.returncode}"
     return None
+
+
+SCHEMA_CHECK_S = 30.0  # the longest a declared schema's check may take on the node
+
+
+def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
+    """The coordinator's reason why ``metrics`` does not conform to the job's JSON Schema, or
+    None (validators.SchemaCheck). Checked by the agent's own interpreter in a helper process
+    (a root agent's in a sandbox of its own, become ``helper_user`` before it reads the job's
+    schema; at most 1 GiB and ``SCHEMA_CHECK_S``, its process group killed after): the schema is
+    the job's. A check that takes longer fails too (it would hold the coordinator as long).
+    validators.Unchecked when it cannot tell."""
+    body = json.dumps({"schema": schema, "metrics": metrics}).encode()
+    data = os.memfd_create("flashnode-schema-check")
+    user = helper_user()
+    try:
+        view = memoryview(body)
+        while view:
+            view = view[os.write(data, view) :]
+        os.lseek(data, 0, os.SEEK_SET)
+        proc = popen_as(
+            [
+                sys.executable,
+                "-I",
+                "-c",
+                validators.SCHEMA_HELPER,
+                str(data),
+                f"{user.uid}:{user.gid}" if user is not None else "",
+            ],
+            {"PATH": SYSTEM_PATH},
+            None,
+            Sandbox(64 * 1024 * 1024) if user is not None else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(data,),
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise validators.Unchecked(f"the schema check did not start ({exc.strerror})") from None
+    finally:
+        os.close(data)
+    try:
+        out, _ = proc.communicate(timeout=SCHEMA_CHECK_S)
+    except subprocess.TimeoutExpired:
+        return (
+            "metrics.json could not be checked against the declared json_schema within"
+            f" {SCHEMA_CHECK_S:g} s"
+        )
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    try:
+        verdict = json.loads(out)
+    except ValueError:
+        verdict = None
+    if not isinstance(verdict, dict):
+        raise validators.Unchecked(f"the schema check failed (exit code {proc.returncode})")
+    if "unchecked" in verdict:
+        raise validators.Unchecked(str(verdict["unchecked"]))
+    reason = verdict.get("problem")
+    return reason if isinstance(reason, str) else None
 
 
 # --- kernel keyrings: no namespace holds them ------------------------------------------------

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from flashnode.datasets import DatasetEntry, parse_datasets
 from flashnode.errors import AttemptFailed
+from flashnode.validators import Validators, parse_validators
 
 SCHEMA_VERSION = "v1alpha1"
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -229,6 +230,7 @@ class Task(BaseModel):
     checkpoint: CheckpointPolicy | None = None  # set: relay checkpoints, resume from the latest
     local_inputs: tuple[str, ...] = ()  # labels of data the owner lends, each once, in order
     datasets: tuple[DatasetEntry, ...] = ()  # dataset slice entries, laid out under /work/data
+    validators: Validators | None = None  # what the job declared a result must hold
 
 
 # Where a resumed attempt finds its checkpoint (inputs/resume/), and its module spec key.
@@ -292,6 +294,10 @@ def parse_task(lease: Lease) -> Task:
 
     inputs = _inputs(p.get("inputs"), p.get("unpack_inputs"))
     checkpoint = _checkpoint(p.get("checkpoint"))
+    try:
+        declared = parse_validators(p.get("validators"))
+    except ValueError as exc:
+        raise AttemptFailed(str(exc)) from None
     if checkpoint is not None and any(RESUME_INPUT in (i.name, i.dest) for i in inputs):
         raise AttemptFailed(
             f"payload input {RESUME_INPUT!r} is reserved for the checkpoint a task resumes from"
@@ -317,6 +323,7 @@ def parse_task(lease: Lease) -> Task:
         checkpoint=checkpoint,
         local_inputs=_labels(p.get("local_inputs")),
         datasets=parse_datasets(p.get("datasets")),
+        validators=declared,
     )
 
 

@@ -3,9 +3,13 @@
 Layout of ``<state_dir>/attempts/<lease_id>/`` (the task sees it as ``/work``)::
 
     inputs/   staged inputs (plain inputs at inputs/<basename of key>, archives in inputs/<name>/)
-    out/      the task's outputs; every regular file is uploaded under the task's output prefix
-    out/ckpt/ a checkpointing task's checkpoints (not outputs: the relay ships them, see
-              ``not_outputs``), ``step-<N>.<ext>`` files or ``step-<N>/`` directories
+    out/      the task's outputs, and its working directory; every regular file is uploaded
+              under the task's output prefix
+    out/ckpt/ the task's checkpoint directory (``FLASHML_CKPT_DIR``), in every workspace; never
+              outputs (``not_outputs``): the relay ships a checkpointing task's checkpoints
+              from it (``step-<N>.<ext>`` files, ``step-<N>/`` directories, and flashruntime's
+              ``step-*``/``checkpoint-*`` directories with a ``manifest.json``), and a resumed
+              task finds the one it resumes from there
     tmp/      the task's TMPDIR and HOME
     logs/     stdout.txt and stderr.txt of the task, written by the agent (size-capped)
     data/     dataset slices, read-only: hard links into the agent's dataset cache (made by the
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from flashnode import manifests
 from flashnode.errors import AttemptFailed
 
 log = logging.getLogger(__name__)
@@ -77,6 +82,10 @@ class Checkpoint:
     files: tuple[OutputFile, ...]  # rel is under out/ ("ckpt/step-5/a.bin"), sorted
     stamp: tuple[tuple[str, int, int, int], ...]  # (rel, size, mtime_ns, ino) of every file
     problem: str = ""  # why it cannot be shipped; "" when it can
+    directory: bool = False  # a directory (else one file)
+    # flashruntime's layout: its checked manifest (the step is the manifest's; ``files`` are the
+    # parts it lists, then manifest.json), complete as soon as it is there.
+    manifest: manifests.Manifest | None = None
 
     @property
     def size(self) -> int:
@@ -95,7 +104,7 @@ class Workspace:
         self.stage = root / ".stage"
         self.data = root / "data"
         self.task_uid = task_uid  # who writes out/: the walk refuses files of anyone else
-        self.not_outputs: frozenset[str] = frozenset()  # names in out/ that are not outputs
+        self.not_outputs = frozenset({CKPT})  # names in out/ that are not outputs
 
     @classmethod
     def create(cls, attempts_dir: Path, lease_id: str) -> Workspace:
@@ -104,7 +113,7 @@ class Workspace:
         if ws.root.exists():
             remove_tree(ws.root)
         ws.root.mkdir(mode=0o700)
-        for d in (ws.inputs, ws.out, ws.logs, ws.tmp, ws.stage):
+        for d in (ws.inputs, ws.out, ws.out / CKPT, ws.logs, ws.tmp, ws.stage):
             d.mkdir(mode=0o700)
         return ws
 
@@ -117,14 +126,14 @@ class Workspace:
         me = os.geteuid()
         group = os.getegid() if everyone else gid
         dir_mode, file_mode = (0o755, 0o644) if everyone else (0o750, 0o640)
+        # Made by the agent, before anything of the task ran: out/ckpt/ and the checkpoint
+        # restored into it, which the task uses and may delete (its own from here on).
+        _chown_tree(self.out / CKPT, uid, gid)
         if not everyone:
             os.chown(self.root, me, gid)
             self.root.chmod(0o750)
         for d in (self.out, self.tmp):
             os.chown(d, uid, gid)
-        for name in self.not_outputs:  # made by the agent for the task (out/ckpt/)
-            with contextlib.suppress(FileNotFoundError):
-                os.chown(self.out / name, uid, gid, follow_symlinks=False)
         os.chown(self.inputs, me, group)
         self.inputs.chmod(dir_mode)
         pending = [str(self.inputs)]  # a stack, not recursion: archives may nest deep
@@ -276,12 +285,14 @@ class Workspace:
 
     # --- checkpoints (out/ckpt/) ---------------------------------------------------------------
 
-    def checkpoints(self) -> tuple[list[Checkpoint], int]:
-        """The checkpoints under out/ckpt/ (by step, then name), and the bytes of every regular
-        file there (temporaries included). Read the way outputs are: from directory descriptors,
-        nothing followed; a checkpoint holding anything but regular files of the task's user
-        has a ``problem``. Entries that vanish meanwhile (the task renaming) are skipped.
-        AttemptFailed when out/ckpt is not a real directory or holds too many entries."""
+    def checkpoints(self) -> tuple[list[Checkpoint], int, dict[str, str]]:
+        """The checkpoints under out/ckpt/ (by step, then name), the bytes of every regular file
+        there (temporaries included), and the directories whose manifest cannot be used (name:
+        why). Read the way outputs are: from directory descriptors, nothing followed; a
+        checkpoint holding anything but regular files of the task's user has a ``problem``.
+        A directory whose manifest.json is not whole yet is left out, as are entries that
+        vanish meanwhile (the task renaming). AttemptFailed when out/ckpt is not a real
+        directory or holds too many entries."""
         found: dict[str, list[tuple[str, os.stat_result]]] = {}
         total = 0
         for n, (rel, st) in enumerate(self._walk(["out", CKPT], tolerant=True)):
@@ -290,12 +301,96 @@ class Workspace:
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
             top = rel.split("/", 1)[0]
-            if CHECKPOINT_NAME.match(top):
+            if CHECKPOINT_NAME.match(top) or manifests.DIRECTORY.match(top):
                 found.setdefault(top, []).append((rel, st))
-        return sorted(
-            (_checkpoint(name, entries, self.task_uid) for name, entries in found.items()),
-            key=lambda c: (c.step, c.name),
-        ), total
+        checkpoints: list[Checkpoint] = []
+        unusable: dict[str, str] = {}
+        for name, entries in found.items():
+            stats = dict(entries)
+            head = stats.get(name)
+            mf = stats.get(f"{name}/{manifests.MANIFEST_NAME}")
+            if head is not None and stat.S_ISDIR(head.st_mode) and mf is not None:
+                try:
+                    c = self._manifest_checkpoint(name, stats, mf)
+                except manifests.Invalid as exc:
+                    unusable[name] = f"its {manifests.MANIFEST_NAME} cannot be used: {exc}"
+                    continue
+                if c is not None:
+                    checkpoints.append(c)
+            elif CHECKPOINT_NAME.match(name):  # the older layout: a file, or a directory
+                checkpoints.append(_checkpoint(name, entries, self.task_uid))
+        checkpoints.sort(key=lambda c: (c.step, c.name))
+        return checkpoints, total, unusable
+
+    def _manifest_checkpoint(
+        self, name: str, stats: dict[str, os.stat_result], mf: os.stat_result
+    ) -> Checkpoint | None:
+        """out/ckpt/<name>/ in flashruntime's layout: its manifest read from a descriptor and
+        checked, then every part it lists checked against what the walk saw. None while the
+        manifest is not whole (it is written last, but not atomically); manifests.Invalid when
+        it can never be used."""
+        where = f"{CKPT}/{name}/{manifests.MANIFEST_NAME}"
+        if not stat.S_ISREG(mf.st_mode):
+            raise manifests.Invalid(f"it is not a regular file ({_kind(mf.st_mode)})")
+        if self.task_uid is not None and mf.st_uid != self.task_uid:
+            raise manifests.Invalid("it was not written by the task")
+        if mf.st_size > manifests.MAX_MANIFEST_BYTES:
+            raise manifests.Invalid(f"it is larger than {manifests.MAX_MANIFEST_BYTES} bytes")
+        data = self._read_checkpoint_file(
+            ["out", CKPT, name], manifests.MANIFEST_NAME, mf, manifests.MAX_MANIFEST_BYTES
+        )
+        if data is None:
+            return None
+        try:
+            manifest = manifests.parse(data)
+        except manifests.Invalid as exc:
+            if str(exc) == manifests.NOT_JSON:
+                return None  # still being written
+            raise
+        files: list[OutputFile] = []
+        problem = ""
+        for part in sorted(manifest.parts, key=lambda p: p.name):
+            st = stats.get(f"{name}/{part.name}")
+            if st is None:
+                problem = problem or f"its part {part.name!r} is missing"
+            elif not stat.S_ISREG(st.st_mode):
+                problem = problem or f"its part {part.name!r} is not a regular file"
+            elif self.task_uid is not None and st.st_uid != self.task_uid:
+                problem = problem or f"its part {part.name!r} was not written by the task"
+            elif st.st_size != part.size:
+                problem = problem or (
+                    f"its part {part.name!r} holds {st.st_size} bytes, not {part.size}"
+                )
+            else:
+                rel = f"{CKPT}/{name}/{part.name}"
+                files.append(OutputFile(rel, st.st_size, st.st_dev, st.st_ino))
+        files.append(OutputFile(where, len(data), mf.st_dev, mf.st_ino))
+        stamp = tuple((f.rel, f.size, 0, f.ino) for f in files)
+        return Checkpoint(
+            name, manifest.step, tuple(files), stamp, problem, directory=True, manifest=manifest
+        )
+
+    def _read_checkpoint_file(
+        self, parts: list[str], name: str, seen: os.stat_result, limit: int
+    ) -> bytes | None:
+        """The bytes of a small file the walk saw, read from a descriptor; None when it changed
+        meanwhile (not the file the walk saw, or its size differs)."""
+        try:
+            fd = self._open_dir(parts)
+        except AttemptFailed:
+            return None
+        try:
+            file_fd = os.open(name, FILE_FLAGS, dir_fd=fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        with os.fdopen(file_fd, "rb") as fh:
+            st = os.fstat(file_fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+                return None
+            data = fh.read(limit + 1)
+        return data if len(data) == seen.st_size <= limit else None
 
     def remove_checkpoint(self, name: str) -> None:
         """Delete out/ckpt/<name>, a file or a whole tree, through directory descriptors and
@@ -378,7 +473,19 @@ def _checkpoint(
         problem = problem or f"ckpt/{name} holds no file"
     elif len(files) > MAX_CHECKPOINT_FILES:
         problem = problem or f"ckpt/{name} holds more than {MAX_CHECKPOINT_FILES} files"
-    return Checkpoint(name, step, tuple(files), tuple(stamp), problem)
+    top = next((st for rel, st in entries if rel == name), None)
+    directory = top is not None and stat.S_ISDIR(top.st_mode)
+    return Checkpoint(name, step, tuple(files), tuple(stamp), problem, directory=directory)
+
+
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    """Give ``path`` and everything under it to ``uid``:``gid``, following no link. For a tree
+    the agent made and no task has touched yet."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chown(path, uid, gid, follow_symlinks=False)
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.chown(os.path.join(top, name), uid, gid, follow_symlinks=False)
 
 
 def _remove_at(dir_fd: int, name: str, depth: int) -> None:

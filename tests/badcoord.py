@@ -151,7 +151,7 @@ class BadCoordinator:
 def lease_answer(n: int, lease_seconds: Any = 60.0, **payload: Any) -> Responder:
     """A 200 claim answer for a trusted argv task that writes metrics.json. A string
     ``lease_seconds`` goes into the JSON as it is (NaN, Infinity: what json.dumps refuses)."""
-    payload.setdefault("argv", ["sh", "-c", "echo '{\"ok\": 1}' > out/metrics.json"])
+    payload.setdefault("argv", ["sh", "-c", "echo '{\"ok\": 1}' > metrics.json"])
     data = lease(n, **payload)
     data["lease_seconds"] = "@LS@"
     raw = lease_seconds if isinstance(lease_seconds, str) else json.dumps(lease_seconds)

@@ -130,8 +130,12 @@ class FakeCoordinator:
         step: int,
         parts: list[CheckpointPart],
         storage_prefix: str,
+        world_size: int = 1,
+        framework: str = "",
     ) -> None:
-        self._checkpoint_write("checkpoint_commit", (lease_id, step, parts, storage_prefix))
+        self._checkpoint_write(
+            "checkpoint_commit", (lease_id, step, parts, storage_prefix, world_size, framework)
+        )
 
     def checkpoint_latest(self, job_id: str, task_id: str) -> CheckpointManifest | None:
         self._log("checkpoint_latest", (job_id, task_id))

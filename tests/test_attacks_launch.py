@@ -21,7 +21,7 @@ from flashnode import cgroups
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
-METRICS = "echo '{\"ok\": 1}' > out/metrics.json"
+METRICS = "echo '{\"ok\": 1}' > metrics.json"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are on a root agent")
 SLOT0 = "flashnode-task-0"
 
@@ -84,7 +84,7 @@ for p in os.listdir('/proc'):
         hit += 1
     except OSError:
         continue
-open('out/metrics.json', 'w').write('{"hijacked": %d}' % hit)
+open('metrics.json', 'w').write('{"hijacked": %d}' % hit)
 """
 
 
@@ -126,7 +126,7 @@ KEYCTL = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 OPEN_KEYRINGS = KEYCTL + (
     "for ring in (-4, -5):\n"
     "    assert libc.syscall(250, 5, ring, 0x3F3F3F3F) == 0, os.strerror(ctypes.get_errno())\n"
-    "open('out/metrics.json', 'w').write('{}')\n"
+    "open('metrics.json', 'w').write('{}')\n"
 )
 # Another slot's user, after the agent cleared slot 0's keyrings: a key planted in them.
 PLANT = KEYCTL + (

@@ -45,7 +45,7 @@ def _as_slot0(*argv: str) -> subprocess.CompletedProcess[str]:
 
 DEEP_TMP = r"""
 import json, os
-os.chdir('tmp')
+os.chdir('../tmp')
 for _ in range(1500):
     os.mkdir('d')
     os.chdir('d')
@@ -85,7 +85,7 @@ def test_a_deep_tree_neither_crashes_cleanup_nor_wedges_restarts(
         coordinator.put_artifact("review/deep.tar", _deep_tar())
         job = coordinator.submit(
             argv_job(
-                ["sh", "-c", "echo '{\"ok\": 1}' > out/metrics.json"],
+                ["sh", "-c", "echo '{\"ok\": 1}' > metrics.json"],
                 max_attempts=1,
                 inputs={"deep": "artifact://review/deep.tar"},
                 unpack_inputs=["deep"],
@@ -135,10 +135,10 @@ def test_a_deep_tree_neither_crashes_cleanup_nor_wedges_restarts(
 FORGE_LOGS = r"""
 echo "REAL-STDOUT the agent captured this"
 echo "REAL-STDERR the agent captured this" >&2
-mkdir -p out/logs
-echo "FORGED stdout: nothing to see here" > out/logs/stdout.txt
-echo "FORGED stderr" > out/logs/stderr.txt
-echo '{"ok": 1}' > out/metrics.json
+mkdir -p logs
+echo "FORGED stdout: nothing to see here" > logs/stdout.txt
+echo "FORGED stderr" > logs/stderr.txt
+echo '{"ok": 1}' > metrics.json
 """
 
 
@@ -195,7 +195,7 @@ SYS_add_key, SYS_keyctl, USER_KEYRING, SESSION_KEYRING = 248, 250, -4, -3
 KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_LINK, KEYCTL_SEARCH, KEYCTL_READ = 1, 8, 10, 11
 name = b"flashnode-review-" + sys.argv[2].encode()
 if sys.argv[1] == "leave":
-    secret = open('inputs/secret.txt', 'rb').read()
+    secret = open('../inputs/secret.txt', 'rb').read()
     r = libc.syscall(SYS_add_key, b"user", name, secret, len(secret), USER_KEYRING)
     result = {"added": r}
 else:
@@ -207,7 +207,7 @@ else:
     buf = ctypes.create_string_buffer(4096)
     n = libc.syscall(SYS_keyctl, KEYCTL_READ, kid, buf, 4096) if kid > 0 else -1
     result = {"found": buf.raw[:n].decode() if n > 0 else None}
-json.dump(result, open('out/metrics.json', 'w'))
+json.dump(result, open('metrics.json', 'w'))
 """
 # Invalidate (KEYCTL_INVALIDATE) only the key this test's task stored, nothing else of the user's.
 FORGET_KEY = (
@@ -256,7 +256,7 @@ LEAVE_HOST = r"""
 m=flashnode-review-{marker}
 : > /run/lock/$m && echo lock
 : > {mq}/$m && echo mqueue
-echo '{{"ok": 1}}' > out/metrics.json
+echo '{{"ok": 1}}' > metrics.json
 """
 
 
@@ -322,10 +322,10 @@ def test_nothing_a_task_writes_outside_its_workspace_outlives_it(
 
 HIJACK_SOURCE = Path(__file__).with_name("review_hijack.c")
 HIJACK_TASK = r"""
-gcc -O1 -o tmp/h inputs/review_hijack.c || exit 9
+gcc -O1 -o ../tmp/h ../inputs/review_hijack.c || exit 9
 touch "$3/ready"
-tmp/h "$1" 60 "$2" > tmp/h.out 2>&1
-printf '{"hijack": "%s"}' "$(head -c 200 tmp/h.out)" > out/metrics.json
+../tmp/h "$1" 60 "$2" > ../tmp/h.out 2>&1
+printf '{"hijack": "%s"}' "$(head -c 200 ../tmp/h.out)" > metrics.json
 """
 # What the escaped process (slot 0's user, host namespaces, no cgroup, no token) then does:
 # wait for a later slot-0 task of this agent, steal its input and replace its result.
@@ -356,8 +356,8 @@ while time.time() < end:
     time.sleep(0.01)
 """
 VICTIM = r"""
-cat inputs/secret.txt > /dev/null
-echo '{"mine": "victim"}' > out/metrics.json
+cat ../inputs/secret.txt > /dev/null
+echo '{"mine": "victim"}' > metrics.json
 sleep 2
 """
 
@@ -476,7 +476,7 @@ SLIP = r"""
 setsid env -u FLASHNODE_OWNER sh -c 'echo $$ > {drop}/escaped-env; exec sleep 600' \
   </dev/null >/dev/null 2>&1 &
 sleep 1
-echo '{{"ok": 1}}' > out/metrics.json
+echo '{{"ok": 1}}' > metrics.json
 """
 
 
@@ -539,8 +539,8 @@ def test_a_second_claim_of_a_running_lease_id_cannot_touch_the_running_attempt(
     attempt's workspace (its inputs and outputs) and hands it to the other slot's user, the
     outbox record is overwritten, and both tasks share the cgroup flashnode/<lease id>, so the
     end of one kills the other (a slot-1 task's end SIGKILLs slot 0's task)."""
-    first = 'sleep 4; echo \'{"who": "first"}\' > out/metrics.json'
-    second = 'echo \'{"who": "second"}\' > out/metrics.json'
+    first = 'sleep 4; echo \'{"who": "first"}\' > metrics.json'
+    second = 'echo \'{"who": "second"}\' > metrics.json'
     bad = BadCoordinator()
     try:
         bad.claims = [
@@ -601,8 +601,8 @@ while time.time() < deadline and not got:
         pass
     s.close()
 open(drop + '/captured', 'w').write(json.dumps(got))
-if os.path.isdir('out'):
-    json.dump({'captured': len(got)}, open('out/metrics.json', 'w'))
+if 'FLASHML_OUTPUT_DIR' in os.environ:
+    json.dump({'captured': len(got)}, open('metrics.json', 'w'))
 """
 
 
@@ -659,7 +659,7 @@ import json, os
 usable = [d for d in sorted(os.listdir('/dev')) if d.startswith('nvidia') and d[6:].isdigit()
           and os.access('/dev/' + d, os.R_OK | os.W_OK)]
 json.dump({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), 'usable': usable},
-          open('out/metrics.json', 'w'))
+          open('metrics.json', 'w'))
 """
 
 

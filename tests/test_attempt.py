@@ -122,7 +122,8 @@ def test_non_zero_exit_fails_with_exit_code_and_stderr_tail(tmp_path: Path) -> N
 def test_command_metrics_must_be_a_json_object(tmp_path: Path) -> None:
     outcome, coord, _ = run(tmp_path, lease(), runner=FakeRunner(metrics=[1, 2]))  # type: ignore[arg-type]
     assert outcome is Outcome.FAILED
-    assert "not a JSON object" in failure_reason(coord)
+    assert failure_reason(coord) == "metrics.json must contain a JSON object"  # the coordinator's
+    assert not [c for c in coord.calls if c[1] == "upload"]
 
 
 def test_commit_uploads_metrics_last_and_sends_its_sha(tmp_path: Path) -> None:

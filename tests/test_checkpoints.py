@@ -17,12 +17,13 @@ from typing import Any
 
 import psutil
 import pytest
-from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, trusted_runner
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
 from test_container import engine, image  # noqa: F401 - the docker runner's fixtures
 
 from flashnode.attempt import Attempt, LeaseKeeper, relay, restore
 from flashnode.errors import CheckpointRefused, CoordinatorUnavailable, LeaseLost
+from flashnode.runners.base import Runner
 from flashnode.wire import CheckpointManifest, CheckpointPart, parse_lease, parse_task
 from flashnode.workspace import Workspace
 
@@ -170,7 +171,7 @@ else:
     if not os.path.exists(sys.argv[1]):
         open(sys.argv[1], "w").close()
         sys.exit(3)  # crash once, after the checkpoint is in place
-json.dump(report, open("out/metrics.json", "w"))
+json.dump(report, open("metrics.json", "w"))
 """
 
 
@@ -248,7 +249,7 @@ while step < int(sys.argv[1]):
         json.dump({"step": step}, f)
     os.rename(tmp, os.path.join(ckpt, "step-%d.json" % step))
     time.sleep(pause)
-json.dump({"started_from": start, "step": step}, open("out/metrics.json", "w"))
+json.dump({"started_from": start, "step": step}, open("metrics.json", "w"))
 """
 
 
@@ -387,7 +388,7 @@ with open(os.path.join(ckpt, ".tmp"), "wb") as f:
     for _ in range(500):
         f.write(block)
 os.rename(os.path.join(ckpt, ".tmp"), os.path.join(ckpt, "step-1.bin"))
-open("out/metrics.json", "w").write("{}")
+open("metrics.json", "w").write("{}")
 """
 
 
@@ -479,12 +480,13 @@ class Setup:
         latest: CheckpointManifest | None = None,
         uploads: dict[str, bytes] | None = None,
         payload: dict[str, Any] | None = None,
+        runner: Runner | None = None,
         **settings: Any,
     ) -> None:
         self.clock = FakeClock()
         self.coord = FakeCoordinator(self.clock, latest=latest)
         self.coord.uploads.update(uploads or {})
-        ctx = context(tmp_path, self.clock, self.coord, FakeRunner(), **settings)
+        ctx = context(tmp_path, self.clock, self.coord, runner or FakeRunner(), **settings)
         data = lease(**{"checkpoint": {"watchdog_seconds": 60}, **(payload or {})})
         self.a = a = Attempt(ctx, data)
         a.lease = parse_lease(data)
@@ -527,10 +529,11 @@ def test_relay_ships_the_newest_complete_checkpoint_and_keeps_only_it(tmp_path: 
     # step-3 is complete (a newer one exists), step-4 not yet; 1 and 2 are deleted.
     assert t.commits() == [1, 3]
     assert sorted(p.name for p in t.ckpt.iterdir()) == [".step-3.tmp", "step-3", "step-4.json"]
-    (_, _, (lease_id, step, parts, prefix)) = next(
+    (_, _, (lease_id, step, parts, prefix, world_size, framework)) = next(
         c for c in reversed(t.coord.calls) if c[1] == "checkpoint_commit"
     )
     assert step == 3 and prefix == f"artifact://jobs/j1/task-000/ckpt/{lease_id}/3/"
+    assert (world_size, framework) == (1, "")
     assert [p.key.removeprefix(prefix[len("artifact://") :]) for p in parts] == [
         "step-3/a.bin",
         "step-3/deep/b.bin",
@@ -692,3 +695,292 @@ def test_resume_starts_from_scratch_from_a_manifest_that_does_not_hold_up(
     assert not (t.ws.inputs / "resume").exists() and not (t.ws.stage / "resume").exists()
     assert "checkpoint step 5 is not usable" in caplog.text and why in caplog.text
     assert "starting from scratch" in caplog.text
+
+
+# --- flashruntime's manifest layout (issue 25), against fakes ---------------------------------
+
+
+def write_step(t: Setup, name: str, files: dict[str, bytes], **manifest: Any) -> Path:
+    """A checkpoint the way flashruntime's write_manifest writes one: parts, then the manifest
+    (``manifest`` overrides what it would say)."""
+    from flashruntime.checkpoint.local import write_manifest
+
+    d = t.ckpt / name
+    d.mkdir(parents=True)
+    for rel, data in files.items():
+        (d / rel).write_bytes(data)
+    number = name.split("-", 1)[1]
+    step = int(number) if number.isdigit() else 0
+    write_manifest(d, job_id="j1", attempt_id="a", step=step, framework="pytorch-2.13.0")
+    if manifest:
+        body = json.loads((d / "manifest.json").read_text())
+        body.update(manifest)
+        (d / "manifest.json").write_text(json.dumps(body))
+    return d
+
+
+def commit_args(t: Setup) -> list[tuple[Any, ...]]:
+    return [arg for _, name, arg in t.coord.calls if name == "checkpoint_commit"]
+
+
+def test_relay_ships_a_manifest_checkpoint_at_once_as_the_parts_it_lists_and_its_manifest(
+    tmp_path: Path,
+) -> None:
+    t = Setup(tmp_path)
+    assert t.a.prepared.agent_env == {"FLASHML_CHECKPOINT_DIR": "/work/out/ckpt"}
+    d = write_step(t, "step-000010", {"model.pt": b"weights", "optimizer.pt": b"moments"})
+    (d / "notes.txt").write_text("written after the manifest: not one of its parts")
+    t.relay.sweep()  # complete once its manifest is there: no second look
+    [(lease_id, step, parts, prefix, world_size, framework)] = commit_args(t)
+    assert step == 10 and (world_size, framework) == (1, "pytorch-2.13.0")
+    base = prefix.removeprefix("artifact://")
+    assert base == f"jobs/j1/task-000/ckpt/{lease_id}/10/"
+    assert sorted(p.key.removeprefix(base) for p in parts) == [
+        "step-000010/manifest.json",
+        "step-000010/model.pt",
+        "step-000010/optimizer.pt",
+    ]
+    assert t.coord.uploads[base + "step-000010/model.pt"] == b"weights"
+    assert not [k for k in t.coord.uploads if k.endswith("notes.txt")]
+    assert t.a.record.checkpoint_step == 10
+
+
+def test_relay_takes_the_step_world_size_and_framework_from_the_manifest(tmp_path: Path) -> None:
+    t = Setup(tmp_path)
+    write_step(t, "checkpoint-final", {"w": b"w"}, step=1234, world_size=4, framework="deepspeed")
+    t.relay.sweep()
+    [(_, step, _, prefix, world_size, framework)] = commit_args(t)
+    assert (step, world_size, framework) == (1234, 4, "deepspeed")
+    assert prefix.endswith("/1234/")
+
+
+def test_a_manifest_being_written_waits_and_a_half_written_step_of_a_crash_is_never_shipped(
+    tmp_path: Path,
+) -> None:
+    t = Setup(tmp_path)
+    write_step(t, "step-000010", {"model.pt": b"10"})
+    d = write_step(t, "step-000020", {"model.pt": b"20"})
+    whole = (d / "manifest.json").read_bytes()
+    (d / "manifest.json").write_bytes(whole[: len(whole) // 2])  # written last, not at once
+    t.relay.sweep()
+    assert [a[1] for a in commit_args(t)] == [10]
+    (d / "manifest.json").write_bytes(whole)
+    t.relay.sweep()
+    assert [a[1] for a in commit_args(t)] == [10, 20]
+    # The task dies while writing step 30: parts, no manifest. Once a task has shown that it
+    # writes manifests, a directory without one is not a checkpoint, even at its end.
+    (t.ckpt / "step-000030").mkdir()
+    (t.ckpt / "step-000030" / "model.pt").write_bytes(b"half")
+    t.relay.finish(t.a)
+    assert [a[1] for a in commit_args(t)] == [10, 20]
+    assert t.a.record.checkpoint_step == 20
+
+
+def test_a_step_directory_is_not_taken_as_complete_while_its_manifest_may_still_come(
+    tmp_path: Path,
+) -> None:
+    """flashruntime.torch.checkpoint writes its parts into step-NNNNNN/ itself, then hashes them
+    (seconds, for a large model) and writes the manifest: a directory that stays unchanged over
+    a scan is no complete checkpoint."""
+    t = Setup(tmp_path)
+    (t.ckpt / "step-000010").mkdir()
+    (t.ckpt / "step-000010" / "model.pt").write_bytes(b"10")
+    t.relay.sweep()
+    t.relay.sweep()
+    assert commit_args(t) == []
+    write_step(t, "step-000010-tmp", {"model.pt": b"10"}, step=10)  # its manifest, made aside
+    (t.ckpt / "step-000010-tmp" / "manifest.json").rename(t.ckpt / "step-000010" / "manifest.json")
+    t.relay.sweep()
+    [(_, step, parts, _, _, _)] = commit_args(t)
+    assert step == 10 and sorted(p.key.rsplit("/", 1)[1] for p in parts) == [
+        "manifest.json",
+        "model.pt",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("../../../../../etc/passwd", "is not the name of a file beside the manifest"),
+        ("/etc/passwd", "is not the name of a file beside the manifest"),
+        ("sub/model.pt", "is not the name of a file beside the manifest"),
+        ("manifest.json", "is not the name of a file beside the manifest"),
+        ("..", "is not the name of a file beside the manifest"),
+    ],
+)
+def test_a_manifest_naming_a_path_outside_its_directory_ships_and_reads_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, key: str, why: str
+) -> None:
+    t = Setup(tmp_path)
+    (t.ckpt / "sub").mkdir()
+    (t.ckpt / "sub" / "model.pt").write_bytes(b"not in the checkpoint's directory")
+    passwd = Path("/etc/passwd").read_bytes()
+    part = {"key": key, "sha256": hashlib.sha256(passwd).hexdigest(), "size_bytes": len(passwd)}
+    write_step(t, "step-000005", {"model.pt": b"m"}, parts=[part])
+    t.relay.finish(t.a)
+    assert t.calls("upload") == 0 and commit_args(t) == []
+    assert "ckpt/step-000005 is not shipped: its manifest.json cannot be used" in caplog.text
+    assert why in caplog.text
+
+
+def test_a_manifests_storage_prefix_is_never_read_from(tmp_path: Path) -> None:
+    t = Setup(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model.pt").write_bytes(b"the owner's")
+    write_step(t, "step-000005", {"model.pt": b"mine"}, storage_prefix=str(elsewhere))
+    t.relay.sweep()
+    [(_, _, parts, _, _, _)] = commit_args(t)
+    [model] = [p for p in parts if p.key.endswith("/model.pt")]
+    assert t.coord.uploads[model.key] == b"mine"
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"step": -1}, "its step is not a whole number"),
+        ({"step": "5"}, "its step is not a whole number"),
+        ({"world_size": 0}, "its world_size is not a whole number"),
+        ({"framework": "x\x1b[2J"}, "its framework is not a printable name"),
+        ({"parts": []}, "it lists no parts"),
+        ({"storage_prefix": 7}, "its storage_prefix is not a string"),
+        ({"padding": "x" * (1 << 20)}, "it is larger than 1048576 bytes"),
+    ],
+)
+def test_a_manifest_out_of_shape_is_not_shipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, change: dict[str, Any], why: str
+) -> None:
+    t = Setup(tmp_path)
+    write_step(t, "step-000005", {"model.pt": b"m"}, **change)
+    t.relay.finish(t.a)
+    assert t.calls("upload") == 0 and commit_args(t) == []
+    assert why in caplog.text
+
+
+def test_a_manifest_whose_parts_do_not_hold_up_is_not_shipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = Setup(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("the owner's")
+    d = write_step(t, "step-000001", {"model.pt": b"m"})
+    (d / "model.pt").write_bytes(b"m" * 9)  # its size no longer the manifest's
+    t.relay.finish(t.a)
+    d = write_step(t, "step-000002", {"model.pt": b"m"})
+    (d / "model.pt").write_bytes(b"M")  # same size, other bytes
+    t.relay.finish(t.a)
+    d = write_step(t, "step-000003", {"model.pt": b"the owner's"})
+    (d / "model.pt").unlink()
+    (d / "model.pt").symlink_to(secret)
+    t.relay.finish(t.a)
+    if os.geteuid() == 0:  # a part the task's user did not write (a hard link, say)
+        d = write_step(t, "step-000004", {"model.pt": b"m"})
+        os.chown(d / "model.pt", 65534, 65534)
+        t.relay.finish(t.a)
+        assert "its part 'model.pt' was not written by the task" in caplog.text
+    assert commit_args(t) == [] and t.calls("checkpoint_part") == 0
+    assert "its part 'model.pt' holds 9 bytes, not 1" in caplog.text
+    assert "its part 'model.pt' does not match the sha256 of its manifest" in caplog.text
+    assert "its part 'model.pt' is not a regular file" in caplog.text
+    assert not [k for k, v in t.coord.uploads.items() if v == b"the owner's"]
+    assert secret.read_text() == "the owner's"
+
+
+def flashruntime_manifest(
+    name: str, files: dict[str, bytes], step: int, storage_prefix: str
+) -> tuple[CheckpointManifest, dict[str, bytes]]:
+    """What the coordinator answers for a checkpoint another attempt shipped in flashruntime's
+    layout, and the store's bytes."""
+    parts = [
+        {"key": rel, "sha256": hashlib.sha256(data).hexdigest(), "size_bytes": len(data)}
+        for rel, data in files.items()
+    ]
+    body = {
+        "manifest_id": "ck-x",
+        "job_id": "j1",
+        "attempt_id": "ls-old",
+        "step": step,
+        "framework": "pytorch-2.13.0",
+        "world_size": 1,
+        "compatible_world_sizes": [1],
+        "storage_prefix": storage_prefix,
+        "parts": parts,
+        "validation": "hash_verified",
+    }
+    store = {**files, "manifest.json": json.dumps(body, indent=2).encode()}
+    prefix = f"jobs/j1/task-000/ckpt/ls-old/{step}/"
+    keys = {f"{prefix}{name}/{rel}": data for rel, data in store.items()}
+    m = CheckpointManifest(
+        step=step,
+        storage_prefix=f"artifact://{prefix}",
+        parts=[
+            CheckpointPart(key=k, sha256=hashlib.sha256(v).hexdigest(), size_bytes=len(v))
+            for k, v in keys.items()
+        ],
+    )
+    return m, keys
+
+
+def test_resume_restores_a_manifest_checkpoint_into_the_checkpoint_directory_for_the_task(
+    tmp_path: Path,
+) -> None:
+    from flashruntime.checkpoint.local import latest_valid_manifest
+
+    files = {"model.pt": b"weights", "optimizer.pt": b"moments"}
+    # Written on another node, whose task saw its checkpoint directory somewhere else.
+    m, store = flashruntime_manifest(
+        "step-000030", files, 30, "/var/lib/flashnode/attempts/ls-old/out/ckpt/step-000030"
+    )
+    t = Setup(tmp_path, latest=m, uploads=store, runner=trusted_runner())
+    restored = t.ckpt / "step-000030"
+    assert t.a.prepared.agent_env["FLASHML_RESUME"] == "/work/out/ckpt/step-000030"
+    assert t.a.record.resumed_from_step == 30
+    assert not (t.ws.inputs / "resume").exists() and not (t.ws.stage / "resume").exists()
+    # Where flashruntime's picker looks, its storage_prefix naming where it lies now (this
+    # runner shows the task the workspace at its host path).
+    found = latest_valid_manifest(t.ckpt)
+    assert found is not None and found.step == 30 and found.storage_prefix == str(restored)
+    assert (restored / "model.pt").read_bytes() == b"weights"
+    # The relay never ships it back; what the task writes after it is shipped.
+    t.relay.sweep()
+    assert commit_args(t) == []
+    write_step(t, "step-000040", {"model.pt": b"40"})
+    t.relay.sweep()
+    assert [a[1] for a in commit_args(t)] == [40]
+    assert not restored.exists()  # older than the newest shipped: deleted like any other
+
+
+def test_resume_in_a_container_keeps_the_work_path_of_a_manifest_checkpoint(
+    tmp_path: Path,
+) -> None:
+    files = {"model.pt": b"weights"}
+    m, store = flashruntime_manifest("step-000030", files, 30, "/work/out/ckpt/step-000030")
+    t = Setup(tmp_path, latest=m, uploads=store)
+    written = t.coord.uploads[m.parts[-1].key]
+    assert (t.ckpt / "step-000030" / "manifest.json").read_bytes() == written  # as shipped
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hands the checkpoint to another user")
+def test_a_restored_checkpoint_belongs_to_the_task_user_who_may_delete_it(tmp_path: Path) -> None:
+    m, store = flashruntime_manifest("checkpoint-3", {"model.safetensors": b"w"}, 3, "x")
+    t = Setup(tmp_path, latest=m, uploads=store)
+    t.ws.hand_over(65534, 65534, inputs_for="everyone")
+    tree = [t.ckpt, t.ckpt / "checkpoint-3", *(t.ckpt / "checkpoint-3").iterdir()]
+    assert {(p.lstat().st_uid, p.lstat().st_gid) for p in tree} == {(65534, 65534)}
+
+
+def test_resume_starts_from_scratch_from_a_manifest_that_does_not_match_its_parts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = {"model.pt": b"weights"}
+    m, store = flashruntime_manifest("step-000030", files, 30, "/work/out/ckpt/step-000030")
+    key = next(k for k in store if k.endswith("/manifest.json"))
+    body = json.loads(store[key])
+    body["parts"][0]["sha256"] = "0" * 64  # shipped with other bytes than it names
+    store[key] = json.dumps(body).encode()
+    m.parts[-1].sha256 = hashlib.sha256(store[key]).hexdigest()
+    m.parts[-1].size_bytes = len(store[key])
+    t = Setup(tmp_path, latest=m, uploads=store)
+    assert "FLASHML_RESUME" not in t.a.prepared.agent_env
+    assert list(t.ckpt.iterdir()) == [] and not (t.ws.stage / "resume").exists()
+    assert "its part 'model.pt' does not match its manifest" in caplog.text

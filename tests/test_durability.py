@@ -15,7 +15,7 @@ from proxy import Proxy
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
-METRICS = "echo '{\"ok\": 1}' > out/metrics.json"
+METRICS = "echo '{\"ok\": 1}' > metrics.json"
 
 
 def slow_task(seconds: int) -> list[str]:

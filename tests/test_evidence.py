@@ -32,9 +32,9 @@ def test_busy_and_idle_tasks_give_honest_cpu_figures(
     # whole core, and the agent's figures must agree with it, not with an ideal.
     busy = (
         "import time,json; t=time.time()\nwhile time.time()-t<3: pass\n"
-        "json.dump({'cpu': time.process_time()}, open('out/metrics.json','w'))"
+        "json.dump({'cpu': time.process_time()}, open('metrics.json','w'))"
     )
-    idle = "import time,json; time.sleep(3); json.dump({}, open('out/metrics.json','w'))"
+    idle = "import time,json; time.sleep(3); json.dump({}, open('metrics.json','w'))"
     job = coordinator.submit(argv_job(["python3", "-c", busy]))
     coordinator.submit(argv_job(["python3", "-c", idle]))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env=FAST)
@@ -167,7 +167,7 @@ def test_history_shows_a_figure_past_the_machines_cores_as_not_measured(tmp_path
 def test_without_nvml_the_node_reports_no_gpus_and_null_not_zero(
     recording_coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    job = recording_coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    job = recording_coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
     agent = start_agent(recording_coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
     assert agent.wait(60) == 0, agent.log
     assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"

@@ -108,9 +108,9 @@ ARGV_WORKER = (
     "import json, sys\n"
     "chunks, scale, round_ = json.loads(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])\n"
     "value = float('nan') if scale < 0 else 0.01 * scale\n"
-    "json.dump({'w': {'shape': [2], 'data': [value, value]}}, open('out/delta.json', 'w'))\n"
+    "json.dump({'w': {'shape': [2], 'data': [value, value]}}, open('delta.json', 'w'))\n"
     "json.dump({'chunks_done': chunks, 'delta_file': 'delta.json', 'local_steps': 1, 'loss': 0.5,"
-    " 'round': round_, 'samples': 10 * len(chunks)}, open('out/metrics.json', 'w'))\n"
+    " 'round': round_, 'samples': 10 * len(chunks)}, open('metrics.json', 'w'))\n"
 )
 
 
@@ -199,13 +199,13 @@ def test_a_nan_delta_fails_at_the_agent_and_the_round_completes_from_the_others(
 BIG_DELTA = (
     "import json, sys\n"
     "n = int(sys.argv[1])\n"
-    "with open('out/delta.json', 'w') as f:\n"
+    "with open('delta.json', 'w') as f:\n"
     '    f.write(\'{"w": {"shape": [%d], "data": [\' % n)\n'
     "    row = ','.join(['0.001234567'] * 100000)\n"
     "    for i in range(n // 100000):\n"
     "        f.write(('' if i == 0 else ',') + row)\n"
     "    f.write(']}}')\n"
-    "json.dump({'chunks_done': [0], 'delta_file': 'delta.json', 'local_steps': 1, 'loss': 0.5, 'round': 0, 'samples': 1}, open('out/metrics.json', 'w'))\n"
+    "json.dump({'chunks_done': [0], 'delta_file': 'delta.json', 'local_steps': 1, 'loss': 0.5, 'round': 0, 'samples': 1}, open('metrics.json', 'w'))\n"
 )
 
 

@@ -60,7 +60,7 @@ def test_trusted_work_missing_its_pool_or_fallback_is_refused_and_never_runs(
     bad: BadCoordinator, start_agent: Callable[..., AgentProcess], drop_dir: Path
 ) -> None:
     marker = drop_dir / "ran"
-    argv = ["sh", "-c", f"touch {marker}; echo '{{}}' > out/metrics.json"]
+    argv = ["sh", "-c", f"touch {marker}; echo '{{}}' > metrics.json"]
     bad.claims = [
         lease_answer(1, argv=argv, pool=None),
         lease_answer(2, argv=argv, isolation={"tier": "sandboxed", "allowFallback": False}),
@@ -235,7 +235,7 @@ for root in roots:
 for k, v in os.environ.items():
     if any(n in (k + v).encode() for n in needles):
         found.append('env:' + k)
-json.dump({'found': found, 'scanned': scanned, 'argv': sys.argv[1:] and 'given'}, open('out/metrics.json', 'w'))
+json.dump({'found': found, 'scanned': scanned, 'argv': sys.argv[1:] and 'given'}, open('metrics.json', 'w'))
 """
 
 

@@ -153,9 +153,7 @@ def test_ld_preload_in_the_payload_never_runs_as_root(
 ) -> None:
     library, record = marker
     env = {"LD_PRELOAD": str(library), "LD_LIBRARY_PATH": str(library.parent)}
-    job = coordinator.submit(
-        argv_job(["sh", "-c", "echo '{\"ok\": 1}' > out/metrics.json"], env=env)
-    )
+    job = coordinator.submit(argv_job(["sh", "-c", "echo '{\"ok\": 1}' > metrics.json"], env=env))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
     assert agent.wait(60) == 0, agent.log
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
@@ -193,9 +191,9 @@ def test_a_module_task_takes_no_env_at_all(
 
 VICTIM = r"""
 import json, os, time
-secret = open('inputs/secret.txt').read()
+secret = open('../inputs/secret.txt').read()
 time.sleep(8)
-json.dump({'mine': 'victim', 'saw': len(secret)}, open('out/metrics.json', 'w'))
+json.dump({'mine': 'victim', 'saw': len(secret)}, open('metrics.json', 'w'))
 """
 ATTACKER = r"""
 import glob, json, os, time
@@ -232,7 +230,7 @@ while time.time() < deadline:
                 except OSError:
                     pass
     time.sleep(0.2)
-json.dump(found, open('out/metrics.json', 'w'))
+json.dump(found, open('metrics.json', 'w'))
 """
 
 
@@ -272,13 +270,13 @@ m=flashnode-leftover-{marker}
 touch /tmp/$m /var/tmp/$m /dev/shm/$m
 cp /bin/sh /tmp/$m-sh && chmod u+s /tmp/$m-sh
 shmid=$(ipcmk -M 4096 | grep -o '[0-9]*$')
-printf '{{"shmid": %s}}' "$shmid" > out/metrics.json
+printf '{{"shmid": %s}}' "$shmid" > metrics.json
 """
 LOOK = r"""
 m=flashnode-leftover-{marker}
 seen=$(ls /tmp/$m* /var/tmp/$m /dev/shm/$m 2>/dev/null | wc -l)
 if ipcs -m -i {shmid} 2>/dev/null | grep -q "shmid={shmid}"; then segment=true; else segment=false; fi
-printf '{{"seen": %s, "segment": %s}}' "$seen" "$segment" > out/metrics.json
+printf '{{"seen": %s, "segment": %s}}' "$seen" "$segment" > metrics.json
 """
 
 
@@ -357,7 +355,7 @@ def test_preflight_refuses_trusted_without_a_user_to_switch_to(
 def test_nothing_in_the_state_dir_is_readable_by_another_local_user(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    job = coordinator.submit(argv_job(["sh", "-c", "echo '{\"ok\": 1}' > out/metrics.json"]))
+    job = coordinator.submit(argv_job(["sh", "-c", "echo '{\"ok\": 1}' > metrics.json"]))
     agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
     wait_for("the ledger line", agent.ledger)

@@ -89,7 +89,7 @@ def test_login_stores_token_and_join_code_and_work_uses_both(
         assert str(creds / name) in done.stdout  # says where
         assert (creds / name).stat().st_mode & 0o777 == 0o600
     # `work` with no token or join code given finds both.
-    job = server.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    job = server.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
     agent = start_agent(
         server.url,
         "--runner",
@@ -543,7 +543,7 @@ def test_a_member_of_group_flashnode_sees_the_status_without_flags(
 ) -> None:
     """status.json is 0640 root:flashnode in a 0711 state dir: a group member reads it, given
     the state dir or not, and `history` (the ledger is root's) says so instead of nothing."""
-    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
     agent = start_agent(coordinator.url, "--runner", "trusted", "--pool", "team-a", env=FAST)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
     agent.wait_ledger()

@@ -22,7 +22,7 @@ from flashnode import cgroups
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
-METRICS = "echo '{\"ok\": 1}' > out/metrics.json"
+METRICS = "echo '{\"ok\": 1}' > metrics.json"
 
 
 def marker() -> str:
@@ -132,7 +132,7 @@ FORKS = (
     "        n += 1\n"
     "except OSError:\n"
     "    pass\n"
-    "json.dump({'forks': n}, open('out/metrics.json', 'w'))\n"
+    "json.dump({'forks': n}, open('metrics.json', 'w'))\n"
 )
 
 
@@ -155,7 +155,7 @@ def test_fork_bomb_stops_at_the_pids_limit(
 def test_allocating_past_the_memory_limit_fails_with_out_of_memory(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    script = "b = bytearray(512 << 20); open('out/metrics.json', 'w').write('{}')"
+    script = "b = bytearray(512 << 20); open('metrics.json', 'w').write('{}')"
     job = coordinator.submit(argv_job(["python3", "-c", script], max_attempts=1))
     agent = start_agent(
         coordinator.url,
@@ -184,7 +184,7 @@ def test_task_user_cannot_read_the_credentials_or_the_agent_environment(
         "        return 'denied: ' + e.strerror\n"
         f"r = {{'token': read({str(tc.token_file)!r}), 'agent_env': read('/proc/%d/environ' % os.getppid()),"
         " 'uid': os.getuid()}\n"
-        "json.dump(r, open('out/metrics.json', 'w'))\n"
+        "json.dump(r, open('metrics.json', 'w'))\n"
     )
     job = tc.server.submit(argv_job(["python3", "-c", probe]))
     agent = start_agent(
@@ -363,7 +363,7 @@ def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_
     assert mine == {chain}, {p: _describe(p) for p in mine}
 
     second = coordinator.submit(
-        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > out/metrics.json'], max_attempts=1)
+        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > metrics.json'], max_attempts=1)
     )
     assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
     metrics = json.loads(coordinator.artifact(f"jobs/{second}/task-000/metrics.json"))

@@ -160,13 +160,13 @@ def test_a_task_that_exited_past_its_disk_cap_fails_with_the_reason(tmp_path: Pa
 FLOOD = r"""
 import os, sys, time
 chunk = b'x' * (1 << 20)
-with open('out/flood.bin', 'wb') as f:
+with open('flood.bin', 'wb') as f:
     for i in range(200):
         f.write(chunk); f.flush()
         print(i + 1, flush=True)
         time.sleep(0.02)
 print('done', flush=True)
-open('out/metrics.json', 'w').write('{}')
+open('metrics.json', 'w').write('{}')
 """
 
 
@@ -204,7 +204,7 @@ def read(*names):
 json.dump({
     'memory': read(('memory', 'memory.limit_in_bytes'), ('', 'memory.max')),
     'cpu': read(('cpu', 'cpu.cfs_quota_us'), ('', 'cpu.max')),
-}, open('out/metrics.json', 'w'))
+}, open('metrics.json', 'w'))
 """
     job = coordinator.submit(argv_job(["python3", "-c", probe]))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
@@ -238,7 +238,7 @@ def test_credentials_revoked_mid_run_stop_the_agent_cleanly(
     token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
     tc = token_coordinator
-    job = tc.server.submit(argv_job(["sh", "-c", "sleep 30; echo '{}' > out/metrics.json"]))
+    job = tc.server.submit(argv_job(["sh", "-c", "sleep 30; echo '{}' > metrics.json"]))
     agent = start_agent(tc.server.url, *TRUSTED, *tc.agent_args(), env={**FAST, **tc.agent_env()})
     wait_for("the task to run", lambda: tc.server.tasks(job)[0]["state"] == "LEASED")
     agent.wait_log("running (trusted runner")
@@ -296,7 +296,7 @@ def test_a_stop_during_staging_ends_the_attempt_before_the_task_starts(
         lease_answer(
             1,
             inputs={"data": "artifact://shared/slow.bin"},
-            argv=["sh", "-c", f"touch {marker}; echo '{{}}' > out/metrics.json"],
+            argv=["sh", "-c", f"touch {marker}; echo '{{}}' > metrics.json"],
         )
     ]
     agent = start_agent(bad.url, *TRUSTED, env={**FAST, "FLASHNODE_DRAIN_SECONDS": "1"})

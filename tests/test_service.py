@@ -43,7 +43,7 @@ def notify(tmp_path: Path) -> Iterator[NotifySocket]:
 def test_sd_notify_ready_status_watchdog_and_stopping(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], notify: NotifySocket
 ) -> None:
-    job = coordinator.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > out/metrics.json"]))
+    job = coordinator.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > metrics.json"]))
     agent = start_agent(
         coordinator.url,
         *TRUSTED,
@@ -283,10 +283,8 @@ def test_status_names_the_running_task_and_pools_join_reaches_the_agent(
     config.write_text(
         f'coordinator = "{coordinator.url}"\nrunner = "trusted"\npools = ["team-a"]\n'
     )
-    job = coordinator.submit(argv_job(["sh", "-c", "sleep 3; echo '{}' > out/metrics.json"]))
-    other = coordinator.submit(
-        argv_job(["sh", "-c", "echo '{}' > out/metrics.json"], pool="team-z")
-    )
+    job = coordinator.submit(argv_job(["sh", "-c", "sleep 3; echo '{}' > metrics.json"]))
+    other = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"], pool="team-z"))
     agent = start_agent(coordinator.url, "--config", str(config), env=FAST)
     wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
 

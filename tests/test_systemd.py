@@ -182,9 +182,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     handed = booted.ok("ls /run/credentials/flashnode.service").split()
     assert handed == [f"flashnode_127.0.0.1_{port}.join-code", f"flashnode_127.0.0.1_{port}.token"]
 
-    job = server.submit(
-        argv_job(["sh", "-c", "id -un > out/user.txt; echo '{}' > out/metrics.json"])
-    )
+    job = server.submit(argv_job(["sh", "-c", "id -un > user.txt; echo '{}' > metrics.json"]))
     state = server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60)
     assert state == "SUCCEEDED", booted.journal()
     assert server.artifact(f"jobs/{job}/task-000/user.txt").decode().strip() == "flashnode-task-0"
@@ -198,7 +196,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     assert 'pools = ["team-a", "team-b"]  # my team' in booted.ok(
         "cat /etc/flashnode/flashnode.toml"
     )
-    other = server.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"], pool="team-b"))
+    other = server.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"], pool="team-b"))
     assert server.wait_state(other, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
 
     # What the example config says to do after an edit: the unit's own reload.
@@ -213,7 +211,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     assert "setpriv" not in booted.sh("journalctl -u flashnode --no-pager").stdout
 
     # Stop while a task runs: the agent drains, the task finishes and commits.
-    slow = server.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > out/metrics.json"]))
+    slow = server.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > metrics.json"]))
 
     def running() -> bool:
         # This task's attempt (not the last one's, in a status read before it was rewritten).

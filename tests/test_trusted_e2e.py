@@ -152,7 +152,7 @@ def test_agent_reregisters_after_a_coordinator_restart(
     coordinator.stop()
     coordinator.start()  # same port, same data dirs: it has forgotten the node
     job = coordinator.submit(
-        argv_job([PY, "-c", "import json; json.dump({'ok': 1}, open('out/metrics.json', 'w'))"])
+        argv_job([PY, "-c", "import json; json.dump({'ok': 1}, open('metrics.json', 'w'))"])
     )
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
     assert "registering again" in agent.log
@@ -163,7 +163,7 @@ def test_symlink_out_of_the_workspace_fails_and_uploads_nothing(
 ) -> None:
     secret = tmp_path / "host-secret.txt"
     secret.write_text("not for the coordinator")
-    script = f"echo '{{{{\"x\": 1}}}}' > out/metrics.json && ln -s {secret} out/leak.txt"
+    script = f"echo '{{{{\"x\": 1}}}}' > metrics.json && ln -s {secret} leak.txt"
     job = coordinator.submit(argv_job(["sh", "-c", script], max_attempts=1))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
     assert agent.wait() == 0, agent.log
@@ -177,7 +177,7 @@ def test_task_environment_holds_no_agent_secrets(
     token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
     tc = token_coordinator
-    script = "import json,os; json.dump(dict(os.environ), open('out/metrics.json','w'))"
+    script = "import json,os; json.dump(dict(os.environ), open('metrics.json','w'))"
     job = tc.server.submit(argv_job([PY, "-c", script]))
     agent = start_agent(
         tc.server.url,

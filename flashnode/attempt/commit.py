@@ -1,10 +1,13 @@
 """Checking outputs, spooling the result, uploading and committing it; and reporting a failure.
 
-``check`` runs once the task ended well: the outputs pass their checks, then the result is
-written durably to the outbox (state ``finished``) before anything is uploaded, so an agent
-restart resumes the commit instead of losing it. ``commit`` uploads every file (logs first,
-``metrics.json`` last: the commit anchor) from descriptors checked to be the files the walk saw,
-and completes with the anchor's sha256 and the evidence; ``accepted: false`` is final.
+``check`` runs once the task ended well: the outputs pass their checks (``metrics.json`` as the
+coordinator will judge it: readable JSON, an object for a command task, and what the job's
+``validators`` declare, with the coordinator's own reasons; federated averaging's contribution),
+then the result is written durably to the outbox (state ``finished``) before anything is
+uploaded, so an agent restart resumes the commit instead of losing it. ``commit`` uploads every
+file (logs first, ``metrics.json`` last: the commit anchor) from descriptors checked to be the
+files the walk saw, and completes with the anchor's sha256 and the evidence; ``accepted: false``
+is final.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from flashnode import retry
+from flashnode import retry, validators
 from flashnode.attempt.record import Outcome, State
 from flashnode.checks import check_fedavg
 from flashnode.errors import (
@@ -31,7 +34,7 @@ from flashnode.errors import (
 )
 from flashnode.sanitise import sanitise
 from flashnode.wire import SAFE_ID, parse_task
-from flashnode.workspace import CKPT, OutputFile, Workspace
+from flashnode.workspace import OutputFile, Workspace
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -79,8 +82,6 @@ def recheck(a: Attempt) -> None:
     a.workspace = ws = Workspace(
         a.ctx.settings.state_dir / "attempts" / a.lease.lease_id, a.record.task_uid
     )
-    if a.task.checkpoint is not None:
-        ws.not_outputs = frozenset({CKPT})  # checkpoints were shipped by the relay, not outputs
     a.files = files = _checked_outputs(a, ws)
     if {f.rel: f.size for f in files} != a.record.outputs or _sha256(
         ws, files[-1]
@@ -100,9 +101,19 @@ def _checked_outputs(a: Attempt, ws: Workspace) -> list[OutputFile]:
     if metrics_file.size > METRICS_MAX_BYTES:
         raise AttemptFailed(f"out/metrics.json is larger than {METRICS_MAX_BYTES} bytes")
     with ws.open_output(metrics_file) as fh:
-        metrics = _parse_json(fh.read())
-    if a.task.workload_type == "command" and not isinstance(metrics, dict):
-        raise AttemptFailed("out/metrics.json is not a JSON object")
+        data = fh.read()
+    try:
+        refused = validators.problem(
+            data, a.task.workload_type, a.task.validators, a.ctx.schema_check
+        )
+    except validators.Unchecked as exc:
+        log.warning(
+            "lease %s: the declared json_schema is left to the coordinator: %s", a.lease_id, exc
+        )
+        refused = None
+    if refused is not None:
+        raise AttemptFailed(refused)
+    metrics = _parse_json(data)
 
     def opener(name: str) -> AbstractContextManager[BinaryIO] | None:
         f = by_name.get(name)

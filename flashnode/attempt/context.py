@@ -16,6 +16,7 @@ from flashnode.metrics import MetricsSink, NullMetrics
 from flashnode.runners.base import Runner
 from flashnode.sampler import CpuWindow, GpuReader
 from flashnode.settings import Settings
+from flashnode.validators import SchemaCheck
 from flashnode.wire import CheckpointManifest, CheckpointPart, ExecutionEvidence
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class CoordinatorPort(Protocol):
         step: int,
         parts: list[CheckpointPart],
         storage_prefix: str,
+        world_size: int = 1,
+        framework: str = "",
     ) -> None: ...
     def checkpoint_latest(self, job_id: str, task_id: str) -> CheckpointManifest | None: ...
 
@@ -117,6 +120,9 @@ class AttemptContext:
     envs: EnvPort | None = None  # job environments, one cache per agent (trusted runner)
     data: DataPort[Any] | None = None  # dataset shards, one cache per agent
     free_bytes: Callable[[], int | None] = lambda: None  # free in the state dir (None: unknown)
+    # A declared JSON Schema checked on the node (procs.json_schema_problem); None: left to the
+    # coordinator.
+    schema_check: SchemaCheck | None = None
     # What may run after an attempt's outcome (removing its retired workspace): at once by
     # default; the agent hands it to a thread off the next claim's way (background.py).
     later: Callable[[Callable[[], None]], object] = field(default=lambda job: job())

@@ -59,6 +59,7 @@ def run(a: Attempt) -> None:
 
     start = specs.build(
         a.task,
+        a.lease.job_id,
         a.lease.lease_id,
         a.record.slot,
         a.workspace,

@@ -3,13 +3,20 @@ checkpoint in its ``out/ckpt/`` is uploaded, every file registered as a part, th
 committed; once the task has exited, a last sweep ships the newest one it left, also when it
 crashed.
 
-A checkpoint is a file ``step-<N>.<ext>`` or a directory ``step-<N>/`` of any number of files
-(workspace.py ``CHECKPOINT_NAME``), complete once it is in place under that name. The relay
-ships the newest complete one newer than the last it shipped, and takes one as complete when a
-newer one exists, when it stayed unchanged over one scan (for tasks that write in place instead
-of renaming), or when the task has exited. Files are read as outputs are: from directory
-descriptors, regular files of the task's user only, uploaded from the descriptor that was
-checked, as a stream.
+A checkpoint is, in flashruntime's layout, a ``step-*`` or ``checkpoint-*`` directory holding a
+``manifest.json`` (what ``flashruntime.torch.checkpoint`` and the Hugging Face callback write:
+parts first, the manifest last): complete as soon as its manifest is there and its parts match
+it, its step the manifest's, shipped as the parts it lists and the manifest itself, committed
+with the manifest's ``framework`` and ``world_size``. In the older layouts it is a file
+``step-<N>.<ext>``, complete when a newer one exists, when it stayed unchanged over one scan (for
+tasks that write in place instead of renaming), or when the task has exited; or a directory
+``step-<N>/`` without a manifest, complete when a newer one exists or the task has exited, and
+never once the task has shown that it writes manifests (such a directory is then one being
+written, or one a crash left half written). The relay ships the newest complete one newer than
+the last it shipped (or the one the attempt resumed from: it is never shipped back). Files are
+read as outputs are: from directory descriptors, regular files of the task's user only, uploaded
+from the descriptor that was checked, as a stream; a part whose bytes do not match its
+manifest's sha256 makes its checkpoint one that is not shipped.
 
 Fencing: a 410 (403 in token mode) on any checkpoint write means this attempt is no longer the
 task's live one: the relay stops at once and takes the lease as lost, so the task is stopped and
@@ -67,9 +74,11 @@ class Shipped(enum.Enum):
 class Relay:
     """A watcher of the running task (``Attempt.during_run``). ``start`` runs the relay on its
     own thread, one sweep every ``checkpoint_scan_seconds``; ``finish`` waits for a ship under
-    way, then sweeps once more with the task gone. Never raises, never blocks the task."""
+    way, then sweeps once more with the task gone. Never raises, never blocks the task.
+    ``restored``: the (name, step) of the checkpoint restored into out/ckpt/ for the task, in
+    flashruntime's layout: only newer ones are shipped."""
 
-    def __init__(self, a: Attempt) -> None:
+    def __init__(self, a: Attempt, restored: tuple[str, int] | None = None) -> None:
         assert a.lease is not None and a.task is not None and a.workspace is not None
         self._a = a
         self._lease, self._task, self._ws = a.lease, a.task, a.workspace
@@ -77,7 +86,8 @@ class Relay:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._exited = False
-        self._shipped: Checkpoint | None = None
+        self._shipped: tuple[str, int] | None = restored  # (name, step) of the resume point
+        self._writes_manifests = restored is not None
         self._refused: set[str] = set()
         self._failed: set[str] = set()
         self._stamps: dict[str, tuple[tuple[str, int, int, int], ...]] = {}
@@ -117,10 +127,15 @@ class Relay:
             return
         s = self._a.ctx.settings
         try:
-            found, total = self._ws.checkpoints()
+            found, total, unusable = self._ws.checkpoints()
         except (AttemptFailed, OSError) as exc:
             self._warn("ckpt", f"no checkpoint is shipped while out/{CKPT}/ is unusable: {exc}")
             return
+        for name, why in unusable.items():
+            self._warn(name, f"{CKPT}/{name} is not shipped: {why}")
+        self._writes_manifests = (
+            self._writes_manifests or bool(unusable) or any(c.manifest is not None for c in found)
+        )
         limit = CHECKPOINTS_ON_DISK * s.max_checkpoint_bytes
         if total > limit and not final:
             self._a.cancel(
@@ -136,7 +151,7 @@ class Relay:
             return
         outcome = self._ship(ready, final)
         if outcome is Shipped.SHIPPED:
-            self._shipped = ready
+            self._shipped = (ready.name, ready.step)
         elif outcome is Shipped.FAILED:
             self._failed.add(ready.name)
         elif outcome is Shipped.REFUSED:
@@ -146,13 +161,19 @@ class Relay:
 
     def _ready(self, found: list[Checkpoint], final: bool) -> Checkpoint | None:
         """The newest complete checkpoint newer than the last one shipped."""
-        after = self._shipped.step if self._shipped is not None else -1
+        after = self._shipped[1] if self._shipped is not None else -1
         newest = max((c.step for c in found), default=-1)
         ready = None
         for c in found:
             if c.step <= after or not c.files:
                 continue
-            if final or c.step < newest or self._stamps.get(c.name) == c.stamp:
+            if c.manifest is not None:
+                complete = True
+            elif c.directory:
+                complete = not self._writes_manifests and (final or c.step < newest)
+            else:
+                complete = final or c.step < newest or self._stamps.get(c.name) == c.stamp
+            if complete:
                 ready = c
         return ready
 
@@ -171,17 +192,30 @@ class Relay:
             return Shipped.REFUSED
         base = f"{task.output_prefix}{CKPT}/{lease.lease_id}/{c.step}/"
         ids = (lease.job_id, lease.task_id, lease.lease_id, c.step)
+        m = c.manifest
+        declared = {f"{CKPT}/{c.name}/{p.name}": p.sha256 for p in m.parts} if m else {}
         try:
             parts = []
             for f in c.files:
                 key = base + f.rel[len(CKPT) + 1 :]
                 sha = self._call(final, lambda f=f, key=key: self._upload(key, f))  # type: ignore[misc]
+                if declared.get(f.rel, sha) != sha:
+                    name = f.rel.rsplit("/", 1)[-1]
+                    self._warn(
+                        c.name,
+                        f"checkpoint step {c.step} is not shipped: its part {name!r} does not"
+                        " match the sha256 of its manifest",
+                    )
+                    return Shipped.REFUSED
                 parts.append(CheckpointPart(key=key, sha256=sha, size_bytes=f.size))
             for part in parts:
                 self._call(final, lambda part=part: coordinator.checkpoint_part(*ids, part))  # type: ignore[misc]
+            world_size, framework = (m.world_size, m.framework) if m else (1, "")
             self._call(
                 final,
-                lambda: coordinator.checkpoint_commit(*ids, parts, ARTIFACT_SCHEME + base),
+                lambda: coordinator.checkpoint_commit(
+                    *ids, parts, ARTIFACT_SCHEME + base, world_size, framework
+                ),
             )
         except (LeaseLost, CredentialsError) as exc:
             self._lose(f"checkpoint write refused: {exc}")
@@ -242,7 +276,7 @@ class Relay:
         )
 
     def _remove_older(self, found: list[Checkpoint], step: int) -> None:
-        keep = self._shipped.name if self._shipped is not None else None
+        keep = self._shipped[0] if self._shipped is not None else None
         for c in found:
             if c.step < step and c.name != keep:
                 try:

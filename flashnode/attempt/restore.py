@@ -1,14 +1,24 @@
 """Checkpoints, before the run (PROTOCOL.md §8), for a task whose payload carries
-``checkpoint``: the task is told where to write them (``FLASHML_CHECKPOINT_DIR=/work/out/ckpt``,
-made for it), the relay is set to watch the run (relay.py), and the task's latest valid
-checkpoint, when it has one, is fetched into ``inputs/resume/`` (the agent's: the task reads it,
-never writes it) and named by ``FLASHML_RESUME`` (and a module task's ``inputs.resume``).
+``checkpoint``: the relay is set to watch the run (relay.py) and the task's latest valid
+checkpoint, when it has one, is fetched for it. Every task has its checkpoint directory,
+``out/ckpt/`` (``FLASHML_CKPT_DIR``, ``FLASHML_CHECKPOINT_DIR`` for a checkpointing task), made
+with the workspace.
+
+Where the checkpoint goes depends on its layout. flashruntime's (a ``step-*`` or
+``checkpoint-*`` directory with its ``manifest.json``) is restored into the checkpoint directory
+under its own name, so that ``flashruntime.torch.prepare`` and the Hugging Face helper find it
+there; its manifest's ``storage_prefix`` is made to name that directory as the task sees it
+(it named the directory the attempt that wrote it saw); the task's user owns it (it may delete
+it) and the relay never ships it back. The older layouts (a ``step-<N>.<ext>`` file, a
+``step-<N>/`` directory) go to ``inputs/resume/`` (the agent's: the task reads it, never writes
+it). Either way ``FLASHML_RESUME`` (and a module task's ``inputs.resume``) names it.
 
 Every part of that manifest is downloaded and checked against its size and sha256; a manifest
 that does not hold up (a part missing, altered, outside the task's output prefix, larger than
-``max_checkpoint_bytes``, not one file or one directory) is not used: the attempt starts from
-scratch and says why. A coordinator that cannot be asked lets the lease lapse (not the task's
-fault), so the next attempt can still resume.
+``max_checkpoint_bytes``, not one file or one directory, a flashruntime manifest that does not
+match its parts) is not used: the attempt starts from scratch and says why. A coordinator that
+cannot be asked lets the lease lapse (not the task's fault), so the next attempt can still
+resume.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from flashnode import retry
+from flashnode import manifests, retry
 from flashnode.attempt import stage
 from flashnode.attempt.relay import Relay
 from flashnode.errors import AttemptLapsed, CoordinatorError, LeaseLost, NotFound
@@ -51,38 +61,35 @@ def run(a: Attempt) -> None:
     assert a.lease is not None and a.task is not None and a.workspace is not None
     if a.task.checkpoint is None:
         return
-    ws = a.workspace
-    ws.not_outputs = frozenset({CKPT})
-    (ws.out / CKPT).mkdir(mode=0o700)
     a.prepared.agent_env["FLASHML_CHECKPOINT_DIR"] = f"{WORK}/out/{CKPT}"
-    a.during_run.append(Relay(a))
     manifest = _latest(a)
+    restored = None
     if manifest is None:
         log.info("lease %s: no checkpoint yet; starting from the beginning", a.lease_id)
-        return
-    try:
-        files = _layout(manifest, a.task.output_prefix, a.ctx.settings.max_checkpoint_bytes)
-        entry = _fetch(a, manifest, files)
-    except Unusable as exc:
-        log.warning(
-            "lease %s: checkpoint step %d is not usable (%s); starting from scratch",
-            a.lease_id,
-            manifest.step,
-            exc,
-        )
-        return
-    path = f"{WORK}/inputs/{RESUME_INPUT}/{entry}"
-    a.prepared.agent_env["FLASHML_RESUME"] = path
-    if a.task.module is not None:
-        a.prepared.module_inputs[RESUME_INPUT] = path
-    a.record.resumed_from_step = manifest.step
-    log.info(
-        "lease %s: resuming from step %d (%d file(s), %d bytes)",
-        a.lease_id,
-        manifest.step,
-        len(files),
-        sum(p.size_bytes for p, _ in files),
-    )
+    else:
+        try:
+            files = _layout(manifest, a.task.output_prefix, a.ctx.settings.max_checkpoint_bytes)
+            path, restored = _restore(a, manifest, files)
+        except Unusable as exc:
+            log.warning(
+                "lease %s: checkpoint step %d is not usable (%s); starting from scratch",
+                a.lease_id,
+                manifest.step,
+                exc,
+            )
+        else:
+            a.prepared.agent_env["FLASHML_RESUME"] = path
+            if a.task.module is not None:
+                a.prepared.module_inputs[RESUME_INPUT] = path
+            a.record.resumed_from_step = manifest.step
+            log.info(
+                "lease %s: resuming from step %d (%d file(s), %d bytes)",
+                a.lease_id,
+                manifest.step,
+                len(files),
+                sum(p.size_bytes for p, _ in files),
+            )
+    a.during_run.append(Relay(a, restored))
 
 
 def _latest(a: Attempt) -> CheckpointManifest | None:
@@ -139,18 +146,70 @@ def _layout(
     return files
 
 
-def _fetch(
+def _restore(
     a: Attempt, manifest: CheckpointManifest, files: list[tuple[CheckpointPart, str]]
-) -> str:
-    """Download and check every part into .stage/, then move it to inputs/resume/; the name of
-    the checkpoint there (a file or a directory)."""
+) -> tuple[str, tuple[str, int] | None]:
+    """Fetch the checkpoint and put it in place for the task: the ``/work`` path it has there,
+    and, for flashruntime's layout, its (name, step) under out/ckpt/."""
     assert a.workspace is not None
     ws = a.workspace
-    stage = ws.stage / RESUME_INPUT
+    staged = _fetch(a, files)
+    name = files[0][1].split("/", 1)[0]
+    try:
+        if _flashruntime_layout(name, [rel for _, rel in files]):
+            _retarget(a, staged / name, manifest, files)
+            os.rename(staged / name, ws.out / CKPT / name)
+            remove_tree(staged)
+            return f"{WORK}/out/{CKPT}/{name}", (name, manifest.step)
+    except BaseException:
+        remove_tree(staged)
+        raise
+    os.rename(staged, ws.inputs / RESUME_INPUT)
+    return f"{WORK}/inputs/{RESUME_INPUT}/{name}", None
+
+
+def _flashruntime_layout(name: str, rels: list[str]) -> bool:
+    """One ``step-*``/``checkpoint-*`` directory of files, its manifest.json among them."""
+    return (
+        manifests.DIRECTORY.match(name) is not None
+        and f"{name}/{manifests.MANIFEST_NAME}" in rels
+        and all(rel.count("/") == 1 for rel in rels)
+    )
+
+
+def _retarget(
+    a: Attempt, staged: Path, manifest: CheckpointManifest, files: list[tuple[CheckpointPart, str]]
+) -> None:
+    """Check the fetched manifest.json against what was fetched (its step, and the sha256 of
+    every part it lists), then make its ``storage_prefix`` name the directory as the task will
+    see it (out/ckpt/<name>), the way flashruntime's pickers read it."""
+    assert a.workspace is not None
+    path = staged / manifests.MANIFEST_NAME
+    data = path.read_bytes()  # fetched by the agent into its own .stage/
+    try:
+        local = manifests.parse(data)
+    except manifests.Invalid as exc:
+        raise Unusable(f"its {manifests.MANIFEST_NAME} cannot be used: {exc}") from None
+    if local.step != manifest.step:
+        raise Unusable(f"its {manifests.MANIFEST_NAME} is of step {local.step}")
+    fetched = {rel.split("/", 1)[1]: part.sha256 for part, rel in files}
+    for part in local.parts:
+        if fetched.get(part.name) != part.sha256:
+            raise Unusable(f"its part {part.name!r} does not match its manifest")
+    where = a.ctx.runner.task_path(a.workspace, f"{WORK}/out/{CKPT}/{staged.name}")
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(manifests.retarget(data, where))
+
+
+def _fetch(a: Attempt, files: list[tuple[CheckpointPart, str]]) -> Path:
+    """Download and check every part into .stage/resume/; that directory."""
+    assert a.workspace is not None
+    staged = a.workspace.stage / RESUME_INPUT
     try:
         for part, rel in files:
             a.check()
-            dest = stage / rel
+            dest = staged / rel
             dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             size = _download(a, part, dest)
             if size != part.size_bytes:
@@ -158,10 +217,9 @@ def _fetch(
             if _sha256(dest) != part.sha256:
                 raise Unusable(f"part {rel} does not match its sha256")
     except BaseException:
-        remove_tree(stage)
+        remove_tree(staged)
         raise
-    os.rename(stage, ws.inputs / RESUME_INPUT)
-    return files[0][1].split("/", 1)[0]
+    return staged
 
 
 def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:

@@ -169,6 +169,13 @@ class Runner(ABC):
         """Whether the runner can take a task now (e.g. its container engine answers)."""
         return True
 
+    def task_path(self, workspace: Workspace, path: str) -> str:
+        """Where a task of this runner finds ``path`` (a ``/work/...`` path) of ``workspace``:
+        the path itself where the runner shows the workspace at ``/work`` (a container), else
+        the host path it maps to. For what the agent writes into files the task reads (a
+        restored checkpoint's manifest)."""
+        return path
+
     def reconfigure(self, settings: Settings) -> None:  # noqa: B027 - optional hook
         """Take a reloaded configuration (pools, limits). Runs off the main loop's thread."""
 

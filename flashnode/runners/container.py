@@ -396,7 +396,7 @@ class ContainerRunner(Runner):
             "command": command,
             "environment": env,
             "user": self.user,
-            "working_dir": "/work",
+            "working_dir": "/work/out",  # flashruntime's contract: its output directory
             "network_mode": "none",
             "read_only": True,
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={tmp_bytes},mode=1777"},

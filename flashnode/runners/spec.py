@@ -15,7 +15,7 @@ from flashnode.gpupool import Device
 from flashnode.runners.base import ModuleSpec, StartSpec
 from flashnode.settings import Settings
 from flashnode.wire import Task
-from flashnode.workspace import Workspace
+from flashnode.workspace import CKPT, Workspace
 
 WORK = "/work"
 # The command a module task runs, with the interpreter, spec and output directory filled in.
@@ -34,8 +34,21 @@ class Preparation:
     module_inputs: dict[str, str] = field(default_factory=dict)  # more spec inputs: /work paths
 
 
+def contract_env(job_id: str, lease_id: str) -> dict[str, str]:
+    """flashruntime's task contract (its ``launchers/local.py``), the same in both runners: the
+    output directory (also the task's working directory), the checkpoint directory the relay
+    watches, and the ids of the job and of this attempt (the lease)."""
+    return {
+        "FLASHML_OUTPUT_DIR": f"{WORK}/out",
+        "FLASHML_CKPT_DIR": f"{WORK}/out/{CKPT}",
+        "FLASHML_JOB_ID": job_id,
+        "FLASHML_ATTEMPT_ID": lease_id,
+    }
+
+
 def build(
     task: Task,
+    job_id: str,
     lease_id: str,
     slot: int,
     workspace: Workspace,
@@ -68,7 +81,7 @@ def build(
         record=record,
         stdout=workspace.logs / "stdout.txt",
         stderr=workspace.logs / "stderr.txt",
-        agent_env=dict(prepared.agent_env),
+        agent_env={**contract_env(job_id, lease_id), **prepared.agent_env},
         python=prepared.python,
         path_prefix=tuple(prepared.path_prefix),
         read_only_binds=tuple(prepared.read_only_binds),

@@ -59,6 +59,7 @@ from flashnode.runners.spec import (
 )
 from flashnode.settings import Settings
 from flashnode.wire import MODULES, Task
+from flashnode.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +320,9 @@ class TrustedRunner(Runner):
 
     # --- the contract -------------------------------------------------------------------------
 
+    def task_path(self, workspace: Workspace, path: str) -> str:
+        return map_work(path, str(workspace.root))
+
     def check(self, task: Task) -> None:
         self._check_code(task)
         if task.local_inputs and not self.sandbox:
@@ -503,7 +507,7 @@ class TrustedRunner(Runner):
             proc = procs.TaskProcess(
                 argv,
                 env,
-                cwd=ws.root,
+                cwd=ws.out,  # flashruntime's contract: the task starts in its output directory
                 stdout=spec.stdout,
                 stderr=spec.stderr,
                 log_max_bytes=self.settings.log_max_bytes,

@@ -1,0 +1,390 @@
+"""flashruntime's own task contract (issue 25), end to end: scripts written from flashruntime's
+documentation alone (nothing in them knows flashnode) run on the real coordinator and real
+agents, in both runners, and resume across nodes; a result the coordinator would refuse fails on
+the node with the coordinator's reason before anything but the logs is uploaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+
+from flashnode import procs
+
+TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
+POOL = "team-contract"
+TRUSTED = ("--runner", "trusted", "--pool", POOL)
+FAST = {
+    "FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5",
+    "FLASHNODE_CHECKPOINT_SCAN_SECONDS": "0.5",
+    "FLASHNODE_TASK_PYTHON": TASK_PYTHON,
+}
+
+needs_task_python = pytest.mark.skipif(
+    not os.path.exists(TASK_PYTHON),
+    reason=f"no task interpreter with torch and flashruntime at {TASK_PYTHON} (.ci/run makes one)",
+)
+
+
+def latest(server: CoordinatorServer, job: str, task: str = "task-000") -> dict[str, Any] | None:
+    r = server.http.get(f"/jobs/{job}/tasks/{task}/checkpoints/latest")
+    return dict(r.json()) if r.status_code == 200 else None
+
+
+def only_line(agent: AgentProcess) -> dict[str, Any]:
+    [line] = wait_for("the attempt in the ledger", agent.ledger)
+    return line
+
+
+def part_names(manifest: dict[str, Any]) -> dict[str, str]:
+    """The parts of a committed checkpoint: file name -> the key's path below the output
+    prefix."""
+    return {p["key"].rsplit("/", 1)[1]: p["key"] for p in manifest["parts"]}
+
+
+# --- the variables and the working directory -------------------------------------------------
+
+CONTRACT = r"""
+mkdir -p "$FLASHML_CKPT_DIR/step-000001" && echo scratch > "$FLASHML_CKPT_DIR/step-000001/a"
+printf '{"pwd": "%s", "out": "%s", "ckpt": "%s", "job": "%s", "attempt": "%s"}' "$(pwd -P)" \
+  "$FLASHML_OUTPUT_DIR" "$FLASHML_CKPT_DIR" "$FLASHML_JOB_ID" "$FLASHML_ATTEMPT_ID" > metrics.json
+"""
+
+
+def test_a_trusted_task_starts_in_its_output_directory_with_flashruntimes_variables(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """And, its payload carrying no `checkpoint`, what it writes into its checkpoint directory is
+    scratch: neither relayed nor uploaded."""
+    job = coordinator.submit(argv_job(["sh", "-c", CONTRACT], pool=POOL, max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    report = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert report["out"] == report["pwd"] and report["pwd"].endswith("/out")
+    assert report["ckpt"] == report["out"] + "/ckpt"
+    assert (report["job"], report["attempt"]) == (job, only_line(agent)["lease_id"])
+    assert coordinator.artifacts(job) == [f"jobs/{job}/task-000/metrics.json"]
+    assert latest(coordinator, job) is None
+
+
+# --- 1. flashruntime.torch: crash on node A after the third checkpoint, resume on node B -------
+
+# Written from the torch-helper reference's "usage shape" alone: prepare, checkpoint every N
+# steps, log_metrics, metrics.json into the working directory. A fresh run given a step dies
+# right after that step's checkpoint (the stand-in for a machine lost mid-training).
+TRAIN = """
+import json, sys
+import torch
+import flashruntime.torch as ft
+
+crash_after = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+gen = torch.Generator().manual_seed(1)
+x = torch.randn(64, 4, generator=gen)
+y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+model, opt, _ = ft.prepare(model, opt)
+start = ft.start_step()
+for step in range(start + 1, 61):
+    i = (step * 8) % 64
+    loss = torch.nn.functional.mse_loss(model(x[i : i + 8]), y[i : i + 8])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ft.log_metrics({"step": step, "loss": loss.item()})
+    ft.checkpoint(model, opt, step=step, every=10)
+    if start == 0 and step == crash_after:
+        sys.exit(3)
+weights = {k: [v.hex() for v in t.flatten().tolist()] for k, t in model.state_dict().items()}
+json.dump({"start_step": start, "loss": loss.item(), "weights": weights}, open("metrics.json", "w"))
+"""
+
+
+@needs_task_python
+def test_a_torch_helper_script_crashed_on_one_node_resumes_on_another_bit_for_bit(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    job = coordinator.submit(
+        argv_job(
+            [TASK_PYTHON, "-c", TRAIN, "30"],
+            pool=POOL,
+            checkpoint={"interval_seconds": 60},
+            max_attempts=2,
+        )
+    )
+    node_a = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST, name="a")
+    assert node_a.wait(120) == 0, node_a.log
+    first = only_line(node_a)
+    assert first["outcome"] == "failed" and "exit code 3" in first["reason"], first
+    assert first["checkpoint_step"] == 30, first
+    shipped = latest(coordinator, job)
+    assert shipped is not None and shipped["step"] == 30, shipped
+    assert shipped["attempt_id"] == first["lease_id"]
+    assert shipped["framework"].startswith("pytorch-") and shipped["world_size"] == 1
+    names = part_names(shipped)
+    assert sorted(names) == ["manifest.json", "model.pt", "optimizer.pt"], names
+    assert names["model.pt"].endswith(f"/ckpt/{first['lease_id']}/30/step-000030/model.pt")
+
+    node_b = start_agent(coordinator.url, *TRUSTED, env=FAST, name="b")
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, 120) == "SUCCEEDED", node_b.log
+    node_b.wait_log("resuming from step 30")
+    second = only_line(node_b)
+    assert second["outcome"] == "committed" and second["resumed_from_step"] == 30, second
+
+    # The same script, uninterrupted, under flashruntime's own defaults.
+    out = tmp_path / "reference"
+    out.mkdir()
+    env = {"PATH": os.environ["PATH"], "FLASHML_OUTPUT_DIR": str(out)}
+    subprocess.run([TASK_PYTHON, "-c", TRAIN], cwd=out, env=env, check=True, timeout=120)
+    reference = json.loads((out / "metrics.json").read_text())
+    got = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert got["start_step"] == 30 and reference["start_step"] == 0
+    assert got["weights"] == reference["weights"]  # every float, bit for bit
+    # log_metrics' file is an output like any other: the resumed attempt's steps.
+    logged = coordinator.artifact(f"jobs/{job}/task-000/metrics.jsonl").decode().splitlines()
+    assert [json.loads(line)["step"] for line in logged] == list(range(31, 61))
+    final = latest(coordinator, job)
+    assert final is not None and final["step"] == 60 and final["attempt_id"] == second["lease_id"]
+    # Checkpoints are not outputs: nothing of them outside the relay's keys.
+    outputs = {
+        k.split("/", 3)[3] for k in coordinator.artifacts(job) if k.split("/")[3] != "ckpt"
+    } - {"logs/stdout.txt", "logs/stderr.txt"}
+    assert outputs == {"metrics.json", "metrics.jsonl", "ranks/rank-0.json"}, outputs
+
+
+# --- 2. the docker runner: the same contract, a script that writes manifests itself ------------
+
+# No python in the test image: a shell script that checkpoints the way write_manifest does (parts
+# first, the manifest last) and resumes the way latest_valid_manifest picks (the newest step-*
+# with a manifest, its files at the manifest's storage_prefix). It sums k*k for k = 1..6.
+BOX = r"""
+bb=/bin/busybox
+ckpt=$FLASHML_CKPT_DIR latest= step=0 total=0 start=0 deleted=false
+for d in "$ckpt"/step-*; do [ -f "$d/manifest.json" ] && latest=$d; done
+if [ -n "$latest" ]; then
+  prefix=$($bb sed -n 's/.*"storage_prefix": "\([^"]*\)".*/\1/p' "$latest/manifest.json")
+  step=$(cat "$prefix/step.txt") total=$(cat "$prefix/total.txt") start=$step
+  mine=$([ "$($bb stat -c %u "$prefix/total.txt")" = "$(id -u)" ] && echo true || echo false)
+fi
+checkpoint() {
+  d=$ckpt/step-$(printf %06d "$step")
+  mkdir -p "$d"
+  echo "$step" > "$d/step.txt"
+  echo "$total" > "$d/total.txt"
+  parts=
+  for f in step.txt total.txt; do
+    set -- $($bb sha256sum "$d/$f")
+    parts="$parts${parts:+, }{\"key\": \"$f\", \"sha256\": \"$1\", \"size_bytes\": $(wc -c < "$d/$f")}"
+  done
+  printf '{"manifest_id": "ck-box", "job_id": "%s", "attempt_id": "%s", "step": %d, "framework": "busybox-sh", "world_size": 1, "storage_prefix": "%s", "parts": [%s], "validation": "hash_verified"}' \
+    "$FLASHML_JOB_ID" "$FLASHML_ATTEMPT_ID" "$step" "$d" "$parts" > "$d/manifest.json"
+}
+while [ "$step" -lt 6 ]; do
+  step=$((step + 1)) total=$((total + step * step))
+  checkpoint
+  [ -z "$latest" ] && [ "$step" -eq 3 ] && exit 3
+done
+[ -n "$latest" ] && $bb rm -r "$latest" && deleted=true
+printf '{"pwd": "%s", "out": "%s", "ckpt": "%s", "job": "%s", "attempt": "%s", "resumed_from": "%s", "prefix": "%s", "start": %d, "total": %d, "mine": %s, "deleted": %s}' \
+  "$(pwd)" "$FLASHML_OUTPUT_DIR" "$ckpt" "$FLASHML_JOB_ID" "$FLASHML_ATTEMPT_ID" "$latest" \
+  "$prefix" "$start" "$total" "${mine:-false}" "$deleted" > metrics.json
+"""
+
+
+def test_the_docker_runner_gives_the_same_contract_and_resumes_a_manifest_checkpoint(
+    box: str, coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    from test_container import box_job, start, unique
+
+    job = coordinator.submit(
+        box_job(["sh", "-c", BOX], image=box, checkpoint={"interval_seconds": 30}, max_attempts=2)
+    )
+    env = {"FLASHNODE_CHECKPOINT_SCAN_SECONDS": "0.5"}
+    agent = start(start_agent, coordinator.url, unique("contract"), "--max-tasks", "2", env=env)
+    assert agent.wait(90) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    first, second = agent.ledger()
+    assert first["outcome"] == "failed" and first["checkpoint_step"] == 3, first
+    assert second["outcome"] == "committed" and second["resumed_from_step"] == 3, second
+    report = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert report == {
+        "pwd": "/work/out",
+        "out": "/work/out",
+        "ckpt": "/work/out/ckpt",
+        "job": job,
+        "attempt": second["lease_id"],
+        "resumed_from": "/work/out/ckpt/step-000003",
+        "prefix": "/work/out/ckpt/step-000003",  # its storage_prefix holds where it was restored
+        "start": 3,
+        "total": sum(k * k for k in range(1, 7)),  # as an uninterrupted run
+        "mine": True,  # the container's user owns what was restored
+        "deleted": True,  # and may delete it
+    }
+    final = latest(coordinator, job)
+    assert final is not None and final["step"] == 6 and final["framework"] == "busybox-sh"
+    assert sorted(part_names(final)) == ["manifest.json", "step.txt", "total.txt"]
+
+
+# --- 3. a Hugging Face style checkpoint-N/ with its manifest ----------------------------------
+
+# What the Hugging Face guide's Trainer does with flashruntime's callback, without transformers:
+# the Trainer saves checkpoint-<global_step>/ into its output_dir, flashruntime_callback's
+# on_save writes the manifest, and a restarted run resumes from fr_hf.latest_checkpoint(...).
+HF = """
+import json, os, shutil, sys
+from pathlib import Path
+from flashruntime.checkpoint.local import write_manifest
+from flashruntime.integrations import huggingface as fr_hf
+
+output_dir = Path(os.environ["FLASHML_CKPT_DIR"])
+resume = fr_hf.latest_checkpoint(output_dir)  # trainer.train(resume_from_checkpoint=resume)
+step, total, deleted = 0, 0.0, False
+if resume:
+    state = json.loads((Path(resume) / "trainer_state.json").read_text())
+    step, total = state["global_step"], state["total"]
+    shutil.rmtree(resume)  # what save_total_limit's rotation does once newer ones exist
+    deleted = not os.path.exists(resume)
+start = step
+while step < 5:
+    step += 1
+    total += step * 0.5
+    d = output_dir / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": step, "total": total}))
+    (d / "model.safetensors").write_bytes(bytes([step]) * 4096)
+    write_manifest(
+        d,
+        job_id=os.environ.get("FLASHML_JOB_ID", "local"),
+        attempt_id=os.environ.get("FLASHML_ATTEMPT_ID", "local"),
+        step=step,
+        framework="transformers",
+    )
+    if resume is None and step == 3:
+        sys.exit(3)
+json.dump(
+    {"resumed_from": resume, "ckpt": str(output_dir), "start": start, "total": total,
+     "deleted": deleted},
+    open("metrics.json", "w"),
+)
+"""
+
+
+@needs_task_python
+def test_a_hugging_face_checkpoint_directory_is_relayed_and_restored_for_latest_checkpoint(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = coordinator.submit(
+        argv_job(
+            [TASK_PYTHON, "-c", HF], pool=POOL, checkpoint={"interval_seconds": 60}, max_attempts=2
+        )
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env=FAST)
+    assert agent.wait(90) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    first, second = agent.ledger()
+    assert first["outcome"] == "failed" and first["checkpoint_step"] == 3, first
+    assert second["outcome"] == "committed" and second["resumed_from_step"] == 3, second
+    report = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert report["resumed_from"] == os.path.join(report["ckpt"], "checkpoint-3")
+    assert report["start"] == 3 and report["total"] == 7.5 and report["deleted"] is True
+    final = latest(coordinator, job)
+    assert final is not None and final["step"] == 5 and final["framework"] == "transformers"
+    names = part_names(final)
+    assert sorted(names) == ["manifest.json", "model.safetensors", "trainer_state.json"]
+    assert names["manifest.json"].endswith(
+        f"/ckpt/{second['lease_id']}/5/checkpoint-5/manifest.json"
+    )
+
+
+# --- 5. declared validators: refused on the node, with the coordinator's reason ----------------
+
+REFUSED = "echo '{\"loss\": 0.5}' > metrics.json; echo notes > notes.txt; echo trained"
+
+
+def test_a_result_missing_a_declared_key_fails_with_the_coordinators_reason_uploading_only_logs(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    from flashruntime.validators import validator_problem
+
+    declared = {"keys": ["loss", "accuracy"]}
+    job = coordinator.submit(
+        argv_job(["sh", "-c", REFUSED], pool=POOL, validators=declared, max_attempts=1)
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED"
+    reason = validator_problem(declared, {"loss": 0.5})
+    assert reason == (
+        "metrics.json is missing required key(s) ['accuracy'] (declared by the job's 'keys'"
+        " validator)"
+    )
+    [failed] = [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert failed["message"] == reason
+    assert only_line(agent)["reason"] == reason
+    assert coordinator.artifacts(job) == [f"jobs/{job}/task-000/logs/stdout.txt"]
+
+
+def test_a_result_against_a_declared_json_schema_fails_with_the_coordinators_reason(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    from flashruntime.validators import validator_problem
+
+    declared = {"json_schema": {"properties": {"loss": {"type": "number"}}, "required": ["loss"]}}
+    job = coordinator.submit(
+        argv_job(
+            ["sh", "-c", 'echo \'{"loss": "low"}\' > metrics.json'],
+            pool=POOL,
+            validators=declared,
+            max_attempts=1,
+        )
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED"
+    reason = validator_problem(declared, {"loss": "low"})
+    assert reason is not None and "at loss: 'low' is not of type 'number'" in reason
+    [failed] = [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert failed["message"] == reason
+    assert coordinator.artifacts(job) == []  # the task printed nothing: not even logs
+
+
+def test_a_schema_that_backtracks_without_end_neither_holds_the_agent_nor_reaches_the_coordinator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job's `pattern` that backtracks catastrophically on its own metrics: checked in the
+    agent's process it would hold the interpreter's lock (every lease keeper, the main loop)
+    for as long as it runs; the helper process is stopped after its time and the attempt fails
+    with a reason, instead of the coordinator being held by the same check."""
+    monkeypatch.setattr(procs, "SCHEMA_CHECK_S", 3.0)
+    schema = {"properties": {"tag": {"type": "string", "pattern": "^(a+)+$"}}}
+    ticks = [0]
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.05)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.monotonic()
+    try:
+        reason = procs.json_schema_problem(schema, {"tag": "a" * 64 + "!"})
+    finally:
+        done.set()
+        ticker.join()
+    took = time.monotonic() - started
+    assert reason == (
+        "metrics.json could not be checked against the declared json_schema within 3 s"
+    )
+    assert took < 10 and ticks[0] >= took / 0.05 * 0.5, (took, ticks)
