@@ -165,7 +165,7 @@ def test_a_task_that_fills_the_disk_ends_at_once_and_the_node_carries_on(
 ) -> None:
     state_dir = small_disk / "state"
     started = drop_dir / "started"
-    filler = f"touch {started}; head -c 100000000 /dev/zero > out/big; echo wrote; sleep 300"
+    filler = f"touch {started}; head -c 100000000 /dev/zero > big; echo wrote; sleep 300"
     greedy = coordinator.submit(argv_job(["sh", "-c", filler], lease_seconds=60))
     env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
     agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=state_dir)
@@ -208,7 +208,7 @@ def test_a_task_that_fills_the_disk_ends_at_once_and_the_node_carries_on(
     # Space is back: the hold clears, the next job commits, the ledger is whole.
     (small_disk / "filler").unlink()
     wait_for("the hold to clear", lambda: disk_hold(state_dir) is None)
-    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
     assert [r["outcome"] for r in agent.wait_ledger(2)] == ["lapsed", "committed"]
     assert agent.proc.poll() is None

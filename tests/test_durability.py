@@ -147,9 +147,9 @@ def test_a_reload_lowering_the_output_cap_leaves_the_running_task_its_own(
     config.write_text('runner = "trusted"\npools = ["team-a"]\nmax_output_total_bytes = "10M"\n')
     started, go = drop_dir / "started", drop_dir / "go"
     script = (
-        "head -c 2000000 /dev/zero > out/blob;"
+        "head -c 2000000 /dev/zero > blob;"
         f" touch {started}.{{n}}; while [ ! -e {go} ]; do sleep 0.1; done;"
-        " echo '{{\"ok\": 1}}' > out/metrics.json"  # braces doubled: the command is a template
+        " echo '{{\"ok\": 1}}' > metrics.json"  # braces doubled: the command is a template
     )
     coordinator.submit(argv_job(["sh", "-c", script], params=[{"n": 0}, {"n": 1}], max_attempts=1))
     agent = start_agent(coordinator.url, "--config", str(config), env=FAST)

@@ -66,9 +66,9 @@ def test_sub_second_tasks_get_cpu_figures_within_what_the_machine_has(
         "    while time.time() - t < s: pass\n"
         "ts = [threading.Thread(target=spin, args=({n} * 0.02,)) for _ in range(2)]\n"
         "[t.start() for t in ts]; [t.join() for t in ts]\n"
-        "json.dump({{}}, open('out/metrics.json', 'w'))"
+        "json.dump({{}}, open('metrics.json', 'w'))"
     )
-    quick = "echo '{{}}' > out/metrics.json"
+    quick = "echo '{{}}' > metrics.json"
     jobs = [
         coordinator.submit(argv_job(["python3", "-c", short], params=[{"n": n} for n in range(5)])),
         coordinator.submit(argv_job(["sh", "-c", quick], params=[{"n": n} for n in range(5)])),

@@ -43,7 +43,7 @@ for spec in [a for a in args if ':' in a]:
     held.append(f)
 time.sleep(pause)
 print('done', flush=True)
-json.dump(dict(written=done), open('out/metrics.json', 'w'))
+json.dump(dict(written=done), open('metrics.json', 'w'))
 """
 
 
@@ -100,7 +100,7 @@ def test_the_private_tmp_counts_against_the_cap(
 def test_a_task_writing_within_its_cap_commits(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    spread = ["TMPDIR:20", "out:8", *(["/tmp:8"] if os.geteuid() == 0 else [])]
+    spread = ["TMPDIR:20", ".:8", *(["/tmp:8"] if os.geteuid() == 0 else [])]
     state, reasons, printed = run_one(coordinator, start_agent, spread)
     assert state == "SUCCEEDED" and reasons == [], reasons
     assert printed[-1] == "done"
@@ -111,8 +111,8 @@ def test_twenty_thousand_empty_output_files_fail_without_being_uploaded(
 ) -> None:
     many = (
         "import json\n"
-        "for i in range(20000): open('out/f%05d' % i, 'w').close()\n"
-        "json.dump(dict(files=20000), open('out/metrics.json', 'w'))\n"
+        "for i in range(20000): open('f%05d' % i, 'w').close()\n"
+        "json.dump(dict(files=20000), open('metrics.json', 'w'))\n"
     )
     job = coordinator.submit(argv_job(["python3", "-c", many], max_attempts=1))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
