@@ -115,6 +115,7 @@ class Agent:
         self._free_bytes = free_bytes
         self._reload_requested = False
         self._reloading = False
+        self._reload_refused: dict[str, Any] | None = None  # the last refused reload: at, reason
         self._low_disk = False
         self.clock = clock or ctx.clock
         rng, s = ctx.rng, self.settings
@@ -371,6 +372,7 @@ class Agent:
             "counters": dict(self.stats.outcomes),
             "running": running,
             "controls": self.decision.snapshot(),
+            "reload_refused": self._reload_refused,
             "updated_at": self.clock.wall(),
         }
         try:
@@ -446,11 +448,13 @@ class Agent:
             new = self._reload_settings()
         except FlashnodeError as exc:
             log.error("reload refused, keeping the running configuration: %s", exc)
+            self._refused(str(exc))
             return
         fixed = ("coordinator", "runner", "state_dir", "node_id", "token", "join_code", "task_user")
         changed = [k for k in fixed if getattr(new, k) != getattr(self.settings, k)]
         if changed:
             log.error("reload refused: changing %s needs a restart", ", ".join(changed))
+            self._refused(f"changing {', '.join(changed)} needs a restart")
             return
         self._reloading = True
 
@@ -459,10 +463,12 @@ class Agent:
                 self.ctx.runner.reconfigure(new)
             except Exception as exc:  # a reload must never take the agent down
                 log.error("reload failed, keeping the running configuration: %s", exc)
+                self._refused(str(exc))
                 self._reloading = False
                 return
-            if new.metrics_listen != self.settings.metrics_listen:
-                log.warning("metrics_listen changes at the next start of the agent")
+            for key in ("metrics_listen", "ui_listen"):
+                if getattr(new, key) != getattr(self.settings, key):
+                    log.warning("%s changes at the next start of the agent", key)
             self.settings = self.ctx.settings = new
             if self.controls is not None:
                 self.controls.reconfigure(Rules.from_settings(new))
@@ -471,12 +477,18 @@ class Agent:
             log.info(
                 "configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-"
             )
+            self._reload_refused = None
             self._registered = False
             self._next_register = self._next_claim = 0.0
             self._reloading = False
             self._wake.set()
 
         self.ctx.start_thread(reconfigure, "reload")
+
+    def _refused(self, reason: str) -> None:
+        """A reload that kept the running configuration: published until one succeeds."""
+        self._reload_refused = {"at": self.clock.wall(), "reason": reason}
+        self._published = ""  # publish it now, not at the next heartbeat
 
     def _disk_ok(self) -> bool:
         free, floor = self._free_bytes(), self.settings.min_free_bytes

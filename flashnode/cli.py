@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -56,7 +57,7 @@ from flashnode.ledger import Ledger
 from flashnode.outbox import Outbox
 from flashnode.runners.base import Runner, RunnerEnv, runner_class
 from flashnode.runners.spec import task_limits
-from flashnode.settings import Settings, load
+from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, load
 from flashnode.status import Sinks, TerminalLine
 from flashnode.systemd import Notifier
 from flashnode.wire import NodeRegistration
@@ -215,7 +216,12 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     for problem in found:
         log.warning("%s", problem.line())
     try:
-        run_agent(settings, reload=lambda: load(flags, os.environ, config_file), line=line)
+        run_agent(
+            settings,
+            reload=lambda: load(flags, os.environ, config_file),
+            line=line,
+            source=Source(flags, config_file),
+        )
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
     except CredentialsError as exc:
@@ -279,10 +285,75 @@ def data_cache(settings: Settings) -> DataCache:
         raise PrerequisiteError(f"cannot set up the dataset cache: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where the running configuration came from: the flags given and the config file."""
+
+    flags: dict[str, Any] = field(default_factory=dict)
+    config_file: Path | None = None
+
+    @property
+    def file(self) -> Path | None:
+        """The file a change is written to (the default one when it exists)."""
+        if self.config_file is not None:
+            return self.config_file
+        return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None
+
+    def overridden(self, key: str) -> str | None:
+        """Who sets ``key`` over the config file: a flag or the environment; None: the file."""
+        if self.flags.get(key) not in (None, ()):
+            return f"set by --{'pool' if key == 'pools' else key.replace('_', '-')}"
+        if os.environ.get(f"FLASHNODE_{key.upper()}"):
+            return f"set by FLASHNODE_{key.upper()}"
+        return None
+
+
+def _gpu_percent(nvml: Nvml | None, gpus: GpuPool) -> float | None:
+    """The node's GPUs' mean utilisation now (None: no GPU, or one unreadable)."""
+    if nvml is None or not gpus.devices:
+        return None
+    readings = [nvml.utilization(d) for d in gpus.devices]
+    ok = [r for r in readings if r is not None]
+    return sum(ok) / len(ok) if ok and len(ok) == len(readings) else None
+
+
+def _console(
+    settings: Settings, agent: Agent, coordinator: Coordinator, ring: Any, source: Source
+) -> Any:
+    """The owner's console, when ``ui_listen`` asks for it. An address that cannot be bound
+    leaves the agent working without it (the console is on by default: a second agent on the
+    machine, or a port taken, must not stop the work), and says so."""
+    if settings.ui_listen is None:
+        return None
+    from flashnode.console import start
+    from flashnode.console.app import Wiring
+
+    wiring = Wiring(
+        state_dir=settings.state_dir,
+        settings=lambda: agent.settings,
+        config_file=source.file,
+        validate=lambda path: load(source.flags, os.environ, path),
+        overridden=source.overridden,
+        reload=agent.request_reload,
+        node_view=coordinator.node_view,
+        ring=ring,
+    )
+    try:
+        return start(settings.ui_listen, wiring)
+    except OSError as exc:
+        log.warning(
+            "the console is off: cannot listen on %s (%s); set ui_listen to another address",
+            settings.ui_listen,
+            exc.strerror or exc,
+        )
+        return None
+
+
 def run_agent(
     settings: Settings,
     reload: Callable[[], Settings] | None = None,
     line: TerminalLine | None = None,
+    source: Source | None = None,
 ) -> None:
     try:
         inventory.ensure_state_dir(settings.state_dir)
@@ -303,7 +374,7 @@ def run_agent(
             f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}"
         ) from None
     try:
-        _run_agent(settings, served, reload, line, node)
+        _run_agent(settings, served, reload, line, node, source or Source())
     finally:
         served.close()
 
@@ -314,6 +385,7 @@ def _run_agent(
     reload: Callable[[], Settings] | None,
     line: TerminalLine | None,
     node: str,
+    source: Source,
 ) -> None:
     nvml = Nvml.open(settings.nvml_library)
     gpus = GpuPool(nvml.devices if nvml is not None else [])
@@ -369,13 +441,18 @@ def _run_agent(
         host_cpu=sensors.host_cpu_times,
     )
     controls = Controls(Rules.from_settings(settings), readers, clock)
+    ring = None
+    if settings.ui_listen is not None:
+        from flashnode.console.usage import UsageRing
+
+        ring = UsageRing(gpu=lambda: _gpu_percent(nvml, gpus))
     agent = Agent(
         ctx,
         coordinator,
         registration,
         reload=reload,
         free_bytes=lambda: _free_bytes(settings.state_dir),
-        sink=Sinks(Notifier(), *([line] if line else [])),
+        sink=Sinks(Notifier(), *([line] if line else []), *([ring] if ring else [])),
         on_settings=on_settings,
         controls=controls,
     )
@@ -398,9 +475,12 @@ def _run_agent(
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hangup)
+    console = _console(settings, agent, coordinator, ring, source)
     try:
         agent.run()
     finally:
+        if console is not None:
+            console.close()
         janitor.drain(60)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

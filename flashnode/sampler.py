@@ -15,7 +15,6 @@ is None for the whole run.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +112,8 @@ class Sampler:
         self._seen: set[int] = set()  # every pid the task ever had: samples outlive processes
         self._readings = 0
         self.host_gpu, self.task_gpu = _Series(), _Series()
+        self._cpu: tuple[float, dict[int, float]] | None = None  # (when, CPU seconds per pid)
+        self.live: dict[str, float | None] = {}  # the latest figures, for the live view
 
     def run(self) -> None:
         self._remember_pids()
@@ -129,14 +130,19 @@ class Sampler:
             self.sample()
         return self.host_gpu.mean(), self.task_gpu.mean()
 
-    def _remember_pids(self) -> None:
-        with contextlib.suppress(Exception):  # gone or unreadable: keep what was seen
-            self._seen.update(self._probe.pids())
+    def _remember_pids(self) -> set[int] | None:
+        try:
+            now = self._probe.pids()
+        except Exception:  # gone or unreadable: keep what was seen
+            return None
+        self._seen.update(now)
+        return now
 
     def sample(self) -> None:
         with self._lock:
             self._readings += 1
-            self._remember_pids()
+            pids = self._remember_pids()
+            self._live(pids)
             if self._gpu is None:
                 return
             if self._host:
@@ -157,3 +163,30 @@ class Sampler:
                             self._since[d.visible] = max(self._since[d.visible], ts)
                     total += sum(sum(v) / len(v) for v in per_pid.values())
                 self.task_gpu.add(min(total / len(self._task), 100.0))
+                self.live["gpu_percent"] = round(min(total / len(self._task), 100.0), 1)
+
+    def _live(self, pids: set[int] | None) -> None:
+        """The task's memory (resident, all its processes) and CPU use (percent of one core,
+        since the last sample, over the processes seen both times) now: the owner's live view,
+        not evidence. None: not measured."""
+        if pids is None:
+            self.live.update(cpu_percent=None, memory_bytes=None)
+            return
+        memory, cpu = 0, {}
+        for pid in pids:
+            try:
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    memory += proc.memory_info().rss
+                    times = proc.cpu_times()
+                cpu[pid] = times.user + times.system
+            except (psutil.Error, OSError):
+                continue
+        at = self._clock.monotonic()
+        percent = None
+        if self._cpu is not None and at > self._cpu[0]:
+            before = self._cpu[1]
+            used = sum(max(t - before[p], 0.0) for p, t in cpu.items() if p in before)
+            percent = round(used / (at - self._cpu[0]) * 100.0, 1)
+        self._cpu = (at, cpu)
+        self.live.update(cpu_percent=percent, memory_bytes=memory)

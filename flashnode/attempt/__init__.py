@@ -107,6 +107,7 @@ class Attempt:
         self.keeper: LeaseKeeper | None = None
         self.devices: list[Device] = list(reserved or [])
         self.handle: Handle | None = None
+        self.usage: dict[str, float | None] | None = None  # the task's use now, while it runs
         self.result: RunResult | None = None
         self.files: list[OutputFile] = []
         self.output_sha256 = ""
@@ -165,6 +166,7 @@ class Attempt:
             "bytes_staged": self.bytes_staged,
             "bytes_uploaded": self.bytes_uploaded,
             "last_output": self.last_output(),
+            "usage": dict(self.usage) if self.usage is not None else None,
         }
         for key, value in list(self.facts.items()):  # phases add to it on their thread
             snap.setdefault(key, value)

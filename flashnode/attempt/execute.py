@@ -60,6 +60,7 @@ def run(a: Attempt) -> None:
         a.handle = handle = ctx.runner.start(start)
     sampler = Sampler(ctx.clock, s.sample_seconds, handle, ctx.gpu, ctx.gpus.devices, a.devices)
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
+    a.usage = sampler.live
     for watcher in a.during_run:
         watcher.start(a)
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
@@ -76,6 +77,7 @@ def run(a: Attempt) -> None:
             a.result = result = handle.result()
     finally:
         a.suspended_since = None
+        a.usage = None
         sampler.finish()
         for watcher in a.during_run:
             watcher.finish(a)
