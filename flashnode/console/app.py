@@ -210,12 +210,15 @@ class App:
         shown["output"] = self.output_tail(lease)
         return shown
 
-    def output_tail(self, lease: str) -> dict[str, str]:
-        """The last lines a running task printed on each stream (what ``flashnode logs``
-        reads: the agent's own copy, which the task cannot reach)."""
+    def output_tail(self, lease: str) -> dict[str, str] | None:
+        """The last lines a task printed on each stream while its output is on this node (what
+        ``flashnode logs`` reads: the agent's own copy, which the task cannot reach); None when
+        none is kept."""
         if not SAFE_ID.match(lease):
-            return {}
+            return None
         logs = self.w.state_dir / "attempts" / lease / "logs"
+        if not logs.is_dir():
+            return None
         return {name: _tail(logs / f"{name}.txt") for name in ("stdout", "stderr")}
 
     def _settings(self, s: Settings) -> dict[str, Any]:
@@ -264,7 +267,7 @@ class App:
                     "gpu_percent": gpu,
                     "checkpoints": r.get("checkpoints_shipped"),
                     "facts": clean(status.describe_facts(r), 500),
-                    "output": self.output_tail(str(r.get("lease_id") or "")) or None,
+                    "output": self.output_tail(str(r.get("lease_id") or "")),
                 }
             )
         return out
