@@ -143,6 +143,9 @@ def render(snapshot: dict[str, Any]) -> str:
         f"heartbeat   {age} s ago",
         f"counters    {json.dumps(snapshot.get('counters') or {})}",
     ]
+    refused = snapshot.get("reload_refused")
+    if isinstance(refused, dict):
+        lines.append(f"reload      refused, running configuration kept: {refused.get('reason')}")
     controls = snapshot.get("controls") or {}
     held = controls.get("held_by") or []
     if held:
@@ -175,8 +178,17 @@ def render(snapshot: dict[str, Any]) -> str:
         facts = describe_facts(a)
         if facts:
             lines.append(f"    prepared     {facts}")
+        use = a.get("usage") if isinstance(a.get("usage"), dict) else {}
+        lines.append(
+            f"    use now      cpu {_percent(use.get('cpu_percent'))}"
+            f"   memory {size(use.get('memory_bytes'))}   gpu {_percent(use.get('gpu_percent'))}"
+        )
         lines.append(f"    last output  {a.get('last_output') or '-'}")
     return "\n".join(lines)
+
+
+def _percent(value: Any) -> str:
+    return f"{value:.0f}%" if _number(value) else "-"
 
 
 def describe_facts(attempt: dict[str, Any]) -> str:

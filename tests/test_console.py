@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -256,6 +257,21 @@ def test_a_refused_setting_is_shown_with_its_reason_and_nothing_is_written(
         r = console.post(client, csrf, "/api/settings", {"run_windows": []})
         assert r.status_code == 200
         assert "run_windows" not in console.config.read_text()  # any time: the key goes
+
+        # A reload the agent refused (a mistake made by hand) is shown until one succeeds.
+        console.config.write_text(console.config.read_text() + 'run_windows = ["Mon-Fry"]\n')
+        console.agent.signal(signal.SIGHUP)
+        why = wait_for(
+            "the refused reload in the console",
+            lambda: client.get("/api/state").json()["why"]["reload_refused"],
+        )
+        assert "unknown day 'Fry'" in why["reason"] and why["at"] > 0
+        console.config.write_text(CONFIG)
+        console.agent.signal(signal.SIGHUP)
+        wait_for(
+            "the refused reload to be gone",
+            lambda: client.get("/api/state").json()["why"]["reload_refused"] is None,
+        )
 
 
 def test_pools_join_and_leave_edit_the_config_file_and_reload(
