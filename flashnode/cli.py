@@ -337,6 +337,7 @@ def _console(
         reload=agent.request_reload,
         node_view=coordinator.node_view,
         ring=ring,
+        task_uids=_task_uids(settings),
     )
     try:
         return start(settings.ui_listen, wiring)
@@ -347,6 +348,23 @@ def _console(
             exc.strerror or exc,
         )
         return None
+
+
+def _task_uids(settings: Settings) -> frozenset[int]:
+    """The uids trusted tasks may run as (every slot the package makes users for)."""
+    if settings.task_user is None:
+        return frozenset()
+    import pwd
+
+    from flashnode.runners.trusted import slot_user_name
+
+    found = set()
+    for slot in range(64):
+        try:
+            found.add(pwd.getpwnam(slot_user_name(settings.task_user, slot)).pw_uid)
+        except KeyError:
+            continue
+    return frozenset(found)
 
 
 def run_agent(

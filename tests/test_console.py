@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +115,54 @@ def test_a_task_user_gets_no_login_link(console: ConsoleAgent) -> None:
     assert (console.agent.state_dir / auth.KEY_FILES["view"]).stat().st_mode & 0o777 == 0o640
 
 
+def test_a_task_holding_the_owners_cookie_still_gets_nothing(console: ConsoleAgent) -> None:
+    """A trusted task shares the host's network, and a browser sends a host's cookies to every
+    port of it: a task listening on 127.0.0.1 could collect the owner's session cookie. Its
+    requests come from a task user's uid, and those are not answered."""
+    if (
+        os.geteuid() != 0
+        or shutil.which("setpriv") is None
+        or not Path("/usr/bin/python3").exists()
+    ):
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to act as a task user")
+    client, csrf = console.session()
+    cookie = f"{auth.cookie_name(console.port)}={client.cookies[auth.cookie_name(console.port)]}"
+    steal = (
+        "import urllib.request, urllib.error, sys\n"
+        f"req = urllib.request.Request('{console.base}' + sys.argv[1], headers={{"
+        f"'Cookie': '{cookie}', 'Origin': '{console.base}', '{auth.CSRF_HEADER}': '{csrf}',"
+        "'Content-Type': 'application/json'}, data=sys.argv[2].encode() or None)\n"
+        "try:\n    print(urllib.request.urlopen(req).status)\n"
+        "except urllib.error.HTTPError as e:\n    print(e.code)\n"
+    )
+
+    def as_task(path: str, body: str = "") -> str:
+        done = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=flashnode-task-0",
+                "--regid=flashnode-task-0",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-c",
+                steal,
+                path,
+                body,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd="/",
+        )
+        return done.stdout.strip() + done.stderr
+
+    assert as_task("/api/state") == "403"
+    assert as_task("/api/pause", '{"mode": "now"}') == "403"
+    assert not (console.agent.state_dir / "pause.json").exists()
+    with client:
+        assert client.get("/api/state").status_code == 200  # the owner's own browser: answered
+
+
 def test_a_view_login_may_look_but_changes_nothing(console: ConsoleAgent) -> None:
     client, csrf = console.session("view")
     with client:
@@ -121,6 +170,8 @@ def test_a_view_login_may_look_but_changes_nothing(console: ConsoleAgent) -> Non
         assert client.get("/api/state").json()["agent"]["node_id"]
         r = console.post(client, csrf, "/api/pause", {"mode": "now"})
         assert r.status_code == 403 and "sudo flashnode ui" in r.json()["error"]
+        assert console.post(client, csrf, "/api/logout", {}).status_code == 200
+        assert client.get("/api/state").status_code == 401
     assert not (console.agent.state_dir / "pause.json").exists()
 
 
@@ -140,7 +191,7 @@ def test_without_a_session_no_data_is_given_and_nothing_changes(console: Console
         for path in API_POSTS:
             r = client.post(path, json={"mode": "now"}, headers={"Origin": console.base})
             assert r.status_code == 401, path
-        bogus = {"Cookie": f"{auth.COOKIE}=forged"}
+        bogus = {"Cookie": f"{auth.cookie_name(console.port)}=forged"}
         assert client.get("/api/state", headers=bogus).status_code == 401
         page = client.get("/")  # the page itself holds no data: it asks for it
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]

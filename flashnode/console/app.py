@@ -25,7 +25,7 @@ from typing import Any
 
 from flashnode import __version__, configedit, pausefile, status
 from flashnode.console import auth
-from flashnode.console.ledgerview import LedgerView, usage
+from flashnode.console.ledgerview import LedgerView, number, usage
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.errors import FlashnodeError
@@ -68,14 +68,16 @@ class Wiring:
     reload: Callable[[], None]  # the agent re-reads its configuration (as on SIGHUP)
     node_view: Callable[[str], dict[str, Any] | None]  # GET /nodes, this node's entry
     ring: UsageRing
+    task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
     clock: Callable[[], float] = time.time
 
 
 class App:
-    def __init__(self, wiring: Wiring, gate: auth.Gate, hosts: frozenset[str]) -> None:
+    def __init__(self, wiring: Wiring, gate: auth.Gate, hosts: frozenset[str], cookie: str) -> None:
         self.w = wiring
         self.gate = gate
         self.hosts = hosts
+        self.cookie = cookie
         self.ledger = LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
         self._coordinator: tuple[float, dict[str, Any]] | None = None
         self._coordinator_lock = threading.Lock()
@@ -84,6 +86,10 @@ class App:
     # --- every request --------------------------------------------------------------------------
 
     def handle(self, request: Request) -> Response:
+        if request.uid is not None and request.uid in self.w.task_uids:
+            # A task shares the host's network: one that got hold of the owner's cookie (a
+            # browser sends it to every port of this host) still gets nothing.
+            return _error(403, "refused: a task's user")
         host = (request.header("host") or "").lower()
         if host not in self.hosts:
             return _error(421, "this console answers only to its own address")
@@ -91,7 +97,7 @@ class App:
             return _static(*STATIC[request.path])
         if request.method == "GET" and request.path == "/login":
             return self._login(request)
-        session_id = _cookie(request.header("cookie"))
+        session_id = _cookie(request.header("cookie"), self.cookie)
         session = self.gate.session(session_id)
         if session is None:
             return _error(401, "not logged in: run `flashnode ui` for a login link")
@@ -104,7 +110,11 @@ class App:
             return refused
         if request.path == "/api/logout":
             self.gate.logout(session_id)
-            return _json({"ok": True}, [("Set-Cookie", f"{auth.COOKIE}=; Path=/; Max-Age=0")])
+            return _json({"ok": True}, [("Set-Cookie", f"{self.cookie}=; Path=/; Max-Age=0")])
+        if session.level != "owner":
+            return _error(
+                403, "this login may only look: run `sudo flashnode ui` to change the node"
+            )
         try:
             body = json.loads(request.body or b"{}")
         except (ValueError, RecursionError):
@@ -120,8 +130,8 @@ class App:
         self, request: Request, host: str, session: auth.Session
     ) -> Response | None:
         """Why a state-changing request is refused, or None: it must come from this console's
-        own page (Origin, and Sec-Fetch-Site where the browser sends it), carry the session's
-        CSRF token and a JSON body, and the session must be the owner's."""
+        own page (Origin, and Sec-Fetch-Site where the browser sends it), and carry the
+        session's CSRF token and a JSON body."""
         if not auth.same_origin(request.header("origin"), host):
             return _error(403, "refused: the request does not come from this console's page")
         site = request.header("sec-fetch-site")
@@ -132,10 +142,6 @@ class App:
             return _error(403, "refused: missing or wrong CSRF token")
         if (request.header("content-type") or "").split(";")[0].strip() != "application/json":
             return _error(415, "a change is sent as application/json")
-        if session.level != "owner":
-            return _error(
-                403, "this login may only look: run `sudo flashnode ui` to change the node"
-            )
         return None
 
     def _login(self, request: Request) -> Response:
@@ -148,7 +154,7 @@ class App:
             )
             return Response(403, page.encode(), "text/html; charset=utf-8")
         sid, _ = found
-        cookie = f"{auth.COOKIE}={sid}; Path=/; HttpOnly; SameSite=Strict"
+        cookie = f"{self.cookie}={sid}; Path=/; HttpOnly; SameSite=Strict"
         return Response(303, b"", "text/plain", [("Location", "/"), ("Set-Cookie", cookie)])
 
     def _get(self, request: Request, session: auth.Session) -> Response:
@@ -261,7 +267,7 @@ class App:
                     "task_id": clean(r.get("task_id"), 200),
                     "outcome": clean(r.get("outcome"), 40),
                     "reason": clean(r.get("reason")),
-                    "ended_at": r.get("ended_at") if isinstance(r.get("ended_at"), float) else None,
+                    "ended_at": number(r.get("ended_at")),
                     "wall_seconds": wall,
                     "cpu_percent": cpu,
                     "gpu_percent": gpu,
@@ -467,10 +473,10 @@ def _pct(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
-def _cookie(header: str | None) -> str | None:
+def _cookie(header: str | None, cookie: str) -> str | None:
     for part in (header or "").split(";"):
         name, _, value = part.strip().partition("=")
-        if name == auth.COOKIE and value:
+        if name == cookie and value:
             return value
     return None
 

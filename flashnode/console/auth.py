@@ -198,5 +198,11 @@ def same_origin(origin: str | None, host: str) -> bool:
     return origin is not None and origin.lower() == f"http://{host.lower()}"
 
 
+def cookie_name(port: int) -> str:
+    """Per port: a browser sends a host's cookies to every port of it, and two agents' consoles
+    on one machine must not take each other's sessions."""
+    return f"{COOKIE}_{port}"
+
+
 def hmac_equal(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())

@@ -24,7 +24,7 @@ DAY = 86400.0
 CHUNK = 1 << 20
 
 
-def _num(value: object) -> float | None:
+def number(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
         return float(value)
     return None
@@ -66,9 +66,9 @@ def usage(record: dict[str, Any]) -> tuple[float | None, float | None, float | N
     task = task if isinstance(task, dict) else {}
     evidence = evidence if isinstance(evidence, dict) else {}
     return (
-        _num(task.get("cpu_percent_mean")),
-        _num(task.get("gpu_util_percent_mean")),
-        _num(evidence.get("wall_seconds")),
+        number(task.get("cpu_percent_mean")),
+        number(task.get("gpu_util_percent_mean")),
+        number(evidence.get("wall_seconds")),
     )
 
 
@@ -124,7 +124,7 @@ class LedgerView:
                 continue
             self.all_time.add(record)
             self.recent.append(record)
-            ended = _num(record.get("ended_at"))
+            ended = number(record.get("ended_at"))
             if ended is not None and ended >= cutoff:
                 self._day.append((ended, record))
 

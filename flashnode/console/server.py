@@ -34,6 +34,7 @@ class Request:
     headers: dict[str, str]  # lower-case names; a repeated header is refused before this
     body: bytes
     peer: tuple[str, int]
+    uid: int | None = None  # the connecting process's user (loopback TCP), None when unknown
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -130,8 +131,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = self.rfile.read(length) if length else b""
         parts = urlsplit(self.path)
-        query = {k: v[0] for k, v in parse_qs(parts.query, max_num_fields=16).items()}
-        request = Request(self.command, parts.path, query, headers, body, self.client_address[:2])
+        try:
+            query = {k: v[0] for k, v in parse_qs(parts.query, max_num_fields=16).items()}
+        except ValueError:
+            self._send(Response(400, b'{"error": "too many query fields"}'))
+            return
+        peer = self.client_address[:2]
+        uid = peer_uid(peer[1], self.server.server_address[1])
+        request = Request(self.command, parts.path, query, headers, body, peer, uid)
         try:
             response = self.server.app.handle(request)
         except Exception:
@@ -151,6 +158,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # requests are not logged: a login link's token is in one
+
+
+def peer_uid(peer_port: int, port: int) -> int | None:
+    """The user owning the client end of a TCP connection to ``port`` from ``peer_port`` on
+    this machine (the kernel's socket tables), None when it is not found."""
+    local, remote = f":{peer_port:04X}", f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[1].endswith(local) and fields[2].endswith(remote):
+                        return int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 class ConsoleServer:
