@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import psutil
@@ -61,6 +61,10 @@ from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, load
 from flashnode.status import Sinks, TerminalLine
 from flashnode.systemd import Notifier
 from flashnode.wire import NodeRegistration
+
+if TYPE_CHECKING:  # the console is imported only when it is served
+    from flashnode.console import Console
+    from flashnode.console.usage import UsageRing
 
 log = logging.getLogger("flashnode")
 
@@ -318,12 +322,16 @@ def _gpu_percent(nvml: Nvml | None, gpus: GpuPool) -> float | None:
 
 
 def _console(
-    settings: Settings, agent: Agent, coordinator: Coordinator, ring: Any, source: Source
-) -> Any:
+    settings: Settings,
+    agent: Agent,
+    coordinator: Coordinator,
+    ring: UsageRing | None,
+    source: Source,
+) -> Console | None:
     """The owner's console, when ``ui_listen`` asks for it. An address that cannot be bound
     leaves the agent working without it (the console is on by default: a second agent on the
     machine, or a port taken, must not stop the work), and says so."""
-    if settings.ui_listen is None:
+    if settings.ui_listen is None or ring is None:
         return None
     from flashnode.console import start
     from flashnode.console.app import Wiring

@@ -11,6 +11,8 @@ is None for the whole run.
   once more at its end so that a run shorter than one interval still has a reading.
   Host-wide is the mean over all of this node's GPUs; task-scoped is the SM utilisation of the
   task's processes on the GPUs it was given, averaged over those GPUs.
+* The live view (``live``: not evidence): at each sample, the task's resident memory and its
+  CPU use since the last sample, over its processes now, and its latest GPU reading.
 """
 
 from __future__ import annotations
@@ -113,7 +115,10 @@ class Sampler:
         self._readings = 0
         self.host_gpu, self.task_gpu = _Series(), _Series()
         self._cpu: tuple[float, dict[int, float]] | None = None  # (when, CPU seconds per pid)
-        self.live: dict[str, float | None] = {}  # the latest figures, for the live view
+        # The latest figures, for the live view (read on another thread: its keys never change).
+        self.live: dict[str, float | None] = dict.fromkeys(
+            ("cpu_percent", "memory_bytes", "gpu_percent")
+        )
 
     def run(self) -> None:
         self._remember_pids()
