@@ -25,7 +25,7 @@ from typing import Any
 
 from flashnode import __version__, configedit, pausefile, status
 from flashnode.console import auth
-from flashnode.console.ledgerview import LedgerView, number, usage
+from flashnode.console.ledgerview import LedgerView
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.errors import FlashnodeError
@@ -259,23 +259,11 @@ class App:
     def history(self, outcome: str | None, limit: int) -> list[dict[str, Any]]:
         out = []
         for r in self.ledger.latest(outcome, limit):
-            cpu, gpu, wall = usage(r)
-            out.append(
-                {
-                    "lease_id": clean(r.get("lease_id"), 200),
-                    "job_id": clean(r.get("job_id"), 200),
-                    "task_id": clean(r.get("task_id"), 200),
-                    "outcome": clean(r.get("outcome"), 40),
-                    "reason": clean(r.get("reason")),
-                    "ended_at": number(r.get("ended_at")),
-                    "wall_seconds": wall,
-                    "cpu_percent": cpu,
-                    "gpu_percent": gpu,
-                    "checkpoints": r.get("checkpoints_shipped"),
-                    "facts": clean(status.describe_facts(r), 500),
-                    "output": self.output_tail(str(r.get("lease_id") or "")),
-                }
-            )
+            shown = dict(r)
+            for key in ("lease_id", "job_id", "task_id", "outcome", "reason", "facts"):
+                shown[key] = clean(r.get(key))
+            shown["output"] = self.output_tail(str(r.get("lease_id") or ""))
+            out.append(shown)
         return out
 
     def coordinator_view(self) -> dict[str, Any]:

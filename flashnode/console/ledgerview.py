@@ -19,6 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from flashnode.status import describe_facts
+
 RECENT = 500
 DAY = 86400.0
 CHUNK = 1 << 20
@@ -30,25 +32,41 @@ def number(value: object) -> float | None:
     return None
 
 
+@dataclass(frozen=True)
+class Given:
+    """What one attempt gave, in the few numbers the totals need (a day of them is kept)."""
+
+    ended: float | None
+    outcome: str
+    cpu_hours: float  # core-hours of the task's own CPU use
+    gpu_hours: float  # GPU-hours of the task's own GPU use
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> Given:
+        cpu, gpu, wall = usage(record)
+        gpus = record.get("gpus")
+        count = len(gpus) if isinstance(gpus, list) and gpus else 1
+        return cls(
+            number(record.get("ended_at")),
+            str(record.get("outcome") or "-"),
+            cpu / 100.0 * wall / 3600.0 if cpu is not None and wall is not None else 0.0,
+            gpu / 100.0 * wall / 3600.0 * count if gpu is not None and wall is not None else 0.0,
+        )
+
+
 @dataclass
 class Totals:
     tasks: int = 0  # committed
     outcomes: dict[str, int] = field(default_factory=dict)
-    cpu_hours: float = 0.0  # core-hours of the tasks' own CPU use
-    gpu_hours: float = 0.0  # GPU-hours of the tasks' own GPU use
+    cpu_hours: float = 0.0
+    gpu_hours: float = 0.0
 
-    def add(self, record: dict[str, Any]) -> None:
-        outcome = str(record.get("outcome") or "-")
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-        if outcome == "committed":
+    def add(self, given: Given) -> None:
+        self.outcomes[given.outcome] = self.outcomes.get(given.outcome, 0) + 1
+        if given.outcome == "committed":
             self.tasks += 1
-        cpu, gpu, wall = usage(record)
-        if cpu is not None and wall is not None:
-            self.cpu_hours += cpu / 100.0 * wall / 3600.0
-        if gpu is not None and wall is not None:
-            gpus = record.get("gpus")
-            count = len(gpus) if isinstance(gpus, list) and gpus else 1
-            self.gpu_hours += gpu / 100.0 * wall / 3600.0 * count
+        self.cpu_hours += given.cpu_hours
+        self.gpu_hours += given.gpu_hours
 
     def view(self) -> dict[str, Any]:
         return {
@@ -80,9 +98,9 @@ class LedgerView:
         self._offset = 0
         self._inode: int | None = None
         self._partial = b""
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # brief, newest last
         self.all_time = Totals()
-        self._day: deque[tuple[float, dict[str, Any]]] = deque()  # (ended_at, record), last day
+        self._day: deque[Given] = deque()  # what the last day's attempts gave
 
     def refresh(self) -> None:
         """Read what was appended since the last call (from the start after a rotation)."""
@@ -102,7 +120,7 @@ class LedgerView:
             finally:
                 os.close(fd)
             cutoff = self._clock() - DAY
-            while self._day and self._day[0][0] < cutoff:
+            while self._day and (self._day[0].ended or 0.0) < cutoff:
                 self._day.popleft()
 
     def _reset(self, inode: int) -> None:
@@ -122,11 +140,11 @@ class LedgerView:
                 continue
             if not isinstance(record, dict):
                 continue
-            self.all_time.add(record)
-            self.recent.append(record)
-            ended = number(record.get("ended_at"))
-            if ended is not None and ended >= cutoff:
-                self._day.append((ended, record))
+            given = Given.of(record)
+            self.all_time.add(given)
+            self.recent.append(brief(record))
+            if given.ended is not None and given.ended >= cutoff:
+                self._day.append(given)
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -139,9 +157,9 @@ class LedgerView:
         )
         today = Totals()
         with self._lock:
-            for ended, record in self._day:
-                if ended >= midnight.timestamp():
-                    today.add(record)
+            for given in self._day:
+                if (given.ended or 0.0) >= midnight.timestamp():
+                    today.add(given)
             return {"all_time": self.all_time.view(), "today": today.view()}
 
     def per_bin(self, since: float, bin_seconds: int) -> list[tuple[int, int]]:
@@ -152,16 +170,39 @@ class LedgerView:
         end = self._clock()
         counts = {b: 0 for b in range(start, int(end) + 1, bin_seconds)}
         with self._lock:
-            for ended, record in self._day:
-                if ended >= start and record.get("outcome") == "committed":
+            for given in self._day:
+                ended = given.ended or 0.0
+                if ended >= start and given.outcome == "committed":
                     b = int(ended // bin_seconds) * bin_seconds
                     if b in counts:
                         counts[b] += 1
         return sorted(counts.items())
 
     def latest(self, outcome: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        """The latest attempts, newest first, optionally of one outcome."""
+        """The latest attempts (``brief``), newest first, optionally of one outcome."""
         self.refresh()
         with self._lock:
             found = [r for r in reversed(self.recent) if outcome in (None, r.get("outcome"))]
         return found[:limit]
+
+
+BRIEF_TEXT = 2000
+
+
+def brief(record: dict[str, Any]) -> dict[str, Any]:
+    """What the history shows of a ledger line (the rest stays in the ledger)."""
+    cpu, gpu, wall = usage(record)
+    reason = record.get("reason")
+    return {
+        "lease_id": record.get("lease_id"),
+        "job_id": record.get("job_id"),
+        "task_id": record.get("task_id"),
+        "outcome": record.get("outcome"),
+        "reason": reason[:BRIEF_TEXT] if isinstance(reason, str) else None,
+        "ended_at": number(record.get("ended_at")),
+        "wall_seconds": wall,
+        "cpu_percent": cpu,
+        "gpu_percent": gpu,
+        "checkpoints": number(record.get("checkpoints_shipped")),
+        "facts": describe_facts(record)[:BRIEF_TEXT],
+    }
