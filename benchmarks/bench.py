@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import CoordinatorServer, argv_job, wait_for  # noqa: E402
+from harness import CoordinatorServer, argv_job, free_port, wait_for  # noqa: E402
 
 OURS = [str(HERE / ".venv-ours" / "bin" / "flashnode"), "work"]
 OLD = [str(HERE / ".venv-041" / "bin" / "flashnode"), "work"]
@@ -242,9 +242,13 @@ def dispatch(server: CoordinatorServer, kind: str, samples: int) -> list[float]:
 
 
 def idle(
-    server: CoordinatorServer, count_file: Path, kind: str, seconds: float
+    server: CoordinatorServer,
+    count_file: Path,
+    kind: str,
+    seconds: float,
+    env: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    agent = Agent(kind, server.url, f"p{random.randrange(10**9)}")
+    agent = Agent(kind, server.url, f"p{random.randrange(10**9)}", env=env)
     try:
         time.sleep(3)  # past start-up
         before = len(count_file.read_text().splitlines())
@@ -263,6 +267,22 @@ def idle(
         "requests_per_min": requests / elapsed * 60,
         "cpu_percent": cpu / elapsed * 100,
         "rss_mb": statistics.median(rss) / 2**20,
+    }
+
+
+def idle_console(server: CoordinatorServer, count_file: Path, seconds: float) -> dict[str, Any]:
+    """Our idle agent with the console off and on (on its own port, no browser open), alternated:
+    what serving the console costs while nobody looks."""
+    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    for _ in range(1 if QUICK else 2):
+        for which in ("off", "on"):
+            listen = "off" if which == "off" else f"127.0.0.1:{free_port()}"
+            runs[which].append(
+                idle(server, count_file, "ours", seconds, env={"FLASHNODE_UI_LISTEN": listen})
+            )
+    return {
+        which: {key: med(found, key) for key in ("cpu_percent", "rss_mb")}
+        for which, found in runs.items()
     }
 
 
@@ -353,6 +373,7 @@ def main() -> int:
         raw["dispatch_s"] = {kind: dispatch(server, kind, samples) for kind in ("ours", "old")}
         idle_s = 20 if QUICK else 60
         raw["idle"] = {kind: idle(server, count_file, kind, idle_s) for kind in ("ours", "old")}
+        raw["idle_console"] = idle_console(server, count_file, idle_s)
         raw["large_output"] = {kind: large_output(server, kind) for kind in ("ours", "old")}
         sleep_s = 12 if QUICK else 30
         raw["sampler_cpu_percent"] = {
@@ -397,6 +418,7 @@ def summarise(raw: dict[str, Any], n: int) -> str:
     i_ours, i_old = raw["idle"]["ours"], raw["idle"]["old"]
     l_ours, l_old = raw["large_output"]["ours"], raw["large_output"]["old"]
     s = raw["sampler_cpu_percent"]
+    c = raw["idle_console"]
 
     def goal(ok: bool) -> str:
         return "met" if ok else "**missed**"
@@ -418,6 +440,8 @@ def summarise(raw: dict[str, Any], n: int) -> str:
         f"| idle requests to the coordinator (per min) | | {i_ours['requests_per_min']:.1f} | {i_old['requests_per_min']:.1f} | {i_ours['requests_per_min'] / i_old['requests_per_min']:.2f} x 0.4.1 | <= 0.33 x: {goal(i_ours['requests_per_min'] <= 0.33 * i_old['requests_per_min'])} |",
         f"| idle CPU (% of a core) | | {i_ours['cpu_percent']:.2f} | {i_old['cpu_percent']:.2f} | | |",
         f"| idle resident memory (MB) | | {i_ours['rss_mb']:.0f} | {i_old['rss_mb']:.0f} | {i_ours['rss_mb'] / i_old['rss_mb']:.2f} x 0.4.1 | <= 1.0 x: {goal(i_ours['rss_mb'] <= i_old['rss_mb'])} |",
+        f"| idle, console off / on, no browser: CPU (% of a core) | | {c['off']['cpu_percent']:.2f} / {c['on']['cpu_percent']:.2f} | | | |",
+        f"| idle, console off / on, no browser: resident memory (MB) | | {c['off']['rss_mb']:.1f} / {c['on']['rss_mb']:.1f} | | {c['on']['rss_mb'] - c['off']['rss_mb']:+.1f} MB | |",
         f"| 200 MB output: claim -> commit (s) | | {l_ours['claim_to_commit_s']:.2f} | {l_old['claim_to_commit_s']:.2f} | | |",
         f"| 200 MB output: peak memory increase (MB) | | {l_ours['peak_rss_increase_mb']:.0f} | {l_old['peak_rss_increase_mb']:.0f} | | <= 32 MB: {goal(l_ours['peak_rss_increase_mb'] <= 32)} |",
         f"| agent CPU during a sleeping task (% of a core), sampler on / off | | {s['ours_sampler_on']:.2f} / {s['ours_sampler_off']:.2f} | {s['old']:.2f} | | sampler < 0.5 %: {goal(s['ours_sampler_on'] - s['ours_sampler_off'] < 0.5)} |",
@@ -425,7 +449,8 @@ def summarise(raw: dict[str, Any], n: int) -> str:
         "Notes: the trivial task writes `{}` to out/metrics.json (a bare `true` cannot commit); the floor is a",
         "bare client with no agent doing claim -> spawn -> PUT metrics.json -> complete. 0.4.1 reports no team",
         "pools, so the benchmark hands its node the pool by a heartbeat, as a control-plane proxy would.",
-        "Our agent, run as root, runs tasks as an unprivileged task user in their own cgroup.",
+        "Our agent, run as root, runs tasks as an unprivileged task user in their own cgroup. Our idle rows",
+        "above run with the console on (its default); the console rows run our agent alone, off and on.",
     ]
     return "\n".join(lines) + "\n"
 

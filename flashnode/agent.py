@@ -126,6 +126,7 @@ class Agent:
         self._status_extra = dict(status_extra or {})
         self._reload_requested = False
         self._reloading = False
+        self._reload_refused: dict[str, Any] | None = None  # the last refused reload: at, reason
         self._low_disk = False
         self.clock = clock or ctx.clock
         rng, s = ctx.rng, self.settings
@@ -431,6 +432,7 @@ class Agent:
             "running": running,
             "controls": self.decision.snapshot(),
             "last_ended": self._last_ended,
+            "reload_refused": self._reload_refused,
             "updated_at": self.clock.wall(),
             **self._status_extra,
         }
@@ -513,11 +515,13 @@ class Agent:
             new = self._reload_settings()
         except FlashnodeError as exc:
             log.error("reload refused, keeping the running configuration: %s", exc)
+            self._refused(str(exc))
             return
         fixed = ("coordinator", "runner", "state_dir", "node_id", "token", "join_code", "task_user")
         changed = [k for k in fixed if getattr(new, k) != getattr(self.settings, k)]
         if changed:
             log.error("reload refused: changing %s needs a restart", ", ".join(changed))
+            self._refused(f"changing {', '.join(changed)} needs a restart")
             return
         self._reloading = True
 
@@ -526,10 +530,12 @@ class Agent:
                 self.ctx.runner.reconfigure(new)
             except Exception as exc:  # a reload must never take the agent down
                 log.error("reload failed, keeping the running configuration: %s", exc)
+                self._refused(str(exc))
                 self._reloading = False
                 return
-            if new.metrics_listen != self.settings.metrics_listen:
-                log.warning("metrics_listen changes at the next start of the agent")
+            for key in ("metrics_listen", "ui_listen"):
+                if getattr(new, key) != getattr(self.settings, key):
+                    log.warning("%s changes at the next start of the agent", key)
             self.settings = self.ctx.settings = new
             self.quarantine.after = new.quarantine_after
             self.quarantine.check_seconds = new.quarantine_check_seconds
@@ -540,12 +546,18 @@ class Agent:
             log.info(
                 "configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-"
             )
+            self._reload_refused = None
             self._registered = False
             self._next_register = self._next_claim = 0.0
             self._reloading = False
             self._wake.set()
 
         self.ctx.start_thread(reconfigure, "reload")
+
+    def _refused(self, reason: str) -> None:
+        """A reload that kept the running configuration: published until one succeeds."""
+        self._reload_refused = {"at": self.clock.wall(), "reason": reason}
+        self._published = ""  # publish it now, not at the next heartbeat
 
     def _claim(self) -> None:
         now = self.clock.monotonic()

@@ -17,9 +17,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 import psutil
@@ -60,10 +61,14 @@ from flashnode.outbox import Outbox
 from flashnode.runners.base import Runner, RunnerEnv, runner_class
 from flashnode.runners.spec import task_limits
 from flashnode.sanitise import sanitise
-from flashnode.settings import Settings, load
+from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, load
 from flashnode.status import Sinks, TerminalLine
 from flashnode.systemd import Notifier
 from flashnode.wire import NodeRegistration
+
+if TYPE_CHECKING:  # the console is imported only when it is served
+    from flashnode.console import Console
+    from flashnode.console.usage import UsageRing
 
 log = logging.getLogger("flashnode")
 
@@ -254,6 +259,7 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
             line=line,
             lock=lock,
             accepted=frozenset(p.what for p in found),
+            source=Source(flags, config_file),
         )
     except ConfigError as exc:
         _fail(ExitCode.CONFIG, f"configuration error: {exc}")
@@ -350,12 +356,99 @@ def data_cache(settings: Settings) -> DataCache:
         raise PrerequisiteError(f"cannot set up the dataset cache: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where the running configuration came from: the flags given and the config file."""
+
+    flags: dict[str, Any] = field(default_factory=dict)
+    config_file: Path | None = None
+
+    @property
+    def file(self) -> Path | None:
+        """The file a change is written to (the default one when it exists)."""
+        if self.config_file is not None:
+            return self.config_file
+        return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None
+
+    def overridden(self, key: str) -> str | None:
+        """Who sets ``key`` over the config file: a flag or the environment; None: the file."""
+        if self.flags.get(key) not in (None, ()):
+            return f"set by --{'pool' if key == 'pools' else key.replace('_', '-')}"
+        if os.environ.get(f"FLASHNODE_{key.upper()}"):
+            return f"set by FLASHNODE_{key.upper()}"
+        return None
+
+
+def _gpu_percent(nvml: Nvml | None, gpus: GpuPool) -> float | None:
+    """The node's GPUs' mean utilisation now (None: no GPU, or one unreadable)."""
+    if nvml is None or not gpus.devices:
+        return None
+    readings = [nvml.utilization(d) for d in gpus.devices]
+    ok = [r for r in readings if r is not None]
+    return sum(ok) / len(ok) if ok and len(ok) == len(readings) else None
+
+
+def _console(
+    settings: Settings,
+    agent: Agent,
+    coordinator: Coordinator,
+    ring: UsageRing | None,
+    source: Source,
+) -> Console | None:
+    """The owner's console, when ``ui_listen`` asks for it. An address that cannot be bound
+    leaves the agent working without it (the console is on by default: a second agent on the
+    machine, or a port taken, must not stop the work), and says so."""
+    if settings.ui_listen is None or ring is None:
+        return None
+    from flashnode.console import start
+    from flashnode.console.app import Wiring
+
+    wiring = Wiring(
+        state_dir=settings.state_dir,
+        settings=lambda: agent.settings,
+        config_file=source.file,
+        validate=lambda path: load(source.flags, os.environ, path),
+        overridden=source.overridden,
+        reload=agent.request_reload,
+        node_view=coordinator.node_view,
+        ring=ring,
+        task_uids=_task_uids(settings),
+    )
+    try:
+        return start(settings.ui_listen, wiring)
+    except OSError as exc:
+        log.warning(
+            "the console is off: cannot listen on %s (%s); set ui_listen to another address",
+            settings.ui_listen,
+            exc.strerror or exc,
+        )
+        return None
+
+
+def _task_uids(settings: Settings) -> frozenset[int]:
+    """The uids trusted tasks may run as (every slot the package makes users for)."""
+    if settings.task_user is None:
+        return frozenset()
+    import pwd
+
+    from flashnode.runners.trusted import slot_user_name
+
+    found = set()
+    for slot in range(64):
+        try:
+            found.add(pwd.getpwnam(slot_user_name(settings.task_user, slot)).pw_uid)
+        except KeyError:
+            continue
+    return frozenset(found)
+
+
 def run_agent(
     settings: Settings,
     reload: Callable[[], Settings] | None = None,
     line: TerminalLine | None = None,
     lock: statelock.StateLock | None = None,
     accepted: frozenset[str] = frozenset(),
+    source: Source | None = None,
 ) -> None:
     """Run the agent on its state dir, holding the state dir's lock (``lock``: already taken)
     until every attempt has ended and the last status is written. ``accepted``: what the
@@ -368,7 +461,7 @@ def run_agent(
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
     try:
-        _locked_run(settings, reload, line, node, accepted)
+        _locked_run(settings, reload, line, node, accepted, source)
     finally:
         lock.release()
 
@@ -379,6 +472,7 @@ def _locked_run(
     line: TerminalLine | None,
     node: str,
     accepted: frozenset[str],
+    source: Source | None,
 ) -> None:
     if settings.runner == "trusted" and os.geteuid() == 0:
         # Before any thread starts (threads, and the tasks they start, inherit it).
@@ -394,7 +488,7 @@ def _locked_run(
             f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}"
         ) from None
     try:
-        _run_agent(settings, served, reload, line, node, accepted)
+        _run_agent(settings, served, reload, line, node, accepted, source or Source())
     finally:
         served.close()
 
@@ -406,6 +500,7 @@ def _run_agent(
     line: TerminalLine | None,
     node: str,
     accepted: frozenset[str],
+    source: Source,
 ) -> None:
     nvml = Nvml.open(settings.nvml_library)
     gpus = GpuPool(nvml.devices if nvml is not None else [])
@@ -471,12 +566,17 @@ def _run_agent(
         found = preflight.problems(current)
         return [p.line() for p in found if p.fatal or p.what not in accepted]
 
+    ring = None
+    if settings.ui_listen is not None:
+        from flashnode.console.usage import UsageRing
+
+        ring = UsageRing(gpu=lambda: _gpu_percent(nvml, gpus))
     agent = Agent(
         ctx,
         coordinator,
         registration,
         reload=reload,
-        sink=Sinks(Notifier(), *([line] if line else [])),
+        sink=Sinks(Notifier(), *([line] if line else []), *([ring] if ring else [])),
         on_settings=on_settings,
         controls=controls,
         health=health,
@@ -515,9 +615,12 @@ def _run_agent(
         (pausefile.SIGNALS["resume"], on_resume),
     ]
     previous = [(sig, signal.signal(sig, handler)) for sig, handler in handlers]
+    console = _console(settings, agent, coordinator, ring, source)
     try:
         agent.run()
     finally:
+        if console is not None:
+            console.close()
         janitor.drain(60)
         for sig, old in previous:
             signal.signal(sig, old)

@@ -9,14 +9,12 @@ import stat
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TextIO
 
 import click
 
 from flashnode import pausefile, status
-from flashnode.controls import Pause, PauseMode, parse_duration
 from flashnode.owner import config_option, state_dir_of, state_dir_option
 from flashnode.sanitise import sanitise
 from flashnode.wire import SAFE_ID
@@ -54,17 +52,11 @@ def pause(
     The pause is kept in the state dir: it outlives agent restarts until `flashnode resume` or
     until its duration ends. A running agent applies it within a second.
     """
-    until: float | None = None
-    now = time.time()
-    if duration is not None:
-        try:
-            until = now + parse_duration(duration)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--for") from None
-    mode: PauseMode = "drain" if drain else "now"
     directory = state_dir_of(config_file, state_dir)
     try:
-        pausefile.write(directory, Pause(mode, until, now))
+        made = pausefile.pause(directory, duration, drain, time.time())
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--for") from None
     except OSError as exc:
         # A full disk: the running agent is told by a signal (it keeps the pause in memory, and
         # writes it to the file once it can).
@@ -73,21 +65,13 @@ def pause(
             raise click.ClickException(
                 f"cannot write the pause in {directory}: {exc.strerror}"
             ) from None
-        lost = " (--for needs the file: it lasts until then)" if until is not None else ""
+        lost = " (--for needs the file: it lasts until then)" if duration is not None else ""
         click.echo(
             f"cannot write the pause in {directory} ({exc.strerror}): told the running agent"
             f" (pid {pid}) by a signal; paused until `flashnode resume`{lost}"
         )
         return
-    when = (
-        "until `flashnode resume`"
-        if until is None
-        else f"until {datetime.fromtimestamp(until):%Y-%m-%d %H:%M}"
-    )
-    how = (
-        "running tasks finish" if drain else "running tasks are stopped and their leases given back"
-    )
-    click.echo(f"paused {when}; {how}")
+    click.echo(pausefile.describe(made))
     _tell(directory)
 
 

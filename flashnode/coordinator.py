@@ -66,6 +66,7 @@ class Done(Exception):
 # is CoordinatorUnavailable (retry with backoff), 3xx a refused redirect, else CoordinatorError.
 STATUS: dict[str, dict[int, type[Exception]]] = {
     "health": {},
+    "nodes": {},
     "register": {401: CredentialsError, 403: CredentialsError},
     "node heartbeat": {401: CredentialsError, 403: CredentialsError, 404: Unregistered},
     "claim": {401: CredentialsError, 403: Unregistered},
@@ -171,6 +172,22 @@ class Coordinator:
             f"/nodes/{node}/heartbeat",
             json=heartbeat.model_dump(mode="json"),
         )
+
+    def node_view(self, node_id: str) -> dict[str, Any] | None:
+        """The coordinator's view of one node (``GET /nodes``: its record, accepted tasks,
+        reliability, placement tier), as the coordinator sent it; None when it lists no such
+        node. What it holds is the coordinator's text: check and escape before showing it."""
+        _, body = self._call("nodes", "GET", "/nodes")
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):
+            raise CoordinatorError("nodes answer is not JSON") from None
+        if not isinstance(value, list):
+            raise CoordinatorError("nodes answer is not a list")
+        for node in value:
+            if isinstance(node, dict) and node.get("node_id") == node_id:
+                return node
+        return None
 
     # --- leases -------------------------------------------------------------------------------
 

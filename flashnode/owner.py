@@ -75,7 +75,7 @@ def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
 
 
 def register(main: click.Group) -> None:
-    from flashnode import doctor_cli, login_cli, pools_cli
+    from flashnode import doctor_cli, login_cli, pools_cli, ui_cli
 
     for command in (
         login_cli.login,
@@ -84,6 +84,7 @@ def register(main: click.Group) -> None:
         doctor_cli.doctor,
         pools_cli.pools,
         history,
+        ui_cli.ui,
     ):
         main.add_command(command)
 

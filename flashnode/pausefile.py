@@ -18,12 +18,40 @@ import contextlib
 import json
 import os
 import signal
+from datetime import datetime
 from pathlib import Path
 
-from flashnode.controls import Pause
+from flashnode.controls import Pause, PauseMode, parse_duration
 
 PAUSE_FILE = "pause.json"
 MAX_BYTES = 4096
+
+
+def pause(state_dir: Path, duration: str | None, drain: bool, now: float) -> Pause:
+    """The owner's pause (``flashnode pause`` and the console's buttons): until ``resume``, or
+    for ``duration`` (``30m``, ``2h``, ``1d``: ValueError otherwise); ``drain`` lets running
+    tasks finish, else they are stopped and their leases given back. Written before it returns
+    (OSError when it cannot be)."""
+    until = None if duration is None else now + parse_duration(duration)
+    mode: PauseMode = "drain" if drain else "now"
+    made = Pause(mode, until, now)
+    write(state_dir, made)
+    return made
+
+
+def describe(pause: Pause) -> str:
+    """``paused until `flashnode resume`; running tasks finish``: what a pause does, in a line."""
+    when = (
+        "until `flashnode resume`"
+        if pause.until is None
+        else f"until {datetime.fromtimestamp(pause.until):%Y-%m-%d %H:%M}"
+    )
+    how = (
+        "running tasks finish"
+        if pause.mode == "drain"
+        else "running tasks are stopped and their leases given back"
+    )
+    return f"paused {when}; {how}"
 
 
 def write(state_dir: Path, pause: Pause) -> Path:

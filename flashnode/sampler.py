@@ -10,17 +10,18 @@ is None for the whole run.
   the moment its runner handed it over (the CPU it had used then is subtracted, so that its
   launch, and a short task's whole life inside that launch, never count against no wall time).
   It lies within 0 … 100 times the machine's cores; a run shorter than ``MIN_WALL_S``, or whose
-  counter went backwards, is not measured (None), never a huge figure. While the task runs, the
-  sampler reads it every ``CPU_EVERY_S`` for the live view.
+  counter went backwards, is not measured (None), never a huge figure.
 * GPU, host-wide and task-scoped: sampled every ``interval`` seconds while the task runs, and
   once more at its end so that a run shorter than one interval still has a reading.
   Host-wide is the mean over all of this node's GPUs; task-scoped is the SM utilisation of the
   task's processes on the GPUs it was given, averaged over those GPUs.
+* The live view (``live``: not evidence): at each sample, the task's resident memory and its
+  CPU use since the last sample (within the same bounds), over its processes now, and its latest
+  GPU reading.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,6 @@ from flashnode.gpupool import Device
 
 CpuTimes = Callable[[], tuple[float, float]]  # (busy seconds, total seconds), host-wide
 MIN_WALL_S = 0.01  # shorter, a task's CPU figure is not measured: one clock tick
-CPU_EVERY_S = 5.0  # the live view's task CPU is read at most this often (a container's costs)
 
 
 def task_cpu_percent(cpu_seconds: float | None, wall_seconds: float, cores: int) -> float | None:
@@ -120,9 +120,9 @@ class Sampler:
         cpu: Callable[[], float | None] | None = None,
         cores: int = 1,
     ) -> None:
-        """``cpu``: the task's CPU seconds so far (for the live view), read from now on."""
+        """``cpu``: the task's CPU seconds so far, read once now: the baseline of its figure."""
         self._clock, self._interval, self._probe = clock, interval, probe
-        self._cpu, self._cores = cpu, cores
+        self._cores = cores
         self._gpu = gpu
         self._host = list(host_devices or []) if gpu else []
         self._task = list(task_devices or []) if gpu else []
@@ -134,9 +134,13 @@ class Sampler:
         # what measures it): the baseline its own CPU is counted from.
         self._remember_pids()
         self._cpu_start: tuple[float, float | None] = (clock.monotonic(), _read(cpu))
-        self._cpu_last: tuple[float, float | None] | None = None
         self._readings = 0
         self.host_gpu, self.task_gpu = _Series(), _Series()
+        self._pid_cpu: tuple[float, dict[int, float]] | None = None  # (when, CPU s per pid)
+        # The latest figures, for the live view (read on another thread: its keys never change).
+        self.live: dict[str, float | None] = dict.fromkeys(
+            ("cpu_percent", "memory_bytes", "gpu_percent")
+        )
 
     def run(self) -> None:
         self._remember_pids()
@@ -148,16 +152,6 @@ class Sampler:
         """When the task was handed over (monotonic) and the CPU seconds it had used then."""
         return self._cpu_start
 
-    def live_cpu_percent(self) -> float | None:
-        """The task's CPU so far, from its last reading (None before one)."""
-        last = self._cpu_last
-        if last is None:
-            return None
-        (t0, cpu0), (t1, cpu1) = self._cpu_start, last
-        if cpu1 is None:
-            return None
-        return task_cpu_percent(cpu1 - (cpu0 or 0.0), t1 - t0, self._cores)
-
     def finish(self) -> tuple[float | None, float | None]:
         """Stop and return (host GPU mean, task GPU mean). A run that ended before its first
         reading gets one now."""
@@ -168,18 +162,19 @@ class Sampler:
             self.sample()
         return self.host_gpu.mean(), self.task_gpu.mean()
 
-    def _remember_pids(self) -> None:
-        with contextlib.suppress(Exception):  # gone or unreadable: keep what was seen
-            self._seen.update(self._probe.pids())
+    def _remember_pids(self) -> set[int] | None:
+        try:
+            now = self._probe.pids()
+        except Exception:  # gone or unreadable: keep what was seen
+            return None
+        self._seen.update(now)
+        return now
 
     def sample(self) -> None:
         with self._lock:
             self._readings += 1
-            self._remember_pids()
-            now = self._clock.monotonic()
-            last = self._cpu_last
-            if self._cpu is not None and (last is None or now - last[0] >= CPU_EVERY_S):
-                self._cpu_last = (now, _read(self._cpu))
+            pids = self._remember_pids()
+            self._live(pids)
             if self._gpu is None:
                 return
             if self._host:
@@ -200,6 +195,33 @@ class Sampler:
                             self._since[d.visible] = max(self._since[d.visible], ts)
                     total += sum(sum(v) / len(v) for v in per_pid.values())
                 self.task_gpu.add(min(total / len(self._task), 100.0))
+                self.live["gpu_percent"] = round(min(total / len(self._task), 100.0), 1)
+
+    def _live(self, pids: set[int] | None) -> None:
+        """The task's memory (resident, all its processes) and CPU use (percent of one core,
+        since the last sample, over the processes seen both times) now: the owner's live view,
+        not evidence. None: not measured."""
+        if pids is None:
+            self.live.update(cpu_percent=None, memory_bytes=None)
+            return
+        memory, cpu = 0, {}
+        for pid in pids:
+            try:
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    memory += proc.memory_info().rss
+                    times = proc.cpu_times()
+                cpu[pid] = times.user + times.system
+            except (psutil.Error, OSError):
+                continue
+        at = self._clock.monotonic()
+        percent = None
+        if self._pid_cpu is not None and at > self._pid_cpu[0]:
+            since, before = self._pid_cpu
+            used = sum(max(t - before[p], 0.0) for p, t in cpu.items() if p in before)
+            percent = task_cpu_percent(used, at - since, self._cores)
+        self._pid_cpu = (at, cpu)
+        self.live.update(cpu_percent=percent, memory_bytes=memory)
 
 
 def _read(cpu: Callable[[], float | None] | None) -> float | None:

@@ -48,6 +48,7 @@ DEFAULT_CONFIG_FILE = Path("/etc/flashnode/flashnode.toml")
 ENV_PREFIX = "FLASHNODE_"
 POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MiB = 1024 * 1024
+UI_DEFAULT_LISTEN = "127.0.0.1:7469"  # the console's port: ours, registered to nothing common
 # systemd's LoadCredential=ID:DIRECTORY names each file of DIRECTORY "ID_<file name>".
 CREDENTIAL_ID = "flashnode"
 
@@ -451,6 +452,11 @@ class Settings(BaseModel):
     #   claiming and runs its own checks every quarantine_check_seconds; 0 turns it off.
     quarantine_after: int = Field(default=5, ge=0)
     quarantine_check_seconds: float = Field(default=300.0, gt=0, le=86400)
+    # --- the owner's console (issue 29; README "The console") --------------------------------
+    # ui_listen: where the agent serves the console (HOST:PORT); "" or "off": not served.
+    # ui_allow_remote: allow ui_listen on an address that is not loopback.
+    ui_listen: str | None = UI_DEFAULT_LISTEN
+    ui_allow_remote: bool = False
 
     @field_validator("run_windows", mode="before")
     @classmethod
@@ -488,6 +494,19 @@ class Settings(BaseModel):
     def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(dict.fromkeys(value))
 
+    @field_validator("ui_listen", mode="before")
+    @classmethod
+    def _ui_listen(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "off"):
+            return None
+        if isinstance(value, str):
+            from flashnode.metrics import parse_listen
+
+            if parse_listen(value.strip()).path is not None:
+                raise ValueError("the console is served on HOST:PORT, not on a unix socket")
+            return value.strip()
+        return value
+
     @field_validator("metrics_listen")
     @classmethod
     def _metrics_listen(cls, value: str | None) -> str | None:
@@ -521,6 +540,14 @@ class Settings(BaseModel):
                 raise ValueError(
                     f"metrics_listen {self.metrics_listen!r} is not a loopback address or a unix"
                     " socket: set metrics_allow_remote = true to serve metrics to the network"
+                )
+        if self.ui_listen is not None and not self.ui_allow_remote:
+            from flashnode.metrics import parse_listen
+
+            if not parse_listen(self.ui_listen).loopback:
+                raise ValueError(
+                    f"ui_listen {self.ui_listen!r} is not a loopback address: set"
+                    " ui_allow_remote = true to serve the console to the network"
                 )
         return self
 

@@ -113,8 +113,11 @@ def size(n: Any) -> str:
     return f"{int(n)} B"
 
 
-def percent(value: float) -> str:
-    """``0.15%``, ``97.2%``, ``1520%``: for the task's CPU and GPU figures (no exponents)."""
+def percent(value: Any) -> str:
+    """``0.15%``, ``97.2%``, ``1520%``: for the task's CPU and GPU figures (no exponents); ``-``
+    when not measured."""
+    if not _number(value):
+        return "-"
     return f"{value:.3g}%" if value < 1000 else f"{value:.0f}%"
 
 
@@ -168,6 +171,9 @@ def render(snapshot: dict[str, Any]) -> str:
         f"heartbeat   {age} s ago",
         f"counters    {json.dumps(snapshot.get('counters') or {})}",
     ]
+    refused = snapshot.get("reload_refused")
+    if isinstance(refused, dict):
+        lines.append(f"reload      refused, running configuration kept: {refused.get('reason')}")
     controls = snapshot.get("controls") or {}
     held = controls.get("held_by") or []
     if held:
@@ -193,9 +199,6 @@ def render(snapshot: dict[str, Any]) -> str:
             if a.get("suspend_reason"):
                 state += f" ({a['suspend_reason']})"
         lines.append(f"    state        {state}")
-        cpu = a.get("cpu_percent")
-        if _number(cpu):
-            lines.append(f"    task cpu     {percent(cpu)} of one core")
         lines.append(f"    lease left   {duration(a.get('lease_left_s'))}")
         checkpoints = a.get("checkpoints")
         shipped = f"{checkpoints}" if _number(checkpoints) else "-"
@@ -211,6 +214,11 @@ def render(snapshot: dict[str, Any]) -> str:
         facts = describe_facts(a)
         if facts:
             lines.append(f"    prepared     {facts}")
+        use = a.get("usage") if isinstance(a.get("usage"), dict) else {}
+        lines.append(
+            f"    use now      cpu {percent(use.get('cpu_percent'))}"
+            f"   memory {size(use.get('memory_bytes'))}   gpu {percent(use.get('gpu_percent'))}"
+        )
         lines.append(f"    last output  {a.get('last_output') or '-'}")
     return "\n".join(sanitise(line) for line in lines)
 

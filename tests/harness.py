@@ -243,6 +243,8 @@ class AgentProcess:
         self.log_path = root / "agent.log"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
         full_env["PYTHONUNBUFFERED"] = "1"
+        # The console is on by default at a fixed port; tests that want it give an address.
+        full_env["FLASHNODE_UI_LISTEN"] = "off"
         if os.geteuid() == 0:
             full_env["FLASHNODE_TASK_USER"] = TASK_USER
         else:  # no user to switch to: trusted tasks run as the agent's own user (README)

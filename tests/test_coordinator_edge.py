@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ def call(c: Coordinator, what: str) -> Any:
     registration = NodeRegistration(node_id="n1", hostname="h", capabilities=NodeCapabilities())
     calls: dict[str, Callable[[], Any]] = {
         "health": c.health,
+        "nodes": lambda: c.node_view("n1"),
         "register": lambda: c.register(registration),
         "node heartbeat": lambda: c.node_heartbeat(NodeHeartbeat(node_id="n1")),
         "claim": lambda: c.claim("n1"),
@@ -169,3 +171,19 @@ def test_download_streams_and_stops_at_its_cap() -> None:
     assert c.download("a/b", out, 1000) == 100 and out.getvalue() == b"y" * 100
     with pytest.raises(CoordinatorError, match="larger than"):
         c.download("a/b", io.BytesIO(), 10)
+
+
+def test_the_node_view_is_this_nodes_entry_and_a_strange_answer_an_error() -> None:
+    nodes = [{"node_id": "other"}, {"node_id": "n1", "accepted_tasks": 3}]
+    c = client(lambda r: httpx.Response(200, json=nodes))
+    view = c.node_view("n1")
+    assert view is not None and view["accepted_tasks"] == 3
+    assert c.node_view("n2") is None
+    for body in ({"node_id": "n1"}, "[", [1, "x", None]):
+        answer = json.dumps(body).encode() if not isinstance(body, str) else body.encode()
+        strange = client(lambda r, a=answer: httpx.Response(200, content=a))  # type: ignore[misc]
+        if body == [1, "x", None]:
+            assert strange.node_view("n1") is None
+        else:
+            with pytest.raises(CoordinatorError):
+                strange.node_view("n1")

@@ -139,6 +139,24 @@ def booted(image: str) -> Iterator[Booted]:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
 
 
+# Run inside the container with its python3: log in with the link, read the state, change a
+# setting as the page does (Origin and CSRF token).
+CONSOLE_CLIENT = """
+import http.cookiejar, json, urllib.request
+jar = http.cookiejar.CookieJar()
+web = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+base = "http://127.0.0.1:7469"
+web.open("LINK").read()
+csrf = json.load(web.open(base + "/api/session"))["csrf"]
+state = json.load(web.open(base + "/api/state"))
+change = urllib.request.Request(
+    base + "/api/settings", data=json.dumps({"run_windows": ["Mon-Sun"]}).encode(),
+    headers={"Content-Type": "application/json", "Origin": base, "X-Flashnode-CSRF": csrf},
+)
+print(json.dumps({"node_id": state["agent"]["node_id"], "changed": web.open(change).status}))
+"""
+
+
 def test_the_owners_path_from_the_package_under_systemd(
     booted: Booted, packages: list[Path], token_coordinator: TokenCoordinator
 ) -> None:
@@ -198,6 +216,15 @@ def test_the_owners_path_from_the_package_under_systemd(
     )
     other = server.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"], pool="team-b"))
     assert server.wait_state(other, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
+
+    # The console, on its default address inside the unit's sandbox: a login link from
+    # `flashnode ui`, the node's state, and a change written to the config file.
+    link = booted.ok("flashnode ui --print-url").strip()
+    assert link.startswith("http://127.0.0.1:7469/login?token=owner."), link
+    seen = json.loads(booted.ok("python3 -", stdin=CONSOLE_CLIENT.replace("LINK", link)))
+    assert seen["node_id"] == "node-x" and seen["changed"] == 200, seen
+    assert 'run_windows = ["Mon-Sun"]' in booted.ok("cat /etc/flashnode/flashnode.toml")
+    assert "# this machine's agent" in booted.ok("cat /etc/flashnode/flashnode.toml")
 
     # What the example config says to do after an edit: the unit's own reload.
     def reloads() -> int:

@@ -52,7 +52,6 @@ from flashnode.gpupool import Device
 from flashnode.retry import Interrupted
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.spec import Preparation
-from flashnode.sampler import Sampler
 from flashnode.wire import ExecutionEvidence, Lease, Task, parse_lease
 from flashnode.workspace import OutputFile, Workspace, remove_tree
 
@@ -116,7 +115,7 @@ class Attempt:
         self.keeper: LeaseKeeper | None = None
         self.devices: list[Device] = list(reserved or [])
         self.handle: Handle | None = None
-        self.sampler: Sampler | None = None  # while the task runs (the live CPU figure)
+        self.usage: dict[str, float | None] | None = None  # the task's use now, while it runs
         self.result: RunResult | None = None
         self.files: list[OutputFile] = []
         self.output_sha256 = ""
@@ -177,7 +176,7 @@ class Attempt:
             "bytes_staged": self.bytes_staged,
             "bytes_uploaded": self.bytes_uploaded,
             "last_output": self.last_output(),
-            "cpu_percent": self.sampler.live_cpu_percent() if self.sampler else None,
+            "usage": dict(self.usage) if self.usage is not None else None,
         }
         for key, value in list(self.facts.items()):  # phases add to it on their thread
             snap.setdefault(key, value)

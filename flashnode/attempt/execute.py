@@ -75,7 +75,7 @@ def run(a: Attempt) -> None:
     with a.timed("execute.start", phase=False):
         a.handle = handle = ctx.runner.start(start)
     cores = os.cpu_count() or 1
-    a.sampler = sampler = Sampler(
+    sampler = Sampler(
         ctx.clock,
         s.sample_seconds,
         handle,
@@ -86,6 +86,7 @@ def run(a: Attempt) -> None:
         cores=cores,
     )
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
+    a.usage = sampler.live
     for watcher in a.during_run:
         watcher.start(a)
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
@@ -102,6 +103,7 @@ def run(a: Attempt) -> None:
             a.result = result = handle.result()
     finally:
         a.suspended_since = None
+        a.usage = None
         sampler.finish()
         for watcher in a.during_run:
             watcher.finish(a)

@@ -1,0 +1,78 @@
+"""The owner's console: a web page the agent serves on ``ui_listen`` (README "The console").
+
+``start`` binds the listener, writes the login keys ``flashnode ui`` reads, and returns the
+running ``Console``; ``close`` stops serving and removes the keys. Parts: ``auth`` (login links,
+sessions, the checks on each request), ``server`` (the HTTP edge), ``app`` (what each request
+means), ``usage`` (the node's use over the last day), ``ledgerview`` (totals and history from the
+ledger), ``static/`` (the page: no asset comes from anywhere else).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the parts are imported when the console starts (``start``)
+    from flashnode.console.app import Wiring
+    from flashnode.console.server import ConsoleServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Console:
+    url: str
+    server: ConsoleServer
+    wiring: Wiring
+
+    def close(self) -> None:
+        from flashnode.console import auth
+
+        self.server.close()
+        auth.Gate.withdraw(self.wiring.state_dir)
+
+
+def start(listen: str, wiring: Wiring) -> Console:
+    """Serve the console at ``listen`` (HOST:PORT; port 0: any free one). OSError when the
+    address cannot be bound."""
+    from flashnode.console import auth
+    from flashnode.console.app import App
+    from flashnode.console.server import ConsoleServer
+    from flashnode.metrics import parse_listen
+
+    parsed = parse_listen(listen)
+    names = _local_names() if parsed.host in ("0.0.0.0", "::") else []
+    gate = auth.Gate(clock=wiring.clock)
+    app = App(wiring, gate, frozenset(), "")
+    server = ConsoleServer(parsed.host, parsed.port, app)
+    app.hosts = auth.allowed_hosts(parsed.host, server.port, parsed.loopback, names)
+    app.cookie = auth.cookie_name(server.port)
+    shown = "127.0.0.1" if parsed.host in ("0.0.0.0", "localhost") else parsed.host
+    if parsed.host == "::":
+        shown = "::1"
+    url = f"http://[{shown}]:{server.port}" if ":" in shown else f"http://{shown}:{server.port}"
+    try:
+        gate.publish(wiring.state_dir, url, os.getpid())
+    except OSError:
+        server.close()
+        raise
+    log.info("console served at %s (log in with `flashnode ui`)", url)
+    return Console(url, server, wiring)
+
+
+def _local_names() -> list[str]:
+    """What a browser may call this machine when the console listens on every address."""
+    names = [socket.gethostname(), socket.getfqdn()]
+    try:
+        import psutil
+
+        for addresses in psutil.net_if_addrs().values():
+            for a in addresses:
+                if a.family in (socket.AF_INET, socket.AF_INET6):
+                    names.append(a.address.split("%")[0])
+    except (OSError, RuntimeError):
+        pass
+    return names

@@ -1,0 +1,482 @@
+"""What the console's requests mean: the checks every request passes (``auth.py``), what each
+page of data holds, and the owner's actions, each done by the one implementation the command line
+uses too (``pausefile`` for pause and resume, ``configedit`` for the config file).
+
+The data is what the agent publishes: ``status.json`` (``flashnode status``), the ledger
+(``flashnode history``), the running attempts' captured output (``flashnode logs``), the
+node's use over the last day (``usage.py``) and, asked on demand, the coordinator's view of
+this node. Whatever a task printed and whatever the coordinator said is hostile: it leaves here
+as JSON strings with terminal control escaped, and the page only ever sets it as text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from flashnode import __version__, configedit, pausefile, status
+from flashnode.console import auth
+from flashnode.console.ledgerview import LedgerView
+from flashnode.console.server import Request, Response
+from flashnode.console.usage import UsageRing
+from flashnode.errors import FlashnodeError
+from flashnode.settings import Settings
+from flashnode.wire import SAFE_ID
+
+log = logging.getLogger(__name__)
+
+STATIC = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/console.js": ("console.js", "text/javascript; charset=utf-8"),
+    "/console.css": ("console.css", "text/css; charset=utf-8"),
+}
+OUTPUT_TAIL_BYTES = 4096
+OUTPUT_LINES = 12
+COORDINATOR_CACHE_S = 15.0
+TEXT_CHARS = 2000
+# Terminal control but newline and tab, DEL, C1, and the bidi controls that reorder text.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+SPANS = {"hour": (3600, 300), "day": (86400, 3600)}  # span: (seconds, tasks-chart bin)
+EDITABLE = ("run_windows", "task_cpu_percent")
+
+
+def clean(text: object, limit: int = TEXT_CHARS) -> str:
+    """Hostile text for the page: a string, control characters escaped, bounded."""
+    value = text if isinstance(text, str) else "" if text is None else str(text)
+    value = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", value)
+    return value if len(value) <= limit else value[: limit - 1] + "…"
+
+
+@dataclass
+class Wiring:
+    """What the agent hands the console (``cli.py`` builds it)."""
+
+    state_dir: Path
+    settings: Callable[[], Settings]  # the running configuration (a reload replaces it)
+    config_file: Path | None  # what a change is written to; None: no file, no changes
+    validate: Callable[[Path], object]  # the loader `work` uses (raises ConfigError)
+    overridden: Callable[[str], str | None]  # "set by --pool", "set by FLASHNODE_POOLS", None
+    reload: Callable[[], None]  # the agent re-reads its configuration (as on SIGHUP)
+    node_view: Callable[[str], dict[str, Any] | None]  # GET /nodes, this node's entry
+    ring: UsageRing
+    task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
+    clock: Callable[[], float] = time.time
+
+
+class App:
+    def __init__(self, wiring: Wiring, gate: auth.Gate, hosts: frozenset[str], cookie: str) -> None:
+        self.w = wiring
+        self.gate = gate
+        self.hosts = hosts
+        self.cookie = cookie
+        self.ledger = LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
+        self._coordinator: tuple[float, dict[str, Any]] | None = None
+        self._coordinator_lock = threading.Lock()
+        self._edit_lock = threading.Lock()
+
+    # --- every request --------------------------------------------------------------------------
+
+    def handle(self, request: Request) -> Response:
+        if request.uid is not None and request.uid in self.w.task_uids:
+            # A task shares the host's network: one that got hold of the owner's cookie (a
+            # browser sends it to every port of this host) still gets nothing.
+            return _error(403, "refused: a task's user")
+        host = (request.header("host") or "").lower()
+        if host not in self.hosts:
+            return _error(421, "this console answers only to its own address")
+        if request.method == "GET" and request.path in STATIC:
+            return _static(*STATIC[request.path])
+        if request.method == "GET" and request.path == "/login":
+            return self._login(request)
+        session_id = _cookie(request.header("cookie"), self.cookie)
+        session = self.gate.session(session_id)
+        if session is None:
+            return _error(401, "not logged in: run `flashnode ui` for a login link")
+        if request.method == "GET":
+            return self._get(request, session)
+        if request.method != "POST":
+            return _error(405, "method not allowed")
+        refused = self._refused_change(request, host, session)
+        if refused is not None:
+            return refused
+        if request.path == "/api/logout":
+            self.gate.logout(session_id)
+            return _json({"ok": True}, [("Set-Cookie", f"{self.cookie}=; Path=/; Max-Age=0")])
+        if session.level != "owner":
+            return _error(
+                403, "this login may only look: run `sudo flashnode ui` to change the node"
+            )
+        try:
+            body = json.loads(request.body or b"{}")
+        except (ValueError, RecursionError):
+            return _error(400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body is not a JSON object")
+        action = ACTIONS.get(request.path)
+        if action is None:
+            return _error(404, "no such action")
+        return action(self, body)
+
+    def _refused_change(
+        self, request: Request, host: str, session: auth.Session
+    ) -> Response | None:
+        """Why a state-changing request is refused, or None: it must come from this console's
+        own page (Origin, and Sec-Fetch-Site where the browser sends it), and carry the
+        session's CSRF token and a JSON body."""
+        if not auth.same_origin(request.header("origin"), host):
+            return _error(403, "refused: the request does not come from this console's page")
+        site = request.header("sec-fetch-site")
+        if site is not None and site != "same-origin":
+            return _error(403, "refused: the request does not come from this console's page")
+        token = request.header(auth.CSRF_HEADER) or ""
+        if not auth.hmac_equal(token, session.csrf):
+            return _error(403, "refused: missing or wrong CSRF token")
+        if (request.header("content-type") or "").split(";")[0].strip() != "application/json":
+            return _error(415, "a change is sent as application/json")
+        return None
+
+    def _login(self, request: Request) -> Response:
+        found = self.gate.login(request.query.get("token", ""))
+        if found is None:
+            page = (
+                "<!doctype html><meta charset=utf-8><title>flashnode</title>"
+                "<p>This login link is not valid: it expired, was used already, or belongs to"
+                " an agent that has restarted since. Run <code>flashnode ui</code> for a new one."
+            )
+            return Response(403, page.encode(), "text/html; charset=utf-8")
+        sid, _ = found
+        cookie = f"{self.cookie}={sid}; Path=/; HttpOnly; SameSite=Strict"
+        return Response(303, b"", "text/plain", [("Location", "/"), ("Set-Cookie", cookie)])
+
+    def _get(self, request: Request, session: auth.Session) -> Response:
+        path = request.path
+        if path == "/api/session":
+            return _json({"level": session.level, "csrf": session.csrf})
+        if path == "/api/state":
+            return _json(self.state())
+        if path == "/api/charts":
+            return _json(self.charts(request.query.get("span", "hour")))
+        if path == "/api/history":
+            try:
+                limit = max(1, min(int(request.query.get("limit", "100")), 500))
+            except ValueError:
+                limit = 100
+            return _json(self.history(request.query.get("outcome") or None, limit))
+        if path == "/api/coordinator":
+            return _json(self.coordinator_view())
+        return _error(404, "not found")
+
+    # --- what the console shows -----------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        snapshot = status.read(self.w.state_dir)
+        s = self.w.settings()
+        out: dict[str, Any] = {
+            "now": self.w.clock(),
+            "version": __version__,
+            "agent": None,
+            "totals": self.ledger.totals(),
+            "settings": self._settings(s),
+        }
+        if snapshot is None:
+            return out
+        controls = snapshot.get("controls") if isinstance(snapshot.get("controls"), dict) else {}
+        out["agent"] = {
+            "node_id": clean(snapshot.get("node_id"), 200),
+            "coordinator": clean(snapshot.get("coordinator"), 300),
+            "runner": clean(snapshot.get("runner"), 40),
+            "pools": [clean(p, 200) for p in snapshot.get("pools") or []],
+            "state": clean(snapshot.get("state")),
+            "registered": bool(snapshot.get("registered")),
+            "draining": bool(snapshot.get("draining")),
+            "last_heartbeat_age_s": snapshot.get("last_heartbeat_age_s"),
+            "slots": s.slots,
+            "counters": snapshot.get("counters") or {},
+        }
+        out["why"] = _why(snapshot, controls or {})
+        out["running"] = [self._attempt(a) for a in snapshot.get("running") or []]
+        return out
+
+    def _attempt(self, a: dict[str, Any]) -> dict[str, Any]:
+        lease = str(a.get("lease_id") or "")
+        shown = {k: v for k, v in a.items() if k not in ("last_output",)}
+        shown = dict(json.loads(json.dumps(shown, default=str)))  # plain data only
+        for key in ("lease_id", "job_id", "task_id", "phase", "suspend_reason"):
+            shown[key] = clean(a.get(key), 300)
+        shown["facts"] = clean(status.describe_facts(a), 500)
+        shown["output"] = self.output_tail(lease)
+        return shown
+
+    def output_tail(self, lease: str) -> dict[str, str] | None:
+        """The last lines a task printed on each stream while its output is on this node (what
+        ``flashnode logs`` reads: the agent's own copy, which the task cannot reach); None when
+        none is kept."""
+        if not SAFE_ID.match(lease):
+            return None
+        logs = self.w.state_dir / "attempts" / lease / "logs"
+        if not logs.is_dir():
+            return None
+        return {name: _tail(logs / f"{name}.txt") for name in ("stdout", "stderr")}
+
+    def _settings(self, s: Settings) -> dict[str, Any]:
+        return {
+            "config_file": str(self.w.config_file) if self.w.config_file else None,
+            "run_windows": list(s.run_windows),
+            "run_windows_timezone": s.run_windows_timezone,
+            "task_cpu_percent": s.task_cpu_percent,
+            "pools": list(s.pools),
+            "overridden": {
+                k: v for k in (*EDITABLE, "pools") if (v := self.w.overridden(k)) is not None
+            },
+        }
+
+    def charts(self, span: str) -> dict[str, Any]:
+        seconds, bin_seconds = SPANS.get(span, SPANS["hour"])
+        now = self.w.clock()
+        since = now - seconds
+        points = [list(p) for p in self.w.ring.series(since)]
+        cpu, memory, gpu = self.w.ring.now() if not points else (None, None, None)
+        if not points:  # a fresh agent: at least this moment
+            points.append([int(now), _pct(cpu), _pct(memory), _pct(gpu)])
+        return {
+            "span": span if span in SPANS else "hour",
+            "since": since,
+            "now": now,
+            "usage": points,
+            "tasks": self.ledger.per_bin(since, bin_seconds),
+            "bin_seconds": bin_seconds,
+        }
+
+    def history(self, outcome: str | None, limit: int) -> list[dict[str, Any]]:
+        out = []
+        for r in self.ledger.latest(outcome, limit):
+            shown = dict(r)
+            for key in ("lease_id", "job_id", "task_id", "outcome", "reason", "facts"):
+                shown[key] = clean(r.get(key))
+            shown["output"] = self.output_tail(str(r.get("lease_id") or ""))
+            out.append(shown)
+        return out
+
+    def coordinator_view(self) -> dict[str, Any]:
+        """This node as the coordinator sees it (cached a few seconds: every open page asks)."""
+        now = self.w.clock()
+        with self._coordinator_lock:
+            if self._coordinator and now - self._coordinator[0] < COORDINATOR_CACHE_S:
+                return self._coordinator[1]
+            snapshot = status.read(self.w.state_dir) or {}
+            node = snapshot.get("node_id")
+            view: dict[str, Any]
+            if not isinstance(node, str) or not SAFE_ID.match(node):
+                view = {"error": "not registered yet"}
+            else:
+                try:
+                    found = self.w.node_view(node)
+                except FlashnodeError as exc:
+                    view = {"error": clean(f"the coordinator did not answer: {exc}", 300)}
+                else:
+                    view = (
+                        _node_view(found)
+                        if found
+                        else {"error": "the coordinator lists no such node"}
+                    )
+            self._coordinator = (now, view)
+            return view
+
+    # --- what the console changes ---------------------------------------------------------------
+
+    def pause(self, body: dict[str, Any]) -> Response:
+        mode, duration = body.get("mode", "drain"), body.get("for")
+        if mode not in ("drain", "now") or not (duration is None or isinstance(duration, str)):
+            return _error(400, 'mode is "drain" or "now"; "for" a duration like 30m, 2h, 1d')
+        try:
+            made = pausefile.pause(self.w.state_dir, duration, mode == "drain", self.w.clock())
+        except ValueError as exc:
+            return _error(422, str(exc))
+        except OSError as exc:
+            return _error(500, f"cannot write the pause: {exc.strerror or exc}")
+        log.info("console: %s", pausefile.describe(made))
+        return _json({"ok": True, "message": pausefile.describe(made)})
+
+    def resume(self, body: dict[str, Any]) -> Response:
+        try:
+            removed = pausefile.clear(self.w.state_dir)
+        except OSError as exc:
+            return _error(500, f"cannot remove the pause: {exc.strerror or exc}")
+        if removed:
+            log.info("console: resumed")
+        return _json({"ok": True, "message": "resumed" if removed else "not paused"})
+
+    def set_settings(self, body: dict[str, Any]) -> Response:
+        changes: dict[str, Any] = {}
+        for key, value in body.items():
+            if key not in EDITABLE:
+                return _error(400, f"{clean(key, 60)} cannot be changed here")
+            if key == "run_windows":
+                if (
+                    not isinstance(value, list)
+                    or len(value) > 32
+                    or not all(isinstance(w, str) and len(w) <= 100 for w in value)
+                ):
+                    return _error(400, "run_windows is a list of windows")
+                value = [w.strip() for w in value if w.strip()] or None
+            elif value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                return _error(400, "task_cpu_percent is a number, or null for no cap")
+            changes[key] = value
+        if not changes:
+            return _error(400, "nothing to change")
+
+        def edit(doc: Any) -> None:
+            for key, value in changes.items():
+                configedit.set_key(doc, key, value)
+
+        return self._edit_config(list(changes), edit)
+
+    def pools(self, body: dict[str, Any]) -> Response:
+        join, leave = body.get("join"), body.get("leave")
+        pool = join if isinstance(join, str) else leave if isinstance(leave, str) else None
+        if pool is None or (join is not None and leave is not None):
+            return _error(400, 'name one pool: {"join": ID} or {"leave": ID}')
+        try:
+            configedit.check_pool(pool)
+        except configedit.Refused as exc:
+            return _error(422, str(exc))
+
+        def change(current: list[str]) -> list[str]:
+            if join is not None:
+                return current if pool in current else [*current, pool]
+            return [p for p in current if p != pool]
+
+        def edit(doc: Any) -> None:
+            assert self.w.config_file is not None
+            configedit.set_pools(doc, change(configedit.file_pools(doc, self.w.config_file)))
+
+        return self._edit_config(["pools"], edit)
+
+    def _edit_config(self, keys: list[str], edit: Callable[[Any], None]) -> Response:
+        path = self.w.config_file
+        if path is None:
+            return _error(
+                409, "the agent was started without a config file: there is nothing to change"
+            )
+        for key in keys:
+            why = self.w.overridden(key)
+            if why is not None:
+                return _error(409, f"{key} is {why}, which the config file cannot change")
+        with self._edit_lock:
+            try:
+                doc = configedit.parse(path)
+                edit(doc)
+                configedit.write(path, doc, self.w.validate)
+            except configedit.Refused as exc:
+                return _error(422, str(exc))
+        log.info("console: changed %s in %s; reloading", ", ".join(keys), path)
+        self.w.reload()
+        return _json({"ok": True, "message": f"{', '.join(keys)} changed in {path}; reloading"})
+
+
+ACTIONS: dict[str, Callable[[App, dict[str, Any]], Response]] = {
+    "/api/pause": App.pause,
+    "/api/resume": App.resume,
+    "/api/settings": App.set_settings,
+    "/api/pools": App.pools,
+}
+
+
+def _why(snapshot: dict[str, Any], controls: Mapping[str, Any]) -> dict[str, Any]:
+    """Why the node is not working, in general terms: each hold of the owner's controls with
+    its reason (and its fix, where the agent gives one), the last refused reload."""
+    holds = []
+    for h in controls.get("held_by") or []:
+        if isinstance(h, dict):
+            holds.append(
+                {
+                    "rule": clean(h.get("rule"), 60),
+                    "reason": clean(h.get("reason"), 500),
+                    "fix": clean(h.get("fix"), 500) if h.get("fix") else None,
+                    "suspends": bool(h.get("suspends")),
+                }
+            )
+    refused = snapshot.get("reload_refused")
+    return {
+        "holds": holds,
+        "paused": controls.get("paused"),
+        "stop_reason": clean(controls.get("stop_reason"), 500) or None,
+        "reload_refused": (
+            {"at": refused.get("at"), "reason": clean(refused.get("reason"), 1000)}
+            if isinstance(refused, dict)
+            else None
+        ),
+    }
+
+
+_NODE_NUMBERS = ("accepted_tasks", "failed_attempts", "abandoned_leases", "last_heartbeat_age_s")
+
+
+def _node_view(node: dict[str, Any]) -> dict[str, Any]:
+    view: dict[str, Any] = {}
+    for key in _NODE_NUMBERS:
+        value = node.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            view[key] = value
+    reliability = node.get("reliability")
+    if isinstance(reliability, (int, float)) and not isinstance(reliability, bool):
+        view["reliability"] = reliability
+    view["placement_tier"] = clean(node.get("placement_tier"), 40) or None
+    view["online"] = node.get("online") is True
+    return view
+
+
+def _tail(path: Path) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        size = os.fstat(fd).st_size
+        os.lseek(fd, max(size - OUTPUT_TAIL_BYTES, 0), os.SEEK_SET)
+        data = os.read(fd, OUTPUT_TAIL_BYTES)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    lines = data.decode("utf-8", "replace").replace("\r", "\n").split("\n")
+    if size > OUTPUT_TAIL_BYTES:
+        lines = lines[1:]  # the first may be cut
+    kept = [x for x in lines if x.strip()][-OUTPUT_LINES:]
+    return clean("\n".join(kept), OUTPUT_TAIL_BYTES)
+
+
+def _pct(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+def _cookie(header: str | None, cookie: str) -> str | None:
+    for part in (header or "").split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == cookie and value:
+            return value
+    return None
+
+
+def _json(value: object, headers: list[tuple[str, str]] | None = None) -> Response:
+    return Response(200, json.dumps(value).encode(), "application/json", headers or [])
+
+
+def _error(code: int, message: str) -> Response:
+    return Response(code, json.dumps({"error": message}).encode(), "application/json")
+
+
+def _static(name: str, content_type: str) -> Response:
+    data = resources.files("flashnode.console").joinpath("static", name).read_bytes()
+    return Response(200, data, content_type)

@@ -1,0 +1,212 @@
+"""The console's HTTP edge: the standard library's HTTP server on one thread that sleeps in
+``select`` until a browser connects (no timer wakes it while nobody looks), a short-lived thread
+per request (at most ``MAX_CLIENTS`` at once; more are closed unanswered), ``Connection: close``
+after every answer, and a bounded read of every request. What a request means is the ``App``'s
+business (``app.py``); this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+log = logging.getLogger(__name__)
+
+MAX_CLIENTS = 16
+MAX_BODY = 16 * 1024
+READ_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-case names; a repeated header is refused before this
+    body: bytes
+    peer: tuple[str, int]
+    uid: int | None = None  # the connecting process's user (loopback TCP), None when unknown
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+class App(Protocol):
+    def handle(self, request: Request) -> Response: ...
+
+
+# Sent with every answer: nothing may frame the page, sniff a type, leak a URL, or load from
+# anywhere but the console itself; answers are never cached.
+SECURITY_HEADERS = (
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';"
+        " connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    ),
+    ("X-Frame-Options", "DENY"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+    ("Cross-Origin-Opener-Policy", "same-origin"),
+    ("Cross-Origin-Resource-Policy", "same-origin"),
+    ("Cache-Control", "no-store"),
+)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    app: App
+
+    def __init__(self, address: tuple[str, int], family: int) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed unanswered
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive threads
+    timeout = READ_TIMEOUT_S
+    server_version = "flashnode"
+    sys_version = ""
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        self._dispatch()
+
+    def do_HEAD(self) -> None:
+        self._send(Response(405, b'{"error": "method not allowed"}'))
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD
+
+    def _dispatch(self) -> None:
+        headers: dict[str, str] = {}
+        for name in self.headers:
+            key = name.lower()
+            if key in headers:  # two Host or Origin headers: which one would a check see?
+                self._send(Response(400, b'{"error": "repeated header"}'))
+                return
+            headers[key] = self.headers[name]
+        try:
+            length = int(headers.get("content-length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0 or length > MAX_BODY:
+            self._send(Response(413, b'{"error": "request body too large"}'))
+            return
+        body = self.rfile.read(length) if length else b""
+        parts = urlsplit(self.path)
+        try:
+            query = {k: v[0] for k, v in parse_qs(parts.query, max_num_fields=16).items()}
+        except ValueError:
+            self._send(Response(400, b'{"error": "too many query fields"}'))
+            return
+        peer = self.client_address[:2]
+        uid = peer_uid(peer[1], self.server.server_address[1])
+        request = Request(self.command, parts.path, query, headers, body, peer, uid)
+        try:
+            response = self.server.app.handle(request)
+        except Exception:
+            log.exception("console: %s %s failed", self.command, parts.path)
+            response = Response(500, b'{"error": "the console failed; see the agent log"}')
+        self._send(response)
+
+    def _send(self, response: Response) -> None:
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        for name, value in (*SECURITY_HEADERS, *response.headers):
+            self.send_header(name, value)
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            self.wfile.write(response.body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # requests are not logged: a login link's token is in one
+
+
+def peer_uid(peer_port: int, port: int) -> int | None:
+    """The user owning the client end of a TCP connection to ``port`` from ``peer_port`` on
+    this machine (the kernel's socket tables), None when it is not found."""
+    local, remote = f":{peer_port:04X}", f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[1].endswith(local) and fields[2].endswith(remote):
+                        return int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class ConsoleServer:
+    """Listening on ``host:port`` (port 0: any free one) until ``close``."""
+
+    def __init__(self, host: str, port: int, app: App) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = _Server((host, port), family)
+        self._server.app = app
+        # A client gone between select and accept must not block the loop in accept.
+        self._server.socket.setblocking(False)
+        self.port = int(self._server.server_address[1])
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="console", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._server.socket, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _ in sel.select()]  # no timeout: sleeps
+                if self._wake_r in ready:
+                    return
+                self._server.handle_request()
+
+    def close(self, on_closed: Callable[[], None] = lambda: None) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._thread.join(5)
+        self._server.server_close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        on_closed()
