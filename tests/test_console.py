@@ -428,7 +428,7 @@ def test_the_console_is_off_with_an_empty_ui_listen_and_a_taken_port_leaves_the_
             env={"FLASHNODE_UI_LISTEN": f"127.0.0.1:{port}"},
         )
         taken.wait_log("the console is off: cannot listen on")
-        coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"], params=[{}, {}]))
+        coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"], params=[{}, {}]))
         assert off.wait(90) == 0 and taken.wait(90) == 0
         assert len(off.ledger()) == 1 and len(taken.ledger()) == 1
     finally:

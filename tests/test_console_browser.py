@@ -79,7 +79,7 @@ def console(
 def test_the_page_shows_the_node_a_running_task_its_output_as_text_and_draws_charts(
     console: ConsoleAgent, coordinator: CoordinatorServer, page: Any, tmp_path: Path
 ) -> None:
-    coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
     wait_for("a first task done", lambda: console.agent.ledger())
     job = coordinator.submit(
         argv_job(["sh", "-c", f"echo '{HOSTILE}'; echo step 2 of 9 >&2; sleep 60"])
@@ -141,7 +141,7 @@ def test_the_pause_and_resume_buttons_stop_and_restart_claiming(
     assert (console.agent.state_dir / "pause.json").exists()
     shot(page, tmp_path, "console-paused")
 
-    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > out/metrics.json"]))
+    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
     with pytest.raises(AssertionError):  # paused: the agent claims nothing
         wait_for("a claim while paused", lambda: console.agent.ledger(), timeout=6)
     assert coordinator.tasks(job)[0]["state"] == "PENDING"

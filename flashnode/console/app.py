@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ from flashnode.console.ledgerview import LedgerView
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.errors import FlashnodeError
+from flashnode.sanitise import sanitise
 from flashnode.settings import Settings
 from flashnode.wire import SAFE_ID
 
@@ -44,16 +44,14 @@ OUTPUT_LINES = 12
 COORDINATOR_CACHE_S = 15.0
 TEXT_CHARS = 2000
 # Terminal control but newline and tab, DEL, C1, and the bidi controls that reorder text.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 SPANS = {"hour": (3600, 300), "day": (86400, 3600)}  # span: (seconds, tasks-chart bin)
 EDITABLE = ("run_windows", "task_cpu_percent")
 
 
-def clean(text: object, limit: int = TEXT_CHARS) -> str:
-    """Hostile text for the page: a string, control characters escaped, bounded."""
+def clean(text: object, limit: int = TEXT_CHARS, keep: str = "") -> str:
+    """Hostile text for the page: a string, sanitised (``keep``: controls kept), bounded."""
     value = text if isinstance(text, str) else "" if text is None else str(text)
-    value = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", value)
-    return value if len(value) <= limit else value[: limit - 1] + "…"
+    return sanitise(value, keep=keep, limit=limit)
 
 
 @dataclass
@@ -454,7 +452,7 @@ def _tail(path: Path) -> str:
     if size > OUTPUT_TAIL_BYTES:
         lines = lines[1:]  # the first may be cut
     kept = [x for x in lines if x.strip()][-OUTPUT_LINES:]
-    return clean("\n".join(kept), OUTPUT_TAIL_BYTES)
+    return clean("\n".join(kept), OUTPUT_TAIL_BYTES, keep="\n\t")
 
 
 def _pct(value: float | None) -> int | None:
