@@ -230,7 +230,7 @@ def test_an_attempt_keeps_the_settings_it_was_claimed_under_across_a_reload(
     # The first attempt, claimed before the reload, kept its cap; the next one has the new one.
     outcomes = [(r["task_id"], r["outcome"], r["reason"]) for r in ctx.ledger.records()]
     assert outcomes[0] == ("task-000", "committed", "")
-    assert outcomes[1][:2] == ("task-001", "failed") and "larger than 1 bytes" in outcomes[1][2]
+    assert outcomes[1][:2] == ("task-001", "failed") and "past 1 bytes" in outcomes[1][2]
 
 
 # --- the node's own holds: the black-hole guard, the backoff after a revoked lease -----------
