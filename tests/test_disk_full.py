@@ -238,4 +238,4 @@ def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> No
         }
     )
     assert "  disk: the state dir's disk is full: 0 MiB free" in text
-    assert "last ended  ls-1 (j/t) lapsed: disk full (No space left on device)?[2J" in text
+    assert "last ended  ls-1 (j/t) lapsed: disk full (No space left on device)\\x1b[2J" in text
