@@ -25,6 +25,10 @@ while the last task's result is committed): nothing of a task is in it until ``g
 whose pipe closes without the whole script (the agent gone, ``discard``) exits with
 ``SETUP_FAILED`` and runs nothing.
 
+``/work``: in the sandbox, the chain binds its working directory (the attempt's workspace, or
+an empty directory the workspace is later moved into, for a chain started ahead) at ``/work`` in
+the task's mount namespace, so that every ``/work/...`` path works wherever a task names it.
+
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
 until nothing of the task is left, on an injected clock. Output goes through pipes to one thread
 per task that keeps a size-capped head and a short tail on disk and sees the main process exit;
@@ -101,6 +105,7 @@ class Sandbox:
     read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
     hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
     fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
+    work: bool = False  # bind the chain's working directory at /work and enter it there
 
 
 def private_fstab(path: Path, tmp_bytes: int) -> str:
@@ -169,34 +174,31 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 
 # As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
 # directories ($2: tmpfs options; $5: a table of them all, for one `mount -a` instead of a mount
-# each; the workspace, the current directory, is bound back in at its path if it lived under one
-# of them), bind the read-only views ($3: lines, a source then its target, so that paths may hold
-# spaces), hide device files ($4), give the task this namespace's message queues where the host's
-# are mounted ($6: ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per
-# system call), run the rest. Every step a process fewer where the shell can do it itself: this
-# runs before every task.
+# each), give the task this namespace's message queues where the host's are mounted ($6:
+# ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per system call), bind the
+# working directory at /work and enter it there ($7; by the directory it holds, not its path,
+# which a private directory may cover by now), bind the read-only views ($3: lines, a source then
+# its target, so that paths may hold spaces), hide device files ($4), run the rest. Every step a
+# process fewer where the shell can do it itself: this runs before every task.
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
-cd -P . && ws=$PWD || fail "cannot enter the workspace"
 [ -z "$5" ] || mount -a -T "$5" || fail "cannot mount the private directories"
 for d in $PRIVATE; do
-  [ -d "$d" ] || continue
-  [ -n "$5" ] || mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
-  case "$ws/" in "$d"/*)
-    (umask 022; mkdir -p "$ws") && mount --no-canonicalize --bind . "$ws" && cd "$ws" \
-      || fail "cannot keep the workspace under $d";;
-  esac
+  [ -n "$5" ] || [ ! -d "$d" ] || mount -t tmpfs -o "$2" flashnode-private "$d" \
+    || fail "cannot mount $d"
 done
 for q in $6; do  # every mount of the host's message queues: this namespace's instead
   mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
 done
+[ -z "$7" ] || { mount --no-canonicalize --bind . /work && cd /work; } \
+  || fail "cannot bind the workspace at /work"
 [ -z "$3" ] || printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
   mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
     || fail "cannot mount $dst read-only"
 done || exit 125
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 6
+shift 7
 exec "$@"
 """
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
@@ -249,7 +251,8 @@ def command(
     hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
     fstab = sandbox.fstab if sandbox else ""
     queues = " ".join(mqueue_mounts()) if sandbox else ""
-    args = [procs, tmpfs, binds, hidden, fstab, queues]
+    work = "1" if sandbox and sandbox.work else ""
+    args = [procs, tmpfs, binds, hidden, fstab, queues, work]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
@@ -261,7 +264,8 @@ GO_TIMEOUT_S = 30.0  # the longest the chain may take to read its script
 
 class Launch:
     """A task's chain, started and waiting for its script (see the module docstring): in
-    ``cgroup`` and ``sandbox``, as ``user``, its pipes open. ``TaskProcess`` takes it over."""
+    ``cgroup`` and ``sandbox``, as ``user``, in ``cwd`` (bound at ``/work`` where the sandbox
+    says so), its pipes open. ``TaskProcess`` takes it over."""
 
     def __init__(
         self,
@@ -327,9 +331,10 @@ class Launch:
 class TaskProcess:
     """A started task: its main process, its group, its token, its cgroup and its output.
 
-    ``launch``: a chain started ahead for it (else one is started here, in ``cgroup`` and
-    ``sandbox``, as ``user``). ``hold``: do not send the task its script yet (``go``): the caller
-    first records ``identity()``."""
+    ``launch``: a chain started ahead for it (else one is started here, in ``cwd``, ``cgroup``
+    and ``sandbox``, as ``user``). ``workdir``: where the task starts, as it sees it (default
+    ``cwd``). ``hold``: do not send the task its script yet (``go``): the caller first records
+    ``identity()``."""
 
     def __init__(
         self,
@@ -346,9 +351,10 @@ class TaskProcess:
         clock: Clock | None = None,
         launch: Launch | None = None,
         hold: bool = False,
+        workdir: Path | None = None,
     ) -> None:
         # First: a script that cannot be made (what cannot be encoded) fails before any chain.
-        script = env_script(env, argv, cwd)
+        script = env_script(env, argv, workdir or cwd)
         if launch is None:
             launch = Launch(cwd, cgroup, user, sandbox)
         self.token = env[OWNER_ENV]

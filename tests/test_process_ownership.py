@@ -344,7 +344,7 @@ def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_
     """The attack: a task leaves a detached process of its slot's user that ignores SIGTERM, to
     meddle with the chain started ahead for the slot's next task (same user: it could trace it
     or rewrite its script). The chain must wait with no other process of that user beside it;
-    and the next task of the slot runs in it (its pid is the chain's)."""
+    and the next task of the slot runs in it (its pid is the chain's), its workspace at /work."""
     m = marker()
     lurker = f"setsid sh -c 'trap \"\" TERM; sleep {m}' >/dev/null 2>&1 & {METRICS}"
     first = coordinator.submit(argv_job(["sh", "-c", lurker], max_attempts=1))
@@ -363,7 +363,7 @@ def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_
     assert mine == {chain}, {p: _describe(p) for p in mine}
 
     second = coordinator.submit(
-        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > out/metrics.json'], max_attempts=1)
+        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > /work/out/metrics.json'], max_attempts=1)
     )
     assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
     metrics = json.loads(coordinator.artifact(f"jobs/{second}/task-000/metrics.json"))
@@ -391,7 +391,8 @@ def test_a_state_dir_closed_again_is_opened_for_the_next_task(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
     """systemd sets StateDirectoryMode again on every Exec line (a reload): the next task still
-    enters its workspace by its path, as its user (and a chain that cannot is the node's fault)."""
+    starts (its workspace is bound at /work as root; its job environment is reached by its path,
+    as its user)."""
     agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
     first = coordinator.submit(argv_job(["sh", "-c", METRICS], max_attempts=1))
     assert coordinator.wait_state(first, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log

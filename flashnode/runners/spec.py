@@ -1,5 +1,6 @@
 """What both runners share about a task's start: the StartSpec, the module spec file, GPU
-visibility and the ``/work`` mapping."""
+visibility and the ``/work`` mapping (where a task cannot see its workspace at ``/work``: the
+trusted runner's same-user mode)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from flashnode.gpupool import Device
 from flashnode.runners.base import ModuleSpec, StartSpec
 from flashnode.settings import Settings
 from flashnode.wire import Task
+from flashnode.workspace import WORK as WORK
 from flashnode.workspace import Workspace
 
-WORK = "/work"
 # The command a module task runs, with the interpreter, spec and output directory filled in.
 MODULE_ARGV = ("-m", "{module}", "--spec", "{spec}", "--out", "{out}")
 
