@@ -29,6 +29,13 @@ whose pipe closes without the whole script (the agent gone, ``discard``) exits w
 an empty directory the workspace is later moved into, for a chain started ahead) at ``/work`` in
 the task's mount namespace, so that every ``/work/...`` path works wherever a task names it.
 
+Whose fault (``TaskProcess.launched``): until the task's own exec, the chain's stderr is its
+fault channel, a pipe only the agent reads; every step writes why it failed there, and the last
+step writes ``LAUNCHED`` there just before it execs the task, with the task's stderr put in its
+place. No descriptor of that channel is left to the task, so nothing the task prints or exits
+with can make its failure look like its launch's, and a chain that ended without saying
+``LAUNCHED`` never ran any code of the task: the node's fault.
+
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
 until nothing of the task is left, on an injected clock. Output goes through pipes to one thread
 per task that keeps a size-capped head and a short tail on disk and sees the main process exit;
@@ -77,6 +84,8 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The only environment of the privileged steps before the task's own exec.
 PRIVILEGED_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 SETUP_FAILED = 125  # the exit status of a setup step that failed (with a "flashnode:" line)
+LAUNCHED = b"flashnode launched the task\n"  # the last step's word before the exec
+FAULT_BYTES = 4096  # what is kept of a fault channel
 # World-writable places a task could leave things in for later tasks of its user: each its own
 # empty tmpfs in the task's mount namespace (those that exist), plus the POSIX message queues of
 # its own IPC namespace.
@@ -179,7 +188,8 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 # working directory at /work and enter it there ($7; by the directory it holds, not its path,
 # which a private directory may cover by now), bind the read-only views ($3: lines, a source then
 # its target, so that paths may hold spaces), hide device files ($4), run the rest. Every step a
-# process fewer where the shell can do it itself: this runs before every task.
+# process fewer where the shell can do it itself: this runs before every task. Each failure goes
+# to stderr: the launch's fault channel (module docstring).
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
@@ -204,6 +214,14 @@ exec "$@"
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
 # is whole), then run the task with stdin from /dev/null.
 APPLY_ENV = '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; exec "$@" </dev/null'
+# The same, last step of a launch: say on the fault channel (stderr until here) that the task's
+# exec comes next, and give the task its own stderr in the channel's place (the pipe passed on
+# descriptor %d, opened again by name: the shell addresses only descriptors 0-9 by number, so
+# that descriptor stays open in the task too, a second copy of its stderr).
+APPLY_LAUNCH = (
+    '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; printf "%s" >&2;'
+    ' exec "$@" </dev/null 2>/proc/self/fd/%d'
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,10 +240,16 @@ def command(
     cgroup: AttemptCgroup | None,
     user: TaskUser | None,
     sandbox: Sandbox | None,
+    stderr_fd: int | None = None,
 ) -> list[str]:
     """The command line of the chain that runs a task in ``cgroup``, in ``sandbox``, as ``user``;
-    its last step takes the task's environment and arguments from stdin (``env_script``)."""
-    cmd = ["/bin/sh", "-c", APPLY_ENV, "flashnode-task"]
+    its last step takes the task's environment and arguments from stdin (``env_script``).
+    ``stderr_fd``: a launch's (the chain's stderr is its fault channel; the task's stderr
+    comes on this descriptor)."""
+    apply = APPLY_ENV
+    if stderr_fd is not None:
+        apply = APPLY_LAUNCH % (LAUNCHED.decode().replace("\n", "\\n"), stderr_fd)
+    cmd = ["/bin/sh", "-c", apply, "flashnode-task"]
     if user is not None:
         # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can raise
         # the task's privileges again.
@@ -278,26 +302,29 @@ class Launch:
         script_r, self.script_w = os.pipe()
         self.out_r, out_w = os.pipe()
         self.err_r, err_w = os.pipe()
+        self.fault_r, fault_w = os.pipe()
         try:
-            if user is not None:  # the last step opens it by name (/dev/stdin), as the user
+            if user is not None:  # the last step opens these by name, as the user
                 os.fchown(script_r, user.uid, user.gid)
+                os.fchown(err_w, user.uid, user.gid)
             self.popen = subprocess.Popen(
-                command(cgroup, user, sandbox),
+                command(cgroup, user, sandbox, err_w),
                 env=PRIVILEGED_ENV,
                 cwd=cwd,
                 stdin=script_r,
                 stdout=out_w,
-                stderr=err_w,
+                stderr=fault_w,
+                pass_fds=(err_w,),
                 start_new_session=True,
                 close_fds=True,
                 umask=0o077,
             )
         except BaseException:
-            for fd in (self.script_w, self.out_r, self.err_r):
+            for fd in (self.script_w, self.out_r, self.err_r, self.fault_r):
                 os.close(fd)
             raise
         finally:
-            for fd in (script_r, out_w, err_w):
+            for fd in (script_r, out_w, err_w, fault_w):
                 os.close(fd)
         self.pid = self.popen.pid
         self.start_time = start_time(self.pid)
@@ -306,21 +333,21 @@ class Launch:
         """Still waiting (a chain whose setup failed has exited)."""
         return self.popen.poll() is None
 
-    def take(self) -> tuple[int, int, int]:
-        """Hand the pipes (script, stdout, stderr) to the task that runs in this chain: from
-        here on they are its to close, and ``discard`` leaves them."""
-        fds = (self.script_w, self.out_r, self.err_r)
-        self.script_w = self.out_r = self.err_r = -1
+    def take(self) -> tuple[int, int, int, int]:
+        """Hand the pipes (script, stdout, stderr, fault channel) to the task that runs in this
+        chain: from here on they are its to close, and ``discard`` leaves them."""
+        fds = (self.script_w, self.out_r, self.err_r, self.fault_r)
+        self.script_w = self.out_r = self.err_r = self.fault_r = -1
         return fds
 
     def discard(self) -> None:
         """End a launch no task took: its pipe closes (it exits without running anything), its
         group is killed, its cgroup removed."""
-        for fd in (self.script_w, self.out_r, self.err_r):
+        for fd in (self.script_w, self.out_r, self.err_r, self.fault_r):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self.script_w = self.out_r = self.err_r = -1
+        self.script_w = self.out_r = self.err_r = self.fault_r = -1
         with contextlib.suppress(OSError):
             os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait()
@@ -377,9 +404,11 @@ class TaskProcess:
         self._closing = threading.Event()
         self.stdout = Stream(CappedFile(stdout, log_max_bytes))
         self.stderr = Stream(CappedFile(stderr, log_max_bytes))
-        self._script_w, out_r, err_r = launch.take()
+        self._fault = bytearray()  # what the chain said on its fault channel (FAULT_BYTES)
+        self._fault_end = b""  # and its last bytes
+        self._script_w, out_r, err_r, fault_r = launch.take()
         self._watcher = threading.Thread(
-            target=self._watch, args=(out_r, err_r), name=f"task-{self.pid}"
+            target=self._watch, args=(out_r, err_r, fault_r), name=f"task-{self.pid}"
         )
         self._watcher.daemon = True
         self._watcher.start()
@@ -444,12 +473,45 @@ class TaskProcess:
         self.exited.set()
         self._on_exit()
 
-    def _watch(self, out_fd: int, err_fd: int) -> None:
+    @property
+    def launched(self) -> bool:
+        """Whether the chain reached the task's exec (said so on its fault channel); once the
+        main process exited and ``close`` was called. False: no code of the task ever ran."""
+        return self._fault_end == LAUNCHED
+
+    def setup_failure(self) -> str:
+        """Why the chain ended before the task's exec, from its fault channel: its last
+        ``flashnode:`` line, with the first line a tool printed before it (what the tool said
+        first is its error); "" when it said nothing. Control characters replaced."""
+        lines = [
+            "".join(c if c.isprintable() else "?" for c in line).strip()
+            for line in bytes(self._fault).decode("utf-8", "replace").splitlines()
+        ]
+        lines = [line for line in lines if line]
+        ours = [i for i, line in enumerate(lines) if line.startswith("flashnode: ")]
+        if not ours:
+            return lines[-1][:200] if lines else ""
+        why = lines[ours[-1]][len("flashnode: ") :][:200]
+        tools = [line for line in lines[: ours[-1]] if not line.startswith("flashnode: ")]
+        return f"{why}: {tools[0][:200]}" if tools else why
+
+    def _keep_fault(self, chunk: bytes) -> None:
+        room = FAULT_BYTES - len(self._fault)
+        if room > 0:
+            self._fault += chunk[:room]
+        self._fault_end = (self._fault_end + chunk)[-len(LAUNCHED) :]
+
+    def _watch(self, out_fd: int, err_fd: int, fault_fd: int) -> None:
         """One thread per task: copy both pipes into their files until their writers close
         them, or, once ``close`` was called, until nothing more is there (a detached descendant
-        holding a pipe never keeps the attempt waiting); and see the main process exit, through
-        a pidfd (where there is none, a thread of its own waits for it)."""
-        streams = {out_fd: self.stdout.file, err_fd: self.stderr.file}
+        holding a pipe never keeps the attempt waiting), and keep what the chain says on its
+        fault channel; and see the main process exit, through a pidfd (where there is none, a
+        thread of its own waits for it)."""
+        streams: dict[int, CappedFile | None] = {
+            out_fd: self.stdout.file,
+            err_fd: self.stderr.file,
+            fault_fd: None,
+        }
         pidfd: int | None = None
         try:
             pidfd = os.pidfd_open(self.pid)
@@ -473,8 +535,11 @@ class TaskProcess:
                         self._wait()
                         continue
                     chunk = os.read(fd, READ_CHUNK)
-                    if chunk:
-                        streams[fd].write(chunk)
+                    sink = streams[fd]
+                    if chunk and sink is None:
+                        self._keep_fault(chunk)
+                    elif chunk and sink is not None:
+                        sink.write(chunk)
                     else:
                         del streams[fd]
                         poller.unregister(fd)

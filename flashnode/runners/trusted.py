@@ -125,9 +125,10 @@ class TrustedHandle:
         code = self._proc.returncode
         tail = self._proc.stderr.tail.decode("utf-8", "replace")
         cause = None
-        if code == procs.SETUP_FAILED:
-            setup = [ln for ln in tail.splitlines() if ln.startswith("flashnode: ")]
-            cause = f"task setup failed ({setup[-1][11:]})" if setup else None
+        if not self._proc.launched:  # no code of the task ran: whatever ended it is the node's
+            how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+            why = self._proc.setup_failure() or f"it ended before the task started, {how}"
+            cause = f"task setup failed ({why})"
         self._result = RunResult(
             exit_code=code if code is None or code >= 0 else None,
             signal=-code if code is not None and code < 0 else None,
@@ -580,10 +581,12 @@ class TrustedRunner(Runner):
                 raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
         try:
             return procs.Launch(cwd, cgroup, user, sandbox)
-        except OSError as exc:
+        except OSError as exc:  # its programs are the node's (unshare, setpriv, sh)
             if cgroup is not None:
                 cgroup.remove()
-            raise AttemptFailed(f"cannot start {program[:100]!r}: {exc.strerror or exc}") from None
+            raise AttemptLapsed(
+                f"cannot start the launch of {program[:100]!r}: {exc.strerror or exc}"
+            ) from None
 
     def _forget(self, name: str) -> None:
         with self._cpu_lock:
