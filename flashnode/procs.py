@@ -36,6 +36,10 @@ place. No descriptor of that channel is left to the task, so nothing the task pr
 with can make its failure look like its launch's, and a chain that ended without saying
 ``LAUNCHED`` never ran any code of the task: the node's fault.
 
+Lent directories (``Sandbox.covers``): after the task's own read-only views are bound, each
+lent directory's host path is covered by an empty read-only tmpfs in the task's namespace, so
+that a task reaches lent data only at the ``/work/inputs/<label>`` it asked for.
+
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
 until nothing of the task is left, on an injected clock. Output goes through pipes to one thread
 per task that keeps a size-capped head and a short tail on disk and sees the main process exit;
@@ -55,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import pwd
@@ -63,7 +68,7 @@ import select
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +77,7 @@ from flashnode import statefile
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
 from flashnode.logcap import CappedFile
+from flashnode.workspace import WORK
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +117,12 @@ class Sandbox:
     hold a newline (``command`` refuses them)."""
 
     tmp_bytes: int  # size of each private tmpfs
-    read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
+    # (host path, target relative to the working directory: bound before it is bound at /work)
+    read_only_binds: tuple[tuple[str, str], ...] = field(default=())
     hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
     fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
     work: bool = False  # bind the chain's working directory at /work and enter it there
+    covers: str = ""  # the lent directories' covers as one table (``cover_fstab``), if any
 
 
 def private_fstab(path: Path, tmp_bytes: int) -> str:
@@ -128,6 +136,37 @@ def private_fstab(path: Path, tmp_bytes: int) -> str:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     statefile.write(path, table.encode(), 0o600)
     return str(path)
+
+
+def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
+    """Write the table of the covers of the ``lent`` directories (an empty read-only tmpfs over
+    each, by its resolved path) into ``directory``, and return its path for ``Sandbox.covers``:
+    named for what it covers, so that a chain started under another table can tell; "" when
+    there is nothing to cover. Deepest first (a cover over a parent would hide the child's
+    mount point); none under the private directories or ``/work``, which the task gets its own
+    of anyway. Paths are written the way fstab escapes them."""
+    targets = set()
+    for path in lent:
+        real = os.path.realpath(path)
+        if not any(real == d or real.startswith(d + "/") for d in (*PRIVATE_DIRS, WORK)):
+            targets.add(real)
+    if not targets:
+        return ""
+    ordered = sorted(targets, key=lambda t: (-t.count("/"), t))
+    digest = hashlib.sha256("\0".join(ordered).encode("utf-8", "surrogateescape")).hexdigest()
+    path = directory / f"covers-{digest[:16]}.fstab"
+    if not path.exists():
+        source = f"flashnode-cover-{secrets.token_hex(4)}"
+        options = "ro,nosuid,nodev,noexec,mode=0555,size=4k"
+        table = "".join(f"{source} {_fstab_escape(t)} tmpfs {options} 0 0\n" for t in ordered)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        statefile.write(path, table.encode("utf-8", "surrogateescape"), 0o600)
+    return str(path)
+
+
+def _fstab_escape(path: str) -> str:
+    """A path as a field of fstab: whitespace and backslashes as octal escapes."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
 
 
 @dataclass(frozen=True)
@@ -185,11 +224,13 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 # directories ($2: tmpfs options; $5: a table of them all, for one `mount -a` instead of a mount
 # each), give the task this namespace's message queues where the host's are mounted ($6:
 # ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per system call), bind the
-# working directory at /work and enter it there ($7; by the directory it holds, not its path,
-# which a private directory may cover by now), bind the read-only views ($3: lines, a source then
-# its target, so that paths may hold spaces), hide device files ($4), run the rest. Every step a
-# process fewer where the shell can do it itself: this runs before every task. Each failure goes
-# to stderr: the launch's fault channel (module docstring).
+# read-only views ($3: lines, a source then its target in the working directory, so that paths may
+# hold spaces), bind the working directory with them at /work and enter it there ($7), cover the
+# lent directories ($8: a table; after the views, whose sources they are), hide device files ($4),
+# run the rest. Paths in the working directory are taken from the directory the chain is in, not
+# its path, which a private directory may cover by now (--no-canonicalize). Every step a process
+# fewer where the shell can do it itself: this runs before every task. Each failure goes to
+# stderr: the launch's fault channel (module docstring).
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
@@ -201,14 +242,16 @@ done
 for q in $6; do  # every mount of the host's message queues: this namespace's instead
   mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
 done
-[ -z "$7" ] || { mount --no-canonicalize --bind . /work && cd /work; } \
-  || fail "cannot bind the workspace at /work"
 [ -z "$3" ] || printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
-  mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
-    || fail "cannot mount $dst read-only"
+  mount --no-canonicalize --bind "$src" "$dst" \
+    && mount --no-canonicalize -o remount,bind,ro,nosuid,nodev "$dst" \
+    || fail "cannot mount /work/$dst read-only"
 done || exit 125
+[ -z "$7" ] || { mount --no-canonicalize --rbind . /work && cd /work; } \
+  || fail "cannot bind the workspace at /work"
+[ -z "$8" ] || mount -a -T "$8" || fail "cannot cover the lent directories"
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 7
+shift 8
 exec "$@"
 """
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
@@ -276,7 +319,8 @@ def command(
     fstab = sandbox.fstab if sandbox else ""
     queues = " ".join(mqueue_mounts()) if sandbox else ""
     work = "1" if sandbox and sandbox.work else ""
-    args = [procs, tmpfs, binds, hidden, fstab, queues, work]
+    covers = sandbox.covers if sandbox else ""
+    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]

@@ -20,6 +20,9 @@ attempt directory instead. Its environment is built, never inherited: the locale
 agent's, then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``,
 the GPUs it holds and the ownership token.
 
+Lent directories are covered at their host paths in every task's namespace (``procs.cover_fstab``,
+rewritten on a reload), so that a task reaches lent data only at the labels it asked for.
+
 Why one module of this size: the runner, its preflight (users, sandbox, task interpreter) and its
 handle: all the trusted runner needs of the host.
 """
@@ -192,9 +195,15 @@ class TrustedRunner(Runner):
             if sandbox
             else ""
         )
+        # And one of the covers over the lent directories (their set changes on a reload).
+        self._covers = self._cover_table(settings)
+        if sandbox:
+            for old in settings.state_dir.glob("covers-*.fstab"):
+                if str(old) != self._covers:
+                    old.unlink(missing_ok=True)
         # Each slot's next chain, started ahead once its last task is gone (``_turn_over``), so
         # that a task starts with one exec: only where every task gets the same chain (its own
-        # user, a cgroup, the sandbox, a workspace that needs no binding back).
+        # user, a cgroup, the sandbox, a state dir outside the private directories).
         self._ahead_ok = (
             sandbox
             and users is not None
@@ -279,6 +288,7 @@ class TrustedRunner(Runner):
 
     def reconfigure(self, settings: Settings) -> None:
         self.settings = settings
+        self._covers = self._cover_table(settings)  # the next chain covers the new set
         self._apply_cpu_cap(settings)
         if self.users is not None and settings.task_user and len(self.users) < self.env.slots:
             self.users = slot_users(settings.task_user, self.env.slots)
@@ -294,6 +304,12 @@ class TrustedRunner(Runner):
             else:
                 log.info("module tasks on, under %s", python)
         self.task_python, self.module_capable = python, capable
+
+    def _cover_table(self, settings: Settings) -> str:
+        """The table of the covers of every lent directory, for the chains from now on."""
+        if not self.sandbox:
+            return ""
+        return procs.cover_fstab(settings.state_dir, settings.local_data.values())
 
     def _apply_cpu_cap(self, settings: Settings) -> None:
         """``task_cpu_percent`` of the machine for all tasks together: the CPU quota of the
@@ -406,7 +422,9 @@ class TrustedRunner(Runner):
             log.debug("slot %d: no cgroup ahead: %s", slot, exc)
             return
         work = self.settings.state_dir / "attempts" / f".ahead-{slot}-{token}"
-        sandbox = procs.Sandbox(PRIVATE_TMP_BYTES, fstab=self._fstab, work=True)
+        sandbox = procs.Sandbox(
+            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers
+        )
         try:
             work.mkdir(mode=0o700)
             launch = procs.Launch(work, cgroup, user, sandbox)
@@ -431,8 +449,8 @@ class TrustedRunner(Runner):
         self, slot: int, sandbox: procs.Sandbox | None
     ) -> tuple[procs.Launch, Path] | None:
         """The slot's chain started ahead, if this task can use it (the same sandbox: no
-        read-only views, no hidden GPUs); one it cannot use is ended first (nothing of the
-        slot's user runs beside a task of another chain)."""
+        read-only views, no hidden GPUs, the lent directories covered now); one it cannot use
+        is ended first (nothing of the slot's user runs beside a task of another chain)."""
         with self._slots_lock:
             ahead = self._ahead.pop(slot, None)
         if ahead is None:
@@ -470,9 +488,12 @@ class TrustedRunner(Runner):
             python = spec.python or self.task_python
             if python is None:
                 raise AttemptLapsed("this node runs no module tasks (task_python)")
-        binds = tuple((src, map_work(dst, root)) for src, dst in spec.read_only_binds)
-        if binds and not self.sandbox:
+        if spec.read_only_binds and not self.sandbox:
             raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
+        # Bound in the workspace, which is then bound at /work with them.
+        binds = tuple((src, dst.removeprefix(f"{WORK}/")) for src, dst in spec.read_only_binds)
+        if any(dst.startswith("/") or ".." in dst.split("/") for _, dst in binds):
+            raise AttemptLapsed("a read-only view lies outside the workspace")
         if any("\n" in path for bind in binds for path in bind):
             raise AttemptLapsed("cannot lend a directory whose path holds a newline")
         sandbox = (
@@ -482,6 +503,7 @@ class TrustedRunner(Runner):
                 hidden_gpus(spec),
                 self._fstab,
                 work=True,
+                covers=self._covers,
             )
             if self.sandbox
             else None
