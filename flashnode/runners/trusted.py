@@ -513,12 +513,13 @@ class TrustedRunner(Runner):
         try:
             ahead = self._take_ahead(spec.slot, sandbox)
             if ahead is not None:
+                launch = ahead[0]
                 try:
                     ws.move_into(ahead[1])  # where the chain has bound /work
-                    launch = ahead[0]
                 except OSError as exc:
                     log.warning("cannot use the chain started ahead (%s)", exc.strerror or exc)
                     _discard(*ahead)
+                    launch = None
             if user is not None:
                 ws.hand_over(user.uid, user.gid, inputs_for="group")
             else:
