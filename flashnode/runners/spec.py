@@ -88,7 +88,8 @@ def map_work(value: str, root: str) -> str:
 
 def write_module_spec(spec: StartSpec, root: str, gid: int | None = None) -> Path:
     """Write ``spec.json`` into the workspace (the agent's file, readable by the task), its
-    input paths under ``root`` (``/work`` in a container, the workspace on the host)."""
+    input paths under ``root`` (``/work``; the workspace's host path in the trusted runner's
+    same-user mode)."""
     assert spec.module is not None
     path = spec.workspace.root / "spec.json"
     body = {
