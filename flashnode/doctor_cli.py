@@ -185,8 +185,9 @@ def _check_data(r: Report, s: Settings) -> None:
             r.fail(
                 f"local data {label}",
                 f"{path}: {why}, as the task user (uid {uid}, gid {gid})",
-                f"let that user read it, e.g. chmod -R o+rX {path}"
-                f" or setfacl -R -m u:{uid}:rX {path}",
+                f"let that user read what is in it (the directories above it may stay closed:"
+                f" tasks get it mounted), e.g. setfacl -R -m u:{uid}:rX {path}"
+                f" or chmod -R o+rX {path}",
             )
         else:
             r.ok(f"local data {label}", f"{path}, readable by uid {uid}")

@@ -3,8 +3,10 @@
 The owner maps labels to directories (``scans = "/srv/scans"``); the node advertises the labels,
 never the paths (``local_datasets``). A task that asks for labels in ``local_inputs`` gets exactly
 those, read-only, at ``/work/inputs/<label>``: the runners mount what ``mounts()`` returns (docker:
-read-only bind mounts; trusted: read-only bind mounts in the task's own mount namespace). The
-owner's files are never copied, modified or uploaded.
+read-only bind mounts; trusted: read-only bind mounts in the task's own mount namespace, where the
+host paths of every lent directory are then covered: ``procs.cover_fstab``). Both mount as root:
+a task's user needs to read the files, never to reach them by their host path (``unreadable``).
+The owner's files are never copied, modified or uploaded.
 """
 
 from __future__ import annotations
@@ -70,10 +72,9 @@ def mounts(
     staged: Collection[str] = (),
 ) -> tuple[LentMount, ...]:
     """The read-only mounts a task gets: exactly the labels it asked for, at
-    ``<work>/inputs/<label>``. ``work`` is where the task sees its workspace (``/work`` in a
-    container; the workspace's host path for the trusted runner). ``staged`` are the names
-    already taken under ``inputs/`` (the staged inputs' destinations): a label that collides with
-    one fails the attempt. Pure: checks nothing on disk."""
+    ``<work>/inputs/<label>``. ``work`` is where the task sees its workspace (``/work``).
+    ``staged`` are the names already taken under ``inputs/`` (the staged inputs' destinations): a
+    label that collides with one fails the attempt. Pure: checks nothing on disk."""
     taken = set(staged)
     found: list[LentMount] = []
     for label in requested_labels(local_inputs, lent):
@@ -83,19 +84,22 @@ def mounts(
     return tuple(found)
 
 
-# Run as the task's user: the directory must be listable and enterable (every directory above it
-# counts, and ACLs), and each entry at its top readable; the first that is not is named.
+# Run as the task's user, in the directory (entered before the switch to that user: the runners
+# mount it as root, so the directories above it need not let the user through): the directory
+# must be listable and enterable (ACLs count), and each entry at its top readable; the first that
+# is not is named.
 CHECK = r"""
-test -d "$1" && test -r "$1" && test -x "$1" || { echo "cannot list or enter it" >&2; exit 1; }
-bad=$(find "$1" -mindepth 1 -maxdepth 1 ! -readable -print -quit) || exit 1
+test -r . && test -x . || { echo "cannot list or enter it" >&2; exit 1; }
+bad=$(find . -mindepth 1 -maxdepth 1 ! -readable -print -quit) || exit 1
 [ -z "$bad" ] || { echo "cannot read ${bad##*/} in it" >&2; exit 1; }
 """
 
 
 def unreadable(path: Path, uid: int, gid: int) -> str | None:
     """Why the user ``uid:gid`` (with no supplementary groups, as tasks run) cannot read the
-    directory ``path`` and the entries at its top; None if it can. Checked by a child process
-    running as that user, which needs root unless ``uid:gid`` is this process's own."""
+    directory ``path`` and the entries at its top, once it is mounted for a task; None if it can.
+    Checked by a child process running as that user in ``path``, which needs root unless
+    ``uid:gid`` is this process's own."""
     if not path.is_dir():
         return "it is not an existing directory"
     as_other = (uid, gid) != (os.geteuid(), os.getegid())
@@ -105,13 +109,13 @@ def unreadable(path: Path, uid: int, gid: int) -> str | None:
     groups: list[int] | None = [] if as_other else None
     try:
         done = subprocess.run(
-            ["/bin/sh", "-c", CHECK, "sh", str(path)],
+            ["/bin/sh", "-c", CHECK],
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
             stdin=subprocess.DEVNULL,
-            cwd="/",
+            cwd=path,  # entered as this process, before the switch to the user
             user=user,
             group=group,
             extra_groups=groups,

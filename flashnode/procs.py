@@ -25,6 +25,21 @@ while the last task's result is committed): nothing of a task is in it until ``g
 whose pipe closes without the whole script (the agent gone, ``discard``) exits with
 ``SETUP_FAILED`` and runs nothing.
 
+``/work``: in the sandbox, the chain binds its working directory (the attempt's workspace, or
+an empty directory the workspace is later moved into, for a chain started ahead) at ``/work`` in
+the task's mount namespace, so that every ``/work/...`` path works wherever a task names it.
+
+Whose fault (``TaskProcess.launched``): until the task's own exec, the chain's stderr is its
+fault channel, a pipe only the agent reads; every step writes why it failed there, and the last
+step writes ``LAUNCHED`` there just before it execs the task, with the task's stderr put in its
+place. No descriptor of that channel is left to the task, so nothing the task prints or exits
+with can make its failure look like its launch's, and a chain that ended without saying
+``LAUNCHED`` never ran any code of the task: the node's fault.
+
+Lent directories (``Sandbox.covers``): after the task's own read-only views are bound, each
+lent directory's host path is covered by an empty read-only tmpfs in the task's namespace, so
+that a task reaches lent data only at the ``/work/inputs/<label>`` it asked for.
+
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
 until nothing of the task is left, on an injected clock. Output goes through pipes to one thread
 per task that keeps a size-capped head and a short tail on disk and sees the main process exit;
@@ -44,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -54,7 +70,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +79,7 @@ from flashnode import statefile, validators
 from flashnode.cgroups import AttemptCgroup
 from flashnode.clock import Clock, SystemClock
 from flashnode.logcap import CappedFile
+from flashnode.workspace import WORK
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +92,8 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The only environment of the privileged steps before the task's own exec.
 PRIVILEGED_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 SETUP_FAILED = 125  # the exit status of a setup step that failed (with a "flashnode:" line)
+LAUNCHED = b"flashnode launched the task\n"  # the last step's word before the exec
+FAULT_BYTES = 4096  # what is kept of a fault channel
 # World-writable places a task could leave things in for later tasks of its user: each its own
 # empty tmpfs in the task's mount namespace (those that exist), plus the POSIX message queues of
 # its own IPC namespace.
@@ -100,9 +119,12 @@ class Sandbox:
     hold a newline (``command`` refuses them)."""
 
     tmp_bytes: int  # size of each private tmpfs
-    read_only_binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, target)
+    # (host path, target relative to the working directory: bound before it is bound at /work)
+    read_only_binds: tuple[tuple[str, str], ...] = field(default=())
     hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
     fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
+    work: bool = False  # bind the chain's working directory at /work and enter it there
+    covers: str = ""  # the lent directories' covers as one table (``cover_fstab``), if any
 
 
 def private_fstab(path: Path, tmp_bytes: int) -> str:
@@ -116,6 +138,37 @@ def private_fstab(path: Path, tmp_bytes: int) -> str:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     statefile.write(path, table.encode(), 0o600)
     return str(path)
+
+
+def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
+    """Write the table of the covers of the ``lent`` directories (an empty read-only tmpfs over
+    each, by its resolved path) into ``directory``, and return its path for ``Sandbox.covers``:
+    named for what it covers, so that a chain started under another table can tell; "" when
+    there is nothing to cover. Deepest first (a cover over a parent would hide the child's
+    mount point); none under the private directories or ``/work``, which the task gets its own
+    of anyway. Paths are written the way fstab escapes them."""
+    targets = set()
+    for path in lent:
+        real = os.path.realpath(path)
+        if not any(real == d or real.startswith(d + "/") for d in (*PRIVATE_DIRS, WORK)):
+            targets.add(real)
+    if not targets:
+        return ""
+    ordered = sorted(targets, key=lambda t: (-t.count("/"), t))
+    digest = hashlib.sha256("\0".join(ordered).encode("utf-8", "surrogateescape")).hexdigest()
+    path = directory / f"covers-{digest[:16]}.fstab"
+    if not path.exists():
+        source = f"flashnode-cover-{secrets.token_hex(4)}"
+        options = "ro,nosuid,nodev,noexec,mode=0555,size=4k"
+        table = "".join(f"{source} {_fstab_escape(t)} tmpfs {options} 0 0\n" for t in ordered)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        statefile.write(path, table.encode("utf-8", "surrogateescape"), 0o600)
+    return str(path)
+
+
+def _fstab_escape(path: str) -> str:
+    """A path as a field of fstab: whitespace and backslashes as octal escapes."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
 
 
 @dataclass(frozen=True)
@@ -171,39 +224,49 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 
 # As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
 # directories ($2: tmpfs options; $5: a table of them all, for one `mount -a` instead of a mount
-# each; the workspace, the current directory, is bound back in at its path if it lived under one
-# of them), bind the read-only views ($3: lines, a source then its target, so that paths may hold
-# spaces), hide device files ($4), give the task this namespace's message queues where the host's
-# are mounted ($6: ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per
-# system call), run the rest. Every step a process fewer where the shell can do it itself: this
-# runs before every task.
+# each), give the task this namespace's message queues where the host's are mounted ($6:
+# ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per system call), bind the
+# read-only views ($3: lines, a source then its target in the working directory, so that paths may
+# hold spaces), bind the working directory with them at /work and enter it there ($7), cover the
+# lent directories ($8: a table; after the views, whose sources they are), hide device files ($4),
+# run the rest. Paths in the working directory are taken from the directory the chain is in, not
+# its path, which a private directory may cover by now (--no-canonicalize). Every step a process
+# fewer where the shell can do it itself: this runs before every task. Each failure goes to
+# stderr: the launch's fault channel (module docstring).
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
-cd -P . && ws=$PWD || fail "cannot enter the workspace"
 [ -z "$5" ] || mount -a -T "$5" || fail "cannot mount the private directories"
 for d in $PRIVATE; do
-  [ -d "$d" ] || continue
-  [ -n "$5" ] || mount -t tmpfs -o "$2" flashnode-private "$d" || fail "cannot mount $d"
-  case "$ws/" in "$d"/*)
-    (umask 022; mkdir -p "$ws") && mount --no-canonicalize --bind . "$ws" && cd "$ws" \
-      || fail "cannot keep the workspace under $d";;
-  esac
+  [ -n "$5" ] || [ ! -d "$d" ] || mount -t tmpfs -o "$2" flashnode-private "$d" \
+    || fail "cannot mount $d"
 done
 for q in $6; do  # every mount of the host's message queues: this namespace's instead
   mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
 done
 [ -z "$3" ] || printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
-  mount --bind "$src" "$dst" && mount -o remount,bind,ro,nosuid,nodev "$dst" \
-    || fail "cannot mount $dst read-only"
+  mount --no-canonicalize --bind "$src" "$dst" \
+    && mount --no-canonicalize -o remount,bind,ro,nosuid,nodev "$dst" \
+    || fail "cannot mount /work/$dst read-only"
 done || exit 125
+[ -z "$7" ] || { mount --no-canonicalize --rbind . /work && cd /work; } \
+  || fail "cannot bind the workspace at /work"
+[ -z "$8" ] || mount -a -T "$8" || fail "cannot cover the lent directories"
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 6
+shift 8
 exec "$@"
 """
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
 # is whole), then run the task with stdin from /dev/null.
 APPLY_ENV = '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; exec "$@" </dev/null'
+# The same, last step of a launch: say on the fault channel (stderr until here) that the task's
+# exec comes next, and give the task its own stderr in the channel's place (the pipe passed on
+# descriptor %d, opened again by name: the shell addresses only descriptors 0-9 by number, so
+# that descriptor stays open in the task too, a second copy of its stderr).
+APPLY_LAUNCH = (
+    '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; printf "%s" >&2;'
+    ' exec "$@" </dev/null 2>/proc/self/fd/%d'
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,10 +285,16 @@ def command(
     cgroup: AttemptCgroup | None,
     user: TaskUser | None,
     sandbox: Sandbox | None,
+    stderr_fd: int | None = None,
 ) -> list[str]:
     """The command line of the chain that runs a task in ``cgroup``, in ``sandbox``, as ``user``;
-    its last step takes the task's environment and arguments from stdin (``env_script``)."""
-    cmd = ["/bin/sh", "-c", APPLY_ENV, "flashnode-task"]
+    its last step takes the task's environment and arguments from stdin (``env_script``).
+    ``stderr_fd``: a launch's (the chain's stderr is its fault channel; the task's stderr
+    comes on this descriptor)."""
+    apply = APPLY_ENV
+    if stderr_fd is not None:
+        apply = APPLY_LAUNCH % (LAUNCHED.decode().replace("\n", "\\n"), stderr_fd)
+    cmd = ["/bin/sh", "-c", apply, "flashnode-task"]
     if user is not None:
         # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can raise
         # the task's privileges again.
@@ -251,7 +320,9 @@ def command(
     hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
     fstab = sandbox.fstab if sandbox else ""
     queues = " ".join(mqueue_mounts()) if sandbox else ""
-    args = [procs, tmpfs, binds, hidden, fstab, queues]
+    work = "1" if sandbox and sandbox.work else ""
+    covers = sandbox.covers if sandbox else ""
+    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
@@ -263,7 +334,8 @@ GO_TIMEOUT_S = 30.0  # the longest the chain may take to read its script
 
 class Launch:
     """A task's chain, started and waiting for its script (see the module docstring): in
-    ``cgroup`` and ``sandbox``, as ``user``, its pipes open. ``TaskProcess`` takes it over."""
+    ``cgroup`` and ``sandbox``, as ``user``, in ``cwd`` (bound at ``/work`` where the sandbox
+    says so), its pipes open. ``TaskProcess`` takes it over."""
 
     def __init__(
         self,
@@ -276,26 +348,29 @@ class Launch:
         script_r, self.script_w = os.pipe()
         self.out_r, out_w = os.pipe()
         self.err_r, err_w = os.pipe()
+        self.fault_r, fault_w = os.pipe()
         try:
-            if user is not None:  # the last step opens it by name (/dev/stdin), as the user
+            if user is not None:  # the last step opens these by name, as the user
                 os.fchown(script_r, user.uid, user.gid)
+                os.fchown(err_w, user.uid, user.gid)
             self.popen = subprocess.Popen(
-                command(cgroup, user, sandbox),
+                command(cgroup, user, sandbox, err_w),
                 env=PRIVILEGED_ENV,
                 cwd=cwd,
                 stdin=script_r,
                 stdout=out_w,
-                stderr=err_w,
+                stderr=fault_w,
+                pass_fds=(err_w,),
                 start_new_session=True,
                 close_fds=True,
                 umask=0o077,
             )
         except BaseException:
-            for fd in (self.script_w, self.out_r, self.err_r):
+            for fd in (self.script_w, self.out_r, self.err_r, self.fault_r):
                 os.close(fd)
             raise
         finally:
-            for fd in (script_r, out_w, err_w):
+            for fd in (script_r, out_w, err_w, fault_w):
                 os.close(fd)
         self.pid = self.popen.pid
         self.start_time = start_time(self.pid)
@@ -304,21 +379,21 @@ class Launch:
         """Still waiting (a chain whose setup failed has exited)."""
         return self.popen.poll() is None
 
-    def take(self) -> tuple[int, int, int]:
-        """Hand the pipes (script, stdout, stderr) to the task that runs in this chain: from
-        here on they are its to close, and ``discard`` leaves them."""
-        fds = (self.script_w, self.out_r, self.err_r)
-        self.script_w = self.out_r = self.err_r = -1
+    def take(self) -> tuple[int, int, int, int]:
+        """Hand the pipes (script, stdout, stderr, fault channel) to the task that runs in this
+        chain: from here on they are its to close, and ``discard`` leaves them."""
+        fds = (self.script_w, self.out_r, self.err_r, self.fault_r)
+        self.script_w = self.out_r = self.err_r = self.fault_r = -1
         return fds
 
     def discard(self) -> None:
         """End a launch no task took: its pipe closes (it exits without running anything), its
         group is killed, its cgroup removed."""
-        for fd in (self.script_w, self.out_r, self.err_r):
+        for fd in (self.script_w, self.out_r, self.err_r, self.fault_r):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self.script_w = self.out_r = self.err_r = -1
+        self.script_w = self.out_r = self.err_r = self.fault_r = -1
         with contextlib.suppress(OSError):
             os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait()
@@ -329,9 +404,10 @@ class Launch:
 class TaskProcess:
     """A started task: its main process, its group, its token, its cgroup and its output.
 
-    ``launch``: a chain started ahead for it (else one is started here, in ``cgroup`` and
-    ``sandbox``, as ``user``). ``hold``: do not send the task its script yet (``go``): the caller
-    first records ``identity()``."""
+    ``launch``: a chain started ahead for it (else one is started here, in ``cwd``, ``cgroup``
+    and ``sandbox``, as ``user``). ``workdir``: where the task starts, as it sees it (default
+    ``cwd``). ``hold``: do not send the task its script yet (``go``): the caller first records
+    ``identity()``."""
 
     def __init__(
         self,
@@ -348,9 +424,10 @@ class TaskProcess:
         clock: Clock | None = None,
         launch: Launch | None = None,
         hold: bool = False,
+        workdir: Path | None = None,
     ) -> None:
         # First: a script that cannot be made (what cannot be encoded) fails before any chain.
-        script = env_script(env, argv, cwd)
+        script = env_script(env, argv, workdir or cwd)
         if launch is None:
             launch = Launch(cwd, cgroup, user, sandbox)
         self.token = env[OWNER_ENV]
@@ -373,9 +450,11 @@ class TaskProcess:
         self._closing = threading.Event()
         self.stdout = Stream(CappedFile(stdout, log_max_bytes))
         self.stderr = Stream(CappedFile(stderr, log_max_bytes))
-        self._script_w, out_r, err_r = launch.take()
+        self._fault = bytearray()  # what the chain said on its fault channel (FAULT_BYTES)
+        self._fault_end = b""  # and its last bytes
+        self._script_w, out_r, err_r, fault_r = launch.take()
         self._watcher = threading.Thread(
-            target=self._watch, args=(out_r, err_r), name=f"task-{self.pid}"
+            target=self._watch, args=(out_r, err_r, fault_r), name=f"task-{self.pid}"
         )
         self._watcher.daemon = True
         self._watcher.start()
@@ -440,12 +519,45 @@ class TaskProcess:
         self.exited.set()
         self._on_exit()
 
-    def _watch(self, out_fd: int, err_fd: int) -> None:
+    @property
+    def launched(self) -> bool:
+        """Whether the chain reached the task's exec (said so on its fault channel); once the
+        main process exited and ``close`` was called. False: no code of the task ever ran."""
+        return self._fault_end == LAUNCHED
+
+    def setup_failure(self) -> str:
+        """Why the chain ended before the task's exec, from its fault channel: its last
+        ``flashnode:`` line, with the first line a tool printed before it (what the tool said
+        first is its error); "" when it said nothing. Control characters replaced."""
+        lines = [
+            "".join(c if c.isprintable() else "?" for c in line).strip()
+            for line in bytes(self._fault).decode("utf-8", "replace").splitlines()
+        ]
+        lines = [line for line in lines if line]
+        ours = [i for i, line in enumerate(lines) if line.startswith("flashnode: ")]
+        if not ours:
+            return lines[-1][:200] if lines else ""
+        why = lines[ours[-1]][len("flashnode: ") :][:200]
+        tools = [line for line in lines[: ours[-1]] if not line.startswith("flashnode: ")]
+        return f"{why}: {tools[0][:200]}" if tools else why
+
+    def _keep_fault(self, chunk: bytes) -> None:
+        room = FAULT_BYTES - len(self._fault)
+        if room > 0:
+            self._fault += chunk[:room]
+        self._fault_end = (self._fault_end + chunk)[-len(LAUNCHED) :]
+
+    def _watch(self, out_fd: int, err_fd: int, fault_fd: int) -> None:
         """One thread per task: copy both pipes into their files until their writers close
         them, or, once ``close`` was called, until nothing more is there (a detached descendant
-        holding a pipe never keeps the attempt waiting); and see the main process exit, through
-        a pidfd (where there is none, a thread of its own waits for it)."""
-        streams = {out_fd: self.stdout.file, err_fd: self.stderr.file}
+        holding a pipe never keeps the attempt waiting), and keep what the chain says on its
+        fault channel; and see the main process exit, through a pidfd (where there is none, a
+        thread of its own waits for it)."""
+        streams: dict[int, CappedFile | None] = {
+            out_fd: self.stdout.file,
+            err_fd: self.stderr.file,
+            fault_fd: None,
+        }
         pidfd: int | None = None
         try:
             pidfd = os.pidfd_open(self.pid)
@@ -469,8 +581,11 @@ class TaskProcess:
                         self._wait()
                         continue
                     chunk = os.read(fd, READ_CHUNK)
-                    if chunk:
-                        streams[fd].write(chunk)
+                    sink = streams[fd]
+                    if chunk and sink is None:
+                        self._keep_fault(chunk)
+                    elif chunk and sink is not None:
+                        sink.write(chunk)
                     else:
                         del streams[fd]
                         poller.unregister(fd)

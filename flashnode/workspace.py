@@ -46,6 +46,7 @@ from flashnode.errors import AttemptFailed
 
 log = logging.getLogger(__name__)
 
+WORK = "/work"  # where a task sees its workspace (a container's mount, the sandbox's bind)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 CKPT = "ckpt"  # out/ckpt/: where a checkpointing task writes its checkpoints
@@ -149,6 +150,34 @@ class Workspace:
                         executable = st.st_mode & 0o100
                         os.chmod(entry.path, dir_mode if executable else file_mode)
         self.task_uid = uid
+
+    def move_into(self, directory: Path) -> None:
+        """Put everything of this workspace into ``directory`` (an empty directory of the agent's
+        beside it), and ``directory``, with the workspace's owner and mode, in its place: a chain
+        started ahead has ``directory`` bound at ``/work`` already. Before any task runs in it.
+        OSError, with everything moved back, when it cannot."""
+        st = os.lstat(self.root)
+        src = os.open(self.root, DIR_FLAGS)
+        moved: list[str] = []
+        try:
+            dst = os.open(directory, DIR_FLAGS)
+            try:
+                try:
+                    for name in os.listdir(src):
+                        os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+                        moved.append(name)
+                    os.chown(dst, st.st_uid, st.st_gid)
+                    os.chmod(dst, stat.S_IMODE(st.st_mode))
+                    os.rename(directory, self.root)  # over the workspace's own, now empty
+                except OSError:
+                    for name in moved:
+                        with contextlib.suppress(OSError):
+                            os.rename(name, name, src_dir_fd=dst, dst_dir_fd=src)
+                    raise
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
 
     def remove(self) -> None:
         remove_tree(self.root)

@@ -17,6 +17,10 @@ else
     i=$((i + 1))
   done
 fi
+# The trusted runner binds each task's workspace at /work in the task's own mount namespace: the
+# host's /work is only the mount point (the service cannot make it: ProtectSystem=strict). An
+# owner's own /work is left as it is.
+[ -e /work ] || [ -L /work ] || mkdir -m 0755 /work
 # What `flashnode login` writes, root's alone (the package makes it 0700; an old one may differ).
 chown root:root /etc/flashnode/credentials
 chmod 0700 /etc/flashnode/credentials

@@ -7,6 +7,7 @@ case "$1" in
   purge | 0)
     rm -rf /var/lib/flashnode /etc/flashnode/credentials
     rmdir /etc/flashnode 2>/dev/null || true
+    rmdir /work 2>/dev/null || true  # the mount point, if nothing was put there
     ;;
 esac
 if [ -d /run/systemd/system ]; then

@@ -9,13 +9,21 @@ import hashlib
 import os
 import pwd
 import secrets
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from badcoord import BadCoordinator, lease_answer
-from harness import AgentProcess, CoordinatorServer, argv_job, processes_with, wait_for
+from harness import (
+    AgentProcess,
+    CoordinatorServer,
+    argv_job,
+    processes_with,
+    shared_dir,
+    wait_for,
+)
 
 from flashnode import cgroups
 
@@ -184,3 +192,50 @@ def _ahead_chains(digest: str) -> set[int]:
         if cg.name.startswith(f"ahead-{digest}-")
         for pid in (cg / "cgroup.procs").read_text().split()
     }
+
+
+# --- whose fault: a task cannot pass its failure off as its launch's -----------------------------
+
+
+@needs_root
+def test_a_task_that_prints_its_launchs_failure_and_exits_125_is_failed(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The attack: the launch's setup steps reported their failures on the task's own stderr,
+    ending 125, and the agent took any such line there as the node's fault. A task that prints
+    one and exits 125 had its lease lapse instead of failing: it spent no failure budget and
+    counted against no node, wherever it ran."""
+    forged = "echo 'flashnode: cannot mount /tmp' >&2; exit 125"
+    job = coordinator.submit(argv_job(["sh", "-c", forged], max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    [entry] = agent.ledger()
+    assert entry["outcome"] == "failed", entry
+    assert entry["reason"].startswith("exit code 125: flashnode: cannot mount /tmp"), entry
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED"
+    [failed] = [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert "exit code 125" in failed["message"]
+
+
+@needs_root
+def test_a_launch_that_fails_before_the_task_runs_is_the_nodes_fault_with_its_reason(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The allowed path beside it: a lent directory removed after the agent started cannot be
+    bound for the task that asked for it. No code of the task ran: the lease lapses (the node's
+    fault), and the ledger says which step failed."""
+    top = shared_dir("flashnode-lent-")
+    try:
+        (top / "scans").mkdir(mode=0o755)
+        lend = {"FLASHNODE_LOCAL_DATA": f"scans={top / 'scans'}"}
+        agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env={**FAST, **lend})
+        agent.wait_log("registered as node")
+        (top / "scans").rmdir()
+        job = coordinator.submit(argv_job(["sh", "-c", METRICS], local_inputs=["scans"]))
+        assert agent.wait(60) == 0, agent.log
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    [entry] = agent.ledger()
+    assert entry["outcome"] == "lapsed", entry
+    assert entry["reason"].startswith("task setup failed (cannot mount /work/inputs/scans"), entry
+    assert not [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]

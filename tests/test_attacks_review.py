@@ -337,11 +337,11 @@ open('/tmp/' + name, 'w').write('outside the private /tmp')
 end = time.time() + 120
 while time.time() < end:
     for pid in os.listdir('/proc'):
-        try:
-            env = open('/proc/' + pid + '/environ', 'rb').read().split(b'\0')
+        try:  # what a task's /work is bound from
+            mounts = [m.split() for m in open('/proc/' + pid + '/mountinfo').read().splitlines()]
         except OSError:
             continue
-        work = [e[17:].decode() for e in env if e.startswith(b'FLASHML_WORK_DIR=')]
+        work = [m[3] for m in mounts if len(m) > 4 and m[4] == '/work']
         if not work or not work[0].startswith(state) or not os.path.exists(work[0] + '/out/metrics.json'):
             continue
         try:

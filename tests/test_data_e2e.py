@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from flashnode.settings import Settings
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
+METRICS = "echo '{\"ok\": 1}' > out/metrics.json"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="lending data needs a root agent")
 
@@ -212,6 +214,98 @@ def test_a_label_the_node_does_not_lend_fails_the_attempt_naming_it(
         assert "'xrays'" in reason and "not a dataset this node lends" in reason
     finally:
         bad.close()
+
+
+# --- lent data only at /work/inputs/<label> ---------------------------------------------------
+
+# What a task reaches of the lent directories other than at /work/inputs: argv 1 its output, the
+# rest host paths to try; and every path its own mountinfo names under the lent directories' top
+# (argv 2). Each file it could read, with what it read; and what it reads of its own labels.
+REACH = r"""
+import json, os, sys
+out, top, tried = sys.argv[1], sys.argv[2], sys.argv[3:]
+for line in open("/proc/self/mountinfo"):
+    fields = line.split()
+    for path in fields[3:5]:
+        path = path.replace("\\040", " ")
+        if path.startswith(top):
+            tried.append(path)
+reached = dict()
+for start in tried:
+    for here, _, files in os.walk(start):
+        for name in files:
+            try:
+                reached[os.path.join(here, name)] = open(os.path.join(here, name)).read(64)
+            except (OSError, UnicodeDecodeError) as exc:
+                pass
+own = dict()
+for label in os.listdir("/work/inputs"):
+    for here, _, files in os.walk(os.path.join("/work/inputs", label)):
+        for name in files:
+            own[os.path.join(here, name)] = len(open(os.path.join(here, name), "rb").read())
+json.dump(dict(tried=tried, reached=reached, own=own), open(out, "w"))
+"""
+
+
+@as_root
+@pytest.mark.parametrize(
+    ("labels", "by_path"),
+    [
+        ([], ["scans", "other"]),  # it named no label: the lent directories by their host paths
+        (["scans"], ["other", "scans"]),  # it named one: another's host path, and its own's
+        (["scans"], []),  # only what its own /proc/self/mountinfo names
+    ],
+    ids=["no-label", "other-label", "mountinfo"],
+)
+def test_a_task_reaches_lent_data_only_at_the_labels_it_asked_for(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    lent: dict[str, Path],
+    labels: list[str],
+    by_path: list[str],
+) -> None:
+    """The attack: lent data is bound for the task that asked, but the owner's directory is
+    readable by every task user (a task user must read the files), and its host path is in the
+    mountinfo of every task that asked for it, or simply guessable: any task reads every lent
+    directory by its host path. The allowed path beside it: a task reads its own label."""
+    top = lent["scans"].parent
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env={**FAST, **lend(lent)})
+    argv = ["python3", "-c", REACH, "/work/out/metrics.json", str(top)]
+    argv += [str(lent[label]) for label in by_path]
+    job = coordinator.submit(argv_job(argv, local_inputs=labels or None, max_attempts=1))
+    assert agent.wait(60) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    seen = metrics(coordinator, job)
+    assert seen["tried"], seen  # it knew where to look
+    assert seen["reached"] == {}, seen["reached"]
+    expected = {"/work/inputs/scans/a.txt": 7, "/work/inputs/scans/sub/b.bin": 2048}
+    assert seen["own"] == (expected if labels else {})
+
+
+@as_root
+def test_a_reload_that_lends_another_directory_covers_it_from_the_next_task_on(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    lent: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """The slot's next chain is started ahead with the lent directories covered as they were:
+    after a reload lends another one, the next task must not run in a chain that left it open."""
+    config = tmp_path / "flashnode.toml"
+    config.write_text(f'[local_data]\nscans = "{lent["scans"]}"\n')
+    agent = start_agent(coordinator.url, *TRUSTED, "--config", str(config), env=FAST)
+    first = coordinator.submit(argv_job(["sh", "-c", METRICS], max_attempts=1))
+    assert coordinator.wait_state(first, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    attempts = agent.state_dir / "attempts"
+    wait_for("the slot's next chain", lambda: list(attempts.glob(".ahead-*")), timeout=30)
+    config.write_text(f'[local_data]\nscans = "{lent["scans"]}"\nother = "{lent["other"]}"\n')
+    agent.signal(signal.SIGHUP)
+    agent.wait_log("configuration reloaded")
+    top = lent["scans"].parent
+    argv = ["python3", "-c", REACH, "/work/out/metrics.json", str(top), str(lent["other"])]
+    job = coordinator.submit(argv_job(argv, max_attempts=1))
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    assert metrics(coordinator, job)["reached"] == {}
 
 
 # --- dataset slices ---------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def shared_dir() -> Iterator[Path]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="checking for another user needs root")
-def test_the_doctor_says_which_lent_directory_the_task_user_cannot_read(
+def test_the_doctor_says_which_lent_directory_the_task_user_cannot_read_once_mounted(
     shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nobody = (65534, 65534)
@@ -156,12 +156,15 @@ def test_the_doctor_says_which_lent_directory_the_task_user_cannot_read(
     (secret_inside / "private.key").chmod(0o600)
     inner = hidden / "inner"
     inner.mkdir(mode=0o755)
-    hidden.chmod(0o700)  # no search for others: inner is out of reach
+    (inner / "scan.dcm").write_bytes(b"x")
+    (inner / "scan.dcm").chmod(0o644)
+    hidden.chmod(0o700)  # no search for others: inner is out of reach by its path
 
     assert unreadable(fine, *nobody) is None
     assert unreadable(closed, *nobody) == "cannot list or enter it"
     assert unreadable(secret_inside, *nobody) == "cannot read private.key in it"
-    assert unreadable(inner, *nobody) == "cannot list or enter it"
+    # Tasks get it mounted by the agent (root): the directories above it may stay closed.
+    assert unreadable(inner, *nobody) is None
     assert unreadable(shared_dir / "missing", *nobody) == "it is not an existing directory"
     assert unreadable(closed, os.geteuid(), os.getegid()) is None
 

@@ -298,8 +298,66 @@ def test_a_held_task_runs_only_once_sent_and_a_torn_script_runs_nothing(tmp_path
     os.close(launch.script_w)
     assert launch.popen.wait(10) == procs.SETUP_FAILED
     assert not Path(f"{ran}-torn").exists()
-    for fd in (launch.out_r, launch.err_r):
+    for fd in (launch.out_r, launch.err_r, launch.fault_r):
         os.close(fd)
+
+
+# --- whose fault: the launch's own channel ---------------------------------------------------
+
+# The task: list the pipes it holds (readlink of every descriptor), then forge its launch's words.
+FORGER = "ls -l /proc/self/fd/ > {fds}; echo 'flashnode: cannot mount /tmp' >&2; exit 125"
+
+
+def test_the_task_holds_no_descriptor_of_its_launchs_fault_channel(tmp_path: Path) -> None:
+    """The launch tells its setup failures on a channel of its own, its stderr until the task's
+    exec: the task has no descriptor of it, and what the task prints goes to its own stderr. A
+    task printing a "flashnode:" line and ending 125 was launched: its exit is its own."""
+    from flashnode import procs
+
+    launch = procs.Launch(tmp_path)
+    fault = os.fstat(launch.fault_r).st_ino
+    fds = tmp_path / "fds"
+    proc = procs.TaskProcess(
+        ["sh", "-c", FORGER.format(fds=fds)],
+        {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH},
+        cwd=tmp_path,
+        stdout=tmp_path / "out",
+        stderr=tmp_path / "err",
+        log_max_bytes=1024,
+        on_exit=lambda: None,
+        launch=launch,
+    )
+    wait_for("the task to end", proc.exited.is_set)
+    proc.close()
+    assert f"pipe:[{fault}]" not in fds.read_text()
+    assert "pipe:[" in fds.read_text()  # its stdout and stderr are pipes: the listing works
+    assert proc.returncode == procs.SETUP_FAILED and proc.launched
+    assert (tmp_path / "err").read_bytes() == b"flashnode: cannot mount /tmp\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a sandbox needs root")
+def test_a_launch_whose_setup_fails_says_why_and_runs_nothing(tmp_path: Path) -> None:
+    from flashnode import procs
+
+    ran = tmp_path / "ran"
+    (tmp_path / "view").mkdir()
+    sandbox = procs.Sandbox(1 << 20, read_only_binds=((str(tmp_path / "vanished"), "view"),))
+    proc = procs.TaskProcess(
+        ["touch", str(ran)],
+        {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH},
+        cwd=tmp_path,
+        stdout=tmp_path / "out",
+        stderr=tmp_path / "err",
+        log_max_bytes=1024,
+        on_exit=lambda: None,
+        sandbox=sandbox,
+    )
+    wait_for("the chain to end", proc.exited.is_set)
+    proc.close()
+    assert not proc.launched and not ran.exists()
+    why = proc.setup_failure()
+    assert why.startswith("cannot mount /work/view read-only: mount: "), why
+    assert (tmp_path / "err").read_bytes() == b""  # nothing of the setup in the task's log
 
 
 def ahead_cgroups(agent: AgentProcess) -> set[Path]:
@@ -344,7 +402,7 @@ def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_
     """The attack: a task leaves a detached process of its slot's user that ignores SIGTERM, to
     meddle with the chain started ahead for the slot's next task (same user: it could trace it
     or rewrite its script). The chain must wait with no other process of that user beside it;
-    and the next task of the slot runs in it (its pid is the chain's)."""
+    and the next task of the slot runs in it (its pid is the chain's), its workspace at /work."""
     m = marker()
     lurker = f"setsid sh -c 'trap \"\" TERM; sleep {m}' >/dev/null 2>&1 & {METRICS}"
     first = coordinator.submit(argv_job(["sh", "-c", lurker], max_attempts=1))
@@ -391,7 +449,8 @@ def test_a_state_dir_closed_again_is_opened_for_the_next_task(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
     """systemd sets StateDirectoryMode again on every Exec line (a reload): the next task still
-    enters its workspace by its path, as its user (and a chain that cannot is the node's fault)."""
+    starts (its workspace is bound at /work as root; its job environment is reached by its path,
+    as its user)."""
     agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
     first = coordinator.submit(argv_job(["sh", "-c", METRICS], max_attempts=1))
     assert coordinator.wait_state(first, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import TokenCoordinator
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
 
 from flashnode.coordinator import Coordinator
+from flashnode.errors import PrerequisiteError
 from flashnode.inventory import registration
+from flashnode.preflight import Ok, Problem
+from flashnode.runners import trusted
 from flashnode.settings import Settings
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 PY = "python3"
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="/work is bound by a root agent")
 
 
 def test_pool_job_of_three_tasks_commits_every_output(
@@ -248,3 +256,122 @@ def test_inputs_are_staged_and_a_missing_input_fails_naming_its_key(
         e["message"] for e in coordinator.events(missing) if e["type"] == "TASK_ATTEMPT_FAILED"
     ]
     assert "input 'code' is missing" in failed[0] and "shared/nope.tar.gz" in failed[0]
+
+
+# /work where no argv rewrite ever reached: inside a script string, a program's text and a file
+# the task reads; and what the task's environment says of its workspace ($1: the state dir).
+WORK_EVERYWHERE = r"""
+set -e
+echo from-sh > /work/out/sh.txt
+python3 -c "open('/work/out/py.txt', 'w').write('from-python')"
+cp "$(cat /work/inputs/where.txt)" /work/out/copied.txt
+python3 - "$1" <<'EOF'
+import json, os, sys
+state = sys.argv[1]
+json.dump(dict(
+    env={k: os.environ.get(k) for k in ("HOME", "TMPDIR", "FLASHML_WORK_DIR")},
+    cwd=os.getcwd(),
+    listing=sorted(os.listdir("/work")),
+    leaks=sorted(k for k, v in os.environ.items() if state in v),
+    home=os.access(os.environ["HOME"], os.W_OK),
+), open("/work/out/metrics.json", "w"))
+EOF
+"""
+
+
+def _run_work_everywhere(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], **agent: object
+) -> str:
+    coordinator.put_artifact("shared/where.txt", b"/work/inputs/data.txt")
+    coordinator.put_artifact("shared/data.txt", b"forty-two")
+    started = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST, **agent)
+    job = coordinator.submit(
+        argv_job(
+            ["sh", "-c", WORK_EVERYWHERE, "sh", str(started.state_dir.resolve())],
+            inputs={"where": "artifact://shared/where.txt", "data": "artifact://shared/data.txt"},
+            max_attempts=1,
+        )
+    )
+    assert started.wait() == 0, started.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", started.log
+
+    def output(name: str) -> bytes:
+        return coordinator.artifact(f"jobs/{job}/task-000/{name}")
+
+    assert (output("sh.txt"), output("py.txt")) == (b"from-sh\n", b"from-python")
+    assert output("copied.txt") == b"forty-two"
+    seen = json.loads(output("metrics.json"))
+    assert seen["env"] == {"HOME": "/work/tmp", "TMPDIR": "/work/tmp", "FLASHML_WORK_DIR": "/work"}
+    assert seen["cwd"].startswith("/work") and seen["home"] is True
+    assert seen["leaks"] == []  # the workspace's host path is nowhere in its environment
+    assert {"inputs", "out", "tmp"} <= set(seen["listing"])
+    return job
+
+
+@as_root
+def test_work_paths_hold_in_scripts_programs_and_files_the_task_reads(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    host = sorted(os.listdir("/work")) if os.path.isdir("/work") else None
+    job = _run_work_everywhere(coordinator, start_agent)
+    seen = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    # The host's own /work (here: not empty) is only the mount point: covered in the task's
+    # namespace, left as it was.
+    assert host is None or not set(host) & set(seen["listing"]) - {"inputs", "out", "tmp"}
+    assert host is None or sorted(os.listdir("/work")) == host
+
+
+@as_root
+def test_work_holds_with_the_state_dir_under_a_private_dir(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Each task gets its own /tmp: a state dir under /tmp is out of its sight by its path, yet
+    its workspace is at /work."""
+    state = Path(tempfile.mkdtemp(prefix="flashnode-state-", dir="/tmp"))
+    try:
+        _run_work_everywhere(coordinator, start_agent, state_dir=state)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> None:
+    """No namespace to bind /work in (an agent that is not root): /work paths in arguments and
+    env values are rewritten to the workspace, and the contract variables name it."""
+    from fakes import lease
+
+    from flashnode.cgroups import Limits
+    from flashnode.runners.spec import build
+    from flashnode.wire import Lease, parse_task
+    from flashnode.workspace import Workspace
+
+    ws = Workspace.create(tmp_path / "attempts", "ls-1")
+    env = {"DATA": "/work/inputs/x", "OPT": "--o=/work/out"}
+    task = parse_task(Lease.model_validate(lease(argv=["true"], env=env)))
+    spec = build(task, "ls-1", 0, ws, [], False, Limits(1 << 30, 1.0, 64), print, print)
+    env = trusted.task_env(spec, "t", {}, "/usr/bin", str(ws.root))
+    root = str(ws.root)
+    assert (env["DATA"], env["OPT"]) == (f"{root}/inputs/x", f"--o={root}/out")
+    assert (env["HOME"], env["TMPDIR"], env["FLASHML_WORK_DIR"]) == (f"{root}/tmp",) * 2 + (root,)
+
+
+def test_the_mount_point_work_is_checked_and_made_where_it_can_be(tmp_path: Path) -> None:
+    """A missing /work is made at start where / is writable; a link or a file in its place, or
+    a missing one that cannot be made, stops the agent with the fix (fail closed: no rewrite)."""
+    work = tmp_path / "work"
+    found = trusted._work_mount_point(work, writable=True)
+    assert isinstance(found, Ok) and "made at start" in found.detail
+    found = trusted._work_mount_point(work, writable=False)
+    assert isinstance(found, Problem) and found.fatal and "mkdir" in found.fix
+    trusted.make_work_dir(work)
+    assert work.is_dir() and work.stat().st_mode & 0o777 == 0o755
+    assert isinstance(trusted._work_mount_point(work, writable=False), Ok)
+    (work / "mine").write_text("the owner's")
+    trusted.make_work_dir(work)  # an owner's /work: left as it is
+    assert (work / "mine").read_text() == "the owner's"
+    link = tmp_path / "link"
+    link.symlink_to(work)
+    for wrong in (link, work / "mine"):
+        found = trusted._work_mount_point(wrong, writable=True)
+        assert isinstance(found, Problem) and "not a directory" in found.why
+    with pytest.raises(PrerequisiteError, match="mkdir -m 0755 /work"):
+        trusted.make_work_dir(tmp_path / "missing" / "work")

@@ -1,5 +1,6 @@
 """What both runners share about a task's start: the StartSpec, the module spec file, GPU
-visibility and the ``/work`` mapping."""
+visibility and the ``/work`` mapping (where a task cannot see its workspace at ``/work``: the
+trusted runner's same-user mode)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from flashnode.gpupool import Device
 from flashnode.runners.base import ModuleSpec, StartSpec
 from flashnode.settings import Settings
 from flashnode.wire import Task
-from flashnode.workspace import CKPT, Workspace
+from flashnode.workspace import CKPT as CKPT
+from flashnode.workspace import WORK as WORK
+from flashnode.workspace import Workspace
 
-WORK = "/work"
 # The command a module task runs, with the interpreter, spec and output directory filled in.
 MODULE_ARGV = ("-m", "{module}", "--spec", "{spec}", "--out", "{out}")
 
@@ -100,7 +102,8 @@ def map_work(value: str, root: str) -> str:
 
 def write_module_spec(spec: StartSpec, root: str, gid: int | None = None) -> Path:
     """Write ``spec.json`` into the workspace (the agent's file, readable by the task), its
-    input paths under ``root`` (``/work`` in a container, the workspace on the host)."""
+    input paths under ``root`` (``/work``; the workspace's host path in the trusted runner's
+    same-user mode)."""
     assert spec.module is not None
     path = spec.workspace.root / "spec.json"
     body = {

@@ -11,11 +11,17 @@ cgroup and mount/IPC namespaces (private ``/tmp``, ``/var/tmp``, ``/dev/shm``); 
 how the task's environment reaches only the task. An agent that is not root cannot switch users
 and refuses to run trusted work unless the owner set ``allow_same_user``.
 
-The task sees its workspace as ``/work``: an argument or ``env`` value that is ``/work`` or starts
-with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten to the attempt
-directory. Its environment is built, never inherited: the locale from the agent's, then the
-payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``, the GPUs it holds
-and the ownership token.
+The task sees its workspace as ``/work``: a root agent binds it there in the task's own mount
+namespace (``procs.Sandbox.work``; the host's ``/work``, an empty directory the package or the
+agent makes, is only the mount point), so every ``/work/...`` path works wherever the task names
+it. In the same-user mode there is no namespace: an argument or ``env`` value that is ``/work`` or
+starts with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten to the
+attempt directory instead. Its environment is built, never inherited: the locale from the
+agent's, then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``,
+the GPUs it holds and the ownership token.
+
+Lent directories are covered at their host paths in every task's namespace (``procs.cover_fstab``,
+rewritten on a reload), so that a task reaches lent data only at the labels it asked for.
 
 Why one module of this size: the runner, its preflight (users, sandbox, task interpreter) and its
 handle: all the trusted runner needs of the host.
@@ -38,9 +44,15 @@ from typing import Any
 
 from flashnode import cgroups, diskuse, procs
 from flashnode.background import Background
-from flashnode.errors import AttemptFailed, AttemptLapsed, ConfigError, ExitCode
+from flashnode.errors import (
+    AttemptFailed,
+    AttemptLapsed,
+    ConfigError,
+    ExitCode,
+    PrerequisiteError,
+)
 from flashnode.logcap import latest_line
-from flashnode.preflight import Finding, Ok, Problem
+from flashnode.preflight import SERVICE_UNIT, Finding, Ok, Problem
 from flashnode.runners.base import (
     Handle,
     Runner,
@@ -50,6 +62,7 @@ from flashnode.runners.base import (
     SuspendFailed,
 )
 from flashnode.runners.spec import (
+    WORK,
     cuda_visible,
     machine_cpus,
     map_work,
@@ -72,15 +85,15 @@ def slot_user_name(task_user: str, slot: int) -> str:
 
 
 def task_env(
-    spec: StartSpec, token: str, agent_env: Mapping[str, str], path: str
+    spec: StartSpec, token: str, agent_env: Mapping[str, str], path: str, root: str = WORK
 ) -> dict[str, str]:
-    """The task's environment (see the module docstring)."""
-    root = str(spec.workspace.root)
+    """The task's environment (see the module docstring); ``root``: where the task sees its
+    workspace (``/work``, else its host path: the same-user mode)."""
     env = {k: agent_env[k] for k in LOCALE if k in agent_env}
     env.update({k: map_work(v, root) for k, v in spec.env.items()})
     env.update({k: map_work(v, root) for k, v in spec.agent_env.items()})
     path = ":".join([*spec.path_prefix, path])
-    env.update(PATH=path, HOME=str(spec.workspace.tmp), TMPDIR=str(spec.workspace.tmp))
+    env.update(PATH=path, HOME=f"{root}/tmp", TMPDIR=f"{root}/tmp")
     env["FLASHML_WORK_DIR"] = root
     visible = cuda_visible(spec, renumbered=False)
     if visible is not None:
@@ -123,9 +136,10 @@ class TrustedHandle:
         code = self._proc.returncode
         tail = self._proc.stderr.tail.decode("utf-8", "replace")
         cause = None
-        if code == procs.SETUP_FAILED:
-            setup = [ln for ln in tail.splitlines() if ln.startswith("flashnode: ")]
-            cause = f"task setup failed ({setup[-1][11:]})" if setup else None
+        if not self._proc.launched:  # no code of the task ran: whatever ended it is the node's
+            how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+            why = self._proc.setup_failure() or f"it ended before the task started, {how}"
+            cause = f"task setup failed ({why})"
         self._result = RunResult(
             exit_code=code if code is None or code >= 0 else None,
             signal=-code if code is not None and code < 0 else None,
@@ -197,9 +211,15 @@ class TrustedRunner(Runner):
             if sandbox
             else ""
         )
+        # And one of the covers over the lent directories (their set changes on a reload).
+        self._covers = self._cover_table(settings)
+        if sandbox:
+            for old in settings.state_dir.glob("covers-*.fstab"):
+                if str(old) != self._covers:
+                    old.unlink(missing_ok=True)
         # Each slot's next chain, started ahead once its last task is gone (``_turn_over``), so
         # that a task starts with one exec: only where every task gets the same chain (its own
-        # user, a cgroup, the sandbox, a workspace that needs no binding back).
+        # user, a cgroup, the sandbox, a state dir outside the private directories).
         self._ahead_ok = (
             sandbox
             and users is not None
@@ -211,7 +231,9 @@ class TrustedRunner(Runner):
         digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()
         self._ahead_prefix = f"ahead-{digest[:12]}-"
         self._slots_lock = threading.Lock()
-        self._ahead: dict[int, procs.Launch] = {}
+        # slot -> its chain started ahead, and the directory it has bound at /work (the next
+        # task's workspace is moved into it)
+        self._ahead: dict[int, tuple[procs.Launch, Path]] = {}
         self._turnovers: dict[int, threading.Event] = {}  # slot -> its turnover done
         self._worker = Background("turnovers")
         self._closed = False
@@ -260,6 +282,7 @@ class TrustedRunner(Runner):
             for d in (settings.state_dir, settings.state_dir / "attempts"):
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
             passable(settings.state_dir)
+            make_work_dir()
             log.info(
                 "trusted tasks run as %s (one user per slot)",
                 ", ".join(u.name for u in users),
@@ -281,6 +304,7 @@ class TrustedRunner(Runner):
 
     def reconfigure(self, settings: Settings) -> None:
         self.settings = settings
+        self._covers = self._cover_table(settings)  # the next chain covers the new set
         self._apply_cpu_cap(settings)
         if self.users is not None and settings.task_user and len(self.users) < self.env.slots:
             self.users = slot_users(settings.task_user, self.env.slots)
@@ -296,6 +320,12 @@ class TrustedRunner(Runner):
             else:
                 log.info("module tasks on, under %s", python)
         self.task_python, self.module_capable = python, capable
+
+    def _cover_table(self, settings: Settings) -> str:
+        """The table of the covers of every lent directory, for the chains from now on."""
+        if not self.sandbox:
+            return ""
+        return procs.cover_fstab(settings.state_dir, settings.local_data.values())
 
     def _apply_cpu_cap(self, settings: Settings) -> None:
         """``task_cpu_percent`` of the machine for all tasks together: the CPU quota of the
@@ -321,7 +351,7 @@ class TrustedRunner(Runner):
     # --- the contract -------------------------------------------------------------------------
 
     def task_path(self, workspace: Workspace, path: str) -> str:
-        return map_work(path, str(workspace.root))
+        return path if self.sandbox else map_work(path, str(workspace.root))
 
     def check(self, task: Task) -> None:
         self._check_code(task)
@@ -400,24 +430,33 @@ class TrustedRunner(Runner):
             log.exception("slot %d: the turnover after its task failed", slot)
 
     def _launch_ahead(self, slot: int, user: procs.TaskUser) -> None:
+        """Start the slot's next chain: its cgroup, namespaces and private directories, and an
+        empty directory of the agent's bound at /work, into which the next task's workspace is
+        moved (``Workspace.move_into``), so that the task starts with no mount of its own."""
         assert self.hierarchy is not None
-        name = f"{self._ahead_prefix}{slot}-{procs.new_token()[:8]}"
+        token = procs.new_token()[:8]
         try:
-            cgroup = self.hierarchy.create(name, cgroups.Limits())
+            cgroup = self.hierarchy.create(f"{self._ahead_prefix}{slot}-{token}", cgroups.Limits())
         except OSError as exc:
             log.debug("slot %d: no cgroup ahead: %s", slot, exc)
             return
-        sandbox = procs.Sandbox(PRIVATE_TMP_BYTES, fstab=self._fstab)
+        work = self.settings.state_dir / "attempts" / f".ahead-{slot}-{token}"
+        sandbox = procs.Sandbox(
+            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers
+        )
         try:
-            launch = procs.Launch(self.settings.state_dir / "attempts", cgroup, user, sandbox)
+            work.mkdir(mode=0o700)
+            launch = procs.Launch(work, cgroup, user, sandbox)
         except OSError as exc:
             log.debug("slot %d: no chain ahead: %s", slot, exc)
             cgroup.remove()
+            with contextlib.suppress(OSError):
+                work.rmdir()
             return
         with self._slots_lock:
-            old, self._ahead[slot] = self._ahead.get(slot), launch
+            old, self._ahead[slot] = self._ahead.get(slot), (launch, work)
         if old is not None:
-            old.discard()
+            _discard(*old)
 
     def _settle(self, slot: int) -> None:
         with self._slots_lock:
@@ -425,17 +464,19 @@ class TrustedRunner(Runner):
         if done is not None:
             done.wait()
 
-    def _take_ahead(self, slot: int, sandbox: procs.Sandbox | None) -> procs.Launch | None:
-        """The slot's chain started ahead, if this task can use it; one it cannot use is
-        ended first (nothing of the slot's user runs beside a task of another chain)."""
+    def _take_ahead(
+        self, slot: int, sandbox: procs.Sandbox | None
+    ) -> tuple[procs.Launch, Path] | None:
+        """The slot's chain started ahead, if this task can use it (the same sandbox: no
+        read-only views, no hidden GPUs, the lent directories covered now); one it cannot use
+        is ended first (nothing of the slot's user runs beside a task of another chain)."""
         with self._slots_lock:
-            launch = self._ahead.pop(slot, None)
-        if launch is None:
+            ahead = self._ahead.pop(slot, None)
+        if ahead is None:
             return None
-        fits = sandbox is not None and not sandbox.read_only_binds and not sandbox.hidden_devices
-        if fits and launch.alive():
-            return launch
-        launch.discard()
+        if ahead[0].sandbox == sandbox and ahead[0].alive():
+            return ahead
+        _discard(*ahead)
         return None
 
     def reconcile(self) -> None:
@@ -449,65 +490,91 @@ class TrustedRunner(Runner):
         self._worker.drain()
         with self._slots_lock:
             left, self._ahead = list(self._ahead.values()), {}
-        for launch in left:
-            launch.discard()
+        for launch, work in left:
+            _discard(launch, work)
 
     def start(self, spec: StartSpec) -> Handle:
         ws = spec.workspace
-        root = str(ws.root)
+        # Where the task sees its workspace: /work, bound in its own mount namespace (a root
+        # agent), else its host path (the same-user mode, which rewrites /work to it).
+        root = WORK if self.sandbox else str(ws.root)
         user = self.users[spec.slot] if self.users else None
         if user is not None:
             passable(self.settings.state_dir)
         self._settle(spec.slot)
-        if user is not None:
-            ws.hand_over(user.uid, user.gid, inputs_for="group")
-        else:
-            ws.task_uid = os.geteuid()
+        python = None
         if spec.module_name is not None:
             python = spec.python or self.task_python
             if python is None:
                 raise AttemptLapsed("this node runs no module tasks (task_python)")
-            spec_file = write_module_spec(spec, root, user.gid if user else None)
-            argv = module_argv(python, spec.module_name, str(spec_file), str(ws.out))
-        else:
-            assert spec.argv is not None
-            argv = [map_work(a, root) for a in spec.argv]
-        binds = tuple((src, map_work(dst, root)) for src, dst in spec.read_only_binds)
-        if binds and not self.sandbox:
+        if spec.read_only_binds and not self.sandbox:
             raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
+        # Bound in the workspace, which is then bound at /work with them.
+        binds = tuple((src, dst.removeprefix(f"{WORK}/")) for src, dst in spec.read_only_binds)
+        if any(dst.startswith("/") or ".." in dst.split("/") for _, dst in binds):
+            raise AttemptLapsed("a read-only view lies outside the workspace")
         if any("\n" in path for bind in binds for path in bind):
             raise AttemptLapsed("cannot lend a directory whose path holds a newline")
-        token = procs.new_token()
-        path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
-        env = task_env(spec, token, self.agent_env, path)
         sandbox = (
-            procs.Sandbox(PRIVATE_TMP_BYTES, binds, hidden_gpus(spec), self._fstab)
+            procs.Sandbox(
+                PRIVATE_TMP_BYTES,
+                binds,
+                hidden_gpus(spec),
+                self._fstab,
+                work=True,
+                covers=self._covers,
+            )
             if self.sandbox
             else None
         )
-        launch = self._take_ahead(spec.slot, sandbox)
-        limits = spec.limits
-        with self._cpu_lock:
-            # Below the machine cap: cgroup v1 refuses a child quota above its parent's.
-            capped = dataclasses.replace(limits, cpus=min_cpus(limits.cpus, self._cpu_cap))
-            if launch is not None and launch.cgroup is not None:
-                try:
-                    launch.cgroup.apply(capped)
-                except OSError as exc:
-                    log.warning("cannot limit the cgroup made ahead (%s)", exc.strerror or exc)
-                    launch.discard()
-                    launch = None
-            if launch is None:
-                launch = self._launch(ws.root, capped, user, sandbox, argv[0])
-            cgroup = launch.cgroup
-            name = next(iter(cgroup.paths.values())).name if cgroup else ws.root.name
-            if cgroup is not None:
-                self._task_cpus[name] = limits.cpus
+        launch = None
+        name = ws.root.name
         try:
+            ahead = self._take_ahead(spec.slot, sandbox)
+            if ahead is not None:
+                launch = ahead[0]
+                try:
+                    ws.move_into(ahead[1])  # where the chain has bound /work
+                except OSError as exc:
+                    log.warning("cannot use the chain started ahead (%s)", exc.strerror or exc)
+                    _discard(*ahead)
+                    launch = None
+            if user is not None:
+                ws.hand_over(user.uid, user.gid, inputs_for="group")
+            else:
+                ws.task_uid = os.geteuid()
+            if python is not None:
+                assert spec.module_name is not None
+                write_module_spec(spec, root, user.gid if user else None)
+                argv = module_argv(python, spec.module_name, f"{root}/spec.json", f"{root}/out")
+            else:
+                assert spec.argv is not None
+                argv = [map_work(a, root) for a in spec.argv]
+            token = procs.new_token()
+            path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
+            env = task_env(spec, token, self.agent_env, path, root)
+            limits = spec.limits
+            with self._cpu_lock:
+                # Below the machine cap: cgroup v1 refuses a child quota above its parent's.
+                capped = dataclasses.replace(limits, cpus=min_cpus(limits.cpus, self._cpu_cap))
+                if launch is not None and launch.cgroup is not None:
+                    try:
+                        launch.cgroup.apply(capped)
+                    except OSError as exc:
+                        log.warning("cannot limit the cgroup made ahead (%s)", exc.strerror or exc)
+                        launch.discard()
+                        launch = None
+                if launch is None:
+                    launch = self._launch(ws.root, capped, user, sandbox, argv[0])
+                cgroup = launch.cgroup
+                name = next(iter(cgroup.paths.values())).name if cgroup else ws.root.name
+                if cgroup is not None:
+                    self._task_cpus[name] = limits.cpus
             proc = procs.TaskProcess(
                 argv,
                 env,
-                cwd=ws.out,  # flashruntime's contract: the task starts in its output directory
+                cwd=ws.root,
+                workdir=Path(root) / "out",  # flashruntime's contract: its output directory
                 stdout=spec.stdout,
                 stderr=spec.stderr,
                 log_max_bytes=self.settings.log_max_bytes,
@@ -520,7 +587,8 @@ class TrustedRunner(Runner):
             # No chain may be left waiting with nobody to send or end it: the slot's next task
             # (the same user) could write a script of its own into it, through /proc, and have
             # a process outside its cgroup that outlives it.
-            launch.discard()
+            if launch is not None:
+                launch.discard()
             self._forget(name)
             if isinstance(exc, UnicodeEncodeError):
                 raise AttemptFailed("the task's argv or env cannot be encoded") from None
@@ -560,10 +628,12 @@ class TrustedRunner(Runner):
                 raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
         try:
             return procs.Launch(cwd, cgroup, user, sandbox)
-        except OSError as exc:
+        except OSError as exc:  # its programs are the node's (unshare, setpriv, sh)
             if cgroup is not None:
                 cgroup.remove()
-            raise AttemptFailed(f"cannot start {program[:100]!r}: {exc.strerror or exc}") from None
+            raise AttemptLapsed(
+                f"cannot start the launch of {program[:100]!r}: {exc.strerror or exc}"
+            ) from None
 
     def _forget(self, name: str) -> None:
         with self._cpu_lock:
@@ -580,6 +650,14 @@ class TrustedRunner(Runner):
         procs.reap(identity, self.env.clock)
         if cgroup is not None:
             cgroup.remove()
+
+
+def _discard(launch: procs.Launch, work: Path) -> None:
+    """End a chain started ahead that no task took, and remove the directory it had bound at
+    /work (gone already when a workspace was moved into it)."""
+    launch.discard()
+    with contextlib.suppress(OSError):
+        work.rmdir()
 
 
 def under_private_dir(path: Path) -> str | None:
@@ -662,6 +740,60 @@ def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
         )
         return
     yield Ok("task sandbox", "private /tmp, /var/tmp, /dev/shm and IPC per task")
+    yield _work_mount_point()
+
+
+MOUNT_POINT_FIX = "sudo mkdir -m 0755 /work (the package makes it)"
+
+
+def _work_mount_point(work: Path = Path(WORK), writable: bool | None = None) -> Finding:
+    """Whether each task's workspace can be bound at /work in its namespace: the host's /work
+    must be a directory (the mount point only: a task sees its workspace there, never what the
+    host keeps in it). A missing one is made at start where / is writable (``make_work_dir``)
+    and the packaged unit does not keep it read-only; where it cannot be, the agent refuses to
+    start rather than run tasks with their /work rewritten: a /work inside a script would fail
+    there (the task charged for it), and the workspace's host path would reach the task's
+    environment. ``writable``: whether / is (default: asked)."""
+    try:
+        st = os.lstat(work)
+    except FileNotFoundError:
+        if writable is None:
+            writable = os.access(work.parent, os.W_OK) and not SERVICE_UNIT.exists()
+        if writable:
+            return Ok(str(work), "missing: made at start (an empty directory of root's)")
+        return Problem(
+            str(work),
+            "missing, and the agent cannot make it (a read-only /, or the packaged service's"
+            " ProtectSystem=strict): each task's workspace is bound there, in its own mount"
+            " namespace",
+            MOUNT_POINT_FIX,
+            code=ExitCode.UNAVAILABLE,
+        )
+    except OSError as exc:
+        return Problem(str(work), f"cannot be read ({exc.strerror})", MOUNT_POINT_FIX)
+    if not stat.S_ISDIR(st.st_mode):
+        return Problem(
+            str(work),
+            "is not a directory (a link or a file): each task's workspace is bound there",
+            f"make it a directory: sudo mv {work} {work}.old && {MOUNT_POINT_FIX}",
+            code=ExitCode.UNAVAILABLE,
+        )
+    return Ok(str(work), "each task sees its workspace there, bound in its own mount namespace")
+
+
+def make_work_dir(work: Path = Path(WORK)) -> None:
+    """Make the mount point /work (an empty directory of root's) when it is missing;
+    PrerequisiteError when it cannot be made. An existing one is left as it is."""
+    try:
+        os.mkdir(work, 0o755)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise PrerequisiteError(
+            f"{work} is missing and cannot be made ({exc.strerror}): {MOUNT_POINT_FIX}"
+        ) from None
+    os.chmod(work, 0o755)  # whatever the umask
+    log.info("made %s, where each task's workspace is bound in its own mount namespace", work)
 
 
 def hidden_gpus(spec: StartSpec, dev: Path = Path("/dev")) -> tuple[str, ...]:
