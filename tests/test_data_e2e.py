@@ -26,7 +26,7 @@ from flashnode.settings import Settings
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
-METRICS = "echo '{\"ok\": 1}' > out/metrics.json"
+METRICS = "echo '{\"ok\": 1}' > metrics.json"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="lending data needs a root agent")
 
