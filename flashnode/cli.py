@@ -27,6 +27,7 @@ import psutil
 
 from flashnode import (
     __version__,
+    cgroups,
     controls_cli,
     envs_cli,
     inventory,
@@ -41,6 +42,7 @@ from flashnode import (
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
 from flashnode.background import Background
+from flashnode.cgroups import Limits
 from flashnode.clock import SystemClock
 from flashnode.controls import Controls, Pause, PauseMode, Readers, Rules
 from flashnode.coordinator import Coordinator
@@ -319,16 +321,13 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
-def env_cache(settings: Settings) -> EnvCache | None:
-    """The agent's one cache of job environments: the trusted runner's only. A source build runs
-    as the agent's helper user (``nobody``) when the agent is root: never as root, never as a
-    slot's user (whose task could reach into it)."""
+def env_cache(settings: Settings, limits: Limits) -> EnvCache | None:
+    """The agent's one cache of job environments: the trusted runner's only. A root agent builds
+    as its build user (``procs.BUILD_USER``), in a cgroup of its own with the per-task
+    ``limits`` where the host has cgroups (flashnode.envbuild)."""
     if settings.runner != "trusted":
         return None
-    build_user = None
-    helper = procs.helper_user()
-    if settings.allow_source_builds and helper is not None:
-        build_user = (helper.uid, helper.gid)
+    hierarchy = cgroups.detect()[0] if os.geteuid() == 0 else None
     try:
         return EnvCache(
             settings.state_dir / envs_cli.ENVS_DIR,
@@ -336,7 +335,9 @@ def env_cache(settings: Settings) -> EnvCache | None:
             allow_python_downloads=settings.allow_python_downloads,
             allow_source_builds=settings.allow_source_builds,
             negative_ttl_s=settings.env_negative_seconds,
-            build_user=build_user,
+            min_free_bytes=settings.min_free_bytes,
+            hierarchy=hierarchy,
+            build_limits=limits,
         )
     except EnvUnavailable as exc:
         raise PrerequisiteError(str(exc)) from None
@@ -513,7 +514,8 @@ def _run_agent(
         join_code=settings.join_code.get_secret_value() if settings.join_code else None,
     )
     machine = (psutil.virtual_memory().total, os.cpu_count() or 1)
-    envs = env_cache(settings)
+    limits = task_limits(settings, slots, *machine)
+    envs = env_cache(settings, limits)
     data = data_cache(settings)
     janitor = Background("janitor")  # retired workspaces, removed off the next claim's way
     ctx = AttemptContext(
@@ -527,7 +529,7 @@ def _run_agent(
         rng=random.Random(),
         gpu=nvml,
         gpus=gpus,
-        limits=task_limits(settings, slots, *machine),
+        limits=limits,
         free_bytes=lambda: _free_bytes(settings.state_dir),
         metrics=served,
         envs=envs,
@@ -542,8 +544,7 @@ def _run_agent(
         data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)
         data.prune()
         if envs is not None:
-            envs.budget = new.env_cache_bytes
-            envs.prune()
+            envs.reconfigure(new.env_cache_bytes, new.min_free_bytes, ctx.limits)
 
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []

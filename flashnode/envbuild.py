@@ -5,25 +5,34 @@ An environment is the requirement lines a job names, installed with uv into a re
 for the Python (``major.minor``) the job names, found on this machine, or fetched as a managed
 interpreter under the cache root when the owner allows downloads.
 
-Privileges. The build never runs a job's code with the agent's privileges:
+Privileges. No code of a job runs as root, as the agent, or as any user something else runs as:
 
-* By default uv installs binary wheels only (``--only-binary :all:``). Installing a wheel unpacks
-  files; no code from the package runs. The agent runs uv itself.
-* When the owner allows source builds, a package's build backend is job code. uv then runs as
-  ``build_user`` (``setpriv``: no supplementary groups, no_new_privs) in a scratch directory that
-  user owns, with its own uv cache (no build can poison another's). Afterwards every process that
-  carries the build's ownership token is killed, the scratch directory is taken back (chown to
-  the agent, 0700) and the environment is made the agent's and read-only to others, all through
-  file descriptors that never follow a symlink. An agent running as root refuses source builds
-  without a ``build_user``.
+* A root agent builds as its build user (``procs.BUILD_USER``, which nothing else runs as), one
+  build at a time, in a sandbox (private ``/tmp``, ``/var/tmp``, ``/dev/shm``, IPC), in a cgroup
+  of its own with the per-task limits, through ``setpriv`` (no supplementary groups, no
+  capabilities, no_new_privs). uv itself runs so, and its network access with it (an owner's
+  per-uid firewall rules apply to it). Before a build starts and after it ends every process of
+  that user is killed, and nothing is copied, published or built again until none is left.
+* By default uv installs binary wheels only (``--only-binary :all:``): installing a wheel unpacks
+  files and runs nothing of them. Bytecode is compiled by the base interpreter, isolated and
+  without site (``-I -S``): no ``.pth`` file a wheel installed runs. When the owner allows source
+  builds, a package's build backend (job code) runs, as the build user.
+* The agent finds (or, where the owner allows, fetches) the interpreter itself: no URL of the
+  job's is involved. It takes the scratch directory back afterwards (chown to the agent, 0700)
+  and publishes a fresh copy of the environment, the agent's and read-only to others, made
+  through file descriptors that never follow a symlink, refusing any file that is not the build
+  user's own (another owner, a second link).
+* A build's disk is bounded while it runs: no file may grow past its room (``prlimit --fsize``),
+  and its whole tree (uv's cache with it) is watched against the room; past it the build is
+  stopped and fails as the job's.
 
 uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
 redacted from every message and record. A job's lines may not make uv read a file of this host
 (``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused).
 
-Why one module of this size: uv's invocation, the checks of a job's lines and the classification of
-uv's failures belong together.
+Why one module of this size: uv's invocation, the checks of a job's lines, the build's bounds and
+the classification of uv's failures belong together.
 """
 
 from __future__ import annotations
@@ -41,15 +50,15 @@ import subprocess
 import sysconfig
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal, Protocol
 from urllib.parse import unquote, urlsplit
 
-from flashnode import procs
+from flashnode import cgroups, procs
 from flashnode.clock import Clock, SystemClock
-from flashnode.errors import Cancelled, ConfigError, EnvBuildFailed, EnvUnavailable
+from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.workspace import remove_tree
 
 log = logging.getLogger(__name__)
@@ -280,6 +289,14 @@ def summarize(output: str, hidden: Sequence[str] = ()) -> str:
     return text
 
 
+def size(n: int) -> str:
+    """``1.5 GiB``, ``312.0 KiB``, ``12 B``: for the owner's eyes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 def _one_line(tail: str) -> str:
     return " / ".join(" ".join(line.split()) for line in tail.splitlines()) or "no output"
 
@@ -288,12 +305,27 @@ def _one_line(tail: str) -> str:
 
 
 class Builder(Protocol):
-    def build(self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float) -> Path:
+    def build(
+        self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float, room: DiskRoom
+    ) -> Path:
         """Build ``spec`` as a relocatable venv inside ``work`` (an empty directory the agent
-        owns, 0700) before ``deadline`` (on the cache's monotonic clock); return its path,
-        owned by the agent and read-only to everyone else. Raises EnvBuildFailed (the job's
-        lines), EnvUnavailable (the node) or Cancelled (``stop`` was set); what it started is
-        dead when it returns or raises."""
+        owns, 0700) before ``deadline`` (on the cache's monotonic clock), writing at most
+        ``room``; return its path, owned by the agent and read-only to everyone else. Raises
+        EnvBuildFailed (the job's lines, or a build that outgrew ``room``), EnvUnavailable (the
+        node) or Cancelled (``stop`` was set); what it started is dead when it returns or
+        raises."""
+
+
+@dataclass(frozen=True)
+class DiskRoom:
+    """What a build may write (its directory and uv's cache together): ``bytes``, and which
+    bound that is (``env_cache_bytes``, or the free space above ``min_free_bytes``)."""
+
+    bytes: int
+    bound: str
+
+    def exceeded(self) -> str:
+        return f"the environment grew past {size(self.bytes)} ({self.bound}) while it was built"
 
 
 @dataclass(frozen=True)
@@ -302,8 +334,22 @@ class TreeStats:
     files: int
 
 
+BUILD_TMP_BYTES = 256 * 1024 * 1024  # each private tmpfs of a build's sandbox
+WALK_EVERY_S = 1.0  # the disk watch walks the build's tree at least this often
+INODE_BYTES = 4096  # what each file and directory counts at least: empty files are not free
+MAX_DEPTH = 64  # deeper trees are refused (the published copy refuses them too)
+
+
 class UvBuilder:
-    """Builds environments with uv: interpreter, venv, then the job's lines."""
+    """Builds environments with uv: interpreter, venv, the job's lines, bytecode.
+
+    A root agent builds as ``build_user`` (default: ``procs.BUILD_USER``), one build at a
+    time, in a sandbox (private ``/tmp``, ``/var/tmp``, ``/dev/shm``, IPC), in a cgroup of its
+    own with ``limits`` (where ``hierarchy`` is given), with no file larger than its room; its
+    tree is watched against its room while it runs. Before a build starts and after it ends,
+    every process of ``build_user`` is killed, and a build starts, or its result is copied,
+    only once none is left. An agent that is not root builds as itself (it runs its tasks as
+    itself too)."""
 
     def __init__(
         self,
@@ -311,18 +357,24 @@ class UvBuilder:
         *,
         allow_python_downloads: bool = False,
         allow_source_builds: bool = False,
-        build_user: tuple[int, int] | None = None,
+        build_user: procs.TaskUser | None = None,
+        hierarchy: cgroups.Hierarchy | None = None,
+        limits: cgroups.Limits | None = None,
         clock: Clock | None = None,
         uv: str | None = None,
     ) -> None:
-        if allow_source_builds and build_user is None and os.geteuid() == 0:
-            raise ConfigError("allow_source_builds needs an unprivileged user to build as")
         self.python_dir = python_dir
         self.allow_python_downloads = allow_python_downloads
         self.allow_source_builds = allow_source_builds
-        self.build_user = build_user if allow_source_builds else None
+        self.build_user = build_user
+        self.hierarchy = hierarchy
+        self.limits = limits or cgroups.Limits()
         self.clock = clock or SystemClock()
         self._uv = uv
+        self._one = threading.Lock()  # one build at a time: its user is the same for all
+        # Build cgroups of this cache only: another agent's (tests share one base) are not ours.
+        digest = hashlib.sha256(str(python_dir.resolve()).encode()).hexdigest()
+        self._cgroup_prefix = f"build-{digest[:12]}-"
 
     def uv(self) -> str:
         if self._uv is None:
@@ -334,8 +386,23 @@ class UvBuilder:
                 raise EnvUnavailable(f"uv is not installed on this node ({exc})") from None
         return self._uv
 
-    def build(self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float) -> Path:
+    def user(self) -> procs.TaskUser | None:
+        """Who builds: ``build_user``, else the agent's build user (a root agent's), else
+        None (the agent itself, not root). EnvUnavailable when a root agent has none."""
+        if self.build_user is not None:
+            return self.build_user
+        try:
+            return procs.own_user(procs.BUILD_USER)
+        except LookupError as exc:
+            raise EnvUnavailable(
+                f"this node cannot build job environments: {exc} ({procs.USERS_FIX})"
+            ) from None
+
+    def build(
+        self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float, room: DiskRoom
+    ) -> Path:
         uv = self.uv()
+        user = self.user()
         token = procs.new_token()
         for sub in ("home", "tmp", "cache", "agent-cache"):
             (work / sub).mkdir(mode=0o700)
@@ -343,47 +410,46 @@ class UvBuilder:
         requirements.write_text(spec.requirements())
         requirements.chmod(0o644)
         run = _Runner(self.clock, stop, deadline, spec, work)
-        # The agent's own steps (finding or fetching an interpreter) keep a cache apart from the
-        # one the build user writes.
+        # The agent's own steps (finding or fetching an interpreter: no URL or code of the
+        # job's) keep a cache apart from the one the build user writes.
         interpreter = self._interpreter(
             uv, spec, self._environment(work, token, "agent-cache"), run
         )
         env = self._environment(work, token, "cache")
-        user = None
-        if self.build_user is not None:
-            uid, gid = self.build_user
-            user = procs.TaskUser("flashnode-build", uid, gid)
-            for path in (work, work / "home", work / "tmp", work / "cache"):
-                os.chown(path, uid, gid)
         target = work / "env"
-        try:
-            run(
-                [uv, "venv", "--relocatable", "--no-project", "--python", interpreter, target],
-                env,
-                user,
-                "creating the venv",
-            )
-            install: list[str | Path] = [
-                uv,
-                "pip",
-                "install",
-                "--python",
-                target / "bin" / "python",
-            ]
-            if not self.allow_source_builds:
-                install += ["--only-binary", ":all:"]
-            run([*install, "--compile-bytecode", "-r", requirements], env, user, "installing")
-        finally:
-            if user is not None:
-                _kill_owned(token, user.uid)
+        with self._turn(stop, deadline):
+            box = self._box(user, token, work, room)
+            try:
+                if user is not None:
+                    for path in (work, work / "home", work / "tmp", work / "cache"):
+                        os.chown(path, user.uid, user.gid)
+                run(
+                    [uv, "venv", "--relocatable", "--no-project", "--python", interpreter, target],
+                    env,
+                    box,
+                    "creating the venv",
+                )
+                python = target / "bin" / "python"
+                install: list[str | Path] = [uv, "pip", "install", "--python", python]
+                if not self.allow_source_builds:
+                    install += ["--only-binary", ":all:"]
+                run([*install, "-r", requirements], env, box, "installing")
+                # Bytecode, by the base interpreter (not the environment's, whose site would
+                # run the .pth files a wheel installed), isolated and without site: compiling
+                # runs no code of the job's.
+                sites = sorted(str(p) for p in target.glob("lib/python*/site-packages"))
+                compile_all = [interpreter, "-I", "-S", "-m", "compileall", "-q", "-j", "0"]
+                run([*compile_all, *sites], env, box, "compiling bytecode", ok=(0, 1))
+            finally:
+                box.close()
                 _reclaim(work)
         for sub in ("home", "tmp", "cache", "agent-cache", "requirements.txt"):
             remove(work / sub)
         if not stat.S_ISDIR(os.lstat(target).st_mode):
             raise EnvBuildFailed("the build left no environment")
         if user is not None:
-            # A build user's process that escaped the kill could still hold a file of the tree
-            # open for writing: publish fresh copies no process has open, never the originals.
+            # Fresh copies that no process has open (none of the build user's is left, but one
+            # could have handed a descriptor to another), never the originals.
             fresh = work / "env.copy"
             copy_tree(target, fresh, allowed_uids={user.uid, os.geteuid()})
             remove(target)
@@ -393,6 +459,51 @@ class UvBuilder:
                 f"the Python {spec.python} interpreter uv chose is not readable by task users"
             )
         return target
+
+    @contextlib.contextmanager
+    def _turn(self, stop: threading.Event, deadline: float) -> Iterator[None]:
+        """This builder's one build at a time."""
+        while not self._one.acquire(timeout=POLL_S):
+            if stop.is_set():
+                raise Cancelled("stopped while waiting for another environment's build")
+            if self.clock.monotonic() >= deadline:
+                raise EnvUnavailable("another environment's build took the time this one had")
+        try:
+            yield
+        finally:
+            self._one.release()
+
+    def _box(self, user: procs.TaskUser | None, token: str, work: Path, room: DiskRoom) -> _Box:
+        """Where the build's steps run: nothing of the build user's is left from before, a
+        cgroup of its own, a sandbox, no file past the room, the watch on the room."""
+        rlimits = [f"--fsize={room.bytes}", "--core=0"]
+        if user is None:
+            return _Box(None, token, None, None, rlimits, _DiskWatch(work, room, self.clock))
+        real = work.resolve()
+        for private in procs.PRIVATE_DIRS:
+            if real.is_relative_to(Path(private).resolve()):
+                raise EnvUnavailable(
+                    f"the environment cache lies under {private}, of which builds get a private"
+                    " copy: move the state dir"
+                )
+        left = procs.end_processes_of(user, self.clock)
+        if left:
+            raise EnvUnavailable(
+                f"{len(left)} process(es) of {user.name} would not end: no build starts"
+            )
+        if self.limits.pids is not None:
+            rlimits.append(f"--nproc={self.limits.pids}")
+        cgroup = None
+        if self.hierarchy is not None:
+            self.hierarchy.sweep(self._cgroup_prefix)  # what a crash of this agent left
+            try:
+                cgroup = self.hierarchy.create(self._cgroup_prefix + token[:12], self.limits)
+            except OSError as exc:
+                raise EnvUnavailable(
+                    f"cannot make the build's cgroup ({exc.strerror or exc})"
+                ) from None
+        sandbox = procs.Sandbox(BUILD_TMP_BYTES)
+        return _Box(user, token, cgroup, sandbox, rlimits, _DiskWatch(work, room, self.clock))
 
     def _environment(self, work: Path, token: str, cache: str) -> dict[str, str]:
         env = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}
@@ -452,8 +563,117 @@ class UvBuilder:
         return None
 
 
+class _Box:
+    """What one build's steps run in (``UvBuilder._box``); ``close`` ends everything it ran."""
+
+    def __init__(
+        self,
+        user: procs.TaskUser | None,
+        token: str,
+        cgroup: cgroups.AttemptCgroup | None,
+        sandbox: procs.Sandbox | None,
+        rlimits: list[str],
+        watch: _DiskWatch,
+    ) -> None:
+        self.user, self.token, self.cgroup, self.sandbox = user, token, cgroup, sandbox
+        self.rlimits, self.watch = rlimits, watch
+
+    def close(self) -> None:
+        """Kill what the build ran: its cgroup, then every process of its user (or, for an
+        agent that is not root, every holder of its token). EnvUnavailable when a process of
+        the build user is still there: nothing of this build is used then."""
+        if self.cgroup is not None and not self.cgroup.remove():
+            log.warning("a build's cgroup could not be removed: %s", self.cgroup.paths)
+        if self.user is None:
+            _kill_owned(self.token, os.geteuid())
+            return
+        left = procs.end_processes_of(self.user)
+        if left:
+            raise EnvUnavailable(f"{len(left)} process(es) of {self.user.name} outlived the build")
+
+
+class _DiskWatch:
+    """A build's use of the disk against its room: its tree walked at least every
+    ``WALK_EVERY_S`` (less often when a walk is slow: never more than a twentieth of the time),
+    and at once when the file system lost more than the room since the build started."""
+
+    def __init__(self, top: Path, room: DiskRoom, clock: Clock) -> None:
+        self.top, self.room, self.clock = top, room, clock
+        self._free0 = _free_bytes(top)
+        self._next = 0.0
+        self._soon = 0.0
+
+    def over(self, now: bool = False) -> bool:
+        """Whether the build holds more than its room (walked now when ``now``)."""
+        t = self.clock.monotonic()
+        free = _free_bytes(self.top)
+        lost = self._free0 - free if free is not None and self._free0 is not None else 0
+        if not now and t < self._next and (lost <= self.room.bytes or t < self._soon):
+            return False
+        started = time.monotonic()
+        used = tree_bytes(self.top)
+        took = time.monotonic() - started
+        self._next = t + max(WALK_EVERY_S, 20 * took)
+        self._soon = t + max(POLL_S, 4 * took)
+        return used is None or used > self.room.bytes
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def tree_bytes(top: Path) -> int | None:
+    """What the tree under ``top`` holds: the blocks of each inode once, and at least
+    ``INODE_BYTES`` per entry; never following a symlink, one directory descriptor open per
+    level. None when it is deeper than ``MAX_DEPTH``."""
+    seen: set[tuple[int, int]] = set()
+
+    def walk(fd: int, depth: int) -> int | None:
+        if depth > MAX_DEPTH:
+            return None
+        total, subdirs = 0, []
+        with os.scandir(fd) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += INODE_BYTES
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    subdirs.append(entry.name)
+        for name in subdirs:
+            try:
+                sub = os.open(name, NOFOLLOW_DIR, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                below = walk(sub, depth + 1)
+            finally:
+                os.close(sub)
+            if below is None:
+                return None
+            total += below
+        return total
+
+    try:
+        fd = os.open(top, NOFOLLOW_DIR)
+    except OSError:
+        return 0
+    try:
+        return walk(fd, 0)
+    finally:
+        os.close(fd)
+
+
 class _Runner:
-    """Runs one uv command at a time under the build's stop event and deadline."""
+    """Runs one uv command at a time under the build's stop event, deadline and disk watch."""
 
     def __init__(
         self, clock: Clock, stop: threading.Event, deadline: float, spec: EnvSpec, work: Path
@@ -465,18 +685,23 @@ class _Runner:
         self,
         argv: Sequence[str | Path],
         env: Mapping[str, str],
-        user: procs.TaskUser | None,
+        box: _Box | None,
         step: str,
         capture: bool = False,
+        ok: tuple[int, ...] = (0,),
     ) -> str:
-        """Run to completion; the stdout when ``capture``. Raises the classified failure."""
+        """Run to completion; the stdout when ``capture``. ``box``: the build's (None: the
+        agent's own step). Raises the classified failure."""
         if self.stop.is_set():
             raise Cancelled(f"stopped before {step}")
         try:
             proc = procs.popen_as(
                 [str(a) for a in argv],
                 env,
-                user,
+                box.user if box else None,
+                box.sandbox if box else None,
+                box.cgroup if box else None,
+                box.rlimits if box else (),
                 cwd=self.work / "home",
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -498,6 +723,9 @@ class _Runner:
                 if self.clock.monotonic() >= self.deadline:
                     why = "timeout"
                     break
+                if box is not None and box.watch.over():
+                    why = "too big"
+                    break
                 self.clock.wait(self.stop, POLL_S)
         finally:
             if proc.poll() is None:
@@ -513,7 +741,13 @@ class _Runner:
                 f"building the Python {self.spec.python} environment did not finish in time"
                 f" (while {step})"
             )
-        if proc.returncode != 0:
+        if box is not None and (
+            why == "too big"
+            or proc.returncode == -signal.SIGXFSZ
+            or (proc.returncode not in ok and box.watch.over(now=True))
+        ):
+            raise EnvBuildFailed(box.watch.room.exceeded())
+        if proc.returncode not in ok:
             text = err.text() + ("" if capture else out.text())
             tail = summarize(text, self.spec.hidden())
             reason = f"{_one_line(tail)} (uv exit status {proc.returncode})"
@@ -555,8 +789,7 @@ class _Tail:
 
 
 def _kill_owned(token: str, uid: int) -> None:
-    """Kill every process of ``uid`` that carries the build's token (a build backend's
-    leftovers), until none answers."""
+    """Kill every process of ``uid`` that carries the build's token, until none answers."""
     deadline = time.monotonic() + procs.KILL_ROUNDS_S
     while time.monotonic() < deadline:
         hit = False
@@ -633,10 +866,10 @@ NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def copy_tree(src: Path, dest: Path, allowed_uids: set[int]) -> None:
     """Copy a tree someone else wrote into ``dest`` (new), the agent's, dirs 0755, files 0644 or
-    0755, symlinks as symlinks, nothing else. Every open is relative to a directory descriptor
-    and never follows a symlink, so swapping a directory for a link mid-copy leads nowhere. A
-    file with more than one link, or owned by a uid outside ``allowed_uids``, is refused (it
-    could be another file of this host): EnvBuildFailed."""
+    0755 (their times kept), symlinks as symlinks, nothing else. Every open is relative to a
+    directory descriptor and never follows a symlink, so swapping a directory for a link
+    mid-copy leads nowhere. A file with more than one link, or owned by a uid outside
+    ``allowed_uids``, is refused (it could be another file of this host): EnvBuildFailed."""
     top = os.open(src, NOFOLLOW_DIR)
     try:
         os.mkdir(dest, 0o700)
@@ -688,6 +921,8 @@ def _copy_file(src: int, dest: int, name: str, allowed_uids: set[int]) -> None:
             with open(fd, "rb", closefd=False) as reader, open(out, "wb", closefd=False) as writer:
                 shutil.copyfileobj(reader, writer, 1024 * 1024)
             os.fchmod(out, 0o755 if st.st_mode & 0o111 else 0o644)
+            # Its times kept: a compiled module's bytecode names its source's modification time.
+            os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
             os.close(out)
     finally:

@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import stat
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,18 +42,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from flashnode import cgroups
 from flashnode.clock import Clock, SystemClock
 from flashnode.envbuild import (
     FORMAT,
     POLL_S,
     Builder,
+    DiskRoom,
     EnvSpec,
     UvBuilder,
     platform_tag,
     remove,
     secure_tree,
+    size,
 )
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
+from flashnode.procs import TaskUser
 from flashnode.workspace import remove_tree
 
 log = logging.getLogger(__name__)
@@ -142,7 +147,10 @@ class _Failure:
 
 class EnvCache:
     """Environments by key under ``root``, at most ``budget_bytes`` of them (see the module
-    docstring for the layout, privileges and locking)."""
+    docstring for the layout and locking; flashnode.envbuild for the privileges). A build may
+    write at most min(``budget_bytes``, the free space above ``min_free_bytes``) while it runs.
+    ``build_user``, ``hierarchy`` and ``build_limits`` go to the UvBuilder made when no
+    ``builder`` is given."""
 
     def __init__(
         self,
@@ -152,12 +160,16 @@ class EnvCache:
         allow_python_downloads: bool = False,
         allow_source_builds: bool = False,
         negative_ttl_s: float = 600.0,
+        min_free_bytes: int = 0,
         builder: Builder | None = None,
         clock: Clock | None = None,
-        build_user: tuple[int, int] | None = None,
+        build_user: TaskUser | None = None,
+        hierarchy: cgroups.Hierarchy | None = None,
+        build_limits: cgroups.Limits | None = None,
     ) -> None:
         self.root = root
         self.budget = budget_bytes
+        self.min_free_bytes = min_free_bytes
         self.negative_ttl_s = negative_ttl_s
         self.allow_source_builds = allow_source_builds
         self._clock = clock or SystemClock()
@@ -170,6 +182,8 @@ class EnvCache:
             allow_python_downloads=allow_python_downloads,
             allow_source_builds=allow_source_builds,
             build_user=build_user,
+            hierarchy=hierarchy,
+            limits=build_limits,
             clock=self._clock,
         )
         self._platform = platform_tag()
@@ -255,6 +269,15 @@ class EnvCache:
         self._expire_failures()
         return evicted
 
+    def reconfigure(
+        self, budget_bytes: int, min_free_bytes: int, build_limits: cgroups.Limits
+    ) -> None:
+        """New settings (a reload): from the next build on; the budget is enforced at once."""
+        self.budget, self.min_free_bytes = budget_bytes, min_free_bytes
+        if isinstance(self._builder, UvBuilder):
+            self._builder.limits = build_limits
+        self.prune()
+
     def usage(self) -> tuple[int, int]:
         """(bytes the finished environments hold, the budget)."""
         return sum(i.bytes for i in self.entries()), self.budget
@@ -289,6 +312,7 @@ class EnvCache:
                 return self._pinned_from_exclusive(key, fd, built=False, seconds=0.0)
             if os.path.lexists(entry):
                 self._doom(entry)
+            room = self._room()
             work = self._tmp / f"{key}.{secrets.token_hex(6)}"
             work.mkdir(mode=0o700)
             started = self._clock.monotonic()
@@ -296,7 +320,7 @@ class EnvCache:
                 "env %s: building Python %s, %d line(s)", key[:12], spec.python, len(spec.lines)
             )
             try:
-                env_dir = self._builder.build(spec, work, stop=stop, deadline=deadline)
+                env_dir = self._builder.build(spec, work, stop=stop, deadline=deadline, room=room)
                 if env_dir != work / "env":
                     raise EnvUnavailable("the builder put the environment somewhere else")
                 for child in work.iterdir():
@@ -336,6 +360,23 @@ class EnvCache:
         except BaseException:
             os.close(fd)
             raise
+
+    def _room(self) -> DiskRoom:
+        """What the next build may write: the budget, or the free space above
+        ``min_free_bytes`` when that is less (none: the node's fault)."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError as exc:
+            raise EnvUnavailable(f"cannot tell the free space for a build: {exc}") from None
+        above = free - self.min_free_bytes
+        if above <= 0:
+            raise EnvUnavailable(
+                f"no room to build an environment: {size(free)} free, min_free_bytes is"
+                f" {size(self.min_free_bytes)}"
+            )
+        if self.budget <= above:
+            return DiskRoom(self.budget, "env_cache_bytes")
+        return DiskRoom(above, "the free disk space above min_free_bytes")
 
     def _pinned_from_exclusive(self, key: str, fd: int, built: bool, seconds: float) -> EnvHandle:
         # The downgrade is not atomic (flock(2)); an eviction that slips in between is caught
@@ -697,10 +738,3 @@ def summary(infos: Sequence[EnvInfo], budget: int) -> str:
     used = sum(i.bytes for i in infos)
     busy = sum(1 for i in infos if i.in_use)
     return f"{len(infos)} environment(s), {size(used)} of {size(budget)} budget, {busy} in use"
-
-
-def size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"

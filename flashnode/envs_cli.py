@@ -11,8 +11,8 @@ from typing import Protocol
 
 import click
 
-from flashnode.envbuild import EnvSpec
-from flashnode.envcache import EnvCache, EnvInfo, describe, size, summary
+from flashnode.envbuild import DiskRoom, EnvSpec, size
+from flashnode.envcache import EnvCache, EnvInfo, describe, summary
 from flashnode.errors import ConfigError, EnvUnavailable
 from flashnode.owner import config_option, state_dir_of, state_dir_option
 from flashnode.sanitise import sanitise
@@ -24,7 +24,9 @@ ENVS_DIR = "envs"
 class NoBuilder:
     """The owner's commands look and prune; they never build."""
 
-    def build(self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float) -> Path:
+    def build(
+        self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float, room: DiskRoom
+    ) -> Path:
         raise EnvUnavailable("the owner's commands do not build environments")
 
 

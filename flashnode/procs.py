@@ -125,6 +125,7 @@ class Sandbox:
     fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
     work: bool = False  # bind the chain's working directory at /work and enter it there
     covers: str = ""  # the lent directories' covers as one table (``cover_fstab``), if any
+    no_network: bool = False  # a network namespace of its own: no interface but a down loopback
 
 
 def private_fstab(path: Path, tmp_bytes: int) -> str:
@@ -286,11 +287,13 @@ def command(
     user: TaskUser | None,
     sandbox: Sandbox | None,
     stderr_fd: int | None = None,
+    rlimits: Sequence[str] = (),
 ) -> list[str]:
     """The command line of the chain that runs a task in ``cgroup``, in ``sandbox``, as ``user``;
     its last step takes the task's environment and arguments from stdin (``env_script``).
     ``stderr_fd``: a launch's (the chain's stderr is its fault channel; the task's stderr
-    comes on this descriptor)."""
+    comes on this descriptor). ``rlimits``: ``prlimit`` options (``--fsize=N``), set before the
+    user is taken."""
     apply = APPLY_ENV
     if stderr_fd is not None:
         apply = APPLY_LAUNCH % (LAUNCHED.decode().replace("\n", "\\n"), stderr_fd)
@@ -309,6 +312,8 @@ def command(
             "--",
             *cmd,
         ]
+    if rlimits:
+        cmd = ["prlimit", *rlimits, "--", *cmd]
     if cgroup is None and sandbox is None:
         return cmd
     if sandbox and any("\n" in p for bind in sandbox.read_only_binds for p in bind):
@@ -325,7 +330,8 @@ def command(
     args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
-        cmd = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", *cmd]
+        net = ["--net"] if sandbox.no_network else []
+        cmd = ["unshare", "--mount", "--ipc", *net, "--propagation", "private", "--", *cmd]
     return cmd
 
 
@@ -704,17 +710,86 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return (fields[0].decode(), int(fields[2])) if fields else None
 
 
-def helper_user() -> TaskUser | None:
-    """Who the agent's own helpers run as when the agent is root (the module import check, a
-    job environment's source build): ``nobody``, whom no task runs as, so that no task can
-    reach into them (a slot's task could trace or rewrite a process of its own uid)."""
+# The agent's own users (a root agent's; the package's sysusers file makes them), each for one
+# purpose, so that nothing else on the host runs as them: ``BUILD_USER`` runs the builds of job
+# environments (uv, and whatever a job's packages run while they are built), one build at a time;
+# ``HELPER_USER`` runs the agent's own helpers (the module import check, the JSON Schema check),
+# which no code of a job runs as: no leftover of a build or a task can signal, freeze or trace
+# them.
+BUILD_USER = "flashnode-build"
+HELPER_USER = "flashnode-helper"
+USERS_FIX = "run scripts/task-users as root (the package's sysusers file makes them)"
+
+
+def own_user(name: str) -> TaskUser | None:
+    """One of the agent's own users (``BUILD_USER``, ``HELPER_USER``) when the agent is root;
+    None when it is not (it then runs as itself what it would run as that user). Raises
+    LookupError, saying why, when that user is missing or is root."""
     if os.geteuid() != 0:
         return None
     try:
-        pw = pwd.getpwnam("nobody")
+        pw = pwd.getpwnam(name)
     except KeyError:
-        return TaskUser("nobody", 65534, 65534)
+        raise LookupError(f"the user {name} does not exist") from None
+    if pw.pw_uid == 0 or pw.pw_gid == 0:
+        raise LookupError(f"the user {name} is root or in root's group")
     return TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
+
+
+def helper_user() -> TaskUser | None:
+    """Who the agent's own helpers run as: ``own_user(HELPER_USER)``."""
+    return own_user(HELPER_USER)
+
+
+def processes_of(uid: int) -> list[int]:
+    """Live (non-zombie) processes with ``uid`` among their real, effective, saved or file
+    system uids, read from ``/proc/<pid>/status``: a process that made itself non-dumpable has
+    a ``/proc/<pid>`` that root owns, but its status still names its uids."""
+    found = []
+    me = os.getpid()
+    with contextlib.suppress(FileNotFoundError), os.scandir("/proc") as it:
+        for entry in it:
+            if entry.name.isdigit() and int(entry.name) != me and _runs_as(int(entry.name), uid):
+                found.append(int(entry.name))
+    return found
+
+
+def _runs_as(pid: int, uid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            status = fh.read(8192)
+    except OSError:
+        return False
+    fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+    state, uids = fields.get(b"State", b"").split(), fields.get(b"Uid", b"").split()
+    if not state or state[0] in (b"Z", b"X"):
+        return False
+    return str(uid).encode() in uids
+
+
+def end_processes_of(user: TaskUser, clock: Clock | None = None) -> list[int]:
+    """SIGKILL every process of ``user`` (one of the agent's own users, which nothing else runs
+    as), in rounds until none is left or ``KILL_ROUNDS_S`` have passed. Returns what is still
+    there then (a process the kernel holds in uninterruptible sleep): empty when all are gone."""
+    clock = clock or SystemClock()
+    deadline = clock.monotonic() + KILL_ROUNDS_S
+    while True:
+        left = processes_of(user.uid)
+        if not left or clock.monotonic() >= deadline:
+            return left
+        for pid in left:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if _runs_as(pid, user.uid):  # checked once pinned: never a reused pid
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(pidfd)
+        clock.sleep(0.01)
 
 
 def popen_as(
@@ -722,15 +797,20 @@ def popen_as(
     env: Mapping[str, str],
     user: TaskUser | None,
     sandbox: Sandbox | None = None,
+    cgroup: AttemptCgroup | None = None,
+    rlimits: Sequence[str] = (),
     **kwargs: Any,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` as ``user`` (None: as the agent's own user) with exactly ``env``, which no
-    step that runs with the agent's privileges sees, in ``sandbox`` if given. ``kwargs`` go to
-    Popen."""
+    step that runs with the agent's privileges sees, in ``sandbox`` and ``cgroup`` if given,
+    with ``rlimits`` (``command``). ``kwargs`` go to Popen."""
     env_fd = env_file(env, argv)
     try:
         return subprocess.Popen(
-            command(None, user, sandbox), env=PRIVILEGED_ENV, stdin=env_fd, **kwargs
+            command(cgroup, user, sandbox, rlimits=rlimits),
+            env=PRIVILEGED_ENV,
+            stdin=env_fd,
+            **kwargs,
         )
     finally:
         os.close(env_fd)
@@ -740,7 +820,10 @@ def python_imports(python: str, modules: Sequence[str]) -> str | None:
     """None if ``python`` imports every module; else why not. Run as ``helper_user`` in a
     sandbox of its own (a root agent), bounded in time, its process group killed after."""
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
-    user = helper_user()
+    try:
+        user = helper_user()
+    except LookupError as exc:
+        return str(exc)
     try:
         proc = popen_as(
             [python, "-I", "-c", code, *modules],
@@ -774,13 +857,17 @@ SCHEMA_CHECK_S = 30.0  # the longest a declared schema's check may take on the n
 def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
     """The coordinator's reason why ``metrics`` does not conform to the job's JSON Schema, or
     None (validators.SchemaCheck). Checked by the agent's own interpreter in a helper process
-    (a root agent's in a sandbox of its own, become ``helper_user`` before it reads the job's
-    schema; at most 1 GiB and ``SCHEMA_CHECK_S``, its process group killed after): the schema is
-    the job's. A check that takes longer fails too (it would hold the coordinator as long).
-    validators.Unchecked when it cannot tell."""
+    (a root agent's in a sandbox of its own with no network, become ``helper_user`` before it
+    reads the job's schema; at most 1 GiB and ``SCHEMA_CHECK_S``, its process group killed
+    after): the schema is the job's, and it is resolved against nothing but itself
+    (validators.SCHEMA_HELPER). A check that takes longer fails too (it would hold the
+    coordinator as long). validators.Unchecked when it cannot tell."""
+    try:
+        user = helper_user()
+    except LookupError as exc:
+        raise validators.Unchecked(f"the schema check has no user to run as: {exc}") from None
     body = json.dumps({"schema": schema, "metrics": metrics}).encode()
     data = os.memfd_create("flashnode-schema-check")
-    user = helper_user()
     try:
         view = memoryview(body)
         while view:
@@ -797,7 +884,7 @@ def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
             ],
             {"PATH": SYSTEM_PATH},
             None,
-            Sandbox(64 * 1024 * 1024) if user is not None else None,
+            Sandbox(64 * 1024 * 1024, no_network=True) if user is not None else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             pass_fds=(data,),

@@ -10,10 +10,11 @@ conform to. The schema is checked where ``jsonschema`` can be imported, in a hel
 its own (``procs.json_schema_problem``): a schema is the job's, and a pattern that backtracks
 without end must not hold the agent (Python's regular expressions keep the interpreter's lock).
 Where the coordinator would fail without a reason, the node fails the attempt with one: a schema
-that is not a valid JSON Schema or cannot be applied (a ``$ref`` it cannot resolve: the
-coordinator answers 500), a check that does not end in ``procs.SCHEMA_CHECK_S`` (it would hold
-the coordinator as long). Where ``jsonschema`` cannot be
-imported, the schema is left to the coordinator.
+that is not a valid JSON Schema or cannot be applied (a ``$ref`` within it that leads nowhere:
+the coordinator answers 500), a check that does not end in ``procs.SCHEMA_CHECK_S`` (it would
+hold the coordinator as long). The node never fetches what a schema refers to: a schema with a
+``$ref`` outside itself is left to the coordinator, as is every schema where ``jsonschema``
+cannot be imported.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ MAX_KEYS = 1000
 MAX_KEY_CHARS = 1024
 # What the helper process runs: one JSON object on the descriptor named by argv[1] ({"schema",
 # "metrics"}); one line of JSON on stdout: {"problem": reason or null} or {"unchecked": why}.
-# Its reasons are the coordinator's, word for word. Started as the agent's user (its interpreter
-# may lie where only that user can read); a root agent's helper becomes argv[2] ("uid:gid", the
-# helper user) once jsonschema is imported and has run once (what it imports on first use),
-# before it reads anything of the job's.
+# Its reason for a result that does not conform is the coordinator's, word for word; its other
+# reasons are its own and name the check that failed, never quoting an exception's text (which
+# may quote a whole document). Its registry retrieves nothing: a ``$ref`` is resolved within the
+# schema itself (and the published meta-schemas jsonschema carries), never fetched from a URL or
+# read from a file; a schema that refers to anything else is left to the coordinator. Started as
+# the agent's user (its interpreter may lie where only that user can read); a root agent's helper
+# becomes argv[2] ("uid:gid", the helper user) once jsonschema is imported and has run once (what
+# it imports on first use), before it reads anything of the job's.
 SCHEMA_HELPER = r"""
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
@@ -41,13 +46,16 @@ def say(**kw):
 try:
     import jsonschema
     from jsonschema import SchemaError, ValidationError
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
 except ImportError:
-    say(unchecked="jsonschema is not installed for the agent")
+    say(unchecked="jsonschema 4.18 or later is not installed for the agent")
+NOWHERE = Registry()
 warm = {"type": "object", "required": ["a"], "properties": {"a": {"type": "array", "items": {
     "type": ["integer", "string"], "pattern": "^x", "minimum": 0, "format": "date"}}}}
-jsonschema.validate({"a": [1, "x"]}, warm)
+jsonschema.validate({"a": [1, "x"]}, warm, registry=NOWHERE)
 try:
-    jsonschema.validate({"a": [-1]}, warm)
+    jsonschema.validate({"a": [-1]}, warm, registry=NOWHERE)
 except ValidationError as exc:
     "/".join(str(p) for p in exc.absolute_path) + exc.message
 if sys.argv[2]:
@@ -58,14 +66,25 @@ if sys.argv[2]:
 with os.fdopen(int(sys.argv[1]), "rb") as fh:
     given = json.loads(fh.read())
 try:
-    jsonschema.validate(given["metrics"], given["schema"])
+    jsonschema.validate(given["metrics"], given["schema"], registry=NOWHERE)
 except ValidationError as exc:
     where = "/".join(str(p) for p in exc.absolute_path) or "<root>"
     say(problem=f"metrics.json does not conform to the declared schema at {where}: {exc.message}")
 except SchemaError as exc:
-    say(problem=f"the declared json_schema is not a valid JSON Schema: {exc.message}")
-except Exception as exc:  # what the coordinator would answer with a 500 (an unresolvable $ref)
-    say(problem=f"the declared json_schema cannot be applied ({type(exc).__name__}: {exc})")
+    where = ("/".join(str(p) for p in exc.absolute_path) or "<root>")[:200]
+    say(problem=(
+        f"the declared json_schema is not a valid JSON Schema (at {where}: the meta-schema's"
+        f" {str(exc.validator)[:40]!r} check fails)"
+    ))
+except Unresolvable as exc:
+    if type(getattr(exc, "_wrapped", exc)) is Unresolvable:
+        say(unchecked=(
+            "the declared json_schema refers to a resource outside itself ($ref), which this"
+            " node never fetches"
+        ))
+    say(problem="the declared json_schema cannot be applied (a $ref within it leads nowhere)")
+except Exception as exc:  # what the coordinator would answer with a 500
+    say(problem=f"the declared json_schema cannot be applied ({type(exc).__name__})")
 say(problem=None)
 """
 

@@ -16,6 +16,10 @@ else
            --comment "flashnode task slot $i" "flashnode-task-$i"
     i=$((i + 1))
   done
+  for user in flashnode-build flashnode-helper; do
+    id "$user" >/dev/null 2>&1 \
+      || useradd --system --user-group --no-create-home --home-dir / --shell "$nologin" "$user"
+  done
 fi
 # The trusted runner binds each task's workspace at /work in the task's own mount namespace: the
 # host's /work is only the mount point (the service cannot make it: ProtectSystem=strict). An

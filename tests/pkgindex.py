@@ -51,9 +51,11 @@ def build_wheel(
     scripts: dict[str, str] | None = None,
     requires_python: str | None = None,
     python_tag: str = "py3",
+    extra_files: dict[str, str] | None = None,
 ) -> Wheel:
     """A pure-Python wheel with one module named ``name`` (``VERSION = "<version>"`` unless
-    ``source`` is given), its dependencies and console scripts (``{"cmd": "module:func"}``)."""
+    ``source`` is given), its dependencies and console scripts (``{"cmd": "module:func"}``),
+    and ``extra_files`` (path in site-packages: text, e.g. a ``.pth`` file)."""
     dist = name.replace("-", "_")
     info = f"{dist}-{version}.dist-info"
     meta = [
@@ -72,6 +74,7 @@ def build_wheel(
             f"Tag: {python_tag}-none-any\n"
         ).encode(),
     }
+    files.update({path: text.encode() for path, text in (extra_files or {}).items()})
     if scripts:
         lines = "".join(f"{cmd} = {target}\n" for cmd, target in scripts.items())
         files[f"{info}/entry_points.txt"] = ("[console_scripts]\n" + lines).encode()
@@ -164,17 +167,21 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 """
 
 
-def build_sdist(name: str, version: str, linger_marker: str | None = None) -> Wheel:
+def build_sdist(
+    name: str, version: str, linger_marker: str | None = None, linger_code: str | None = None
+) -> Wheel:
     """A source distribution only (no wheel) with an in-tree build backend that needs nothing
     from an index: its wheel's module records ``BUILT_BY_UID``, the uid the build ran as. With
     binary wheels only, it can never be installed. With ``linger_marker`` (a directory anyone
     can write), the backend also leaves a LINGERER behind, which drops ``opened`` and ``wrote``
-    there as it goes."""
+    there as it goes; with ``linger_code``, that Python code instead."""
     dist = name.replace("-", "_")
     top = f"{dist}-{version}"
     backend = BACKEND.format(name=name, version=version)
     if linger_marker is not None:
-        backend += LINGER.format(code=LINGERER.format(marker=linger_marker))
+        linger_code = LINGERER.format(marker=linger_marker)
+    if linger_code is not None:
+        backend += LINGER.format(code=linger_code)
     files = {
         "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         "pyproject.toml": (

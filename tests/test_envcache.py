@@ -10,7 +10,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -19,11 +18,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import TASK_USER, free_port, wait_for
+from harness import TASK_USER, free_port, shared_dir, wait_for
 from pkgindex import PackageIndex, build_sdist, build_wheel, package_index
 
+from flashnode import procs
+from flashnode.cgroups import Limits
 from flashnode.clock import SystemClock
 from flashnode.envbuild import (
+    DiskRoom,
     EnvSpec,
     UvBuilder,
     check_lines,
@@ -43,6 +45,12 @@ SRC = "flashnode_testpkg_src"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch users")
 
 
+def data(name: str) -> dict[str, str]:
+    """A MiB of data in the package: its environment is mostly its own files, not the venv's
+    and uv's (a build's room counts uv's cache too), so that budgets can be set by size."""
+    return {f"{name}/data.bin": "\0" * (1 << 20)}
+
+
 @pytest.fixture(scope="module")
 def index() -> Iterator[PackageIndex]:
     with package_index(
@@ -51,9 +59,10 @@ def index() -> Iterator[PackageIndex]:
             "1.0",
             source="VERSION = '1.0'\ndef main():\n    print('a says hi')\n",
             scripts={"flashnode-tpa": f"{A}:main"},
+            extra_files=data(A),
         ),
-        build_wheel(B, "1.0", requires=[f"{A}>=1.0"]),
-        build_wheel(C, "1.0"),
+        build_wheel(B, "1.0", requires=[f"{A}>=1.0"], extra_files=data(B)),
+        build_wheel(C, "1.0", extra_files=data(C)),
         build_sdist(SRC, "1.0"),
     ) as idx:
         yield idx
@@ -67,8 +76,9 @@ def _no_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def root() -> Iterator[Path]:
-    """A cache root other users can reach (pytest's tmp_path is private to root)."""
-    base = Path(tempfile.mkdtemp(prefix="flashnode-envs-"))
+    """A cache root other users can reach (pytest's tmp_path is private to root), outside /tmp
+    (a root agent's builds, like its tasks, get a private /tmp)."""
+    base = shared_dir("flashnode-envs-")
     base.chmod(0o755)
     yield base / "envs"
     shutil.rmtree(base, ignore_errors=True)
@@ -84,12 +94,14 @@ class CountingBuilder(UvBuilder):
         self.started = threading.Event()
         self.gate = gate
 
-    def build(self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float) -> Path:
+    def build(
+        self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float, room: DiskRoom
+    ) -> Path:
         self.builds += 1
         self.started.set()
         if self.gate is not None:
             assert self.gate.wait(30)
-        return super().build(spec, work, stop=stop, deadline=deadline)
+        return super().build(spec, work, stop=stop, deadline=deadline, room=room)
 
 
 class SpyClock(SystemClock):
@@ -271,12 +283,22 @@ def test_budget_evicts_the_least_recently_used_env_never_a_pinned_one(
 def test_an_env_over_the_whole_budget_is_kept_while_in_use(
     root: Path, index: PackageIndex, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cache, _ = make_cache(root, budget=1)
+    cache, _ = make_cache(root)
     with acquire(cache, lines(index, A)) as env:
+        cache.reconfigure(1, 0, Limits())  # a reload lowers the budget below what is in use
         assert env.python.exists()
         assert [i.path for i in cache.entries()] == [env.path]
         assert "over its budget" in caplog.text
     assert cache.entries() == []
+
+
+def test_a_build_is_bounded_by_the_budget_while_it_runs(root: Path, index: PackageIndex) -> None:
+    """A build may write no more than ``env_cache_bytes`` (uv's cache with it): past it, it is
+    stopped and fails as the job's, and leaves nothing."""
+    cache, _ = make_cache(root, budget=64 * 1024, negative_ttl_s=0)
+    with pytest.raises(EnvBuildFailed, match=r"grew past 64.0 KiB \(env_cache_bytes\)"):
+        acquire(cache, lines(index, A))
+    assert cache.entries() == [] and list((root / ".tmp").iterdir()) == []
 
 
 def test_prune_everything_spares_what_is_in_use(root: Path, index: PackageIndex) -> None:
@@ -412,7 +434,7 @@ def test_a_task_user_cannot_write_into_a_cached_env(root: Path, index: PackageIn
             print("WROTE" if failures else "REFUSED", failures)
             """
         )
-        for user in ("nobody", TASK_USER):
+        for user in ("nobody", f"{TASK_USER}-0", procs.BUILD_USER):
             try:
                 pwd.getpwnam(user)
             except KeyError:
@@ -428,53 +450,172 @@ def test_a_task_user_cannot_write_into_a_cached_env(root: Path, index: PackageIn
                 assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID), path
 
 
+def build_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(procs.BUILD_USER)
+    except KeyError:
+        pytest.skip(f"{procs.BUILD_USER} does not exist (scripts/task-users makes it)")
+
+
+def uv_for_others(root: Path) -> None:
+    uv = UvBuilder(root / ".python").uv()
+    if not others_can_run(Path(uv)):
+        pytest.skip(f"{uv} is not reachable by other users")
+
+
+def processes_of_the_build_user() -> list[str]:
+    pw = build_user()
+    return [psutil.Process(p).name() for p in procs.processes_of(pw.pw_uid)]
+
+
 @as_root
 def test_a_source_build_runs_as_the_build_user_and_leaves_an_env_it_cannot_write(
     root: Path, index: PackageIndex
 ) -> None:
-    uv = UvBuilder(root / ".python").uv()
-    if not others_can_run(Path(uv)):
-        pytest.skip(f"{uv} is not reachable by other users")
-    pw = pwd.getpwnam("nobody")
-    cache, builder = make_cache(root, allow_source_builds=True, build_user=(pw.pw_uid, pw.pw_gid))
+    uv_for_others(root)
+    pw = build_user()
+    cache, builder = make_cache(root, allow_source_builds=True)
     with acquire(cache, lines(index, SRC)) as env:
         done = run_as(None, [str(env.python), "-c", f"import {SRC}; print({SRC}.BUILT_BY_UID)"])
         assert done.stdout.strip() == str(pw.pw_uid), done.stderr
         for path in [env.path, *env.path.rglob("*")]:
             assert path.lstat().st_uid == 0, path
         done = run_as(
-            "nobody", [str(env.python), "-c", f"import {SRC}, os; open({SRC}.__file__, 'a')"]
+            pw.pw_name, [str(env.python), "-c", f"import {SRC}, os; open({SRC}.__file__, 'a')"]
         )
         assert "PermissionError" in done.stderr
     assert builder.builds == 1
 
 
 @as_root
+def test_a_binary_build_runs_uv_as_the_build_user_and_no_code_of_the_job(
+    root: Path, index: PackageIndex, drop_dir: Path
+) -> None:
+    """uv runs as the build user (its network access too), and the bytecode of the packages is
+    compiled without running the .pth files a wheel installed: a binary build runs nothing of
+    the job's, as anyone; the task that uses the environment runs them, as itself."""
+    uv_for_others(root)
+    pth = "flashnode_testpkg_pth"
+    hook = (
+        f"import os; open(os.path.join({str(drop_dir)!r}, 'pth-%d' % os.getuid()), 'w').close()\n"
+    )
+    index.add(build_wheel(pth, "1.0", extra_files={f"{pth}_hook.pth": hook}))
+    cache, _ = make_cache(root)
+    with acquire(cache, lines(index, pth)) as env:
+        assert list(drop_dir.iterdir()) == [], "a .pth of the job's ran while it was built"
+        site = next(env.path.glob("lib/python*/site-packages"))
+        assert list((site / pth / "__pycache__").glob("__init__.*.pyc")), "no bytecode"
+        done = run_as(f"{TASK_USER}-0", [str(env.python), "-c", f"import {pth}"])
+        assert done.returncode == 0, done.stderr
+        task_uid = pwd.getpwnam(f"{TASK_USER}-0").pw_uid
+        assert sorted(p.name for p in drop_dir.iterdir()) == [f"pth-{task_uid}"]
+        # The task loads that bytecode (it could not write its own there) as it is.
+        done = run_as(f"{TASK_USER}-0", [str(env.python), "-v", "-c", f"import {pth}"])
+        assert f"matches {site / pth / '__init__.py'}" in done.stderr, done.stderr[-2000:]
+    assert processes_of_the_build_user() == []
+
+
+# A build backend's leftover (an sdist's, with source builds allowed): it runs as the build user
+# with an empty environment, in a session of its own (no ownership token, no process group of
+# the build's), watches /proc for the next build of another job (a process of its own uid whose
+# working directory is a build's home/), and drops a .pth into that build's site-packages while
+# uv still installs. Were it alive then, the agent would publish the .pth (a file of the build
+# user's) in the other job's environment, and that job's tasks would run it.
+TROJAN = r"""
+import glob, os, re, time
+MARKER = {marker!r}
+here = os.getcwd()
+while here != "/" and not os.path.exists(os.path.join(here, "requirements.txt")):
+    here = os.path.dirname(here)
+mine = here
+me = os.getuid()
+pat = re.compile(r"^(.*/\.tmp/[0-9a-f]{{64}}\.[0-9a-f]{{12}})/home$")
+pth = "import os; open(os.path.join(%r, 'ran-as-%%d' %% os.getuid()), 'w').close()\n" % MARKER
+open(os.path.join(MARKER, "lingering"), "w").close()
+deadline = time.time() + 180
+while time.time() < deadline:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat("/proc/" + pid).st_uid != me:
+                continue
+            m = pat.match(os.readlink("/proc/%s/cwd" % pid))
+        except OSError:
+            continue
+        if not m or m.group(1) == mine:
+            continue
+        for sp in glob.glob(m.group(1) + "/env/lib/python*/site-packages"):
+            try:
+                with open(os.path.join(sp, "zz_flashnode_review.pth"), "w") as fh:
+                    fh.write(pth)
+            except OSError:
+                continue
+            open(os.path.join(MARKER, "planted"), "w").close()
+            raise SystemExit(0)
+    time.sleep(0.002)
+"""
+
+
+@as_root
+def test_a_source_build_leaves_nothing_that_can_write_into_another_jobs_environment(
+    root: Path, index: PackageIndex, drop_dir: Path
+) -> None:
+    """Job A (source builds allowed) depends on an sdist whose build backend leaves a process
+    behind (TROJAN). Every process of the build user is killed when A's build ends, before
+    anything of it is published and before job B's build starts: B's environment holds nothing
+    of A's, and B's task runs nothing of A's."""
+    uv_for_others(root)
+    evil, victim = "flashnode_testpkg_trojan", "flashnode_testpkg_victim"
+    index.add(
+        build_sdist(evil, "1.0", linger_code=TROJAN.format(marker=str(drop_dir))),
+        build_wheel(victim, "1.0"),
+    )
+    cache, _ = make_cache(root, allow_source_builds=True)
+    with acquire(cache, lines(index, evil)):
+        pass
+    assert (drop_dir / "lingering").exists(), "job A's backend never left its process"
+    left_after_a = processes_of_the_build_user()
+    # Job B: binary wheels only in its lines, nothing of its own to build.
+    with acquire(cache, lines(index, victim)) as env:
+        planted = sorted(p.name for p in env.path.rglob("*.pth"))
+        done = run_as(f"{TASK_USER}-0", [str(env.python), "-c", f"import {victim}"])
+        assert done.returncode == 0, done.stderr
+    ran = sorted(p.name for p in drop_dir.glob("ran-as-*"))
+    assert (left_after_a, planted, ran) == ([], [], []), "job A's build reached job B's"
+    assert not (drop_dir / "planted").exists()
+
+
+@as_root
 def test_a_build_process_that_escapes_the_kill_cannot_write_into_the_published_env(
     root: Path, index: PackageIndex, drop_dir: Path
 ) -> None:
-    uv = UvBuilder(root / ".python").uv()
-    if not others_can_run(Path(uv)):
-        pytest.skip(f"{uv} is not reachable by other users")
+    """A backend's leftover that opened a file of the environment while it was built: it is
+    gone before the environment is published, and what it held open is not what is
+    published."""
+    uv_for_others(root)
     evil = "flashnode_testpkg_evil"
     index.add(build_sdist(evil, "1.0", linger_marker=str(drop_dir)))
-    pw = pwd.getpwnam("nobody")
-    cache, _ = make_cache(root, allow_source_builds=True, build_user=(pw.pw_uid, pw.pw_gid))
+    cache, _ = make_cache(root, allow_source_builds=True)
     with acquire(cache, lines(index, evil)) as env:
         assert (drop_dir / "opened").exists(), "the lingering process never got its descriptor"
-        wait_for("the lingering process to write", (drop_dir / "wrote").exists)
+        assert processes_of_the_build_user() == []
+        assert not (drop_dir / "wrote").exists()
         assert "PWNED" not in (env.path / "pyvenv.cfg").read_text()
         for path in [env.path, *env.path.rglob("*")]:
             assert path.lstat().st_uid == 0, path
 
 
-def test_source_builds_as_root_need_a_build_user(root: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("only root needs a build user")
-    from flashnode.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="build as"):
-        EnvCache(root, GiB, allow_source_builds=True)
+@as_root
+def test_a_root_agent_without_its_build_user_builds_nothing(
+    root: Path, index: PackageIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(procs, "BUILD_USER", "flashnode-no-such-user")
+    cache, builder = make_cache(root)
+    with pytest.raises(EnvUnavailable, match="flashnode-no-such-user does not exist"):
+        acquire(cache, lines(index, C))
+    assert builder.builds == 1 and cache.entries() == []
+    assert list((root / ".tmp").iterdir()) == []
 
 
 # --- stopping, timeouts, crashes --------------------------------------------------------------

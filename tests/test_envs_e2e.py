@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,8 +56,18 @@ json.dump(dict(version=pkg.VERSION, python=sys.executable, venv=venv, prefix=sys
 
 @pytest.fixture(scope="module")
 def index() -> Iterator[PackageIndex]:
-    # Alike in size, so that a budget can be set to fit exactly two of their environments.
-    wheels = [build_wheel(p, "1.0", source=f"VERSION = '1.0'\nNAME = '{p}'\n") for p in PKGS]
+    # Alike in size, so that a budget can be set to fit exactly two of their environments: a MiB
+    # of data each, so that an environment is mostly its own files (a build's room counts uv's
+    # cache too, which holds little more than its files).
+    wheels = [
+        build_wheel(
+            p,
+            "1.0",
+            source=f"VERSION = '1.0'\nNAME = '{p}'\n",
+            extra_files={f"{p}/data.bin": "\0" * (1 << 20)},
+        )
+        for p in PKGS
+    ]
     with package_index(*wheels) as idx:
         yield idx
 
@@ -182,7 +191,7 @@ def test_the_budget_evicts_the_least_recently_used_environment_never_one_in_use(
     drop_dir: Path,
 ) -> None:
     # Issue 17 test 3. How big one such environment is here, to give the agent room for two.
-    scratch = Path(tempfile.mkdtemp(prefix="flashnode-envsize-"))
+    scratch = shared_dir("flashnode-envsize-")  # not under /tmp: builds get a private one
     scratch.chmod(0o755)
     try:
         cache = EnvCache(scratch / "envs", 1 << 30)
