@@ -5,19 +5,22 @@ the node with the coordinator's reason before anything but the logs is uploaded.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
 
-from flashnode import procs
+from flashnode import procs, validators
 
 TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
 POOL = "team-contract"
@@ -388,3 +391,157 @@ def test_a_schema_that_backtracks_without_end_neither_holds_the_agent_nor_reache
         "metrics.json could not be checked against the declared json_schema within 3 s"
     )
     assert took < 10 and ticks[0] >= took / 0.05 * 0.5, (took, ticks)
+
+
+# --- 6. a declared schema is the job's: what the node's check of it can reach -----------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the helper is isolated by a root agent")
+
+
+@pytest.fixture
+def helper_python() -> str:
+    """The agent's interpreter (the helper runs it), as the helper user will find it."""
+    try:
+        helper = procs.helper_user()
+    except LookupError as exc:
+        pytest.skip(f"{exc} (scripts/task-users makes it)")
+    assert helper is not None
+    as_helper = ["setpriv", f"--reuid={helper.uid}", f"--regid={helper.gid}", "--clear-groups"]
+    probe = subprocess.run(
+        [*as_helper, "--", sys.executable, "-I", "-c", "import jsonschema, referencing"],
+        capture_output=True,
+        cwd="/",
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"{helper.name} cannot run {sys.executable} with jsonschema")
+    return sys.executable
+
+
+@pytest.fixture
+def private_service() -> Iterator[tuple[str, list[str]]]:
+    """A service on the owner's loopback (a router page, a metadata service): JSON with a key."""
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            body = json.dumps({"SecretAccessKey": "owner-secret"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@needs_root
+def test_a_jobs_json_schema_never_makes_the_node_fetch_from_the_owners_network(
+    private_service: tuple[str, list[str]], helper_python: str
+) -> None:
+    """A job's schema names a ``$ref`` on the owner's network (a router page, the cloud's
+    metadata service at 169.254.169.254): jsonschema would retrieve it, and the reason would
+    quote what came back. The node fetches nothing (a $ref outside the schema is left to the
+    coordinator) and tells the job nothing of the owner's."""
+    url, seen = private_service
+    schema = {"properties": {"a": {"$ref": f"{url}/latest/meta-data/creds.json#/Nope"}}}
+    try:
+        reason = procs.json_schema_problem(schema, {"a": 1})
+    except validators.Unchecked as exc:
+        reason = str(exc)
+    assert seen == [], f"the node fetched {seen} for the job"
+    assert reason is not None and "owner-secret" not in reason, reason
+    with pytest.raises(validators.Unchecked, match="outside itself"):
+        procs.json_schema_problem(schema, {"a": 1})
+
+
+@needs_root
+def test_the_schema_check_runs_with_no_network(
+    private_service: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the helper process ran, it could reach no address: not the owner's loopback,
+    not the LAN (a network namespace of its own)."""
+    url, seen = private_service
+    port = int(url.rsplit(":", 1)[1])
+    probe = (
+        "import json, socket\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=5).close()\n"
+        "    got = 'reached the owner'\n"
+        "except OSError:\n"
+        "    got = None\n"
+        "print(json.dumps({'problem': got}))\n"
+    )
+    monkeypatch.setattr(validators, "SCHEMA_HELPER", probe)
+    assert procs.json_schema_problem({"type": "object"}, {}) is None
+    assert seen == []
+
+
+@needs_root
+def test_the_schema_check_runs_as_a_user_of_its_own(
+    helper_python: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper runs as the helper user, which no build, task or host daemon runs as (not
+    ``nobody``): nothing a job's build left behind can signal, freeze or trace it."""
+    helper = procs.helper_user()
+    build = procs.own_user(procs.BUILD_USER)
+    assert helper is not None and build is not None
+    assert len({helper.uid, build.uid, 65534}) == 3
+    monkeypatch.setattr(procs, "SCHEMA_CHECK_S", 5.0)
+    slow = {"properties": {"tag": {"type": "string", "pattern": "^(a+)+$"}}}
+    seen: dict[int, set[str]] = {}
+    done = threading.Event()
+
+    def check() -> None:
+        procs.json_schema_problem(slow, {"tag": "a" * 64 + "!"})
+        done.set()
+
+    def helpers() -> bool:
+        for uid in (helper.uid, build.uid, 65534, 0):
+            for pid in procs.processes_of(uid):
+                with contextlib.suppress(OSError):
+                    if b"SchemaError" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        seen.setdefault(uid, set()).add(Path(f"/proc/{pid}/status").read_text())
+        return any(uid == helper.uid for uid in seen)
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    try:
+        wait_for("the helper to run as the helper user", helpers, timeout=5)
+    finally:
+        thread.join(30)
+    assert done.is_set()
+    assert {u for u in seen if u != 0} == {helper.uid}, seen.keys()
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        (
+            {"title": "job-text", "properties": {"a": {"$ref": "#/definitions/nope"}}},
+            "the declared json_schema cannot be applied (a $ref within it leads nowhere)",
+        ),
+        (
+            {"title": "job-text", "properties": {"a": {"type": 5}}},
+            "the declared json_schema is not a valid JSON Schema (at properties/a/type: the"
+            " meta-schema's 'anyOf' check fails)",
+        ),
+    ],
+)
+def test_a_schema_that_cannot_be_applied_fails_saying_which_check_without_quoting_it(
+    helper_python: str, schema: dict[str, Any], reason: str
+) -> None:
+    """jsonschema's own messages quote whole documents (``PointerToNowhere: '/x' does not
+    exist within {...}``); the node's reasons say which check failed, in its own words."""
+    assert procs.json_schema_problem(schema, {"a": "owner-data"}) == reason

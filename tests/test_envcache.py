@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -21,7 +22,7 @@ import pytest
 from harness import TASK_USER, free_port, shared_dir, wait_for
 from pkgindex import PackageIndex, build_sdist, build_wheel, package_index
 
-from flashnode import procs
+from flashnode import cgroups, procs
 from flashnode.cgroups import Limits
 from flashnode.clock import SystemClock
 from flashnode.envbuild import (
@@ -137,9 +138,13 @@ def make_cache(
     **kw: object,
 ) -> tuple[EnvCache, CountingBuilder]:
     clock = clock or SpyClock()
-    builder_kw = {k: kw.pop(k) for k in ("allow_source_builds", "build_user") if k in kw}
-    builder = CountingBuilder(root / ".python", gate, clock=clock, **builder_kw)
-    cache = EnvCache(root, budget, builder=builder, clock=clock, **builder_kw, **kw)  # type: ignore[arg-type]
+    # What EnvCache would give the UvBuilder it makes, given to the counting one instead.
+    builder_kw = {k: kw.pop(k) for k in ("build_user", "hierarchy") if k in kw}
+    if "build_limits" in kw:
+        builder_kw["limits"] = kw.pop("build_limits")
+    sources = {k: kw.pop(k) for k in ("allow_source_builds",) if k in kw}
+    builder = CountingBuilder(root / ".python", gate, clock=clock, **builder_kw, **sources)
+    cache = EnvCache(root, budget, builder=builder, clock=clock, **sources, **kw)  # type: ignore[arg-type]
     return cache, builder
 
 
@@ -604,6 +609,62 @@ def test_a_build_process_that_escapes_the_kill_cannot_write_into_the_published_e
         assert "PWNED" not in (env.path / "pyvenv.cfg").read_text()
         for path in [env.path, *env.path.rglob("*")]:
             assert path.lstat().st_uid == 0, path
+
+
+# What a build backend reports of where it runs (as a process it leaves behind, which the end of
+# the build kills: it writes first).
+WHERE = r"""
+import json, os
+info = {{"uid": os.getuid(), "groups": os.getgroups(), "tmp": sorted(os.listdir("/tmp"))}}
+info["cgroup"] = open("/proc/self/cgroup").read()
+info["limits"] = open("/proc/self/limits").read()
+info["status"] = open("/proc/self/status").read()
+info["cg_limits"] = {{}}
+for line in info["cgroup"].splitlines():
+    _, controllers, path = line.split(":", 2)
+    for c in controllers.split(",") if controllers else [""]:
+        for f in ("pids.max", "memory.max", "memory.limit_in_bytes"):
+            try:
+                info["cg_limits"][f] = open(f"/sys/fs/cgroup/{{c}}{{path}}/{{f}}").read().strip()
+            except OSError:
+                pass
+with open(os.path.join({marker!r}, "where.json"), "w") as fh:
+    json.dump(info, fh)
+"""
+
+
+@as_root
+def test_a_build_runs_as_its_user_in_a_sandbox_and_a_cgroup_of_its_own_with_limits(
+    root: Path, index: PackageIndex, drop_dir: Path
+) -> None:
+    uv_for_others(root)
+    pw = build_user()
+    hierarchy, why = cgroups.detect()
+    if hierarchy is None:
+        pytest.skip(f"no cgroups here: {why}")
+    probe = "flashnode_testpkg_where"
+    index.add(build_sdist(probe, "1.0", linger_code=WHERE.format(marker=str(drop_dir))))
+    limits = Limits(memory_bytes=1 << 30, cpus=1.0, pids=321)
+    cache, _ = make_cache(
+        root, 64 << 20, allow_source_builds=True, hierarchy=hierarchy, build_limits=limits
+    )
+    with tempfile.NamedTemporaryFile(prefix="flashnode-host-tmp-") as host_tmp:
+        with acquire(cache, lines(index, probe)):
+            pass
+        seen = json.loads((drop_dir / "where.json").read_text())
+        assert Path(host_tmp.name).name not in seen["tmp"]  # a private /tmp
+    assert (seen["uid"], seen["groups"]) == (pw.pw_uid, [])
+    assert "NoNewPrivs:\t1" in seen["status"] and "CapEff:\t0000000000000000" in seen["status"]
+    fsize = next(x for x in seen["limits"].splitlines() if x.startswith("Max file size"))
+    assert fsize.split()[3] == str(64 << 20)
+    paths = [line.split(":", 2)[2] for line in seen["cgroup"].splitlines()]
+    [name] = {p.rsplit("/", 1)[1] for p in paths if "/build-" in p}
+    got = seen["cg_limits"]
+    assert got["pids.max"] == "321"
+    assert got.get("memory.max", got.get("memory.limit_in_bytes")) == str(1 << 30)
+    assert processes_of_the_build_user() == []
+    for base in hierarchy.bases.values():  # removed with the build
+        assert not (base / name).exists()
 
 
 @as_root

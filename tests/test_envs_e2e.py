@@ -3,12 +3,16 @@ local package index on 127.0.0.1 that the jobs name with an ``--index-url`` line
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,7 @@ from typing import Any
 import pytest
 from badcoord import BadCoordinator, lease_answer
 from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
-from pkgindex import PackageIndex, build_wheel, package_index
+from pkgindex import PackageIndex, Wheel, _record_hash, build_wheel, package_index
 
 from flashnode.envcache import EnvCache
 
@@ -340,3 +344,120 @@ def test_the_docker_runner_runs_dependencies_in_its_image_and_never_installs_ext
         assert "installs no extra_dependencies" in record["reason"]
     finally:
         bad.close()
+
+
+# --- what a job's packages can do while its environment is built ------------------------------
+
+
+@as_root
+def test_a_jobs_binary_wheel_never_runs_code_as_root_while_its_environment_is_built(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    index: PackageIndex,
+    state: Path,
+    drop_dir: Path,
+) -> None:
+    """A pool job names a dependency from its own index whose wheel installs a ``.pth`` file
+    (every start of that environment's interpreter runs its ``import`` lines). Building the
+    environment runs none of it, as root or as anyone (uv runs as the build user, and the
+    bytecode is compiled without site); the job's task runs it, as the task user."""
+    name = "flashnode_envtest_pth"
+    hook = (
+        f"import os; open(os.path.join({str(drop_dir)!r}, 'pth-ran-as-%d' % os.geteuid()),"
+        " 'w').close()\n"
+    )
+    index.add(build_wheel(name, "1.0", extra_files={f"{name}_hook.pth": hook}))
+    job = coordinator.submit(
+        argv_job(
+            ["python", "-c", f"import {name}; open('metrics.json', 'w').write('{{}}')"],
+            dependencies=deps(index, name),
+            python=PY,
+            max_attempts=1,
+        )
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST, state_dir=state)
+    assert agent.wait(180) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    task_uid = pwd.getpwnam("flashnode-task-0").pw_uid
+    ran_as = sorted(p.name for p in drop_dir.glob("pth-ran-as-*"))
+    assert ran_as == [f"pth-ran-as-{task_uid}"], f"the job's code ran as {ran_as}"
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 64 MiB tmpfs standing in for the owner's disk (the state dir is on it)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = shared_dir("flashnode-envs-disk-")
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(mount)], check=True
+    )
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        mount.rmdir()
+
+
+def _bomb_wheel(name: str, size: int) -> Wheel:
+    """A wheel of a few hundred KiB whose one data file unpacks to ``size`` bytes of zeros."""
+    info = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}/__init__.py": b"VERSION = '1.0'\n",
+        f"{name}/weights.bin": b"\0" * size,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+        f"{info}/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = "".join(f"{p},{_record_hash(d)},{len(d)}\n" for p, d in files.items())
+    files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return Wheel(f"{name}-1.0-py3-none-any.whl", buf.getvalue())
+
+
+@as_root
+def test_a_jobs_environment_cannot_fill_the_owners_disk_past_env_cache_bytes(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    index: PackageIndex,
+) -> None:
+    """A dependency whose wheel is a few hundred KiB and unpacks to 200 MiB, on a node whose
+    disk has 64 MiB: the build is stopped at ``env_cache_bytes`` (8 MiB here) while it runs,
+    the owner's disk keeps its free space, and the attempt fails as the job's (its oversized
+    environment), not the node's (a full disk)."""
+    name = "flashnode_envtest_bomb"
+    index.add(_bomb_wheel(name, 200 << 20))
+    job = coordinator.submit(
+        argv_job(
+            ["python", "-c", "open('metrics.json', 'w').write('{}')"],
+            dependencies=deps(index, name),
+            python=PY,
+            max_attempts=1,
+        )
+    )
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M", "FLASHNODE_ENV_CACHE_BYTES": str(8 << 20)}
+    agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=small_disk / "state")
+    lowest = [1 << 62]
+
+    def watch() -> None:
+        while agent.proc.poll() is None and not agent.ledger():
+            with contextlib.suppress(OSError):
+                st = os.statvfs(small_disk)
+                lowest[0] = min(lowest[0], st.f_bavail * st.f_frsize)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        [line] = agent.wait_ledger(1, timeout=120)
+    finally:
+        watcher.join(5)
+        coordinator.cancel(job)
+    assert lowest[0] >= 8 << 20, f"the build took the disk down to {lowest[0] >> 10} KiB free"
+    assert line["outcome"] == "failed", line["reason"]
+    assert "the environment grew past 8.0 MiB (env_cache_bytes)" in line["reason"]

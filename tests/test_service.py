@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from harness import AgentProcess, CoordinatorServer, NotifySocket, argv_job, wait_for
 
+from flashnode.procs import BUILD_USER, HELPER_USER
+
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -135,7 +137,7 @@ def test_unit_hardening_is_at_least_ok_and_every_capability_is_explained() -> No
         assert left_out in comments and f"\n{left_out}" not in text  # documented, not set
 
 
-def test_sysusers_makes_the_flashnode_group_and_sixteen_slot_users() -> None:
+def test_sysusers_makes_the_flashnode_group_sixteen_slot_users_and_the_agents_own() -> None:
     lines = [
         x.split()
         for x in (ROOT / "systemd" / "flashnode.sysusers").read_text().splitlines()
@@ -143,7 +145,11 @@ def test_sysusers_makes_the_flashnode_group_and_sixteen_slot_users() -> None:
     ]
     assert ["g", "flashnode", "-"] in lines
     users = [x[1] for x in lines if x[0] == "u"]
-    assert users == [f"flashnode-task-{i}" for i in range(16)]
+    assert users == [f"flashnode-task-{i}" for i in range(16)] + [BUILD_USER, HELPER_USER]
+    # The package's fallback (no systemd-sysusers) and the tests' script make the same users.
+    for script in ("packaging/postinstall.sh", "scripts/task-users"):
+        text = (ROOT / script).read_text()
+        assert BUILD_USER in text and HELPER_USER in text, script
     assert not any(x[0] == "m" for x in lines)  # nobody is put in the docker group
 
 

@@ -722,6 +722,7 @@ def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
         )
         return
     yield Ok("task user", ", ".join(f"{u.name} (uid {u.uid})" for u in users))
+    yield _own_users({u.uid for u in users})
     if not shutil.which("setpriv") or not shutil.which("unshare"):
         yield Problem(
             "task sandbox",
@@ -741,6 +742,42 @@ def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
         return
     yield Ok("task sandbox", "private /tmp, /var/tmp, /dev/shm and IPC per task")
     yield _work_mount_point()
+
+
+def _own_users(task_uids: set[int]) -> Finding:
+    """The agent's own users (``procs.BUILD_USER``, ``procs.HELPER_USER``): there, and each a
+    user of its own (neither the other, nor ``nobody``, nor a task user)."""
+    found = []
+    for name in (procs.BUILD_USER, procs.HELPER_USER):
+        try:
+            user = procs.own_user(name)
+        except LookupError as exc:
+            return Problem(
+                "agent users",
+                f"{exc}: job environments are built as {procs.BUILD_USER}, and the agent's own"
+                f" checks run as {procs.HELPER_USER}",
+                procs.USERS_FIX,
+            )
+        assert user is not None
+        found.append(user)
+    try:
+        nobody = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        nobody = 65534
+    uids = {u.uid for u in found}
+    if len(uids) < len(found) or uids & (task_uids | {nobody}):
+        return Problem(
+            "agent users",
+            f"{procs.BUILD_USER} and {procs.HELPER_USER} must each have a uid of their own (not"
+            " each other's, nobody's or a task user's)",
+            f"remove them (userdel) and {procs.USERS_FIX}",
+        )
+    build, helper = found
+    return Ok(
+        "agent users",
+        f"environments are built as {build.name} (uid {build.uid}), the agent's checks run as"
+        f" {helper.name} (uid {helper.uid})",
+    )
 
 
 MOUNT_POINT_FIX = "sudo mkdir -m 0755 /work (the package makes it)"
