@@ -316,9 +316,10 @@ class Settings(BaseModel):
         return self.runner == "trusted" and bool(self.pools)
 
     # --- job environments (issue 17, flashnode.envcache) -----------------------------------------
-    # Trusted tasks' dependencies, built with uv under <state_dir>/envs/, evicted least recently
-    # used beyond env_cache_bytes. Binary wheels only unless allow_source_builds (then the build
-    # runs as task_user); the job's Python must be on the machine unless allow_python_downloads.
+    # Trusted tasks' dependencies, built with uv under <state_dir>/envs/ (a root agent builds as
+    # procs.BUILD_USER), evicted least recently used beyond env_cache_bytes, which also bounds
+    # what one build may write. Binary wheels only unless allow_source_builds; the job's Python
+    # must be on the machine unless allow_python_downloads.
     env_cache_bytes: int = Field(default=4096 * MiB, ge=0)
     allow_python_downloads: bool = False
     allow_source_builds: bool = False
