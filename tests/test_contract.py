@@ -9,6 +9,8 @@ import contextlib
 import http.server
 import json
 import os
+import pwd
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
 
 from flashnode import procs, validators
 
@@ -398,23 +400,46 @@ def test_a_schema_that_backtracks_without_end_neither_holds_the_agent_nor_reache
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the helper is isolated by a root agent")
 
 
-@pytest.fixture
-def helper_python() -> str:
-    """The agent's interpreter (the helper runs it), as the helper user will find it."""
+@pytest.fixture(scope="session")
+def packaged_python() -> Iterator[str]:
+    """An interpreter laid out as the package's: a venv of ``/usr/bin/python3`` (a standard
+    library every user can read), given this interpreter's jsonschema by a ``.pth`` file. The
+    helper takes its user before it imports what jsonschema imports on first use (urllib, for a
+    remote ``$ref``), and the tests' own interpreter may keep its standard library where only
+    root can read (pyenv under /root)."""
+    import jsonschema
+
+    base = Path("/usr/bin/python3")
+    if not base.exists():
+        pytest.skip("needs /usr/bin/python3")
+    top = shared_dir("flashnode-schema-py-")
+    top.chmod(0o755)
     try:
-        helper = procs.helper_user()
-    except LookupError as exc:
-        pytest.skip(f"{exc} (scripts/task-users makes it)")
-    assert helper is not None
-    as_helper = ["setpriv", f"--reuid={helper.uid}", f"--regid={helper.gid}", "--clear-groups"]
-    probe = subprocess.run(
-        [*as_helper, "--", sys.executable, "-I", "-c", "import jsonschema, referencing"],
-        capture_output=True,
-        cwd="/",
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"{helper.name} cannot run {sys.executable} with jsonschema")
-    return sys.executable
+        venv = top / "venv"
+        subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
+        [site] = venv.glob("lib/python*/site-packages")
+        (site / "tests-jsonschema.pth").write_text(f"{Path(jsonschema.__file__).parent.parent}\n")
+        python = str(venv / "bin" / "python")
+        try:
+            helper = procs.helper_user()
+        except LookupError as exc:
+            pytest.skip(f"{exc} (scripts/task-users makes it)")
+        assert helper is not None
+        as_helper = ["setpriv", f"--reuid={helper.uid}", f"--regid={helper.gid}", "--clear-groups"]
+        imports = "import jsonschema, referencing, urllib.request"
+        probe = subprocess.run([*as_helper, "--", python, "-I", "-c", imports], cwd="/")
+        if probe.returncode != 0:
+            pytest.skip(f"{helper.name} cannot import jsonschema with {base}")
+        yield python
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture
+def helper_python(packaged_python: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The helper's interpreter (``sys.executable``, the agent's), as the package lays it out."""
+    monkeypatch.setattr(sys, "executable", packaged_python)
+    return packaged_python
 
 
 @pytest.fixture
@@ -487,41 +512,44 @@ def test_the_schema_check_runs_with_no_network(
     assert seen == []
 
 
+def _uids(pid: int) -> set[int]:
+    """The real, effective, saved and file system uids of a live process (empty when gone)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return {int(u) for u in line.split()[1:]}
+    return set()
+
+
 @needs_root
 def test_the_schema_check_runs_as_a_user_of_its_own(
     helper_python: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The helper runs as the helper user, which no build, task or host daemon runs as (not
+    """The helper runs as ``flashnode-helper``, which no build, task or host daemon runs as (not
     ``nobody``): nothing a job's build left behind can signal, freeze or trace it."""
-    helper = procs.helper_user()
-    build = procs.own_user(procs.BUILD_USER)
-    assert helper is not None and build is not None
-    assert len({helper.uid, build.uid, 65534}) == 3
+    helper, build = pwd.getpwnam("flashnode-helper"), pwd.getpwnam("flashnode-build")
+    assert len({helper.pw_uid, build.pw_uid, 65534}) == 3
     monkeypatch.setattr(procs, "SCHEMA_CHECK_S", 5.0)
     slow = {"properties": {"tag": {"type": "string", "pattern": "^(a+)+$"}}}
-    seen: dict[int, set[str]] = {}
-    done = threading.Event()
+    seen: set[int] = set()
 
     def check() -> None:
         procs.json_schema_problem(slow, {"tag": "a" * 64 + "!"})
-        done.set()
 
-    def helpers() -> bool:
-        for uid in (helper.uid, build.uid, 65534, 0):
-            for pid in procs.processes_of(uid):
-                with contextlib.suppress(OSError):
-                    if b"SchemaError" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                        seen.setdefault(uid, set()).add(Path(f"/proc/{pid}/status").read_text())
-        return any(uid == helper.uid for uid in seen)
+    def helper_seen() -> bool:
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if entry.name.isdigit() and b"SchemaError" in (entry / "cmdline").read_bytes():
+                    seen.update(_uids(int(entry.name)) - {0})
+        return bool(seen)
 
     thread = threading.Thread(target=check)
     thread.start()
     try:
-        wait_for("the helper to run as the helper user", helpers, timeout=5)
+        wait_for("the helper to take its user", helper_seen, timeout=5)
     finally:
         thread.join(30)
-    assert done.is_set()
-    assert {u for u in seen if u != 0} == {helper.uid}, seen.keys()
+    assert seen == {helper.pw_uid}, seen
 
 
 @needs_root
