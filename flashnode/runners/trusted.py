@@ -723,10 +723,10 @@ def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
         return
     yield Ok("task user", ", ".join(f"{u.name} (uid {u.uid})" for u in users))
     yield _own_users({u.uid for u in users})
-    if not shutil.which("setpriv") or not shutil.which("unshare"):
+    if not all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
         yield Problem(
             "task sandbox",
-            "setpriv or unshare is missing",
+            "setpriv, unshare or prlimit is missing",
             "install util-linux",
             code=ExitCode.UNAVAILABLE,
         )
