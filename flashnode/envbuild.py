@@ -580,8 +580,9 @@ class _Box:
 
     def close(self) -> None:
         """Kill what the build ran: its cgroup, then every process of its user (or, for an
-        agent that is not root, every holder of its token). EnvUnavailable when a process of
-        the build user is still there: nothing of this build is used then."""
+        agent that is not root, every holder of its token); then empty that user's keyrings
+        (they belong to no namespace: the next build would find them). EnvUnavailable when a
+        process of the build user is still there: nothing of this build is used then."""
         if self.cgroup is not None and not self.cgroup.remove():
             log.warning("a build's cgroup could not be removed: %s", self.cgroup.paths)
         if self.user is None:
@@ -590,6 +591,9 @@ class _Box:
         left = procs.end_processes_of(self.user)
         if left:
             raise EnvUnavailable(f"{len(left)} process(es) of {self.user.name} outlived the build")
+        why = procs.clear_user_keyrings(self.user)
+        if why:
+            log.error("cannot clear the keyrings of %s: %s", self.user.name, why)
 
 
 class _DiskWatch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import pwd
 import shutil
 import signal
@@ -665,6 +666,55 @@ def test_a_build_runs_as_its_user_in_a_sandbox_and_a_cgroup_of_its_own_with_limi
     assert processes_of_the_build_user() == []
     for base in hierarchy.bases.values():  # removed with the build
         assert not (base / name).exists()
+
+
+# Adds a key to its user's own keyring (KEY_SPEC_USER_KEYRING): that keyring belongs to the uid,
+# not to any process or namespace, and would outlive the build.
+PLANT_KEY = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall(248, b"user", b"{name}", b"left by job A", 13, -4)  # add_key
+"""
+# Searches its user's keyring for that key: prints its id, or -1.
+FIND_KEY = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.syscall(250, 10, -4, b"user", b"{name}", 0))  # keyctl(SEARCH)
+"""
+
+
+@as_root
+def test_a_build_leaves_nothing_in_its_users_keyrings_for_the_next(
+    root: Path, index: PackageIndex
+) -> None:
+    uv_for_others(root)
+    pw = build_user()
+    if platform.machine() != "x86_64":
+        pytest.skip("the syscall numbers here are x86_64's")
+    as_build = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups", "--"]
+    plant = subprocess.run(
+        [*as_build, sys.executable, "-c", PLANT_KEY.format(name="flashnode-probe")], cwd="/"
+    )
+    found = subprocess.run(
+        [*as_build, sys.executable, "-c", FIND_KEY.format(name="flashnode-probe")],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    if plant.returncode != 0 or found.stdout.strip() in ("", "-1"):
+        pytest.skip("keyrings are denied here")
+    keeper = "flashnode_testpkg_keeper"
+    index.add(build_sdist(keeper, "1.0", linger_code=PLANT_KEY.format(name="job-a")))
+    cache, _ = make_cache(root, allow_source_builds=True)
+    with acquire(cache, lines(index, keeper)):
+        pass
+    found = subprocess.run(
+        [*as_build, sys.executable, "-c", FIND_KEY.format(name="job-a")],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert found.stdout.strip() == "-1", "the build user's keyring kept job A's key"
 
 
 @as_root
