@@ -19,9 +19,10 @@ from typing import Any, NoReturn
 
 import click
 
-from flashnode import status
+from flashnode import lastexit, status
 from flashnode.errors import ConfigError, ExitCode
 from flashnode.ledger import Ledger
+from flashnode.ledgerview import CHECKPOINT_FILE, LedgerView
 from flashnode.sanitise import sanitise
 from flashnode.settings import DEFAULT_CONFIG_FILE, default_state_dir, load, read_config_file
 
@@ -114,15 +115,49 @@ def tell_agent(state_dir: Path, why: str) -> None:
 @state_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def status_command(config_file: Path | None, state_dir: Path | None, as_json: bool) -> None:
-    """What the running agent is doing. Exit 3 when no agent runs on the state dir."""
-    snapshot = status.read(state_dir_of(config_file, state_dir))
+    """What the running agent is doing and, when it is not working, why and what to do.
+
+    With no agent running: how the last one exited (credentials refused, a configuration
+    error, ...) and its fix. Exit 3 when no agent runs on the state dir.
+    """
+    directory = state_dir_of(config_file, state_dir)
+    try:
+        snapshot = status.read(directory, strict=True)
+        last_exit = lastexit.read(directory)
+    except PermissionError as exc:
+        needs_root(f"cannot read {exc.filename or directory}", group=True)
     if snapshot is None:
+        totals = _stopped_totals(directory)
         if as_json:
-            click.echo(json.dumps({"running": False}))
+            click.echo(json.dumps({"running": False, "last_exit": last_exit, "totals": totals}))
         else:
-            click.echo("no agent is running on this state dir")
+            click.echo(status.render_stopped(last_exit, totals))
         sys.exit(3)
-    click.echo(json.dumps(snapshot, sort_keys=True) if as_json else status.render(snapshot))
+    if as_json:
+        click.echo(json.dumps({**snapshot, "last_exit": last_exit}, sort_keys=True))
+    else:
+        click.echo(status.render(snapshot, last_exit))
+
+
+def _stopped_totals(directory: Path) -> dict[str, Any] | None:
+    """What the node gave, from the ledger, when no agent publishes it (None: unreadable)."""
+    ledger, checkpoint = directory / "ledger.jsonl", directory / CHECKPOINT_FILE
+    view = LedgerView(ledger, checkpoint=checkpoint, persist=False)
+    try:
+        return view.totals() if view.path.exists() else None
+    except OSError:
+        return None
+
+
+def needs_root(what: str, group: bool = False) -> NoReturn:
+    """One line for what this user may not do: run it with sudo (or, for what the group
+    ``flashnode`` may read, join it)."""
+    hint = "run it with sudo"
+    if group and os.geteuid() != 0:
+        hint += (
+            ", or join the group flashnode (sudo usermod -aG flashnode $USER, then log in again)"
+        )
+    stop(ExitCode.FAILURE, f"{what}: permission denied; {hint}")
 
 
 @click.command()

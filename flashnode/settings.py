@@ -31,6 +31,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -248,20 +249,13 @@ class Settings(BaseModel):
             return text
         raise ValueError('must be a whole number of at least 1, or "auto"')
 
-    @field_validator(
-        "container_tmp_bytes",
-        "min_free_bytes",
-        "task_memory_bytes",
-        "task_disk_bytes",
-        "log_max_bytes",
-        "max_output_file_bytes",
-        "max_output_total_bytes",
-        "max_input_bytes",
-        mode="before",
-    )
+    @field_validator("*", mode="before")
     @classmethod
-    def _size(cls, value: Any) -> Any:
-        return None if value is None else parse_size(value)
+    def _size(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every ``*_bytes`` key takes a unit ("64M"), in the file and the environment alike."""
+        if value is None or not (info.field_name or "").endswith("_bytes"):
+            return value
+        return parse_size(value)
 
     @field_validator("allowed_images")
     @classmethod
@@ -347,13 +341,6 @@ class Settings(BaseModel):
     dataset_fetch_timeout_seconds: float = Field(default=3600.0, gt=0)
     dataset_allow_private_origins: bool | tuple[str, ...] = False
     local_data: dict[str, Path] = Field(default_factory=dict)
-
-    @field_validator("dataset_cache_bytes", mode="before")
-    @classmethod
-    def _not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("must be a number of bytes")
-        return value
 
     @field_validator("dataset_fetch_timeout_seconds")
     @classmethod
@@ -564,11 +551,6 @@ class Settings(BaseModel):
     checkpoint_scan_seconds: float = Field(default=2.0, gt=0, le=300)
     max_checkpoint_bytes: int = Field(default=4096 * MiB, ge=1)
 
-    @field_validator("max_checkpoint_bytes", mode="before")
-    @classmethod
-    def _checkpoint_size(cls, value: Any) -> Any:
-        return parse_size(value)
-
 
 def _zone(name: str) -> tzinfo:
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -600,8 +582,10 @@ def load(
     if path is None and DEFAULT_CONFIG_FILE.exists():
         path = DEFAULT_CONFIG_FILE
     if path is not None:
+        lines = key_lines(path)
         for key, value in read_config_file(path).items():
-            merged[key], origin[key] = value, f"in {path}"
+            where = f"in {path}, line {lines[key]}" if key in lines else f"in {path}"
+            merged[key], origin[key] = value, where
     _misspelt_env(env)
     for key in SETTABLE:
         raw = env.get(ENV_PREFIX + key.upper())
@@ -655,6 +639,31 @@ def _misspelt_env(env: Mapping[str, str]) -> None:
             close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
             if close:
                 raise ConfigError(f"{name} is not a setting (did you mean {close[0]}?)")
+
+
+_KEY_LINE = re.compile(r"""^\s*(?:([A-Za-z0-9_-]+)|"([^"]+)"|'([^']+)')\s*=""")
+_TABLE_LINE = re.compile(r"^\s*\[+\s*([A-Za-z0-9_-]+)")
+
+
+def key_lines(path: Path) -> dict[str, int]:
+    """The line each top-level key of a TOML file is set on (a table's: its header), so that an
+    error names the line to correct; best effort (what it cannot tell, it leaves out)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    found: dict[str, int] = {}
+    in_table = False
+    for number, line in enumerate(text.splitlines(), 1):
+        table = _TABLE_LINE.match(line)
+        if table:
+            in_table = True
+            found.setdefault(table[1], number)
+            continue
+        key = _KEY_LINE.match(line)
+        if key and not in_table:
+            found.setdefault(next(k for k in key.groups() if k), number)
+    return found
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -22,9 +22,9 @@ from consoleharness import CONFIG, ConsoleAgent, start_console_agent
 from harness import AgentProcess, CoordinatorServer, argv_job, free_port, wait_for
 
 from flashnode.console import auth
-from flashnode.console.ledgerview import LedgerView
 from flashnode.console.usage import UsageRing
 from flashnode.errors import ConfigError
+from flashnode.ledgerview import LedgerView
 from flashnode.settings import load
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,10 +24,10 @@ from typing import Any
 
 from flashnode import __version__, configedit, pausefile, status
 from flashnode.console import auth
-from flashnode.console.ledgerview import LedgerView
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.errors import FlashnodeError
+from flashnode.ledgerview import LedgerView
 from flashnode.sanitise import sanitise
 from flashnode.settings import Settings
 from flashnode.wire import SAFE_ID
@@ -68,6 +68,7 @@ class Wiring:
     ring: UsageRing
     task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
     clock: Callable[[], float] = time.time
+    ledger: LedgerView | None = None  # the agent's (None: the console reads the ledger itself)
 
 
 class App:
@@ -76,7 +77,7 @@ class App:
         self.gate = gate
         self.hosts = hosts
         self.cookie = cookie
-        self.ledger = LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
+        self.ledger = wiring.ledger or LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
         self._coordinator: tuple[float, dict[str, Any]] | None = None
         self._coordinator_lock = threading.Lock()
         self._edit_lock = threading.Lock()
