@@ -39,6 +39,7 @@ from flashnode import (
     procs,
     sensors,
     statelock,
+    unitview,
 )
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
@@ -68,6 +69,7 @@ from flashnode.settings import (
     DEFAULT_CONFIG_FILE,
     Settings,
     default_state_dir,
+    gather,
     load,
     read_config_file,
 )
@@ -170,7 +172,31 @@ def _fail(code: ExitCode, message: str) -> NoReturn:
     sys.exit(int(code))
 
 
-@click.group()
+class Commands(click.Group):
+    """No traceback reaches a user from any command: what this user may not do is one line
+    that says to run it with sudo, any other error one line that names it."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except PermissionError as exc:
+            owner.needs_root(f"cannot use {exc.filename}" if exc.filename else "not allowed")
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            _fail(ExitCode.FAILURE, f"{where}{exc.strerror or exc}")
+        except Exception as exc:
+            if os.environ.get("FLASHNODE_DEBUG"):
+                raise
+            _fail(
+                ExitCode.FAILURE,
+                f"unexpected error: {type(exc).__name__}: {exc} (a bug: please report it;"
+                " FLASHNODE_DEBUG=1 shows where)",
+            )
+
+
+@click.group(cls=Commands)
 @click.version_option(__version__, prog_name="flashnode")
 def main() -> None:
     """flashnode: the volunteer node agent of the flashruntime distributed ML runtime."""
@@ -242,9 +268,11 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     """
     if pools:
         flags["pools"] = pools
-    ending = Ending(exit_state_dir(flags, os.environ, config_file))
+    ending = Ending(*exit_state_dir(flags, os.environ, config_file))
+    unit = unitview.running_under()
+    service = unitview.load(unit) if unit else None
     try:
-        settings = load(flags, os.environ, config_file)
+        settings = load_as_service(flags, config_file, service)
     except ConfigError as exc:
         ending.fail(ExitCode.CONFIG, f"configuration error: {exc}", ending.config_fix())
     ending.state_dir = settings.state_dir
@@ -254,7 +282,7 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     if settings.state_dir.is_dir():
         with contextlib.suppress(OSError):  # a state dir that is not ours: the checks say why
             lock = lock_state_dir(settings.state_dir, ending)
-    found = preflight.problems(settings)
+    found = preflight.problems(settings, service=service)
     for problem in found:
         if problem.code is not None:
             prefix = "configuration error: " if problem.code == ExitCode.CONFIG else ""
@@ -267,7 +295,7 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     try:
         run_agent(
             settings,
-            reload=lambda: load(flags, os.environ, config_file),
+            reload=lambda: load_as_service(flags, config_file, service),
             line=line,
             lock=lock,
             accepted=frozenset(p.what for p in found),
@@ -301,12 +329,30 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     ending.record(ExitCode.OK, "")
 
 
+def load_as_service(
+    flags: Mapping[str, Any], config_file: Path | None, service: unitview.UnitView | None
+) -> Settings:
+    """The settings; under a systemd unit, a path its sandbox keeps from the agent is refused
+    with the unit setting to change (rather than "does not exist" for a file that does)."""
+    try:
+        return load(flags, os.environ, config_file)
+    except ConfigError:
+        if service is None:
+            raise
+        raw, _ = gather(flags, os.environ, config_file)
+        found = unitview.check(service, raw)
+        if not found:
+            raise
+        raise ConfigError(f"{found[0].why}; fix: {found[0].fix}") from None
+
+
 def exit_state_dir(
     flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None
-) -> Path:
+) -> tuple[Path, bool]:
     """Where an agent whose settings do not load would have kept its state: the flag, the
     environment, the file's ``state_dir`` as written, else the default (the service's
-    ``$STATE_DIRECTORY``). Where ``flashnode status`` looks for why it exited."""
+    ``$STATE_DIRECTORY``); and whether one of these named it (not the default alone). Where
+    ``flashnode status`` looks for why it exited."""
     given = flags.get("state_dir") or env.get("FLASHNODE_STATE_DIR")
     if not given:
         path = config_file or (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
@@ -314,21 +360,26 @@ def exit_state_dir(
             with contextlib.suppress(ConfigError):
                 given = read_config_file(path).get("state_dir")
     if isinstance(given, (str, Path)) and Path(given).is_absolute():
-        return Path(given)
-    return default_state_dir(env)
+        return Path(given), True
+    return default_state_dir(env), bool(env.get("STATE_DIRECTORY"))
 
 
 class Ending:
     """How this agent exits: one line on standard error, the same with its fix in
     ``<state dir>/last-exit.json`` (``lastexit.py``), and the exit code."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, named: bool = True) -> None:
         self.state_dir = state_dir
+        self.named = named  # given by the owner, or the service's; else only the default
 
     def record(self, code: ExitCode, error: str, fix: str = "") -> None:
-        lastexit.write(self.state_dir, code, error, fix)
+        # Not into a default directory no agent has used: it is nobody's yet.
+        if self.named or (self.state_dir / statelock.LOCK_FILE).exists():
+            lastexit.write(self.state_dir, code, error, fix)
 
     def fail(self, code: ExitCode, message: str, fix: str = "") -> NoReturn:
+        if "; fix: " in message:  # the error's own fix is the one to follow
+            message, fix = message.split("; fix: ", 1)
         self.record(code, message, fix)
         _fail(code, f"{message}; fix: {fix}" if fix else message)
 

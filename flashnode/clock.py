@@ -77,7 +77,7 @@ def moment(
     clock = f"{at:%H:%M:%S}" if seconds else f"{at:%H:%M}"
     if at.date() == today.date() and not day:
         shown = clock
-    elif abs(wall - now) < 6 * 86400:
+    elif abs(wall - now) < 7 * 86400:  # a weekday names one day of these
         shown = f"{at:%a} {clock}"
     else:
         shown = f"{at:%Y-%m-%d} {clock}"

@@ -65,8 +65,13 @@ def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
         return state_dir
     try:
         found = load({}, os.environ, config_file).state_dir
-    except ConfigError:
-        found = Path(os.environ.get("FLASHNODE_STATE_DIR") or default_state_dir())
+    except ConfigError:  # where that agent kept its state all the same (why it exited)
+        written = config_value(config_file, "state_dir")
+        found = Path(
+            os.environ.get("FLASHNODE_STATE_DIR")
+            or (written if isinstance(written, str) and written.startswith("/") else None)
+            or default_state_dir()
+        )
     if (
         not (found / status.STATUS_FILE).exists()
         and (SERVICE_STATE_DIR / status.STATUS_FILE).exists()
@@ -149,7 +154,20 @@ def _stopped_totals(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def needs_root(what: str, group: bool = False) -> NoReturn:
+def roots_config(config_file: Path | None) -> Path | None:
+    """The config file, when this user is not root and the file is root's: the agent it
+    configures runs as root (the packaged service), with credentials and state only root may
+    read or write, so what checks or changes them must run as root too."""
+    path = config_file or (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
+    if path is None or os.geteuid() == 0:
+        return None
+    try:
+        return path if path.stat().st_uid == 0 else None
+    except OSError:
+        return None
+
+
+def needs_root(what: str, group: bool = False, denied: bool = True) -> NoReturn:
     """One line for what this user may not do: run it with sudo (or, for what the group
     ``flashnode`` may read, join it)."""
     hint = "run it with sudo"
@@ -157,7 +175,7 @@ def needs_root(what: str, group: bool = False) -> NoReturn:
         hint += (
             ", or join the group flashnode (sudo usermod -aG flashnode $USER, then log in again)"
         )
-    stop(ExitCode.FAILURE, f"{what}: permission denied; {hint}")
+    stop(ExitCode.FAILURE, f"{what}: {'permission denied; ' if denied else ''}{hint}")
 
 
 @click.command()
@@ -177,9 +195,14 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
     ledger = Ledger(state_dir_of(config_file, state_dir) / "ledger.jsonl")
     cores = os.cpu_count() or 1
     try:
-        records = ledger.records()[-count:]
+        records = ledger.records(last=count)
     except PermissionError:
-        stop(ExitCode.FAILURE, f"{ledger.path} is the agent's alone: run flashnode history as root")
+        needs_root(f"cannot read {ledger.path} (the agent's alone)")
+    if records and not as_json:
+        zone = time.strftime("%Z")
+        click.echo(
+            f"{'ended (' + zone + ')':19}  job/task  outcome  took  cpu  gpu  [prepared]  reason"
+        )
     for r in records:
         if as_json:
             click.echo(json.dumps(r, sort_keys=True))
