@@ -343,7 +343,10 @@ def load_as_service(
         found = unitview.check(service, raw)
         if not found:
             raise
-        raise ConfigError(f"{found[0].why}; fix: {found[0].fix}") from None
+        more = (
+            f" (and {len(found) - 1} more: sudo flashnode doctor lists them)" if found[1:] else ""
+        )
+        raise ConfigError(f"{found[0].why}{more}; fix: {found[0].fix}") from None
 
 
 def exit_state_dir(
@@ -373,9 +376,13 @@ class Ending:
         self.named = named  # given by the owner, or the service's; else only the default
 
     def record(self, code: ExitCode, error: str, fix: str = "") -> None:
+        where = self.state_dir
+        service = default_state_dir(os.environ) if os.environ.get("STATE_DIRECTORY") else None
+        if not where.is_dir() and service is not None:
+            where = service  # a state dir the service cannot make: its own, where status looks
         # Not into a default directory no agent has used: it is nobody's yet.
-        if self.named or (self.state_dir / statelock.LOCK_FILE).exists():
-            lastexit.write(self.state_dir, code, error, fix)
+        if self.named or where == service or (where / statelock.LOCK_FILE).exists():
+            lastexit.write(where, code, error, fix)
 
     def fail(self, code: ExitCode, message: str, fix: str = "") -> NoReturn:
         if "; fix: " in message:  # the error's own fix is the one to follow

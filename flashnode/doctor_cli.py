@@ -122,7 +122,7 @@ def _service(r: Report, config_file: Path | None) -> unitview.UnitView | None:
     if theirs.resolve() != ours.resolve():
         r.ok("service", f"{view.name} reads {theirs}, not {ours}: checked as run by hand")
         return None
-    r.ok("service", f"paths as {view.describe()} lets the service use them")
+    r.ok("service", f"paths checked as {view.describe()} confines them")
     return view
 
 

@@ -72,10 +72,11 @@ def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
             or (written if isinstance(written, str) and written.startswith("/") else None)
             or default_state_dir()
         )
-    if (
-        not (found / status.STATUS_FILE).exists()
-        and (SERVICE_STATE_DIR / status.STATUS_FILE).exists()
-    ):
+
+    def used(directory: Path) -> bool:  # an agent ran there, or tried to
+        return any((directory / f).exists() for f in (status.STATUS_FILE, lastexit.EXIT_FILE))
+
+    if not used(found) and used(SERVICE_STATE_DIR):
         return SERVICE_STATE_DIR
     return found
 

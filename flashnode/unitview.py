@@ -127,10 +127,11 @@ class UnitView:
         return None
 
     def describe(self) -> str:
-        shown = ", ".join(str(f) for f in self.files)
+        """``flashnode.service (ProtectSystem=strict, ProtectHome=yes; /usr/lib/…, …)``."""
+        shown = "; ".join(str(f) for f in self.files)
         return (
-            f"{self.name} ({shown}): ProtectSystem={self.protect_system},"
-            f" ProtectHome={self.protect_home}"
+            f"{self.name} (ProtectSystem={self.protect_system},"
+            f" ProtectHome={self.protect_home}; {shown})"
         )
 
     # --- what a path is to the service ---------------------------------------------------------

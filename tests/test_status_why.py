@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TokenCoordinator
+from consoleharness import ConsoleAgent
 from harness import AgentProcess, CoordinatorServer, argv_job, free_port, shared_dir, wait_for
 
 from flashnode import status
@@ -160,6 +161,7 @@ def test_after_refused_credentials_status_says_why_the_agent_stopped_and_how_to_
     assert as_json["running"] is False and as_json["last_exit"]["code"] == 77
 
     # The next agent (with the right token) runs, and says what happened before it started.
+    port = free_port()
     agent = start_agent(
         server.url,
         *TRUSTED,
@@ -167,7 +169,7 @@ def test_after_refused_credentials_status_says_why_the_agent_stopped_and_how_to_
         env={
             **FAST,
             **token_coordinator.agent_env(),
-            "FLASHNODE_UI_LISTEN": f"127.0.0.1:{free_port()}",
+            "FLASHNODE_UI_LISTEN": f"127.0.0.1:{port}",
         },
         state_dir=state_dir,
     )
@@ -178,6 +180,13 @@ def test_after_refused_credentials_status_says_why_the_agent_stopped_and_how_to_
         ),
     )
     assert "last exit   before this start: exit 77 at" in text, text
+    # The console the new agent serves says it too.
+    console = ConsoleAgent(agent, port, tmp_path)
+    console.wait_console()
+    client, _ = console.session()
+    why = client.get("/api/state").json()["why"]
+    assert why["last_exit"]["code"] == 77 and why["last_exit"]["before_start"] is True, why
+    assert "flashnode login" in why["last_exit"]["fix"]
     # A second agent on the same state dir exits 75; the running one's status names it.
     second = flashnode("work", *TRUSTED, "--coordinator", server.url, "--state-dir", str(state_dir))
     assert second.returncode == 75
