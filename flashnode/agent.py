@@ -32,7 +32,7 @@ from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.attempt.execute import FULL_BELOW_BYTES
 from flashnode.attempt.record import State
-from flashnode.clock import Clock, duration, moment
+from flashnode.clock import Clock, stamp
 from flashnode.controls import Controls, Decision, Hold, Rules
 from flashnode.errors import (
     AttemptFailed,
@@ -403,13 +403,13 @@ class Agent:
         if self._draining:
             text = f"draining: {len(running)} attempt(s) running"
             if running and self._drain_started:
-                left = max(self._drain_deadline - self.clock.monotonic(), 0.0)
-                text += f", stopped in {duration(left)} at the latest (drain_seconds)"
+                by = self._wall_of(self._drain_deadline)
+                text += f", stopped by {stamp(by)} at the latest (drain_seconds)"
             return text
         if self._problems:
             since = min(self._problems.values())
             what = ", ".join(sorted(self._problems))
-            return f"coordinator unreachable since {self._moment(since)} ({what})"
+            return f"coordinator unreachable since {stamp(self._wall_of(since))} ({what})"
         held = self.decision.hold_reason
         wall = self.clock.wall()
         text = "; ".join(status.attempt_line(a, wall) for a in running) or "idle"
@@ -417,10 +417,9 @@ class Agent:
             text = "running " + text
         return f"{text} | not claiming: {held}" if held else text
 
-    def _moment(self, monotonic: float) -> str:
-        """A moment on the monotonic clock, as an owner reads it (with its zone)."""
-        now = self.clock.wall()
-        return moment(now - (self.clock.monotonic() - monotonic), now)
+    def _wall_of(self, monotonic: float) -> float:
+        """A moment on the monotonic clock, on the wall clock."""
+        return self.clock.wall() - (self.clock.monotonic() - monotonic)
 
     def _coordinator_problems(self) -> list[dict[str, Any]]:
         """Each failing conversation with the coordinator: since when, its latest error."""

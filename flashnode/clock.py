@@ -62,6 +62,13 @@ def local(wall: float, tz: tzinfo | None = None) -> datetime:
     )
 
 
+def stamp(wall: float, tz: tzinfo | None = None) -> str:
+    """``14:12:03 CEST``: a time of day with its zone, for a line that must not change every
+    second (systemd's STATUS=, the terminal line)."""
+    at = local(wall, tz)
+    return f"{at:%H:%M:%S} {at.tzname() or format(at, '%z')}"
+
+
 def moment(
     wall: float,
     now: float | None = None,
