@@ -200,10 +200,13 @@ def env_script(env: Mapping[str, str], argv: Sequence[str], cwd: Path | None = N
     """The script the last step of the chain sources: enter ``cwd`` (first: no variable of the
     task's can change what it means), export exactly ``env`` (names are checked by the wire
     parser), set the arguments, and, last, say it is whole (``FLASHNODE_GO``: a payload cannot
-    set that name, and it is never exported)."""
+    set that name, and it is never exported). Each export goes through ``command``: a name the
+    shell refuses to take (dash's ``OPTIND`` with a value that is not a number, bash's
+    read-only ``UID``) is then left out with a message, where a bare ``export`` would end the
+    shell before the task runs and make the task's own payload look like the launch failing."""
     enter = f"cd -- {_quote(str(cwd))} || {{ echo 'flashnode: cannot enter the workspace' >&2;"
     lines = [f"{enter} exit {SETUP_FAILED}; }}\n"] if cwd is not None else []
-    lines += [f"export {k}={_quote(v)}\n" for k, v in env.items()]
+    lines += [f"command export {k}={_quote(v)}\n" for k, v in env.items()]
     lines.append("set -- " + " ".join(_quote(a) for a in argv) + "\n")
     lines.append("FLASHNODE_GO=1\n")
     return "".join(lines).encode("utf-8", "surrogateescape")

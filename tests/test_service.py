@@ -275,13 +275,19 @@ def test_rpm_builds_with_the_right_files(packages: list[Path]) -> None:
 
 
 def test_status_names_the_running_task_and_pools_join_reaches_the_agent(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
+    drop_dir: Path,
 ) -> None:
     config = tmp_path / "flashnode.toml"
     config.write_text(
         f'coordinator = "{coordinator.url}"\nrunner = "trusted"\npools = ["team-a"]\n'
     )
-    job = coordinator.submit(argv_job(["sh", "-c", "sleep 3; echo '{}' > metrics.json"]))
+    # The task runs until the test has looked at it (a fixed sleep could end first on a busy host).
+    go = drop_dir / "go"
+    wait = f"while [ ! -e {go} ]; do sleep 0.05; done; echo '{{}}' > metrics.json"
+    job = coordinator.submit(argv_job(["sh", "-c", wait]))
     other = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"], pool="team-z"))
     agent = start_agent(coordinator.url, "--config", str(config), env=FAST)
     wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
@@ -300,6 +306,7 @@ def test_status_names_the_running_task_and_pools_join_reaches_the_agent(
     assert snapshot["last_heartbeat_age_s"] is not None and snapshot["last_heartbeat_age_s"] < 10
     human = flashnode("status", "--state-dir", str(agent.state_dir))
     assert job in human.stdout
+    go.touch()
 
     joined = flashnode(
         "pools",
