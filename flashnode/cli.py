@@ -376,13 +376,15 @@ class Ending:
         self.named = named  # given by the owner, or the service's; else only the default
 
     def record(self, code: ExitCode, error: str, fix: str = "") -> None:
+        """Best effort: a state dir this user cannot reach keeps no record."""
         where = self.state_dir
         service = default_state_dir(os.environ) if os.environ.get("STATE_DIRECTORY") else None
-        if not where.is_dir() and service is not None:
-            where = service  # a state dir the service cannot make: its own, where status looks
-        # Not into a default directory no agent has used: it is nobody's yet.
-        if self.named or where == service or (where / statelock.LOCK_FILE).exists():
-            lastexit.write(where, code, error, fix)
+        with contextlib.suppress(OSError):
+            if not where.is_dir() and service is not None:
+                where = service  # a state dir the service cannot make: its own, where status looks
+            # Not into a default directory no agent has used: it is nobody's yet.
+            if self.named or where == service or (where / statelock.LOCK_FILE).exists():
+                lastexit.write(where, code, error, fix)
 
     def fail(self, code: ExitCode, message: str, fix: str = "") -> NoReturn:
         if "; fix: " in message:  # the error's own fix is the one to follow

@@ -74,7 +74,10 @@ def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
         )
 
     def used(directory: Path) -> bool:  # an agent ran there, or tried to
-        return any((directory / f).exists() for f in (status.STATUS_FILE, lastexit.EXIT_FILE))
+        try:
+            return any((directory / f).exists() for f in (status.STATUS_FILE, lastexit.EXIT_FILE))
+        except OSError:  # one this user may not look into: it is someone's
+            return True
 
     if not used(found) and used(SERVICE_STATE_DIR):
         return SERVICE_STATE_DIR

@@ -546,7 +546,11 @@ def test_one_user_holding_connections_open_cannot_lock_the_owner_out(
     deadline, however slowly its bytes come."""
     from flashnode.console.server import MAX_CLIENTS, READ_TIMEOUT_S
 
-    if os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists():
+    if (
+        os.geteuid() != 0
+        or shutil.which("setpriv") is None
+        or not Path("/usr/bin/python3").exists()
+    ):
         pytest.skip("needs root, setpriv and /usr/bin/python3 to hold connections as another user")
     hold = (
         "import socket, sys, time\n"
