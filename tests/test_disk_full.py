@@ -183,9 +183,7 @@ def test_a_task_that_fills_the_disk_ends_at_once_and_the_node_carries_on(
     coordinator.cancel(greedy)  # else it comes back once its lease lapses
     wait_for(
         "the space to be given back",  # a chain started ahead keeps its empty /work in attempts/
-        lambda: (
-            not [p for p in (state_dir / "attempts").iterdir() if not p.name.startswith(".ahead-")]
-        ),
+        lambda: not [p for p in (state_dir / "attempts").iterdir() if not p.name.startswith(".ahead-")],
     )
 
     # The disk full with nothing running: status says so (written in place), and the owner's
