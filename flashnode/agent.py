@@ -24,7 +24,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,7 +32,7 @@ from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.attempt.execute import FULL_BELOW_BYTES
 from flashnode.attempt.record import State
-from flashnode.clock import Clock
+from flashnode.clock import Clock, stamp
 from flashnode.controls import Controls, Decision, Hold, Rules
 from flashnode.errors import (
     AttemptFailed,
@@ -100,12 +99,14 @@ class Agent:
         controls: Controls | None = None,
         health: Callable[[Settings], list[str]] | None = None,
         status_extra: dict[str, Any] | None = None,
+        totals: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         """``controls``: the owner's rules (None: none). ``free_bytes``: free space in the state
         dir (default: ``ctx.free_bytes``). ``health``: this node's own checks for the given
         settings, as one line per problem (the preflight; none: always healthy).
         ``status_extra``: more for status.json (what owners' commands may use to reach it).
-        Counts go to ``ctx.metrics``."""
+        ``totals``: what this node gave, today and all time (from the ledger: it survives
+        restarts), for status.json. Counts go to ``ctx.metrics``."""
         self.ctx = ctx
         self.controls = controls
         self.metrics = ctx.metrics
@@ -124,6 +125,7 @@ class Agent:
         self._free_bytes = free_bytes or ctx.free_bytes
         self._health = health
         self._status_extra = dict(status_extra or {})
+        self._totals = totals
         self._reload_requested = False
         self._reloading = False
         self._reload_refused: dict[str, Any] | None = None  # the last refused reload: at, reason
@@ -150,6 +152,8 @@ class Agent:
         self._wake = threading.Event()
         self._registered = False
         self._problems: dict[str, float] = {}  # conversation -> since when it fails
+        self._problem_errors: dict[str, str] = {}  # conversation -> its latest error
+        self._started_wall = self.clock.wall()
         self._next_heartbeat = 0.0
         self._next_claim = 0.0
         self._next_register = 0.0
@@ -358,6 +362,8 @@ class Agent:
             "disk",
             f"{what}: {free >> 20} MiB free, below min_free_bytes ({floor >> 20} MiB);"
             " claims resume above it",
+            fix=f"free space on the disk of {self.settings.state_dir} (`flashnode envs prune`"
+            " evicts unused job environments), or lower min_free_bytes",
         )
 
     def task_cpu(self) -> dict[str, float] | None:
@@ -395,19 +401,40 @@ class Agent:
 
     def _status_text(self, running: list[dict[str, Any]]) -> str:
         if self._draining:
-            return f"draining: {len(running)} attempt(s) running"
+            text = f"draining: {len(running)} attempt(s) running"
+            if running and self._drain_started:
+                by = self._wall_of(self._drain_deadline)
+                text += f", stopped by {stamp(by)} at the latest (drain_seconds)"
+            return text
         if self._problems:
             since = min(self._problems.values())
-            wall = self.clock.wall() - (self.clock.monotonic() - since)
             what = ", ".join(sorted(self._problems))
-            clock = time.strftime("%H:%M:%S", time.localtime(wall))
-            return f"coordinator unreachable since {clock} ({what})"
+            return f"coordinator unreachable since {stamp(self._wall_of(since))} ({what})"
         held = self.decision.hold_reason
         wall = self.clock.wall()
         text = "; ".join(status.attempt_line(a, wall) for a in running) or "idle"
         if running:
             text = "running " + text
         return f"{text} | not claiming: {held}" if held else text
+
+    def _wall_of(self, monotonic: float) -> float:
+        """A moment on the monotonic clock, on the wall clock."""
+        return self.clock.wall() - (self.clock.monotonic() - monotonic)
+
+    def _coordinator_problems(self) -> list[dict[str, Any]]:
+        """Each failing conversation with the coordinator: since when, its latest error."""
+        offset = self.clock.wall() - self.clock.monotonic()
+        return [
+            {
+                "conversation": what,
+                "since": since + offset,
+                "error": self._problem_errors.get(what, ""),
+                "fix": "check that the coordinator runs and that this machine reaches"
+                f" {self.settings.coordinator} (`flashnode doctor` checks it); the agent keeps"
+                " trying",
+            }
+            for what, since in sorted(self._problems.items())
+        ]
 
     def _publish(self, final: bool = False) -> None:
         with self._lock:
@@ -427,8 +454,11 @@ class Agent:
             "state": text,
             "draining": self._draining,
             "registered": self._registered,
+            "started_at": self._started_wall,
             "last_heartbeat_at": self._last_beat_wall,
+            "coordinator_problems": self._coordinator_problems(),
             "counters": dict(self.stats.outcomes),
+            "totals": self._read_totals(),
             "running": running,
             "controls": self.decision.snapshot(),
             "last_ended": self._last_ended,
@@ -446,6 +476,15 @@ class Agent:
         if self._status_failing:
             self._status_failing = False
             log.info("status.json is written again")
+
+    def _read_totals(self) -> dict[str, Any] | None:
+        if self._totals is None:
+            return None
+        try:
+            return self._totals()
+        except Exception:  # the totals are for the owner's eyes: never the loop's end
+            log.exception("cannot read the totals from the ledger")
+            return None
 
     def _quota_spent(self) -> bool:
         m = self.settings.max_tasks
@@ -651,12 +690,14 @@ class Agent:
 
     def _failing(self, what: str, exc: Exception) -> None:
         self.metrics.coordinator_error(what)
+        self._problem_errors[what] = str(exc)
         if what not in self._problems:
             self._problems[what] = self.clock.monotonic()
             log.warning("%s failing, retrying with backoff: %s", what, exc)
 
     def _working(self, what: str) -> None:
         since = self._problems.pop(what, None)
+        self._problem_errors.pop(what, None)
         if since is not None:
             log.info("%s works again after %.0f s", what, self.clock.monotonic() - since)
 

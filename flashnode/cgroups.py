@@ -47,7 +47,20 @@ class Hierarchy:
         self.clock = clock or SystemClock()
 
     def describe(self) -> str:
-        return f"cgroup v{self.version} ({', '.join(str(p) for p in self.bases.values())})"
+        """``cgroup v2 at /system.slice/flashnode.service/flashnode``; v1's controllers grouped
+        by where they are (a long part of a path shortened): one line of readable length."""
+        where: dict[str, list[str]] = {}
+        for controller, base in self.bases.items():
+            mount = ROOT if self.version == 2 else ROOT / controller
+            try:
+                shown = "/" + str(base.relative_to(mount))
+            except ValueError:
+                shown = str(base)
+            shown = "/".join(p if len(p) <= 24 else p[:12] + "…" for p in shown.split("/"))
+            where.setdefault(shown, []).append(controller)
+        if self.version == 2:
+            return f"cgroup v2 at {', '.join(where)}"
+        return "cgroup v1: " + "; ".join(f"{', '.join(c)} at {p}" for p, c in where.items())
 
     def set_cpu_cap(self, cpus: float | None, tasks: Mapping[str, float | None]) -> None:
         """Cap all attempts together at ``cpus`` CPUs (None: no cap), live.

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -31,6 +31,8 @@ from flashnode import (
     controls_cli,
     envs_cli,
     inventory,
+    lastexit,
+    ledgerview,
     metrics,
     owner,
     pausefile,
@@ -38,6 +40,7 @@ from flashnode import (
     procs,
     sensors,
     statelock,
+    unitview,
 )
 from flashnode.agent import Agent, effective_slots
 from flashnode.attempt import AttemptContext
@@ -59,11 +62,19 @@ from flashnode.errors import (
 from flashnode.gpu import Nvml
 from flashnode.gpupool import GpuPool
 from flashnode.ledger import Ledger
+from flashnode.ledgerview import LedgerView
 from flashnode.outbox import Outbox
 from flashnode.runners.base import Runner, RunnerEnv, runner_class
 from flashnode.runners.spec import task_limits
 from flashnode.sanitise import sanitise
-from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, load
+from flashnode.settings import (
+    DEFAULT_CONFIG_FILE,
+    Settings,
+    default_state_dir,
+    gather,
+    load,
+    read_config_file,
+)
 from flashnode.status import Sinks, TerminalLine
 from flashnode.systemd import Notifier
 from flashnode.wire import NodeRegistration
@@ -163,7 +174,31 @@ def _fail(code: ExitCode, message: str) -> NoReturn:
     sys.exit(int(code))
 
 
-@click.group()
+class Commands(click.Group):
+    """No traceback reaches a user from any command: what this user may not do is one line
+    that says to run it with sudo, any other error one line that names it."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except PermissionError as exc:
+            owner.needs_root(f"cannot use {exc.filename}" if exc.filename else "not allowed")
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            _fail(ExitCode.FAILURE, f"{where}{exc.strerror or exc}")
+        except Exception as exc:
+            if os.environ.get("FLASHNODE_DEBUG"):
+                raise
+            _fail(
+                ExitCode.FAILURE,
+                f"unexpected error: {type(exc).__name__}: {exc} (a bug: please report it;"
+                " FLASHNODE_DEBUG=1 shows where)",
+            )
+
+
+@click.group(cls=Commands)
 @click.version_option(__version__, prog_name="flashnode")
 def main() -> None:
     """flashnode: the volunteer node agent of the flashruntime distributed ML runtime."""
@@ -230,25 +265,30 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
 
     Before anything else the same checks as `flashnode doctor` run (without the coordinator):
     a problem that would keep the agent from working stops it with one line and its exit code
-    (78 configuration, 69 a missing prerequisite).
+    (78 configuration, 69 a missing prerequisite). However it exits, it says why in the state
+    dir, where `flashnode status` finds it once the agent is gone.
     """
     if pools:
         flags["pools"] = pools
+    ending = Ending(*exit_state_dir(flags, os.environ, config_file))
+    unit = unitview.running_under()
+    service = unitview.load(unit) if unit else None
     try:
-        settings = load(flags, os.environ, config_file)
+        settings = load_as_service(flags, config_file, service)
     except ConfigError as exc:
-        _fail(ExitCode.CONFIG, f"configuration error: {exc}")
+        ending.fail(ExitCode.CONFIG, f"configuration error: {exc}", ending.config_fix())
+    ending.state_dir = settings.state_dir
     # First, before the checks (they take seconds) and before anything is touched: a second
     # agent on this state dir stops here.
     lock = None
     if settings.state_dir.is_dir():
         with contextlib.suppress(OSError):  # a state dir that is not ours: the checks say why
-            lock = lock_state_dir(settings.state_dir)
-    found = preflight.problems(settings)
+            lock = lock_state_dir(settings.state_dir, ending)
+    found = preflight.problems(settings, service=service)
     for problem in found:
         if problem.code is not None:
             prefix = "configuration error: " if problem.code == ExitCode.CONFIG else ""
-            _fail(problem.code, prefix + problem.line())
+            ending.fail(problem.code, prefix + f"{problem.what}: {problem.why}", problem.fix)
     line = TerminalLine() if sys.stderr.isatty() and not settings.log_json else None
     setup_logging(settings.log_json, line)
     threading.excepthook = _log_thread_death
@@ -257,23 +297,117 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     try:
         run_agent(
             settings,
-            reload=lambda: load(flags, os.environ, config_file),
+            reload=lambda: load_as_service(flags, config_file, service),
             line=line,
             lock=lock,
             accepted=frozenset(p.what for p in found),
             source=Source(flags, config_file),
+            ending=ending,
         )
     except ConfigError as exc:
-        _fail(ExitCode.CONFIG, f"configuration error: {exc}")
+        ending.fail(ExitCode.CONFIG, f"configuration error: {exc}", ending.config_fix())
     except CredentialsError as exc:
-        _fail(ExitCode.CREDENTIALS, f"credentials refused: {exc}")
+        ending.fail(
+            ExitCode.CREDENTIALS,
+            f"credentials refused: {exc}",
+            f"store a token and join code {settings.coordinator} accepts: sudo flashnode login"
+            f" --coordinator {settings.coordinator}; then {ending.restart()}",
+        )
     except PrerequisiteError as exc:
-        _fail(ExitCode.UNAVAILABLE, str(exc))
+        ending.fail(
+            ExitCode.UNAVAILABLE,
+            str(exc),
+            f"`flashnode doctor` names what is missing; then {ending.restart()}",
+        )
     except FlashnodeError as exc:
-        _fail(ExitCode.FAILURE, str(exc))
+        ending.fail(ExitCode.FAILURE, str(exc), f"see the log; then {ending.restart()}")
+    except Exception as exc:
+        log.exception("unexpected error")
+        ending.fail(
+            ExitCode.FAILURE,
+            f"unexpected error: {type(exc).__name__}: {exc}",
+            f"a bug: the log has its traceback (report it); then {ending.restart()}",
+        )
+    ending.record(ExitCode.OK, "")
 
 
-def lock_state_dir(state_dir: Path) -> statelock.StateLock:
+def load_as_service(
+    flags: Mapping[str, Any], config_file: Path | None, service: unitview.UnitView | None
+) -> Settings:
+    """The settings; under a systemd unit, a path its sandbox keeps from the agent is refused
+    with the unit setting to change (rather than "does not exist" for a file that does)."""
+    try:
+        return load(flags, os.environ, config_file)
+    except ConfigError:
+        if service is None:
+            raise
+        raw, _ = gather(flags, os.environ, config_file)
+        found = unitview.check(service, raw)
+        if not found:
+            raise
+        more = (
+            f" (and {len(found) - 1} more: sudo flashnode doctor lists them)" if found[1:] else ""
+        )
+        raise ConfigError(f"{found[0].why}{more}; fix: {found[0].fix}") from None
+
+
+def exit_state_dir(
+    flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None
+) -> tuple[Path, bool]:
+    """Where an agent whose settings do not load would have kept its state: the flag, the
+    environment, the file's ``state_dir`` as written, else the default (the service's
+    ``$STATE_DIRECTORY``); and whether one of these named it (not the default alone). Where
+    ``flashnode status`` looks for why it exited."""
+    given = flags.get("state_dir") or env.get("FLASHNODE_STATE_DIR")
+    if not given:
+        path = config_file or (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
+        if path is not None:
+            with contextlib.suppress(ConfigError):
+                given = read_config_file(path).get("state_dir")
+    if isinstance(given, (str, Path)) and Path(given).is_absolute():
+        return Path(given), True
+    return default_state_dir(env), bool(env.get("STATE_DIRECTORY"))
+
+
+class Ending:
+    """How this agent exits: one line on standard error, the same with its fix in
+    ``<state dir>/last-exit.json`` (``lastexit.py``), and the exit code."""
+
+    def __init__(self, state_dir: Path, named: bool = True) -> None:
+        self.state_dir = state_dir
+        self.named = named  # given by the owner, or the service's; else only the default
+
+    def record(self, code: ExitCode, error: str, fix: str = "") -> None:
+        """Best effort: a state dir this user cannot reach keeps no record."""
+        where = self.state_dir
+        service = default_state_dir(os.environ) if os.environ.get("STATE_DIRECTORY") else None
+        with contextlib.suppress(OSError):
+            if not where.is_dir() and service is not None:
+                where = service  # a state dir the service cannot make: its own, where status looks
+            # Not into a default directory no agent has used: it is nobody's yet.
+            if self.named or where == service or (where / statelock.LOCK_FILE).exists():
+                lastexit.write(where, code, error, fix)
+
+    def fail(self, code: ExitCode, message: str, fix: str = "") -> NoReturn:
+        if "; fix: " in message:  # the error's own fix is the one to follow
+            message, fix = message.split("; fix: ", 1)
+        self.record(code, message, fix)
+        _fail(code, f"{message}; fix: {fix}" if fix else message)
+
+    @staticmethod
+    def restart() -> str:
+        """How the owner starts this agent again: its unit's restart under systemd."""
+        unit = statelock.systemd_unit(os.getpid()) if os.environ.get("INVOCATION_ID") else None
+        return f"sudo systemctl restart {unit}" if unit else "start the agent again"
+
+    def config_fix(self) -> str:
+        return (
+            "correct the setting named (the config file, a flag or a FLASHNODE_* variable;"
+            f" `flashnode doctor` checks them), then {self.restart()}"
+        )
+
+
+def lock_state_dir(state_dir: Path, ending: Ending | None = None) -> statelock.StateLock:
     """The state dir's lock; exit 75 naming the holder when another agent has it. OSError when
     the lock file cannot be opened."""
     try:
@@ -281,10 +415,10 @@ def lock_state_dir(state_dir: Path) -> statelock.StateLock:
     except statelock.Held as exc:
         unit = exc.holder.unit
         how = f"sudo systemctl stop {unit}" if unit else "stop it"
-        _fail(
+        (ending or Ending(state_dir)).fail(
             ExitCode.LOCKED,
-            f"another agent runs on the state dir {state_dir}: {exc.holder.describe()};"
-            f" {how} first, or give this one its own --state-dir",
+            f"another agent runs on the state dir {state_dir}: {exc.holder.describe()}",
+            f"{how} first, or give this one its own --state-dir",
         )
 
 
@@ -395,6 +529,7 @@ def _console(
     coordinator: Coordinator,
     ring: UsageRing | None,
     source: Source,
+    ledger: LedgerView,
 ) -> Console | None:
     """The owner's console, when ``ui_listen`` asks for it. An address that cannot be bound
     leaves the agent working without it (the console is on by default: a second agent on the
@@ -414,6 +549,7 @@ def _console(
         node_view=coordinator.node_view,
         ring=ring,
         task_uids=_task_uids(settings),
+        ledger=ledger,
     )
     try:
         return start(settings.ui_listen, wiring)
@@ -450,6 +586,7 @@ def run_agent(
     lock: statelock.StateLock | None = None,
     accepted: frozenset[str] = frozenset(),
     source: Source | None = None,
+    ending: Ending | None = None,
 ) -> None:
     """Run the agent on its state dir, holding the state dir's lock (``lock``: already taken)
     until every attempt has ended and the last status is written. ``accepted``: what the
@@ -457,7 +594,7 @@ def run_agent(
     try:
         inventory.ensure_state_dir(settings.state_dir)
         if lock is None:
-            lock = lock_state_dir(settings.state_dir)
+            lock = lock_state_dir(settings.state_dir, ending)
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
@@ -572,6 +709,7 @@ def _run_agent(
         from flashnode.console.usage import UsageRing
 
         ring = UsageRing(gpu=lambda: _gpu_percent(nvml, gpus))
+    given = LedgerView(ctx.ledger.path, checkpoint=settings.state_dir / ledgerview.CHECKPOINT_FILE)
     agent = Agent(
         ctx,
         coordinator,
@@ -582,6 +720,7 @@ def _run_agent(
         controls=controls,
         health=health,
         status_extra={"signals": {k: int(v) for k, v in pausefile.SIGNALS.items()}},
+        totals=given.totals,
     )
     readers.task_cpu = agent.task_cpu  # every running task, containers included
     log.info(
@@ -616,12 +755,13 @@ def _run_agent(
         (pausefile.SIGNALS["resume"], on_resume),
     ]
     previous = [(sig, signal.signal(sig, handler)) for sig, handler in handlers]
-    console = _console(settings, agent, coordinator, ring, source)
+    console = _console(settings, agent, coordinator, ring, source, given)
     try:
         agent.run()
     finally:
         if console is not None:
             console.close()
+        given.save()
         janitor.drain(60)
         for sig, old in previous:
             signal.signal(sig, old)

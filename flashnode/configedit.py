@@ -142,9 +142,11 @@ def replace(path: Path, text: str, validate: Validate) -> None:
     except OSError as exc:
         raise Refused(f"{path} not changed: {_why(exc)}") from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # never made (a directory this user cannot write)
             tmp.unlink()
 
 
 def _why(exc: OSError) -> str:
+    if isinstance(exc, PermissionError) and os.geteuid() != 0:
+        return "permission denied; run it with sudo"
     return exc.strerror or str(exc)

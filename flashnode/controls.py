@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING, Any, Literal
 
-from flashnode.clock import Clock
+from flashnode.clock import Clock, moment
 
 if TYPE_CHECKING:
     from flashnode.settings import Settings
@@ -163,19 +163,10 @@ def minute_of_week(local: datetime) -> float:
     )
 
 
-def next_opening(windows: tuple[Window, ...], minute: float) -> str:
-    """When the next window opens, as 'Mon 19:00' (local time); for status and the log."""
-    best: tuple[float, int] | None = None
-    for w in windows:
-        for start, _ in w.intervals:
-            ahead = (start - minute) % WEEK_MINUTES
-            if best is None or ahead < best[0]:
-                best = (ahead, start % WEEK_MINUTES)
-    if best is None:
-        return "never"
-    start = best[1]
-    day, rest = divmod(start, DAY_MINUTES)
-    return f"{DAYS[day].title()} {rest // 60:02d}:{rest % 60:02d}"
+def minutes_to_opening(windows: tuple[Window, ...], minute: float) -> float | None:
+    """Minutes from ``minute`` (of the week) until the next window opens; None: none ever does."""
+    ahead = [(start - minute) % WEEK_MINUTES for w in windows for start, _ in w.intervals]
+    return min(ahead) if ahead else None
 
 
 # --- durations -------------------------------------------------------------------------------
@@ -292,13 +283,15 @@ class Readers:
 
 @dataclass(frozen=True)
 class Hold:
-    """One rule holding claiming, and whether it also suspends running tasks."""
+    """One rule holding claiming, why, what the owner can do about it (``fix``), and whether
+    it also suspends running tasks."""
 
     # The owner's rules, and the node's own holds: a full disk, the black-hole guard's
     # quarantine, the backoff after a revoked lease (guard.py).
     rule: Literal["pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked"]
     reason: str
     suspends: bool = False
+    fix: str = ""
 
 
 @dataclass(frozen=True)
@@ -339,7 +332,8 @@ class Decision:
         return {
             "paused": self.paused.to_json() if self.paused else None,
             "held_by": [
-                {"rule": h.rule, "reason": h.reason, "suspends": h.suspends} for h in self.holds
+                {"rule": h.rule, "reason": h.reason, "fix": h.fix, "suspends": h.suspends}
+                for h in self.holds
             ],
             "stop_reason": self.stop_reason,
         }
@@ -415,17 +409,24 @@ class Controls:
 
         pause, pause_reason = self._pause(wall)
         if pause is not None:
-            holds.append(Hold("pause", pause_reason))
+            fix = "flashnode resume (the console's Resume)"
+            if pause.until is not None:
+                fix += ", or wait: it ends by itself"
+            holds.append(Hold("pause", pause_reason, fix=fix))
             if pause.mode == "now":
                 stop = pause_reason
 
         if r.windows:
-            local = datetime.fromtimestamp(wall, r.tz)
-            minute = minute_of_week(local)
+            minute = minute_of_week(datetime.fromtimestamp(wall, r.tz))
             if not any(w.contains(minute) for w in r.windows):
-                opens = next_opening(r.windows, minute)
                 holds.append(
-                    Hold("window", f"outside run_windows (next opens {opens})", self._s("window"))
+                    Hold(
+                        "window",
+                        f"outside run_windows: {self._opening(wall, minute)}",
+                        self._s("window"),
+                        "it claims again when a window opens; to work now, change run_windows"
+                        " (the config file or the console), then reload",
+                    )
                 )
 
         if r.on_battery:
@@ -436,7 +437,8 @@ class Controls:
                     if on
                     else f"on battery until recently (waits {r.clear_seconds:g} s on mains)"
                 )
-                holds.append(Hold("battery", why, self._s("battery")))
+                fix = "plug the machine in, or set hold_on_battery = false"
+                holds.append(Hold("battery", why, self._s("battery"), fix))
 
         if r.when_active:
             idle = self._sensor("active", self._idle, self._readers.idle_seconds, now)
@@ -447,6 +449,7 @@ class Controls:
                         f"the owner is at the machine (last input {idle:.0f} s ago;"
                         f" claims resume after {r.active_idle_seconds:g} s idle)",
                         self._s("active"),
+                        "leave the seat idle, or set hold_when_active = false",
                     )
                 )
 
@@ -461,7 +464,9 @@ class Controls:
                     else f"other programs used more than {r.load_percent:g}% of the CPU until"
                     f" recently (now {shown}; waits {r.clear_seconds:g} s below)"
                 )
-                holds.append(Hold("load", why, self._s("load")))
+                fix = "it claims again when other programs use less; or raise (or unset)"
+                fix += " hold_above_load_percent"
+                holds.append(Hold("load", why, self._s("load"), fix))
 
         decision = Decision(tuple(holds), stop, pause)
         self._log_changes(decision)
@@ -470,6 +475,14 @@ class Controls:
 
     def _s(self, rule: RuleName) -> bool:
         return rule in self.rules.suspend
+
+    def _opening(self, wall: float, minute: float) -> str:
+        """``next opens Tue 13:00 CEST (in 6d22h)``: in the windows' zone, never ambiguous."""
+        ahead = minutes_to_opening(self.rules.windows, minute)
+        if ahead is None:
+            return "no window ever opens"
+        opens = wall + ahead * 60
+        return f"next opens {moment(opens, wall, self.rules.tz, seconds=False, day=True)}"
 
     # --- readings ------------------------------------------------------------------------------
 
@@ -487,8 +500,7 @@ class Controls:
         if pause.until is None:
             when = "until `flashnode resume`"
         else:
-            at = datetime.fromtimestamp(pause.until, self.rules.tz)
-            when = f"until {at:%Y-%m-%d %H:%M}"
+            when = f"until {moment(pause.until, wall, self.rules.tz, seconds=False)}"
         how = "running tasks stopped" if pause.mode == "now" else "running tasks finish"
         return pause, f"paused by the owner {when} ({how})"
 

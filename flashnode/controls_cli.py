@@ -14,8 +14,8 @@ from typing import Protocol, TextIO
 
 import click
 
-from flashnode import pausefile, status
-from flashnode.owner import config_option, state_dir_of, state_dir_option
+from flashnode import logcap, pausefile, status
+from flashnode.owner import config_option, needs_root, state_dir_of, state_dir_option
 from flashnode.sanitise import sanitise
 from flashnode.wire import SAFE_ID
 
@@ -57,6 +57,8 @@ def pause(
         made = pausefile.pause(directory, duration, drain, time.time())
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--for") from None
+    except PermissionError:
+        needs_root(f"cannot write the pause in {directory}")
     except OSError as exc:
         # A full disk: the running agent is told by a signal (it keeps the pause in memory, and
         # writes it to the file once it can).
@@ -83,6 +85,8 @@ def resume(config_file: Path | None, state_dir: Path | None) -> None:
     directory = state_dir_of(config_file, state_dir)
     try:
         removed = pausefile.clear(directory)
+    except PermissionError:
+        needs_root(f"cannot remove the pause in {directory}")
     except OSError as exc:
         raise click.ClickException(
             f"cannot remove the pause in {directory}: {exc.strerror}"
@@ -128,7 +132,7 @@ def _signal(directory: Path, what: str) -> int | None:
 @click.command()
 @config_option
 @state_dir_option
-@click.argument("lease")
+@click.argument("lease", required=False)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the task writes.")
 @click.option(
     "--raw",
@@ -136,29 +140,36 @@ def _signal(directory: Path, what: str) -> int | None:
     help="Pass the bytes through unchanged (terminal control sequences included).",
 )
 def logs(
-    config_file: Path | None, state_dir: Path | None, lease: str, follow: bool, raw: bool
+    config_file: Path | None, state_dir: Path | None, lease: str | None, follow: bool, raw: bool
 ) -> None:
-    """Print a running task's stdout and stderr (to this command's stdout and stderr).
+    """Print a task's stdout and stderr (to this command's stdout and stderr).
 
-    With -f, follow them until the attempt ends. Control characters the task printed are shown
-    escaped unless --raw: a task must not drive the owner's terminal.
+    Without LEASE: follow the task that runs (when several run, name one). With LEASE: a
+    running task's, or an ended one's while the node keeps it (the latest `keep_logs`
+    attempts'; `flashnode history` lists them). With -f, follow a running task until its
+    attempt ends. Control characters the task printed are shown escaped unless --raw: a task
+    must not drive the owner's terminal.
     """
+    directory = state_dir_of(config_file, state_dir)
+    if lease is None:
+        lease, follow = _only_running(directory), True
     if not SAFE_ID.match(lease):
         raise click.BadParameter(f"{lease!r} is not a lease id", param_hint="LEASE")
-    attempt = state_dir_of(config_file, state_dir) / "attempts" / lease
     try:
-        os.lstat(attempt)
+        os.stat(directory / "attempts")
+        found = logcap.find(directory, lease)
     except PermissionError:
-        raise click.ClickException(
-            f"cannot read {attempt.parent}: permission denied (run as the agent's user)"
-        ) from None
+        needs_root(f"cannot read {directory}")
     except OSError:
-        pass
-    if not _is_dir(attempt):
+        found = logcap.find(directory, lease)
+    if found is None and not os.access(directory, os.R_OK):
+        needs_root(f"cannot read {directory}")
+    if found is None:
         raise click.ClickException(
-            f"no attempt {lease} runs on this node (a finished attempt's logs are removed with it;"
-            " see `flashnode history`)"
+            f"no output of attempt {lease} is on this node: it never ran here, or it ended"
+            " before the latest keep_logs attempts (`flashnode history` lists them)"
         )
+    path, live = found
     out: Sink
     err: Sink
     if raw:
@@ -166,9 +177,36 @@ def logs(
     else:
         out, err = Clean(sys.stdout), Clean(sys.stderr)
     try:
-        tail(attempt, out, err, follow)
+        # An attempt that ended is printed whole; a running one followed until its end.
+        tail(path, out, err, follow and live)
+    except PermissionError:
+        needs_root(f"cannot read {path}")
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _only_running(directory: Path) -> str:
+    """The lease of the one task that runs; else one line that says what to name."""
+    try:
+        snapshot = status.read(directory, strict=True)
+    except PermissionError:
+        needs_root(f"cannot read {directory / status.STATUS_FILE}", group=True)
+    if snapshot is None:
+        raise click.ClickException(
+            "no agent is running on this state dir: name an ended attempt's lease"
+            " (`flashnode history` lists them)"
+        )
+    running = [str(a.get("lease_id")) for a in snapshot.get("running") or []]
+    if not running:
+        raise click.ClickException(
+            "no task runs now: name an ended attempt's lease (`flashnode history` lists them)"
+        )
+    if len(running) > 1:
+        raise click.UsageError(
+            f"{len(running)} tasks run: name one, flashnode logs LEASE, of "
+            + ", ".join(sanitise(r) for r in running)
+        )
+    return running[0]
 
 
 class Sink(Protocol):
@@ -250,24 +288,22 @@ class _Stream:
 
 
 def tail(
-    attempt: Path,
+    logs: Path,
     out: Sink,
     err: Sink,
     follow: bool,
     poll: float = POLL_SECONDS,
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
-    """Copy the attempt's stdout to ``out`` and stderr to ``err``; with ``follow``, keep copying
-    (every ``poll`` seconds) until the attempt directory disappears, then copy what is left."""
-    streams = [
-        _Stream(attempt / "logs" / "stdout.txt", out),
-        _Stream(attempt / "logs" / "stderr.txt", err),
-    ]
+    """Copy ``logs/stdout.txt`` to ``out`` and ``logs/stderr.txt`` to ``err``; with ``follow``,
+    keep copying (every ``poll`` seconds) until the directory disappears (the attempt ended and
+    its workspace went), then copy what is left."""
+    streams = [_Stream(logs / "stdout.txt", out), _Stream(logs / "stderr.txt", err)]
     try:
         for s in streams:
             s.pump()
         while follow:
-            gone = not _is_dir(attempt)
+            gone = not _is_dir(logs)
             for s in streams:
                 s.pump()
             if gone:

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import psutil
 
-from flashnode import cgroups, datacache, localdata, preflight, status
+from flashnode import cgroups, datacache, localdata, preflight, status, unitview
 from flashnode.coordinator import Coordinator
 from flashnode.errors import (
     ConfigError,
@@ -24,7 +24,7 @@ from flashnode.errors import (
 )
 from flashnode.gpu import Nvml
 from flashnode.login_cli import probe_node_id, register_dry_run
-from flashnode.owner import config_option
+from flashnode.owner import config_option, needs_root, roots_config
 from flashnode.runners.spec import task_limits
 from flashnode.sanitise import sanitise
 from flashnode.settings import DEFAULT_CONFIG_FILE, Settings, format_size, load
@@ -65,8 +65,13 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
     again is harmless). Exit 1 on any FAIL.
     """
     r = Report()
-    if os.geteuid() != 0 and config_file is None and DEFAULT_CONFIG_FILE.exists():
-        r.warn("user", f"checking as uid {os.geteuid()}; the service runs as root: sudo it")
+    service = roots_config(config_file)
+    if service is not None:
+        needs_root(
+            f"doctor checks what the agent of {service} sees, and that agent runs as root (its"
+            " credentials and state are root's)",
+            denied=False,
+        )
     try:
         s = load({"coordinator": coordinator, "state_dir": state_dir}, os.environ, config_file)
     except ConfigError as exc:
@@ -80,7 +85,7 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         f" {format_size(limits.memory_bytes or 0)} memory, {limits.cpus:g} CPU(s),"
         f" {limits.pids} pids, {format_size(s.task_disk_bytes)} disk",
     )
-    for finding in preflight.check(s):
+    for finding in preflight.check(s, service=_service(r, config_file)):
         if isinstance(finding, preflight.Ok):
             r.ok(finding.what, finding.detail)
         elif finding.fatal:
@@ -104,6 +109,21 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         r.ok("GPUs", ", ".join(f"{d.info.index}: {d.info.name}" for d in nvml.devices) or "none")
         nvml.close()
     sys.exit(1 if r.failures else 0)
+
+
+def _service(r: Report, config_file: Path | None) -> unitview.UnitView | None:
+    """The installed unit, when the config checked is the one it runs with: its paths are then
+    judged as the service will see them (what passes here, the service can use)."""
+    view = unitview.load() if os.geteuid() == 0 else None
+    if view is None:
+        return None
+    theirs = view.config_file or DEFAULT_CONFIG_FILE
+    ours = config_file or DEFAULT_CONFIG_FILE
+    if theirs.resolve() != ours.resolve():
+        r.ok("service", f"{view.name} reads {theirs}, not {ours}: checked as run by hand")
+        return None
+    r.ok("service", f"paths checked as {view.describe()} confines them")
+    return view
 
 
 def _check_coordinator(r: Report, s: Settings) -> None:
@@ -159,7 +179,8 @@ def _check_data(r: Report, s: Settings) -> None:
         count, used = datacache.cache_usage(root)
         r.ok(
             "dataset cache",
-            f"{root}: {count} shard(s), {used >> 20} of {s.dataset_cache_bytes >> 20} MiB",
+            f"{root}: {count} shard(s), {format_size(used)} of"
+            f" {format_size(s.dataset_cache_bytes)}",
         )
         try:
             free = shutil.disk_usage(s.state_dir).free
@@ -168,7 +189,7 @@ def _check_data(r: Report, s: Settings) -> None:
         if free is not None and free < s.dataset_cache_bytes - used:
             r.warn(
                 "dataset cache",
-                f"the disk has {free >> 20} MiB free, less than the rest of the budget",
+                f"the disk has {format_size(free)} free, less than the rest of the budget",
             )
     else:
         r.ok("dataset cache", "off (dataset_cache_bytes = 0: no dataset work)")

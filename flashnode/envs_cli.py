@@ -14,7 +14,7 @@ import click
 from flashnode.envbuild import DiskRoom, EnvSpec, size
 from flashnode.envcache import EnvCache, EnvInfo, describe, summary
 from flashnode.errors import ConfigError, EnvUnavailable
-from flashnode.owner import config_option, state_dir_of, state_dir_option
+from flashnode.owner import config_option, needs_root, state_dir_of, state_dir_option
 from flashnode.sanitise import sanitise
 from flashnode.settings import Settings, load
 
@@ -100,10 +100,13 @@ def _settings(config_file: Path | None, state_dir: Path | None) -> Settings:
 def _open(config_file: Path | None, state_dir: Path | None) -> EnvCache | None:
     """The cache, or None (after saying so) when there is none yet: looking creates nothing."""
     s = _settings(config_file, state_dir)
-    if not (s.state_dir / ENVS_DIR).is_dir():
+    root = s.state_dir / ENVS_DIR
+    if not root.is_dir():
         click.echo(f"no environment cache in {s.state_dir}")
         click.echo(summary([], s.env_cache_bytes))
         return None
+    if root.stat().st_uid != os.geteuid():
+        needs_root(f"the environment cache {root} is the agent's", denied=False)
     try:
         return open_cache(s)
     except (OSError, EnvUnavailable, ConfigError) as exc:

@@ -149,7 +149,12 @@ class Quarantine:
                 checks = "its checks fail: " + "; ".join(found)
             else:
                 checks = "its checks pass; claiming again shortly"
-            return Hold("quarantine", f"quarantined: {self._why}; {checks}")
+            return Hold(
+                "quarantine",
+                f"quarantined: {self._why}; {checks}",
+                fix="fix what its checks find (`flashnode doctor` runs them too); it claims"
+                f" again once they pass, checking every {self.check_seconds:g} s",
+            )
 
     def check_due(self) -> bool:
         """A check should start now (the caller runs it, then calls ``checked``)."""
@@ -213,4 +218,9 @@ class RevokedBackoff:
                 self._until = None
                 log.info("the backoff after a revoked lease is over; claiming again")
                 return None
-            return Hold("revoked", self._why)
+            return Hold(
+                "revoked",
+                self._why,
+                fix="none needed: it claims again by itself; a job that ships no checkpoint"
+                " within its watchdog_seconds is revoked on every node",
+            )

@@ -44,18 +44,19 @@ class Ledger:
                 log.error("ledger: %d lines wait already; this one is dropped", MAX_PENDING)
             self._write_pending()
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self, last: int | None = None) -> list[dict[str, Any]]:
+        """The ledger's lines, oldest first; only the ``last`` ones (read from the end: the
+        ledger grows without bound)."""
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line after a crash
-        return out
+        try:
+            end = os.fstat(fd).st_size
+            lines = tail_lines(fd, end, last) if last is not None else _all_lines(fd)
+        finally:
+            os.close(fd)
+        return parse(lines)
 
     def flush(self) -> None:
         """Write the lines that wait, if they can be written now."""
@@ -94,3 +95,43 @@ class Ledger:
         if self._failing:
             self._failing = False
             log.info("the ledger is written again (%d line(s) that waited)", waiting)
+
+
+TAIL_CHUNK = 1 << 16
+
+
+def tail_lines(fd: int, end: int, count: int) -> list[bytes]:
+    """The last ``count`` whole lines before offset ``end`` of an open file (a line without its
+    newline at ``end`` is not whole yet, and left out), read backwards in chunks."""
+    if count <= 0:
+        return []
+    data, start = b"", end
+    while start > 0 and data.count(b"\n") <= count:
+        step = min(TAIL_CHUNK, start)
+        start -= step
+        data = os.pread(fd, step, start) + data
+    lines = data.split(b"\n")[:-1]  # what follows the last newline is not a whole line
+    if start > 0:
+        lines = lines[1:]  # the first may be cut
+    return lines[-count:]
+
+
+def _all_lines(fd: int) -> list[bytes]:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks).split(b"\n")
+
+
+def parse(lines: list[bytes]) -> list[dict[str, Any]]:
+    """Ledger lines as records; a torn line (a crash mid-write) or one that is no object is
+    skipped."""
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out

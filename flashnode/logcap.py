@@ -1,16 +1,22 @@
 """A task's output stream kept on disk with a size cap: the first ``cap`` bytes, then (when the
 stream was longer) a marker saying how much was dropped, and its last bytes. The last line it
-printed is kept for the owner's live view (``printable``: never terminal control)."""
+printed is kept for the owner's live view (``printable``: never terminal control). Once the
+attempt has ended, its output is kept for the owner (``keep``): the latest ``keep_logs``
+attempts' under ``<state dir>/logs/``, read by ``flashnode logs`` and the console's history."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from flashnode.sanitise import sanitise
+from flashnode.wire import SAFE_ID
+from flashnode.workspace import remove_tree
 
 TAIL_BYTES = 8 * 1024
 LINE_CHARS = 160  # the most of a last line the live view shows
@@ -110,3 +116,51 @@ class Pump:
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
+
+
+# --- what ended attempts printed, kept for the owner -------------------------------------------
+
+KEPT_DIR = "logs"  # <state dir>/logs/<lease id>/stdout.txt, stderr.txt: the agent's alone
+
+
+def keep(logs: Path, state_dir: Path, lease_id: str) -> None:
+    """Keep an ended attempt's captured output (its workspace's ``logs/``, the agent's own
+    directory no task could reach) as ``<state dir>/logs/<lease id>``: a rename, no copy. Best
+    effort: what cannot be kept goes with the workspace."""
+    kept = state_dir / KEPT_DIR
+    with contextlib.suppress(OSError):
+        kept.mkdir(mode=0o700, exist_ok=True)
+        target = kept / lease_id
+        if target.exists():
+            return  # an attempt recovered after a restart: the first copy stays
+        os.rename(logs, target)
+        os.utime(target)  # its place in the rotation: when it ended
+
+
+def rotate(state_dir: Path, count: int) -> None:
+    """Keep the latest ``count`` attempts' output (``keep_logs``), remove the older ones."""
+    kept = state_dir / KEPT_DIR
+    try:
+        entries = [(e.stat(follow_symlinks=False).st_mtime, e.name) for e in os.scandir(kept)]
+    except OSError:
+        return
+    for _, name in sorted(entries, reverse=True)[count:]:
+        with contextlib.suppress(OSError):
+            remove_tree(kept / name)
+
+
+def find(state_dir: Path, lease_id: str) -> tuple[Path, bool] | None:
+    """Where an attempt's captured output is, and whether the attempt still runs (its
+    workspace); None when it is nowhere on this node any more. ``lease_id`` is checked."""
+    if not SAFE_ID.match(lease_id):
+        return None
+    attempts = state_dir / "attempts"
+    for path, live in (
+        (attempts / lease_id / "logs", True),
+        (attempts / f".retired-{lease_id}" / "logs", False),  # ended, being removed
+        (state_dir / KEPT_DIR / lease_id, False),
+    ):
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                return path, live
+    return None

@@ -26,10 +26,19 @@ from flashnode.errors import (
     ExitCode,
 )
 from flashnode.gpu import Nvml
-from flashnode.owner import config_option, config_value, credentials_dir_option, stop, tell_agent
+from flashnode.owner import (
+    config_option,
+    config_value,
+    credentials_dir_option,
+    needs_root,
+    roots_config,
+    stop,
+    tell_agent,
+)
 from flashnode.settings import (
     Settings,
     credentials_file,
+    credentials_names,
     default_credentials_dir,
     load,
     normalise_url,
@@ -171,6 +180,13 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
     directory. Exit 77: refused; 69: the coordinator did not answer; 78: a bad URL or
     directory.
     """
+    service = roots_config(config_file)
+    if service is not None and credentials_dir is None:
+        needs_root(
+            f"the agent of {service} runs as root and reads the credentials root stores (here"
+            " they would go to your own home, which it never reads)",
+            denied=False,
+        )
     url = _coordinator_url(coordinator, config_file)
     token, code = _read_secrets()
     # The node as `work` will see it, with the new secrets in place of whatever is stored.
@@ -211,9 +227,11 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
         if value:
             _store(path, value)
             stored.append(str(path))
-        else:
+        # What was checked is what is stored: no stale half, and no older pair under another
+        # name of the same coordinator (localhost for 127.0.0.1) that the agent might find.
+        for stem in credentials_names(url)[0 if not value else 1 :]:
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # what was checked is what is stored: no stale half
+                (directory / f"{stem}.{kind}").unlink()
     click.echo(f"{url} accepted them: registered as node {registered}")
     click.echo(f"stored in {' and '.join(stored)}")
     if os.environ.get("FLASHNODE_TOKEN") or s.token_file or s.join_code_file:
@@ -231,6 +249,8 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
 @credentials_dir_option
 def logout(coordinator: str | None, config_file: Path | None, credentials_dir: Path | None) -> None:
     """Forget the stored token and join code for a coordinator. Exit 1 if none were stored."""
+    if roots_config(config_file) is not None and credentials_dir is None:
+        needs_root("the credentials of an agent that runs as root are root's", denied=False)
     url = _coordinator_url(coordinator, config_file)
     configured = os.environ.get("FLASHNODE_CREDENTIALS_DIR") or config_value(
         config_file, "credentials_dir"
@@ -238,10 +258,11 @@ def logout(coordinator: str | None, config_file: Path | None, credentials_dir: P
     directory = credentials_dir or Path(configured or default_credentials_dir())
     removed = []
     for kind in ("token", "join-code"):
-        path = credentials_file(url, directory, kind)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(str(path))
+        for stem in credentials_names(url):  # every name of this coordinator
+            path = directory / f"{stem}.{kind}"
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(str(path))
     if not removed:
         stop(ExitCode.FAILURE, f"no credentials stored for {url} in {directory}")
     click.echo(f"removed {' and '.join(removed)}")

@@ -19,9 +19,10 @@ from typing import Any, NoReturn
 
 import click
 
-from flashnode import status
+from flashnode import lastexit, status
 from flashnode.errors import ConfigError, ExitCode
 from flashnode.ledger import Ledger
+from flashnode.ledgerview import CHECKPOINT_FILE, LedgerView
 from flashnode.sanitise import sanitise
 from flashnode.settings import DEFAULT_CONFIG_FILE, default_state_dir, load, read_config_file
 
@@ -64,12 +65,21 @@ def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
         return state_dir
     try:
         found = load({}, os.environ, config_file).state_dir
-    except ConfigError:
-        found = Path(os.environ.get("FLASHNODE_STATE_DIR") or default_state_dir())
-    if (
-        not (found / status.STATUS_FILE).exists()
-        and (SERVICE_STATE_DIR / status.STATUS_FILE).exists()
-    ):
+    except ConfigError:  # where that agent kept its state all the same (why it exited)
+        written = config_value(config_file, "state_dir")
+        found = Path(
+            os.environ.get("FLASHNODE_STATE_DIR")
+            or (written if isinstance(written, str) and written.startswith("/") else None)
+            or default_state_dir()
+        )
+
+    def used(directory: Path) -> bool:  # an agent ran there, or tried to
+        try:
+            return any((directory / f).exists() for f in (status.STATUS_FILE, lastexit.EXIT_FILE))
+        except OSError:  # one this user may not look into: it is someone's
+            return True
+
+    if not used(found) and used(SERVICE_STATE_DIR):
         return SERVICE_STATE_DIR
     return found
 
@@ -114,15 +124,62 @@ def tell_agent(state_dir: Path, why: str) -> None:
 @state_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def status_command(config_file: Path | None, state_dir: Path | None, as_json: bool) -> None:
-    """What the running agent is doing. Exit 3 when no agent runs on the state dir."""
-    snapshot = status.read(state_dir_of(config_file, state_dir))
+    """What the running agent is doing and, when it is not working, why and what to do.
+
+    With no agent running: how the last one exited (credentials refused, a configuration
+    error, ...) and its fix. Exit 3 when no agent runs on the state dir.
+    """
+    directory = state_dir_of(config_file, state_dir)
+    try:
+        snapshot = status.read(directory, strict=True)
+        last_exit = lastexit.read(directory)
+    except PermissionError as exc:
+        needs_root(f"cannot read {exc.filename or directory}", group=True)
     if snapshot is None:
+        totals = _stopped_totals(directory)
         if as_json:
-            click.echo(json.dumps({"running": False}))
+            click.echo(json.dumps({"running": False, "last_exit": last_exit, "totals": totals}))
         else:
-            click.echo("no agent is running on this state dir")
+            click.echo(status.render_stopped(last_exit, totals))
         sys.exit(3)
-    click.echo(json.dumps(snapshot, sort_keys=True) if as_json else status.render(snapshot))
+    if as_json:
+        click.echo(json.dumps({**snapshot, "last_exit": last_exit}, sort_keys=True))
+    else:
+        click.echo(status.render(snapshot, last_exit))
+
+
+def _stopped_totals(directory: Path) -> dict[str, Any] | None:
+    """What the node gave, from the ledger, when no agent publishes it (None: unreadable)."""
+    ledger, checkpoint = directory / "ledger.jsonl", directory / CHECKPOINT_FILE
+    view = LedgerView(ledger, checkpoint=checkpoint, persist=False)
+    try:
+        return view.totals() if view.path.exists() else None
+    except OSError:
+        return None
+
+
+def roots_config(config_file: Path | None) -> Path | None:
+    """The config file, when this user is not root and the file is root's: the agent it
+    configures runs as root (the packaged service), with credentials and state only root may
+    read or write, so what checks or changes them must run as root too."""
+    path = config_file or (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
+    if path is None or os.geteuid() == 0:
+        return None
+    try:
+        return path if path.stat().st_uid == 0 else None
+    except OSError:
+        return None
+
+
+def needs_root(what: str, group: bool = False, denied: bool = True) -> NoReturn:
+    """One line for what this user may not do: run it with sudo (or, for what the group
+    ``flashnode`` may read, join it)."""
+    hint = "run it with sudo"
+    if group and os.geteuid() != 0:
+        hint += (
+            ", or join the group flashnode (sudo usermod -aG flashnode $USER, then log in again)"
+        )
+    stop(ExitCode.FAILURE, f"{what}: {'permission denied; ' if denied else ''}{hint}")
 
 
 @click.command()
@@ -142,9 +199,14 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
     ledger = Ledger(state_dir_of(config_file, state_dir) / "ledger.jsonl")
     cores = os.cpu_count() or 1
     try:
-        records = ledger.records()[-count:]
+        records = ledger.records(last=count)
     except PermissionError:
-        stop(ExitCode.FAILURE, f"{ledger.path} is the agent's alone: run flashnode history as root")
+        needs_root(f"cannot read {ledger.path} (the agent's alone)")
+    if records and not as_json:
+        zone = time.strftime("%Z")
+        click.echo(
+            f"{'ended (' + zone + ')':19}  job/task  outcome  took  cpu  gpu  [prepared]  reason"
+        )
     for r in records:
         if as_json:
             click.echo(json.dumps(r, sort_keys=True))

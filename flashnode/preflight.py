@@ -21,8 +21,10 @@ from pathlib import Path
 
 import psutil
 
+from flashnode import unitview
 from flashnode.errors import ExitCode
-from flashnode.settings import Settings, format_size
+from flashnode.settings import Settings, credentials_names, format_size
+from flashnode.unitview import UnitView
 
 
 @dataclass(frozen=True)
@@ -57,59 +59,58 @@ class Ok:
 Finding = Ok | Problem
 
 
-def problems(settings: Settings, slots: int | None = None) -> list[Problem]:
+def problems(
+    settings: Settings, slots: int | None = None, service: UnitView | None = None
+) -> list[Problem]:
     """Every problem :func:`check` finds, fatal ones first."""
-    found = [f for f in check(settings, slots) if isinstance(f, Problem)]
+    found = [f for f in check(settings, slots, service) if isinstance(f, Problem)]
     return sorted(found, key=lambda p: not p.fatal)
 
 
-def check(settings: Settings, slots: int | None = None) -> list[Finding]:
-    """Every check, in order: state dir, credentials, the runner's prerequisites (for
+def check(
+    settings: Settings, slots: int | None = None, service: UnitView | None = None
+) -> list[Finding]:
+    """Every check, in order: the paths as ``service`` (the systemd unit the agent runs under,
+    or will) lets it see them, state dir, credentials, the runner's prerequisites (for
     ``slots`` slots; by default what ``slots`` says, one for "auto")."""
     from flashnode.runners.base import runner_class  # the runner's own module only when asked
 
     if slots is None:
         slots = settings.slots if isinstance(settings.slots, int) else 1
-    findings = [*_state_dir(settings), *_credentials(settings), *_service_view(settings)]
-    findings += _machine(settings)
+    findings = _service_view(settings, service)
+    if not any(f.what == "state_dir" for f in findings):  # else its fix is the unit's
+        findings += _state_dir(settings)
+    findings += [*_credentials(settings), *_machine(settings)]
     return findings + runner_class(settings.runner).preflight(settings, slots)
 
 
-# --- what the packaged service can reach -------------------------------------------------------
+# --- what the service can reach ---------------------------------------------------------------
 
-SERVICE_UNIT = Path("/usr/lib/systemd/system/flashnode.service")
-# What systemd/flashnode.service lets the agent (and its tasks) see: ProtectHome=yes hides these;
-# ProtectSystem=strict leaves only its StateDirectory= writable (tests/test_service.py checks the
-# unit still says so).
-HIDDEN_BY_UNIT = (Path("/home"), Path("/root"), Path("/run/user"))
-WRITABLE_IN_UNIT = (Path("/var/lib/flashnode"),)
+SERVICE_UNIT = Path("/usr/lib/systemd/system/flashnode.service")  # where the package puts it
 
 
-def _service_view(s: Settings) -> Iterator[Finding]:
-    """Paths the packaged unit would not let the agent use, when the unit is installed: `doctor`
-    run outside the unit sees more than the service. Warnings: an agent started by hand is not
-    held to the unit's view (the service itself then refuses with its own words)."""
-    if not SERVICE_UNIT.exists() or os.geteuid() != 0:
-        return
-    drop_in = "systemctl edit flashnode, then under [Service]"
-    for label, path in sorted(s.local_data.items()):
-        hidden = next((h for h in HIDDEN_BY_UNIT if path.is_relative_to(h)), None)
-        if hidden is not None:
-            yield Problem(
-                f"local data {label}",
-                f"{path} is under {hidden}, which the packaged service cannot see"
-                " (ProtectHome=yes)",
-                f"move the data out of {hidden}, or {drop_in}: BindReadOnlyPaths={path}",
-                code=None,
+def _service_view(s: Settings, view: UnitView | None) -> list[Finding]:
+    """Paths the unit the agent runs under (or, for ``doctor``, the installed unit) would not
+    let it use as it must: what passes here, the service can use; what fails names the unit
+    setting to change (``unitview``)."""
+    if view is None:
+        return []
+    found: list[Finding] = [
+        Problem(f.need.key, f.why, f.fix) for f in unitview.check(view, s.model_dump())
+    ]
+    handed = view.credentials.values()
+    verdict = view.verdict(s.credentials_dir)
+    if s.credentials_dir not in handed and verdict.access in ("hidden", "private"):
+        found.append(
+            Problem(
+                "credentials_dir",
+                f"{s.credentials_dir} does not exist for the service ({verdict.setting} in"
+                f" {view.name}), and its LoadCredential= hands in another directory",
+                "keep credentials_dir unset (flashnode login stores them where the unit hands"
+                " them in)",
             )
-    if not any(s.state_dir.is_relative_to(w) for w in WRITABLE_IN_UNIT):
-        yield Problem(
-            "state dir",
-            f"{s.state_dir}: the packaged service may write only {WRITABLE_IN_UNIT[0]}"
-            " (ProtectSystem=strict)",
-            f"remove state_dir from the config, or {drop_in}: ReadWritePaths={s.state_dir}",
-            code=None,
         )
+    return found
 
 
 def _machine(s: Settings) -> Iterator[Finding]:
@@ -133,6 +134,8 @@ def _machine(s: Settings) -> Iterator[Finding]:
 
 
 # --- the state dir ----------------------------------------------------------------------------
+
+ROOTS = "run it with sudo: it is root's (the agent that uses it runs as root)"
 
 
 def _state_dir(s: Settings) -> Iterator[Finding]:
@@ -163,7 +166,7 @@ def _state_dir(s: Settings) -> Iterator[Finding]:
         yield Problem(
             "state dir",
             f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})",
-            f"chown -R {os.geteuid()} {path}, or set state_dir",
+            ROOTS if st.st_uid == 0 else f"chown -R {os.geteuid()} {path}, or set state_dir",
         )
         return
     if not os.access(path, os.W_OK | os.X_OK):
@@ -179,7 +182,7 @@ def _state_dir(s: Settings) -> Iterator[Finding]:
             code=None,
         )
     else:
-        yield Ok("state dir", f"{path}, {free >> 30} GiB free")
+        yield Ok("state dir", f"{path}, {format_size(free)} free")
 
 
 # --- stored credentials -----------------------------------------------------------------------
@@ -202,7 +205,7 @@ def _credentials(s: Settings) -> Iterator[Finding]:
         yield Problem(
             "credentials",
             f"{directory} belongs to uid {st.st_uid}, not to this user",
-            f"chown {os.geteuid()} {directory}",
+            ROOTS if st.st_uid == 0 else f"chown {os.geteuid()} {directory}",
         )
     elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         yield Problem(
@@ -212,4 +215,37 @@ def _credentials(s: Settings) -> Iterator[Finding]:
         )
     else:
         kinds = [k for k, v in (("token", s.token), ("join code", s.join_code)) if v is not None]
-        yield Ok("credentials", ", ".join(kinds) if kinds else "none (an open coordinator)")
+        if kinds:
+            yield Ok("credentials", ", ".join(kinds))
+            return
+        others = _stored_elsewhere(s)
+        if not others:
+            yield Ok("credentials", f"none stored in {directory} (an open coordinator needs none)")
+            return
+        looked = " or ".join(f"{n}.token" for n in credentials_names(s.coordinator))
+        yield Problem(
+            "credentials",
+            f"none for {s.coordinator} in {directory} (looked for {looked}); stored there: "
+            + "; ".join(others),
+            f"flashnode login --coordinator {s.coordinator}, or set coordinator to the one they"
+            " are for",
+            code=None,
+        )
+
+
+def _stored_elsewhere(s: Settings) -> list[str]:
+    """What ``flashnode login`` stored in the credentials directory, for which coordinator
+    each is (none of them is this one's: the caller found none)."""
+    try:
+        names = sorted(os.listdir(s.credentials_dir))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        stem, _, kind = name.rpartition(".")
+        host, _, port = stem.rpartition("_")
+        if kind in ("token", "join-code") and host and port.isdigit():
+            found.append(
+                f"{name} (for {host.replace('__', '::')} port {port}: another coordinator)"
+            )
+    return found

@@ -31,6 +31,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -86,10 +87,13 @@ def parse_size(value: Any) -> int:
 
 
 def format_size(size: int) -> str:
-    """``4 MiB``, ``1 GiB``, ``1536 bytes``: for messages."""
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= factor and size % factor == 0:
-            return f"{size // factor} {unit}"
+    """``4 MiB``, ``1 GiB``, ``17.7 GiB``, ``512 bytes``: for messages, in the largest unit the
+    size reaches (exact when it is a whole number of it, else to a tenth)."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= factor:
+            return (
+                f"{size // factor} {unit}" if size % factor == 0 else f"{size / factor:.1f} {unit}"
+            )
     return f"{size} bytes"
 
 
@@ -113,7 +117,7 @@ def normalise_url(value: str) -> str:
         raise ValueError(f"{value!r} is not an http(s) URL")
     if parts.query or parts.fragment or parts.username or parts.password:
         raise ValueError(f"{value!r} must not carry credentials, a query or a fragment")
-    host = parts.hostname.lower()
+    host = parts.hostname.lower().rstrip(".")
     if ":" in host:
         host = f"[{host}]"
     port = port or (443 if scheme == "https" else 80)
@@ -128,11 +132,30 @@ def default_credentials_dir() -> Path:
     return Path(base) / "flashnode" / "credentials"
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")  # one machine: one coordinator identity
+
+
 def credentials_name(coordinator: str) -> str:
     """The stem of the files ``flashnode login`` keeps a coordinator's secrets in: host_port."""
+    return credentials_names(coordinator)[0]
+
+
+def credentials_names(coordinator: str) -> list[str]:
+    """Every stem under which a coordinator's secrets may be stored, its own first: the
+    coordinator is one by identity (scheme's default port made explicit, the host's case and a
+    trailing dot dropped), so ``http://localhost:27820`` and ``http://127.0.0.1:27820`` (and
+    ``[::1]``) name the same one. Names that resolve elsewhere (DNS) are never taken as one:
+    secrets go only where the owner's own words send them."""
     parts = urlsplit(normalise_url(coordinator))
-    host = re.sub(r"[^A-Za-z0-9.-]", "_", parts.hostname or "")
-    return f"{host}_{parts.port}"
+    host, port = parts.hostname or "", parts.port
+
+    def stem(name: str) -> str:
+        return f"{re.sub(r'[^A-Za-z0-9.-]', '_', name)}_{port}"
+
+    names = [stem(host)]
+    if host in LOOPBACK_NAMES:
+        names += [stem(h) for h in LOOPBACK_NAMES if h != host]
+    return names
 
 
 def credentials_file(coordinator: str, directory: Path, kind: str = "token") -> Path:
@@ -148,13 +171,23 @@ def stored_credential(
     Under systemd the unit hands the credentials in with ``LoadCredential=`` and the agent reads
     them from ``$CREDENTIALS_DIRECTORY`` first; then from ``directory`` (what login wrote).
     """
-    name = credentials_file(coordinator, Path(), kind).name
     candidates = []
     loaded = env.get("CREDENTIALS_DIRECTORY")
-    if loaded:
-        candidates += [Path(loaded) / f"{CREDENTIAL_ID}_{name}", Path(loaded) / name]
-    candidates.append(directory / name)
-    return next((p for p in candidates if p.exists()), None)
+    for stem in credentials_names(coordinator):  # its own name first, then its aliases
+        name = f"{stem}.{kind}"
+        if loaded:
+            candidates += [Path(loaded) / f"{CREDENTIAL_ID}_{name}", Path(loaded) / name]
+        candidates.append(directory / name)
+    return next((p for p in candidates if _exists(p)), None)
+
+
+def _exists(path: Path) -> bool:
+    """False also where this user may not look (root's credentials, read by another user's
+    owner command, which needs no secret)."""
+    try:
+        return path.exists()
+    except PermissionError:
+        return False
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -223,6 +256,7 @@ class Settings(BaseModel):
     # a container's /tmp), measured while it runs: past it the task is stopped and fails.
     task_disk_bytes: int = Field(default=16 * 1024 * MiB, ge=MiB)
     log_max_bytes: int = Field(default=8 * MiB, ge=0)
+    keep_logs: int = Field(default=20, ge=0)  # ended attempts whose output stays on the node
     max_output_file_bytes: int = Field(default=256 * MiB, ge=1)
     max_output_total_bytes: int = Field(default=4096 * MiB, ge=1)
     max_output_files: int = Field(default=5000, ge=1)
@@ -248,20 +282,13 @@ class Settings(BaseModel):
             return text
         raise ValueError('must be a whole number of at least 1, or "auto"')
 
-    @field_validator(
-        "container_tmp_bytes",
-        "min_free_bytes",
-        "task_memory_bytes",
-        "task_disk_bytes",
-        "log_max_bytes",
-        "max_output_file_bytes",
-        "max_output_total_bytes",
-        "max_input_bytes",
-        mode="before",
-    )
+    @field_validator("*", mode="before")
     @classmethod
-    def _size(cls, value: Any) -> Any:
-        return None if value is None else parse_size(value)
+    def _size(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every ``*_bytes`` key takes a unit ("64M"), in the file and the environment alike."""
+        if value is None or not (info.field_name or "").endswith("_bytes"):
+            return value
+        return parse_size(value)
 
     @field_validator("allowed_images")
     @classmethod
@@ -348,13 +375,6 @@ class Settings(BaseModel):
     dataset_fetch_timeout_seconds: float = Field(default=3600.0, gt=0)
     dataset_allow_private_origins: bool | tuple[str, ...] = False
     local_data: dict[str, Path] = Field(default_factory=dict)
-
-    @field_validator("dataset_cache_bytes", mode="before")
-    @classmethod
-    def _not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("must be a number of bytes")
-        return value
 
     @field_validator("dataset_fetch_timeout_seconds")
     @classmethod
@@ -565,11 +585,6 @@ class Settings(BaseModel):
     checkpoint_scan_seconds: float = Field(default=2.0, gt=0, le=300)
     max_checkpoint_bytes: int = Field(default=4096 * MiB, ge=1)
 
-    @field_validator("max_checkpoint_bytes", mode="before")
-    @classmethod
-    def _checkpoint_size(cls, value: Any) -> Any:
-        return parse_size(value)
-
 
 def _zone(name: str) -> tzinfo:
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -595,24 +610,7 @@ def load(
     means the default file if it exists. Raises ConfigError with a one-line reason in the owner's
     words: which setting, where it came from, what it was, and what is allowed.
     """
-    merged: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-    path = config_file
-    if path is None and DEFAULT_CONFIG_FILE.exists():
-        path = DEFAULT_CONFIG_FILE
-    if path is not None:
-        for key, value in read_config_file(path).items():
-            merged[key], origin[key] = value, f"in {path}"
-    _misspelt_env(env)
-    for key in SETTABLE:
-        raw = env.get(ENV_PREFIX + key.upper())
-        if raw is not None and raw != "":
-            merged[key], origin[key] = raw, f"from {ENV_PREFIX}{key.upper()}"
-    for key, value in flags.items():
-        if value is not None:
-            merged[key], origin[key] = value, f"from --{key.replace('_', '-')}"
-    if "state_dir" not in merged:
-        merged["state_dir"] = default_state_dir(env)
+    merged, origin = gather(flags, env, config_file)
     if "coordinator" not in merged:
         raise ConfigError(
             "no coordinator: set --coordinator, FLASHNODE_COORDINATOR or 'coordinator'"
@@ -647,6 +645,35 @@ def load(
     return settings
 
 
+def gather(
+    flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every setting as given, before any check (flag over environment over file, the state
+    dir's default filled in), and where each came from. ConfigError for a file that cannot be
+    read or a misspelt variable."""
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    path = config_file
+    if path is None and DEFAULT_CONFIG_FILE.exists():
+        path = DEFAULT_CONFIG_FILE
+    if path is not None:
+        lines = key_lines(path)
+        for key, value in read_config_file(path).items():
+            where = f"in {path}, line {lines[key]}" if key in lines else f"in {path}"
+            merged[key], origin[key] = value, where
+    _misspelt_env(env)
+    for key in SETTABLE:
+        raw = env.get(ENV_PREFIX + key.upper())
+        if raw is not None and raw != "":
+            merged[key], origin[key] = raw, f"from {ENV_PREFIX}{key.upper()}"
+    for key, value in flags.items():
+        if value is not None:
+            merged[key], origin[key] = value, f"from --{key.replace('_', '-')}"
+    if "state_dir" not in merged:
+        merged["state_dir"] = default_state_dir(env)
+    return merged, origin
+
+
 def _misspelt_env(env: Mapping[str, str]) -> None:
     """A FLASHNODE_* variable that is no setting but nearly one is a typo the owner would
     otherwise never hear of: refuse it with the name it resembles."""
@@ -656,6 +683,31 @@ def _misspelt_env(env: Mapping[str, str]) -> None:
             close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
             if close:
                 raise ConfigError(f"{name} is not a setting (did you mean {close[0]}?)")
+
+
+_KEY_LINE = re.compile(r"""^\s*(?:([A-Za-z0-9_-]+)|"([^"]+)"|'([^']+)')\s*=""")
+_TABLE_LINE = re.compile(r"^\s*\[+\s*([A-Za-z0-9_-]+)")
+
+
+def key_lines(path: Path) -> dict[str, int]:
+    """The line each top-level key of a TOML file is set on (a table's: its header), so that an
+    error names the line to correct; best effort (what it cannot tell, it leaves out)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    found: dict[str, int] = {}
+    in_table = False
+    for number, line in enumerate(text.splitlines(), 1):
+        table = _TABLE_LINE.match(line)
+        if table:
+            in_table = True
+            found.setdefault(table[1], number)
+            continue
+        key = _KEY_LINE.match(line)
+        if key and not in_table:
+            found.setdefault(next(k for k in key.groups() if k), number)
+    return found
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO, TypeGuard
 
 from flashnode import statefile
+from flashnode.clock import duration, moment
 from flashnode.errors import disk_full
 from flashnode.sanitise import sanitise
 
@@ -48,8 +49,9 @@ def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
         statefile.overwrite(path, data.rstrip(b" "))
 
 
-def read(state_dir: Path) -> dict[str, Any] | None:
-    """The running agent's snapshot, or None when no agent runs on this state dir."""
+def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
+    """The running agent's snapshot, or None when no agent runs on this state dir. ``strict``:
+    PermissionError when this user may not read it (rather than None: "no agent")."""
     snapshot: dict[str, Any] | None = None
     for _ in range(3):  # a snapshot written in place (a full disk) may be read half-written
         try:
@@ -57,6 +59,10 @@ def read(state_dir: Path) -> dict[str, Any] | None:
             break
         except ValueError:
             time.sleep(0.05)
+        except PermissionError:
+            if strict:
+                raise
+            return None
         except OSError:
             return None
     if not isinstance(snapshot, dict):
@@ -90,18 +96,6 @@ def ages(attempt: dict[str, Any], now: float) -> dict[str, float | None]:
         "lease_left_s": since("lease_expires_at", -1.0),
         "suspended_s": since("suspended_since"),
     }
-
-
-def duration(seconds: float | None) -> str:
-    """``42s``, ``3m05s``, ``2h03m``; ``-`` when not known."""
-    if seconds is None:
-        return "-"
-    s = max(int(seconds), 0)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def size(n: Any) -> str:
@@ -160,20 +154,40 @@ def agent_alive(pid: int) -> bool:
     return b"flashnode" in cmdline
 
 
-def render(snapshot: dict[str, Any]) -> str:
+def render(
+    snapshot: dict[str, Any], last_exit: dict[str, Any] | None = None, now: float | None = None
+) -> str:
+    """``flashnode status``: what the agent does and, whenever it is not working, why and what
+    to do about it (each hold with its fix, a coordinator it cannot reach, a refused reload, how
+    the agent before it exited); what the node gave (from the ledger: it survives restarts)."""
+    now = time.time() if now is None else now
     pools = ",".join(snapshot.get("pools") or []) or "-"
-    age = snapshot.get("last_heartbeat_age_s")
     lines = [
-        f"node        {snapshot.get('node_id')}",
+        f"node        {snapshot.get('node_id') or '-'}",
         f"coordinator {snapshot.get('coordinator')}",
         f"runner      {snapshot.get('runner')}   pools {pools}",
         f"state       {snapshot.get('state')}",
-        f"heartbeat   {age} s ago",
-        f"counters    {json.dumps(snapshot.get('counters') or {})}",
     ]
+    if _number(snapshot.get("started_at")):
+        lines.append(f"started     {moment(snapshot['started_at'], now)}")
+    lines.append(f"heartbeat   {_heartbeat(snapshot)}")
+    lines += _given(snapshot.get("totals"))
+    for problem in snapshot.get("coordinator_problems") or []:
+        if isinstance(problem, dict):
+            since = problem.get("since")
+            when = f" since {moment(since, now)}" if _number(since) else ""
+            lines.append(
+                f"coordinator {problem.get('conversation')} failing{when}: {problem.get('error')}"
+            )
+            lines += _fix(problem.get("fix"), "  ")
     refused = snapshot.get("reload_refused")
     if isinstance(refused, dict):
-        lines.append(f"reload      refused, running configuration kept: {refused.get('reason')}")
+        at = refused.get("at")
+        when = f" at {moment(at, now)}" if _number(at) else ""
+        lines.append(
+            f"reload      refused{when}, running configuration kept: {refused.get('reason')}"
+        )
+        lines += _fix(RELOAD_FIX, "  ")
     controls = snapshot.get("controls") or {}
     held = controls.get("held_by") or []
     if held:
@@ -181,6 +195,9 @@ def render(snapshot: dict[str, Any]) -> str:
         for h in held:
             also = " (suspends running tasks)" if h.get("suspends") else ""
             lines.append(f"  {h.get('rule')}: {h.get('reason')}{also}")
+            lines += _fix(h.get("fix"), "    ")
+    if last_exit is not None and last_exit.get("code"):
+        lines += exit_lines(last_exit, now, before=snapshot.get("started_at"))
     last = snapshot.get("last_ended")
     if isinstance(last, dict):
         why = f": {last['reason']}" if last.get("reason") else ""
@@ -188,6 +205,8 @@ def render(snapshot: dict[str, Any]) -> str:
             f"last ended  {last.get('lease_id')} ({last.get('job_id')}/{last.get('task_id')})"
             f" {last.get('outcome')}{why}"
         )
+        if _number(last.get("ended_at")):
+            line += f" at {moment(last['ended_at'], now)}"
         lines.append(line)
     running = snapshot.get("running") or []
     lines.append(f"running     {len(running)}")
@@ -221,6 +240,70 @@ def render(snapshot: dict[str, Any]) -> str:
         )
         lines.append(f"    last output  {a.get('last_output') or '-'}")
     return "\n".join(sanitise(line) for line in lines)
+
+
+RELOAD_FIX = (
+    "correct the config file (`flashnode doctor` checks it), then reload: sudo systemctl reload"
+    " flashnode (or send the agent SIGHUP)"
+)
+
+
+def render_stopped(last_exit: dict[str, Any] | None, totals: dict[str, Any] | None) -> str:
+    """``flashnode status`` with no agent running: how the last one exited, and its fix."""
+    lines = ["no agent is running on this state dir"]
+    if last_exit is not None:
+        lines += exit_lines(last_exit, time.time())
+    lines += _given(totals)
+    return "\n".join(sanitise(line) for line in lines)
+
+
+def exit_lines(record: dict[str, Any], now: float, before: Any = None) -> list[str]:
+    """How an agent exited (``lastexit.read``'s record): when, its code, why, its fix."""
+    at = record.get("at")
+    when = moment(at, now) if _number(at) else "-"
+    code = record.get("code")
+    if not code:
+        return [f"last exit   stopped at {when} (exit 0)"]
+    if _number(before) and _number(at):
+        label = "an agent that started beside this one" if at >= before else "before this start"
+        lines = [f"last exit   {label}: exit {code} at {when}: {record.get('error')}"]
+    else:
+        lines = [f"last exit   exit {code} at {when}: {record.get('error')}"]
+    return lines + _fix(record.get("fix"), "  ")
+
+
+def _fix(fix: Any, indent: str) -> list[str]:
+    return [f"{indent}fix: {fix}"] if isinstance(fix, str) and fix else []
+
+
+def _heartbeat(snapshot: dict[str, Any]) -> str:
+    if not snapshot.get("registered"):
+        return "none yet: not registered with the coordinator"
+    age = snapshot.get("last_heartbeat_age_s")
+    return f"{duration(age)} ago" if _number(age) else "registered, none sent yet"
+
+
+def _given(totals: Any) -> list[str]:
+    """What the node gave (``LedgerView.totals``), today and all time, in two lines."""
+    if not isinstance(totals, dict):
+        return []
+    lines: list[str] = []
+    for label, key in (("today", "today"), ("all time", "all_time")):
+        t = totals.get(key)
+        if not isinstance(t, dict):
+            continue
+        found = t.get("outcomes")
+        outcomes: dict[str, Any] = found if isinstance(found, dict) else {}
+        counted = [f"{outcomes.get(k, 0)} {k}" for k in GIVEN]
+        counted += [f"{v} {k}" for k, v in sorted(outcomes.items()) if k not in GIVEN and v]
+        cpu, gpu = t.get("cpu_hours"), t.get("gpu_hours")
+        hours = f"{cpu:.2f} CPU-hours, {gpu:.2f} GPU-hours" if _number(cpu) and _number(gpu) else ""
+        lead = "given       " if not lines else "            "
+        lines.append(f"{lead}{label}: {', '.join(counted)}; {hours}")
+    return lines
+
+
+GIVEN = ("committed", "failed", "lapsed")
 
 
 def describe_facts(attempt: dict[str, Any]) -> str:

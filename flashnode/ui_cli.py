@@ -17,7 +17,7 @@ import click
 
 from flashnode import status
 from flashnode.errors import ExitCode
-from flashnode.owner import config_option, state_dir_of, state_dir_option, stop
+from flashnode.owner import config_option, needs_root, state_dir_of, state_dir_option, stop
 
 NO_AGENT = 3  # as `flashnode status`
 
@@ -31,7 +31,10 @@ def ui(config_file: Path | None, state_dir: Path | None, print_url: bool) -> Non
     from flashnode.console import auth
 
     directory = state_dir_of(config_file, state_dir)
-    snapshot = status.read(directory)
+    try:
+        snapshot = status.read(directory, strict=True)
+    except PermissionError:
+        needs_root(f"cannot read {directory / status.STATUS_FILE}", group=True)
     if snapshot is None:
         click.echo("flashnode: no agent is running on this state dir", err=True)
         sys.exit(NO_AGENT)

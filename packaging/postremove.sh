@@ -5,6 +5,9 @@
 set -e
 case "$1" in
   purge | 0)
+    if [ -d /var/lib/flashnode ] || [ -d /etc/flashnode/credentials ]; then
+      echo "flashnode: removing its state (/var/lib/flashnode) and stored credentials"
+    fi
     rm -rf /var/lib/flashnode /etc/flashnode/credentials
     rmdir /etc/flashnode 2>/dev/null || true
     rmdir /work 2>/dev/null || true  # the mount point, if nothing was put there

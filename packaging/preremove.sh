@@ -1,10 +1,25 @@
 #!/bin/sh
 # Before removal (deb: "remove"; rpm: 0) stop the agent (it drains) and disable it; before an
 # upgrade (deb: "upgrade"; rpm: 1) leave it running: the new package's postinstall restarts it.
+# A stop waits for running tasks: it says so, and for how long at most.
 set -e
 case "$1" in
   remove | 0)
     if [ -d /run/systemd/system ]; then
+      if systemctl is-active --quiet flashnode.service; then
+        running=$(/usr/bin/flashnode status --json 2>/dev/null \
+          | /opt/flashnode/bin/python -IB -c \
+            'import json, sys; print(len(json.load(sys.stdin).get("running") or []))' \
+            2>/dev/null || echo 0)
+        drain=$(sed -n 's/^[[:space:]]*drain_seconds[[:space:]]*=[[:space:]]*\([0-9.]*\).*/\1/p' \
+          /etc/flashnode/flashnode.toml 2>/dev/null | tail -1)
+        if [ "${running:-0}" -gt 0 ]; then
+          echo "flashnode: stopping the agent: $running running task(s) may finish first, for up to"
+          echo "  ${drain:-300} s (drain_seconds); sudo flashnode pause --now elsewhere stops them at once"
+        else
+          echo "flashnode: stopping the agent"
+        fi
+      fi
       systemctl disable --now flashnode.service >/dev/null 2>&1 || true
     elif command -v systemctl >/dev/null 2>&1; then
       systemctl disable flashnode.service >/dev/null 2>&1 || true

@@ -25,14 +25,21 @@ RECIPE_VERSION = "1"
 REPOSITORY = "flashnode-test-systemd"
 
 
-def recipe() -> str:
+# Another release, for the package's Python (Debian 13: python3.13): no systemd, only what the
+# package depends on.
+OTHER_SUITE = "trixie"
+OTHER_INCLUDE = ("python3", "procps")
+
+
+def recipe(suite: str = SUITE, include: tuple[str, ...] = INCLUDE) -> str:
     return "\n".join(
-        [RECIPE_VERSION, SUITE, MIRROR, "minbase", ",".join(INCLUDE), os.uname().machine]
+        [RECIPE_VERSION, suite, MIRROR, "minbase", ",".join(include), os.uname().machine]
     )
 
 
-def image_name() -> str:
-    return f"{REPOSITORY}:{hashlib.sha256(recipe().encode()).hexdigest()[:16]}"
+def image_name(suite: str = SUITE, include: tuple[str, ...] = INCLUDE) -> str:
+    digest = hashlib.sha256(recipe(suite, include).encode()).hexdigest()[:16]
+    return f"{REPOSITORY}:{digest}"
 
 
 def image_exists(name: str) -> bool:
@@ -53,10 +60,12 @@ def cannot_build() -> str | None:
     return None
 
 
-def ensure_image(log: Path | None = None) -> str:
+def ensure_image(
+    log: Path | None = None, suite: str = SUITE, include: tuple[str, ...] = INCLUDE
+) -> str:
     """The image's name, building it first when it does not exist yet. Raises RuntimeError with
     the tail of debootstrap's output when the build fails."""
-    name = image_name()
+    name = image_name(suite, include)
     if image_exists(name):
         return name
     root = Path(tempfile.mkdtemp(prefix="flashnode-debootstrap-"))
@@ -67,8 +76,8 @@ def ensure_image(log: Path | None = None) -> str:
                 [
                     "debootstrap",
                     "--variant=minbase",
-                    "--include=" + ",".join(INCLUDE),
-                    SUITE,
+                    "--include=" + ",".join(include),
+                    suite,
                     str(root),
                     MIRROR,
                 ],

@@ -542,3 +542,37 @@ def test_battery_states(monkeypatch: pytest.MonkeyPatch) -> None:
     ]:
         monkeypatch.setattr(psutil, "sensors_battery", lambda v=value: v)
         assert sensors.on_battery() is expected
+
+
+def test_every_rule_that_holds_says_what_the_owner_can_do_about_it() -> None:
+    """Each hold carries a fix: the owner is never left guessing (status and the console show
+    it under the hold)."""
+    clock = Clock()
+    fake = Fake(pause=Pause("drain", None, 0.0), battery=True, idle=3.0, host=(0.0, 100.0))
+    rules = Rules(
+        windows=(parse_window("Tue 10:00-11:00"),),
+        tz=UTC,
+        on_battery=True,
+        when_active=True,
+        load_percent=10.0,
+    )
+    c = controls(rules, fake, clock)
+    c.evaluate()
+    clock.advance(6)
+    fake.host = (95.0, 200.0)
+    d = c.evaluate()
+    assert {h.rule for h in d.holds} == {"pause", "window", "battery", "active", "load"}
+    assert all(h.fix for h in d.holds), d.holds
+    assert {h["rule"]: h["fix"] for h in d.snapshot()["held_by"]} == {
+        h.rule: h.fix for h in d.holds
+    }
+    # The window's next opening: a weekday, the zone, and how far (never "Tue 10:00" alone).
+    window = next(h for h in d.holds if h.rule == "window")
+    assert "next opens Tue 10:00 UTC (in 1d09h" in window.reason, window.reason
+
+
+def test_a_window_that_opened_earlier_today_says_it_opens_next_week() -> None:
+    clock = Clock()
+    clock.at(MONDAY + timedelta(hours=14, minutes=12))
+    d = controls(windows("Mon 13:00-14:00"), clock=clock).evaluate()
+    assert "next opens Mon 13:00 UTC (in 6d22h)" in (d.hold_reason or ""), d.hold_reason

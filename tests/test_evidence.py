@@ -149,7 +149,8 @@ def test_history_shows_a_figure_past_the_machines_cores_as_not_measured(tmp_path
     ]
     (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = CliRunner().invoke(main, ["history", "--state-dir", str(tmp_path)]).output
-    rows = out.splitlines()
+    header, *rows = out.splitlines()
+    assert header.startswith("ended (")
     assert "cpu -" in rows[0] and "cpu 97.2%" in rows[1] and "cpu 0.4%" in rows[2], out
 
 

@@ -70,7 +70,7 @@ def test_the_local_data_table_is_read_and_only_labels_are_advertised(
         ('local_data = "scans"\n', "label=/path pairs"),
         ("[local_data]\nscans = 3\n", "local_data = {.scans.: 3}"),
         ("dataset_cache_bytes = -1\n", "dataset_cache_bytes"),
-        ("dataset_cache_bytes = true\n", "must be a number of bytes"),
+        ("dataset_cache_bytes = true\n", "must be a size in bytes"),
         ("dataset_fetch_timeout_seconds = 0\n", "dataset_fetch_timeout_seconds"),
         ("dataset_fetch_timeout_seconds = inf\n", "must be a finite number"),
         ('dataset_ca_file = "/nonexistent/ca.pem"\n', "is not a readable PEM CA bundle"),
@@ -183,4 +183,4 @@ def test_the_doctor_says_which_lent_directory_the_task_user_cannot_read_once_mou
     assert f"FAIL  local data closed: {closed}: cannot list or enter it" in out
     assert "(uid 65534, gid 65534)" in out
     assert f"ok    local data ok: {fine}, readable by uid 65534" in out
-    assert "ok    dataset cache: " in out and "0 shard(s), 0 of 1 MiB" in out
+    assert "ok    dataset cache: " in out and "0 shard(s), 0 bytes of 1 MiB" in out

@@ -165,9 +165,9 @@ def test_logs_refuses_a_lease_id_that_is_not_one(tmp_path: Path, lease: str) -> 
     assert code == 2 and "is not a lease id" in out
 
 
-def test_logs_of_an_attempt_that_does_not_run(tmp_path: Path) -> None:
+def test_logs_of_an_attempt_that_is_not_on_the_node(tmp_path: Path) -> None:
     code, out = cli("logs", "gone", "--state-dir", str(tmp_path))
-    assert code == 1 and "no attempt gone runs on this node" in out
+    assert code == 1 and "no output of attempt gone is on this node" in out
 
 
 def test_tail_follows_a_replaced_file_and_copies_the_rest_after_the_directory_goes(
@@ -190,7 +190,7 @@ def test_tail_follows_a_replaced_file_and_copies_the_rest_after_the_directory_go
         sleeps.append(seconds)
         next(steps)()
 
-    tail(attempt, out, err, follow=True, poll=0.2, sleep=sleep)
+    tail(attempt / "logs", out, err, follow=True, poll=0.2, sleep=sleep)
     assert out.getvalue() == b"a\nb\nc\n"
     assert sleeps == [0.2] * 4
 
@@ -238,7 +238,8 @@ def test_history_shows_the_task_scoped_cpu_and_a_dash_for_what_was_not_measured(
     )
     code, out = cli("history", "--state-dir", str(tmp_path))
     assert code == 0, out
-    first, second, third = out.splitlines()
+    header, first, second, third = out.splitlines()
+    assert header.startswith(f"ended ({time.strftime('%Z')})") and "outcome" in header
     assert "cpu 0.15%  gpu -" in first and "52" not in first
     assert "j/t2" in second and "cpu -  gpu -" in second
     assert "cpu 150%  gpu 87.5%" in third and third.endswith("exit code 1")

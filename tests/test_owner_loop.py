@@ -169,7 +169,7 @@ def test_a_reload_applies_new_rules_to_the_running_loop(
     assert len(claims) > 3 and claims[-1] < reloaded[0] + 1  # none once the window rule holds
     assert len(coord.names("node_heartbeat")) >= 12  # online all along
     assert agent.decision.hold_reason is not None
-    assert "outside run_windows (next opens Sat 00:00)" in agent.decision.hold_reason
+    assert "outside run_windows: next opens Sat 00:00" in agent.decision.hold_reason
     assert any("owner control window holds claiming" in r.message for r in caplog.records)
 
 

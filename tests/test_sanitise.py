@@ -114,7 +114,7 @@ def test_a_coordinators_detail_cannot_forge_a_journal_line_or_drive_the_terminal
     assert record["outcome"] == "rejected"
     history = flashnode("history", "--state-dir", str(agent.state_dir))
     assert history.returncode == 0, history.stderr
-    [shown] = history.stdout.splitlines()
+    _header, shown = history.stdout.splitlines()
     assert "EMERGENCY forged" in shown and clean(shown), shown
 
 

@@ -264,12 +264,10 @@ def test_rpm_builds_with_the_right_files(packages: list[Path]) -> None:
     assert sources and len(compiled) >= len(sources)
     assert query("-c").split() == ["/etc/flashnode/flashnode.toml"]
     assert query("--queryformat", "%{VERSION}-%{RELEASE}") == "0.5.0~dev0-1"
-    built_with = subprocess.run(
-        ["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    assert f"python(abi) = {built_with}" in query("--requires").splitlines()
+    # Any python3 from 3.10 to 3.13 (packaging/build ships what each needs), not the build's.
+    requires = query("--requires").splitlines()
+    assert "python3 >= 3.10" in requires and "python3 < 3.14" in requires, requires
+    assert not [r for r in requires if r.startswith("python(abi)")]
     scripts = query("--scripts")
     assert "systemd-sysusers" in scripts
     starts = [

@@ -178,7 +178,7 @@ def test_a_refused_setting_says_which_where_from_and_what_is_allowed(
 
 def test_slots_from_the_file_and_the_flag_alike(tmp_path: Path) -> None:
     cfg = write(tmp_path / "c.toml", f'coordinator = "{URL}"\nslots = 0\n')
-    with pytest.raises(ConfigError, match=rf"slots = 0 \(in {cfg}\): must be a whole number"):
+    with pytest.raises(ConfigError, match=rf"slots = 0 \(in {cfg}, line 2\): must be a whole"):
         load({}, {}, cfg)
     with pytest.raises(ConfigError, match=r"slots = '-1' \(from --slots\)"):
         load({"coordinator": URL, "slots": "-1"}, {})

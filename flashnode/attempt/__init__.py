@@ -32,8 +32,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
+from flashnode import logcap
 from flashnode.attempt import commit, data, environment, execute, prepare, restore, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
@@ -358,6 +360,7 @@ class Attempt:
                 if self.workspace is not None:
                     retired = self.workspace.retire()
                     if retired is not None:
+                        self._keep_logs(retired / "logs")
                         self.ctx.later(lambda: remove_tree(retired))
                 self.ctx.outbox.remove(lease.lease_id)
             except Exception:  # a cleanup that fails must not cost the ledger line
@@ -366,6 +369,14 @@ class Attempt:
         self.record.timings["end"] = round(time.monotonic() - ended, 4)
         self._record(outcome, reason)
         return outcome
+
+    def _keep_logs(self, logs: Path) -> None:
+        """What the task printed stays readable after its end (``flashnode logs LEASE``, the
+        console's history): the latest ``keep_logs`` attempts' output."""
+        count, state_dir = self.ctx.settings.keep_logs, self.ctx.settings.state_dir
+        if count > 0 and self.handle is not None:  # a task ran: there is output to keep
+            logcap.keep(logs, state_dir, self.lease_id)
+            self.ctx.later(lambda: logcap.rotate(state_dir, count))
 
     def _lost(self) -> None:
         self.stop.set()

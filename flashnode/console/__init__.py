@@ -3,8 +3,8 @@
 ``start`` binds the listener, writes the login keys ``flashnode ui`` reads, and returns the
 running ``Console``; ``close`` stops serving and removes the keys. Parts: ``auth`` (login links,
 sessions, the checks on each request), ``server`` (the HTTP edge), ``app`` (what each request
-means), ``usage`` (the node's use over the last day), ``ledgerview`` (totals and history from the
-ledger), ``static/`` (the page: no asset comes from anywhere else).
+means), ``usage`` (the node's use over the last day), ``static/`` (the page: no asset comes from
+anywhere else); totals and history come from the agent's ``flashnode.ledgerview``.
 """
 
 from __future__ import annotations

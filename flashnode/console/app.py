@@ -22,12 +22,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from flashnode import __version__, configedit, pausefile, status
+from flashnode import __version__, configedit, lastexit, logcap, pausefile, status
 from flashnode.console import auth
-from flashnode.console.ledgerview import LedgerView
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.errors import FlashnodeError
+from flashnode.ledgerview import LedgerView
 from flashnode.sanitise import sanitise
 from flashnode.settings import Settings
 from flashnode.wire import SAFE_ID
@@ -68,6 +68,7 @@ class Wiring:
     ring: UsageRing
     task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
     clock: Callable[[], float] = time.time
+    ledger: LedgerView | None = None  # the agent's (None: the console reads the ledger itself)
 
 
 class App:
@@ -76,7 +77,7 @@ class App:
         self.gate = gate
         self.hosts = hosts
         self.cookie = cookie
-        self.ledger = LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
+        self.ledger = wiring.ledger or LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
         self._coordinator: tuple[float, dict[str, Any]] | None = None
         self._coordinator_lock = threading.Lock()
         self._edit_lock = threading.Lock()
@@ -187,6 +188,7 @@ class App:
         }
         if snapshot is None:
             return out
+        out["totals"] = snapshot.get("totals") or out["totals"]
         controls = snapshot.get("controls") if isinstance(snapshot.get("controls"), dict) else {}
         out["agent"] = {
             "node_id": clean(snapshot.get("node_id"), 200),
@@ -200,7 +202,7 @@ class App:
             "slots": s.slots,
             "counters": snapshot.get("counters") or {},
         }
-        out["why"] = _why(snapshot, controls or {})
+        out["why"] = _why(snapshot, controls or {}, lastexit.read(self.w.state_dir))
         out["running"] = [self._attempt(a) for a in snapshot.get("running") or []]
         return out
 
@@ -216,13 +218,12 @@ class App:
 
     def output_tail(self, lease: str) -> dict[str, str] | None:
         """The last lines a task printed on each stream while its output is on this node (what
-        ``flashnode logs`` reads: the agent's own copy, which the task cannot reach); None when
-        none is kept."""
-        if not SAFE_ID.match(lease):
+        ``flashnode logs`` reads: the agent's own copy, which the task cannot reach, kept for
+        the latest ``keep_logs`` attempts after their end); None when none is kept."""
+        found = logcap.find(self.w.state_dir, lease)
+        if found is None:
             return None
-        logs = self.w.state_dir / "attempts" / lease / "logs"
-        if not logs.is_dir():
-            return None
+        logs, _ = found
         return {name: _tail(logs / f"{name}.txt") for name in ("stdout", "stderr")}
 
     def _settings(self, s: Settings) -> dict[str, Any]:
@@ -391,9 +392,13 @@ ACTIONS: dict[str, Callable[[App, dict[str, Any]], Response]] = {
 }
 
 
-def _why(snapshot: dict[str, Any], controls: Mapping[str, Any]) -> dict[str, Any]:
-    """Why the node is not working, in general terms: each hold of the owner's controls with
-    its reason (and its fix, where the agent gives one), the last refused reload."""
+def _why(
+    snapshot: dict[str, Any], controls: Mapping[str, Any], last_exit: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Why the node is not working, in general terms: each hold with its reason and its fix,
+    a failing coordinator conversation, the last refused reload, and how the agent before
+    this one exited (refused credentials, a configuration error, ...) when that was an
+    error."""
     holds = []
     for h in controls.get("held_by") or []:
         if isinstance(h, dict):
@@ -406,8 +411,30 @@ def _why(snapshot: dict[str, Any], controls: Mapping[str, Any]) -> dict[str, Any
                 }
             )
     refused = snapshot.get("reload_refused")
+    problems = [
+        {
+            "conversation": clean(p.get("conversation"), 60),
+            "since": p.get("since") if isinstance(p.get("since"), (int, float)) else None,
+            "error": clean(p.get("error"), 500),
+            "fix": clean(p.get("fix"), 500),
+        }
+        for p in snapshot.get("coordinator_problems") or []
+        if isinstance(p, dict)
+    ]
+    exited = None
+    if last_exit is not None and last_exit.get("code"):
+        started = snapshot.get("started_at")
+        exited = {
+            **{k: last_exit.get(k) for k in ("at", "code")},
+            "error": clean(last_exit.get("error"), 1000),
+            "fix": clean(last_exit.get("fix"), 1000),
+            "before_start": isinstance(started, (int, float)) and last_exit["at"] < started,
+        }
     return {
         "holds": holds,
+        "coordinator": problems,
+        "last_exit": exited,
+        "reload_fix": status.RELOAD_FIX,
         "paused": controls.get("paused"),
         "stop_reason": clean(controls.get("stop_reason"), 500) or None,
         "reload_refused": (

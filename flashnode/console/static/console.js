@@ -43,7 +43,7 @@ function bytes(n) {
 function when(t) {
   if (typeof t !== "number") return "-";
   const d = new Date(t * 1000);
-  return d.toLocaleString([], { dateStyle: "short", timeStyle: "medium" });
+  return d.toLocaleString([], { dateStyle: "short", timeStyle: "long" });  // with the zone
 }
 
 async function api(path, body) {
@@ -111,11 +111,20 @@ function renderWhy(why, a) {
   if (why.stop_reason) items.push(el("li", {}, "running tasks are stopped: ", why.stop_reason));
   if (why.reload_refused) {
     items.push(el("li", { "data-rule": "reload" }, el("strong", {}, "reload refused"), " at ",
-      when(why.reload_refused.at), ": ", why.reload_refused.reason,
-      el("span", { class: "fix" }, "fix: correct the config file, then reload (the agent keeps its running configuration meanwhile)")));
+      when(why.reload_refused.at), " (the running configuration is kept): ", why.reload_refused.reason,
+      el("span", { class: "fix" }, "fix: ", why.reload_fix)));
   }
-  if (!a.registered) items.push(el("li", {}, "not registered with the coordinator: ", a.state));
-  else if (/unreachable/.test(a.state)) items.push(el("li", {}, a.state));
+  for (const p of why.coordinator || []) {
+    items.push(el("li", { "data-rule": "coordinator" }, el("strong", {}, p.conversation + " failing"),
+      " since ", when(p.since), ": ", p.error, el("span", { class: "fix" }, "fix: ", p.fix)));
+  }
+  if (why.last_exit) {
+    const x = why.last_exit;
+    items.push(el("li", { "data-rule": "last-exit" },
+      el("strong", {}, x.before_start ? "the agent before this start exited " + x.code : "an agent beside this one exited " + x.code),
+      " at ", when(x.at), ": ", x.error, x.fix ? el("span", { class: "fix" }, "fix: ", x.fix) : null));
+  }
+  if (!a.registered && !(why.coordinator || []).length) items.push(el("li", {}, "not registered with the coordinator yet: ", a.state));
   if (a.draining) items.push(el("li", {}, "draining: the agent is stopping"));
   replace($("why-list"), ...items);
   $("why").hidden = items.length === 0;

@@ -1,10 +1,14 @@
-"""The ledger as the console shows it: totals (today and all time), tasks per hour, and the
-latest attempts, read incrementally.
+"""What the node gave, from the ledger: totals (today and all time), tasks per hour, and the
+latest attempts, read incrementally. One implementation for ``flashnode status`` (the agent
+publishes the totals in ``status.json``), the console, and ``flashnode status`` of an agent that
+is gone.
 
-Nothing is read until a browser asks; then only what was appended since the last look (the
-file's offset is kept; a torn last line waits for its end). All time totals are sums kept as the
-lines go by, so a long ledger costs its reading once, and memory stays bounded: the latest
-``RECENT`` attempts and the finish times of the last day.
+Nothing is read until someone asks; then only what was appended since the last look (the file's
+offset is kept; a torn last line waits for its end). All time totals are sums kept as the lines go
+by, and memory stays bounded: the latest ``RECENT`` attempts and what the last day's gave. The
+agent keeps those sums in a checkpoint (``<state dir>/ledger-totals.json``: the offset they cover
+and the ledger's inode), so a start reads only what was appended since, and the latest attempts
+from the ledger's end: the ledger grows without bound, a start's cost does not.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from flashnode import statefile
+from flashnode.ledger import parse, tail_lines
 from flashnode.status import describe_facts
 
+CHECKPOINT_FILE = "ledger-totals.json"
+SAVE_EVERY_S = 30.0
 RECENT = 500
 DAY = 86400.0
 CHUNK = 1 << 20
@@ -61,6 +69,25 @@ class Totals:
     cpu_hours: float = 0.0
     gpu_hours: float = 0.0
 
+    @classmethod
+    def of(cls, data: Any) -> Totals:
+        """From a checkpoint; ValueError when it is not one."""
+        if not isinstance(data, dict):
+            raise ValueError("not totals")
+        outcomes = data.get("outcomes")
+        if not isinstance(outcomes, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in outcomes.items()
+        ):
+            raise ValueError("not totals")
+        tasks, cpu, gpu = (
+            data.get("tasks"),
+            number(data.get("cpu_hours")),
+            number(data.get("gpu_hours")),
+        )
+        if not isinstance(tasks, int) or cpu is None or gpu is None:
+            raise ValueError("not totals")
+        return cls(tasks, dict(outcomes), cpu, gpu)
+
     def add(self, given: Given) -> None:
         self.outcomes[given.outcome] = self.outcomes.get(given.outcome, 0) + 1
         if given.outcome == "committed":
@@ -91,13 +118,26 @@ def usage(record: dict[str, Any]) -> tuple[float | None, float | None, float | N
 
 
 class LedgerView:
-    def __init__(self, path: Path, clock: Any = time.time) -> None:
+    def __init__(
+        self,
+        path: Path,
+        clock: Any = time.time,
+        checkpoint: Path | None = None,
+        persist: bool = True,
+    ) -> None:
+        """``checkpoint``: where the sums are kept between starts (None: in memory only);
+        ``persist`` False: only read from it (a command beside the agent)."""
         self.path = path
         self._clock = clock
+        self._checkpoint = checkpoint
+        self._persist = persist
         self._lock = threading.Lock()
         self._offset = 0
         self._inode: int | None = None
         self._partial = b""
+        self._loaded = False
+        self._saved_offset = -1
+        self._saved_at = 0.0
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # brief, newest last
         self.all_time = Totals()
         self._day: deque[Given] = deque()  # what the last day's attempts gave
@@ -111,6 +151,9 @@ class LedgerView:
                 return
             try:
                 st = os.fstat(fd)
+                if not self._loaded:
+                    self._loaded = True
+                    self._resume(fd, st)
                 if st.st_ino != self._inode or st.st_size < self._offset:
                     self._reset(st.st_ino)
                 os.lseek(fd, self._offset, os.SEEK_SET)
@@ -122,6 +165,56 @@ class LedgerView:
             cutoff = self._clock() - DAY
             while self._day and (self._day[0].ended or 0.0) < cutoff:
                 self._day.popleft()
+            if (
+                self._offset != self._saved_offset
+                and self._clock() - self._saved_at >= SAVE_EVERY_S
+            ):
+                self._save()
+
+    def save(self) -> None:
+        """Keep the sums now (the agent, as it stops)."""
+        self.refresh()
+        with self._lock:
+            if self._offset != self._saved_offset:
+                self._save()
+
+    def _save(self) -> None:
+        """The checkpoint: the sums as of the last whole line read (a torn line's start is not
+        covered: it is read again)."""
+        if self._checkpoint is None or self._inode is None or not self._persist:
+            return
+        data = {
+            "version": 1,
+            "inode": self._inode,
+            "offset": self._offset - len(self._partial),
+            "all_time": asdict(self.all_time),
+            "day": [list(asdict(g).values()) for g in self._day],
+        }
+        try:
+            statefile.write(self._checkpoint, json.dumps(data).encode())
+        except OSError:
+            return  # kept in memory; the next start reads the ledger again
+        self._saved_offset, self._saved_at = self._offset, self._clock()
+
+    def _resume(self, fd: int, st: os.stat_result) -> None:
+        """Start from the checkpoint when it covers this very ledger; the latest attempts
+        from the ledger's end."""
+        if self._checkpoint is None:
+            return
+        try:
+            data = json.loads(self._checkpoint.read_bytes())
+            inode, offset = data["inode"], data["offset"]
+            if data.get("version") != 1 or inode != st.st_ino or not 0 <= offset <= st.st_size:
+                return
+            totals = Totals.of(data["all_time"])
+            day = [Given(number(e), str(o), float(c), float(g)) for e, o, c, g in data["day"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        self._inode, self._offset, self.all_time = inode, offset, totals
+        self._day.extend(day)
+        self._saved_offset = offset
+        for record in parse(tail_lines(fd, offset, RECENT)):
+            self.recent.append(brief(record))
 
     def _reset(self, inode: int) -> None:
         self._inode, self._offset, self._partial = inode, 0, b""
@@ -133,13 +226,7 @@ class LedgerView:
         data = self._partial + chunk
         *lines, self._partial = data.split(b"\n")
         cutoff = self._clock() - DAY
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict):
-                continue
+        for record in parse(lines):
             given = Given.of(record)
             self.all_time.add(given)
             self.recent.append(brief(record))
