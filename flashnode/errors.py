@@ -99,6 +99,11 @@ class DiskFull(AttemptLapsed):
     removed to give the space back."""
 
 
+class OutOfDescriptors(AttemptLapsed):
+    """The agent ran out of file descriptors (its own limit, or the system's) while it read a
+    task's files: the node's fault. What could not be read is never taken to be absent."""
+
+
 class Stopped(AttemptLapsed):
     """The attempt was ended by the node's owner or its service manager, not by a fault: a drain,
     a stop, ``flashnode pause --now``, an owner control's suspension. Its lease is left to lapse,
