@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -28,6 +27,7 @@ import psutil
 from flashnode import (
     __version__,
     controls_cli,
+    diskuse,
     envs_cli,
     inventory,
     metrics,
@@ -312,13 +312,6 @@ def _log_thread_death(args: threading.ExceptHookArgs) -> None:
     log.error("thread %s ended with an error", name, exc_info=exc)  # type: ignore[arg-type]
 
 
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
 def env_cache(settings: Settings) -> EnvCache | None:
     """The agent's one cache of job environments: the trusted runner's only. A source build runs
     as the agent's helper user (``nobody``) when the agent is root: never as root, never as a
@@ -528,7 +521,7 @@ def _run_agent(
         gpu=nvml,
         gpus=gpus,
         limits=task_limits(settings, slots, *machine),
-        free_bytes=lambda: _free_bytes(settings.state_dir),
+        space=lambda: diskuse.space(settings.state_dir),
         metrics=served,
         envs=envs,
         data=data,

@@ -9,6 +9,7 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
 from flashnode.agent import Agent
+from flashnode.diskuse import Space
 from flashnode.errors import CoordinatorUnavailable, CredentialsError, Unregistered
 from flashnode.inventory import registration
 
@@ -141,7 +142,7 @@ def test_low_disk_stops_claims_and_says_why_once(
         ctx,
         coord,
         lambda current: registration(current, "node-1"),
-        free_bytes=lambda: free["bytes"],
+        space=lambda: Space(free["bytes"], 100 << 30, 1 << 20, 1 << 20),
     )
     original = coord.node_heartbeat
 
@@ -155,8 +156,37 @@ def test_low_disk_stops_claims_and_says_why_once(
         agent.run()
     claims = coord.names("claim")
     assert claims and claims[0] > 1030  # no claim while below the floor
-    assert sum("below the" in r.message for r in caplog.records) == 1
+    assert sum("below min_free_bytes" in r.message for r in caplog.records) == 1
     assert sum("claiming again" in r.message for r in caplog.records) == 1
+
+
+def test_few_free_inodes_stop_claims_like_low_disk(tmp_path: Path) -> None:
+    """Plenty of bytes but almost no inodes left: no file can be made, so the node holds
+    claiming below min_free_bytes' share of the inodes (1 GiB of 100 GiB: 1% of them)."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0)])
+    inodes = {"free": 5_000}
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1, min_free_bytes=1 << 30)
+    agent = Agent(
+        ctx,
+        coord,
+        lambda current: registration(current, "node-1"),
+        space=lambda: Space(50 << 30, 100 << 30, inodes["free"], 1_000_000),
+    )
+    held: list[str] = []
+    original = coord.node_heartbeat
+
+    def heartbeat(hb: object) -> None:
+        held.extend(h.reason for h in agent.decision.holds if h.rule == "disk")
+        if clock.now > 1030:
+            inodes["free"] = 500_000
+        original(hb)  # type: ignore[arg-type]
+
+    coord.node_heartbeat = heartbeat  # type: ignore[method-assign,assignment]
+    agent.run()
+    claims = coord.names("claim")
+    assert claims and claims[0] > 1030
+    assert held and "5000 inodes free" in held[0] and "below 10000" in held[0], held
 
 
 def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: Path) -> None:

@@ -209,7 +209,7 @@ def test_a_deep_tree_is_walked_whole_with_few_descriptors(ws: Workspace) -> None
     MAX_OPEN_DIRS of them open, and finds its way back up through the ones it closed."""
     here = os.open(ws.tmp, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for level in range(300):
+        for _ in range(300):
             os.mkdir("d", dir_fd=here)
             fd = os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=here)
             os.write(fd, b"x" * 100)
@@ -290,9 +290,8 @@ def test_running_out_of_descriptors_is_the_nodes_fault_never_a_gap(
         ws.usage()
     monkeypatch.setattr(workspace.os, "open", real_open)
     (ws.out / "metrics.json").write_text("{}")
-    with descriptors(0):
-        with pytest.raises(OutOfDescriptors):
-            ws.outputs(1000, 1000)
+    with descriptors(0), pytest.raises(OutOfDescriptors):
+        ws.outputs(1000, 1000)
 
 
 def test_outputs_refuse_links_fifos_sockets_and_oversize(ws: Workspace, tmp_path: Path) -> None:
