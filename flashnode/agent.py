@@ -621,7 +621,14 @@ class Agent:
         """Tell the node's own holds how an attempt ended."""
         lease = attempt.lease
         reason = attempt.ended[1] if attempt.ended else ""
-        ending = Ending(outcome, reason, lease.job_id if lease else "", attempt.node_fault, seconds)
+        ending = Ending(
+            outcome,
+            reason,
+            lease.job_id if lease else "",
+            attempt.node_fault,
+            seconds,
+            job_endpoint=attempt.job_endpoint,
+        )
         self.quarantine.record(ending)
         self.revoked.record(ending, attempt.lease_id)
         self._last_ended = {

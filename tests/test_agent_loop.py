@@ -403,6 +403,39 @@ def test_endings_that_are_not_the_nodes_fault_neither_count_nor_reset() -> None:
     assert hold is not None and hold.rule == "quarantine" and "disk full" in hold.reason
 
 
+def test_one_jobs_dead_endpoints_never_quarantine_a_node_but_two_jobs_do() -> None:
+    """Lapses at endpoints a job named (its data origin, its package index) say nothing of this
+    node while one job has them: that job could bench every node it lands on. Once they span
+    two jobs, they count like any node fault: a node whose own network is down fails every job
+    alike. A node fault of any other kind counts as it always did."""
+    from flashnode.attempt.record import Outcome
+    from flashnode.guard import Ending, Quarantine
+
+    def origin(job: str) -> Ending:
+        why = f"dataset entry ds/a.bin: origin unreachable (connection refused) (4 tries) {job}"
+        return Ending(Outcome.LAPSED, why, job, node_fault=True, job_endpoint=True)
+
+    q = Quarantine(3, 60, FakeClock())
+    for _ in range(10):
+        q.record(origin("j1"))
+    assert q.hold() is None and q.streak == 0
+    q.record(origin("j2"))  # a second job: the network, most likely, is this node's
+    hold = q.hold()
+    assert hold is not None and "11 attempts in a row" in hold.reason, hold
+
+    q = Quarantine(3, 60, FakeClock())
+    disk = Ending(Outcome.LAPSED, "disk full (No space left on device)", "j1", node_fault=True)
+    for ending in (disk, origin("j1"), disk):
+        q.record(ending)
+    assert q.hold() is None and q.streak == 2  # the job's own endpoint counts for nothing...
+    q.record(Ending(Outcome.COMMITTED, "", "j3"))
+    for ending in (origin("j1"), origin("j1"), disk, disk):
+        q.record(ending)
+    assert q.hold() is None  # ... nor breaks a row: a commit does
+    q.record(disk)
+    assert q.hold() is not None
+
+
 def test_a_lease_revoked_by_the_watchdog_is_not_claimed_straight_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -131,6 +131,7 @@ class Attempt:
         self._ending: AttemptFailed | AttemptLapsed | None = None
         self.cancel_grace = 0.0
         self.node_fault = False  # it lapsed through the node's fault (the black-hole guard)
+        self.job_endpoint = False  # ... at an endpoint the job named (AttemptLapsed)
         self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
@@ -400,6 +401,7 @@ class Attempt:
         """Not the task's fault: the lease is left to lapse. ``node_fault`` says whether the
         node is to blame (not an owner's or a service manager's stop)."""
         self.node_fault = not isinstance(ending, Stopped)
+        self.job_endpoint = ending.job_endpoint
         log.warning("lease %s: %s; letting the lease lapse", self.lease_id, ending)
         return Outcome.LAPSED, str(ending)
 
