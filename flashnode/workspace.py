@@ -185,6 +185,13 @@ class Workspace:
     def remove(self) -> None:
         remove_tree(self.root)
 
+    def seal(self) -> None:
+        """Put the directory out of every task's reach where it is (the agent's, mode 0700): a
+        finished result kept for the next start of the agent to commit, which the slot's later
+        tasks (the same user as the task that wrote it) must neither read nor change."""
+        os.chown(self.root, os.geteuid(), os.getegid(), follow_symlinks=False)
+        os.chmod(self.root, 0o700, follow_symlinks=False)
+
     def retire(self) -> Path | None:
         """Put the directory out of every task's reach at once (mode 0700: the slot's next task
         runs as the same user) under a dot name, which the next start of the agent removes

@@ -16,7 +16,8 @@ How an attempt ends (DESIGN.md §5, whose fault):
 * ``LeaseLost`` — the lease died: nothing more is uploaded or reported.
 
 Whatever raises, every attempt ends in exactly one ledger line, its GPUs released, its workspace
-and outbox record removed (unless a finished result waits in the outbox for the next start).
+and outbox record removed; unless a finished result waits in the outbox for the next start:
+then its workspace is sealed (the agent's alone) until that start commits it.
 
 Why one module of this size: the Attempt's shared state and hooks, which every phase reads, live
 beside the orchestrator.
@@ -354,6 +355,11 @@ class Attempt:
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
             log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)
+            try:
+                if self.workspace is not None:
+                    self.workspace.seal()
+            except OSError as exc:  # the result stays: it is checked again when committed
+                log.error("lease %s: cannot seal its workspace: %s", lease.lease_id, exc)
         else:
             try:
                 if self.workspace is not None:
