@@ -271,3 +271,38 @@ def test_a_task_cannot_use_up_the_owners_inodes(
     assert line["outcome"] == "failed", line
     assert "files and directories grew past" in line["reason"], line["reason"]
     assert least[0] > 1000, least[0]
+
+
+def test_no_single_file_of_a_task_grows_past_its_disk_cap_however_fast(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
+) -> None:
+    """A watch, however often it looks, sees a fast writer late: the kernel refuses to grow any
+    file of the task's past its byte cap (RLIMIT_FSIZE, soft and hard), wherever it is. Here,
+    100 MB as fast as the machine writes, under a 50 MB cap, into a directory the watch does not
+    walk (so that nothing else stops the task)."""
+    big = drop_dir / "big"
+    write = f"head -c 100000000 /dev/zero > {big}; echo '{{}}' > metrics.json"
+    job = coordinator.submit(argv_job(["sh", "-c", write], max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=CAPPED)
+    assert agent.wait(90) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    assert 50 << 20 < big.stat().st_size <= (50 << 20) + 512
+
+
+@as_root
+def test_a_containers_files_are_held_to_its_disk_cap_by_the_kernel_too(
+    box: str, coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The container's RLIMIT_FSIZE, as its shell sees it (512-byte blocks), soft and hard."""
+    from test_container import box_job, unique
+
+    show = "ulimit -S -f; ulimit -H -f; printf '\\173\\175' > /work/out/metrics.json"
+    job = coordinator.submit(box_job(["sh", "-c", show], image=box, max_attempts=1))
+    env = {**CAPPED, "FLASHNODE_ALLOWED_IMAGES": box}
+    node = ("--node-id", unique("fsize"))
+    agent = start_agent(coordinator.url, "--runner", "docker", *node, "--max-tasks", "1", env=env)
+    assert agent.wait(90) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    printed = coordinator.artifact(f"jobs/{job}/task-000/logs/stdout.txt").decode().split()
+    assert len(printed) == 2 and printed[0] == printed[1], printed
+    assert 50 << 20 <= int(printed[0]) * 512 <= (50 << 20) + 512, printed  # bytes, floored
