@@ -208,14 +208,17 @@ def env_script(
     ``max_file_bytes`` (rounded up to the shell's 512-byte blocks; soft and hard, so that the
     task cannot raise it), export exactly ``env`` (names are checked by the wire parser), set
     the arguments, and, last, say it is whole (``FLASHNODE_GO``: a payload cannot set that
-    name, and it is never exported)."""
+    name, and it is never exported). Each export goes through ``command``: a name the shell
+    refuses to take (dash's ``OPTIND`` with a value that is not a number, bash's read-only
+    ``UID``) is then left out with a message, where a bare ``export`` would end the shell before
+    the task runs and make the task's own payload look like the launch failing."""
     enter = f"cd -- {_quote(str(cwd))} || {{ echo 'flashnode: cannot enter the workspace' >&2;"
     lines = [f"{enter} exit {SETUP_FAILED}; }}\n"] if cwd is not None else []
     if max_file_bytes is not None:
         blocks = _file_size_blocks(max_file_bytes)
         fail = "{ echo 'flashnode: cannot limit the size of files' >&2;"
         lines.append(f"ulimit -f {blocks} || {fail} exit {SETUP_FAILED}; }}\n")
-    lines += [f"export {k}={_quote(v)}\n" for k, v in env.items()]
+    lines += [f"command export {k}={_quote(v)}\n" for k, v in env.items()]
     lines.append("set -- " + " ".join(_quote(a) for a in argv) + "\n")
     lines.append("FLASHNODE_GO=1\n")
     return "".join(lines).encode("utf-8", "surrogateescape")

@@ -218,6 +218,23 @@ def test_a_task_that_prints_its_launchs_failure_and_exits_125_is_failed(
 
 
 @needs_root
+def test_a_payload_env_the_launch_shell_refuses_leaves_the_failure_the_tasks(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The attack: ``export OPTIND='x'`` ends dash ("Illegal number") while the launch's last
+    step applies the payload's env, before it says the task's exec comes next: the agent read
+    "task setup failed" and let the lease lapse as the node's fault, so a job never spent its
+    failure budget and counted a node fault, toward the quarantine, on every node it reached.
+    The task's own failure stays the task's."""
+    job = coordinator.submit(argv_job(["sh", "-c", "exit 3"], env={"OPTIND": "x"}, max_attempts=1))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST)
+    assert agent.wait(60) == 0, agent.log
+    [entry] = agent.ledger()
+    assert entry["outcome"] == "failed" and entry["reason"].startswith("exit code 3"), entry
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED"
+
+
+@needs_root
 def test_a_launch_that_fails_before_the_task_runs_is_the_nodes_fault_with_its_reason(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:

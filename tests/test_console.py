@@ -134,6 +134,7 @@ def test_a_task_holding_the_owners_cookie_still_gets_nothing(console: ConsoleAge
         "'Content-Type': 'application/json'}, data=sys.argv[2].encode() or None)\n"
         "try:\n    print(urllib.request.urlopen(req).status)\n"
         "except urllib.error.HTTPError as e:\n    print(e.code)\n"
+        "except Exception:\n    print('closed')\n"
     )
 
     def as_task(path: str, body: str = "") -> str:
@@ -156,8 +157,8 @@ def test_a_task_holding_the_owners_cookie_still_gets_nothing(console: ConsoleAge
         )
         return done.stdout.strip() + done.stderr
 
-    assert as_task("/api/state") == "403"
-    assert as_task("/api/pause", '{"mode": "now"}') == "403"
+    assert as_task("/api/state") == "closed"  # closed unanswered, before anything was read
+    assert as_task("/api/pause", '{"mode": "now"}') == "closed"
     assert not (console.agent.state_dir / "pause.json").exists()
     with client:
         assert client.get("/api/state").status_code == 200  # the owner's own browser: answered
@@ -534,3 +535,46 @@ def test_every_asset_ships_in_the_package_and_the_page_fetches_nothing_else() ->
     assert "innerHTML" not in js and "insertAdjacentHTML" not in js and "eval(" not in js
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"flashnode.console" = ["static/*"]' in pyproject
+
+
+def test_one_user_holding_connections_open_cannot_lock_the_owner_out(
+    console: ConsoleAgent,
+) -> None:
+    """The attack: every request slot held by connections that each send a byte now and then
+    (any local user can; a task too, on the host's network), so that the owner's browser gets
+    no answer. One user gets few slots at once, and a request must arrive whole within one
+    deadline, however slowly its bytes come."""
+    from flashnode.console.server import MAX_CLIENTS, READ_TIMEOUT_S
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists():
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to hold connections as another user")
+    hold = (
+        "import socket, sys, time\n"
+        "held = [socket.create_connection(('127.0.0.1', int(sys.argv[1]))) for _ in range(32)]\n"
+        "for s in held: s.sendall(b'GET / HTTP/1.0\\r\\n')\n"
+        "print('held', flush=True)\n"
+        "while True:\n"
+        "    time.sleep(1)\n"
+        "    for s in held:\n"
+        "        try: s.sendall(b'X')\n"
+        "        except OSError: pass\n"
+    )
+    assert MAX_CLIENTS * 2 <= 32  # more than every slot there is
+    nobody = subprocess.Popen(
+        [
+            *("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"),
+            *("/usr/bin/python3", "-c", hold, str(console.port)),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    try:
+        assert nobody.stdout is not None and nobody.stdout.readline().strip() == "held"
+        for _ in range(3):
+            time.sleep(1)  # the holder keeps sending
+            r = httpx.get(console.base + "/api/state", timeout=READ_TIMEOUT_S)
+            assert r.status_code == 401  # answered (no session): the owner is not locked out
+    finally:
+        nobody.kill()
+        nobody.wait()

@@ -301,7 +301,7 @@ def test_a_disk_filled_by_something_else_ends_the_task_at_once_and_the_node_carr
     assert "Traceback" not in agent.log and "OSError" not in agent.log
     coordinator.cancel(victim)  # else it comes back once its lease lapses
     wait_for(
-        "the workspace to be removed",  # a chain started ahead for the slot's next task stays
+        "the workspace to be removed",  # a chain started ahead keeps its empty /work in attempts/
         lambda: all(p.name.startswith(".ahead-") for p in (state_dir / "attempts").iterdir()),
     )
 

@@ -347,7 +347,7 @@ def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> No
     ws = Workspace.create(tmp_path / "attempts", "ls-1")
     env = {"DATA": "/work/inputs/x", "OPT": "--o=/work/out"}
     task = parse_task(Lease.model_validate(lease(argv=["true"], env=env)))
-    spec = build(task, "ls-1", 0, ws, [], False, Limits(1 << 30, 1.0, 64), print, print)
+    spec = build(task, "job-1", "ls-1", 0, ws, [], False, Limits(1 << 30, 1.0, 64), print, print)
     env = trusted.task_env(spec, "t", {}, "/usr/bin", str(ws.root))
     root = str(ws.root)
     assert (env["DATA"], env["OPT"]) == (f"{root}/inputs/x", f"--o={root}/out")

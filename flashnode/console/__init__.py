@@ -47,7 +47,7 @@ def start(listen: str, wiring: Wiring) -> Console:
     names = _local_names() if parsed.host in ("0.0.0.0", "::") else []
     gate = auth.Gate(clock=wiring.clock)
     app = App(wiring, gate, frozenset(), "")
-    server = ConsoleServer(parsed.host, parsed.port, app)
+    server = ConsoleServer(parsed.host, parsed.port, app, wiring.task_uids)
     app.hosts = auth.allowed_hosts(parsed.host, server.port, parsed.loopback, names)
     app.cookie = auth.cookie_name(server.port)
     shown = "127.0.0.1" if parsed.host in ("0.0.0.0", "localhost") else parsed.host

@@ -1,18 +1,25 @@
 """The console's HTTP edge: the standard library's HTTP server on one thread that sleeps in
 ``select`` until a browser connects (no timer wakes it while nobody looks), a short-lived thread
-per request (at most ``MAX_CLIENTS`` at once; more are closed unanswered), ``Connection: close``
-after every answer, and a bounded read of every request. What a request means is the ``App``'s
-business (``app.py``); this module only moves bytes.
+per request, ``Connection: close`` after every answer, and a bounded read of every request.
+
+No one can hold the owner out: a connection from a refused user (a task's) is closed when it is
+accepted, before it takes anything; each user (each address, for a peer of another machine) has
+at most ``MAX_PER_CLIENT`` requests under way, all of them together ``MAX_CLIENTS`` (more are
+closed unanswered); and a request must arrive whole within ``READ_TIMEOUT_S`` (a client that
+sends a byte now and then is cut off at that deadline, not at each read's). What a request means
+is the ``App``'s business (``app.py``); this module only moves bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 log = logging.getLogger(__name__)
 
 MAX_CLIENTS = 16
+MAX_PER_CLIENT = 4  # requests under way from one user (or one address, for a remote peer)
 MAX_BODY = 16 * 1024
 READ_TIMEOUT_S = 10.0
 
@@ -74,26 +82,54 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     app: App
 
-    def __init__(self, address: tuple[str, int], family: int) -> None:
+    def __init__(
+        self, address: tuple[str, int], family: int, refused_uids: frozenset[int]
+    ) -> None:
         self.address_family = family
+        self.refused_uids = refused_uids
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self._lock = threading.Lock()
+        self._per_client: dict[int | str, int] = {}
         super().__init__(address, _Handler)
 
+    def _client(self, client_address: Any) -> int | str | None:
+        """Who a new connection is (its user, else its address); None: refused."""
+        uid = peer_uid(client_address[1], self.server_address[1])
+        if uid is not None and uid in self.refused_uids:
+            return None
+        return uid if uid is not None else str(client_address[0])
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: closed unanswered
+        client = self._client(client_address)
+        with self._lock:
+            taken = self._per_client.get(client, 0) if client is not None else MAX_PER_CLIENT
+            if taken >= MAX_PER_CLIENT or not self._slots.acquire(blocking=False):
+                client = None
+            else:
+                self._per_client[client] = taken + 1  # type: ignore[index]
+        if client is None:
+            self.shutdown_request(request)  # refused, or too many at once: closed unanswered
             return
         try:
-            super().process_request(request, client_address)
+            threading.Thread(
+                target=self._serve_one, args=(request, client_address, client), daemon=True
+            ).start()
         except BaseException:
-            self._slots.release()
+            self._done(client)
             raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def _serve_one(self, request: Any, client_address: Any, client: int | str) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            self.process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._done(client)
+
+    def _done(self, client: int | str) -> None:
+        with self._lock:
+            left = self._per_client.pop(client, 1) - 1
+            if left > 0:
+                self._per_client[client] = left
+        self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -102,6 +138,13 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = READ_TIMEOUT_S
     server_version = "flashnode"
     sys_version = ""
+
+    def setup(self) -> None:
+        super().setup()
+        # One deadline for the whole request, not one per read (no thread: each read is given
+        # what is left of it).
+        self.rfile.close()  # the file setup made: it would hold the socket open after its close
+        self.rfile = io.BufferedReader(_Deadline(self.connection, READ_TIMEOUT_S))
 
     def do_GET(self) -> None:
         self._dispatch()
@@ -160,6 +203,23 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # requests are not logged: a login link's token is in one
 
 
+class _Deadline(io.RawIOBase):
+    """A socket's reads, each given what is left of one deadline for them all."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self._sock, self._until = sock, time.monotonic() + seconds
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
 def peer_uid(peer_port: int, port: int) -> int | None:
     """The user owning the client end of a TCP connection to ``port`` from ``peer_port`` on
     this machine (the kernel's socket tables), None when it is not found."""
@@ -180,9 +240,12 @@ def peer_uid(peer_port: int, port: int) -> int | None:
 class ConsoleServer:
     """Listening on ``host:port`` (port 0: any free one) until ``close``."""
 
-    def __init__(self, host: str, port: int, app: App) -> None:
+    def __init__(
+        self, host: str, port: int, app: App, refused_uids: frozenset[int] = frozenset()
+    ) -> None:
+        """``refused_uids``: users whose connections are closed unanswered (the task users)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = _Server((host, port), family)
+        self._server = _Server((host, port), family, refused_uids)
         self._server.app = app
         # A client gone between select and accept must not block the loop in accept.
         self._server.socket.setblocking(False)
