@@ -468,6 +468,7 @@ class Workspace:
                 if d.fd < 0:
                     if not self._reopen(d, parts, tolerant):
                         stack.pop()  # moved away while it was read (tolerant): the rest of it
+                        lowest = min(lowest, len(stack))
                         continue
                     lowest = len(stack) - 1
                 if not d.names:
