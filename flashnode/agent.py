@@ -30,10 +30,10 @@ from typing import Any, Protocol
 
 from flashnode import status
 from flashnode.attempt import Attempt, AttemptContext, Outcome
-from flashnode.attempt.execute import FULL_BELOW_BYTES
 from flashnode.attempt.record import State
 from flashnode.clock import Clock, stamp
 from flashnode.controls import Controls, Decision, Hold, Rules
+from flashnode.diskuse import Space
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -93,7 +93,7 @@ class Agent:
         registration: Callable[[Settings], NodeRegistration],
         clock: Clock | None = None,
         reload: Callable[[], Settings] | None = None,
-        free_bytes: Callable[[], int | None] | None = None,
+        space: Callable[[], Space | None] | None = None,
         sink: StatusSink | None = None,
         on_settings: Callable[[Settings], None] | None = None,
         controls: Controls | None = None,
@@ -101,8 +101,8 @@ class Agent:
         status_extra: dict[str, Any] | None = None,
         totals: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        """``controls``: the owner's rules (None: none). ``free_bytes``: free space in the state
-        dir (default: ``ctx.free_bytes``). ``health``: this node's own checks for the given
+        """``controls``: the owner's rules (None: none). ``space``: the state dir's disk now
+        (default: ``ctx.space``). ``health``: this node's own checks for the given
         settings, as one line per problem (the preflight; none: always healthy).
         ``status_extra``: more for status.json (what owners' commands may use to reach it).
         ``totals``: what this node gave, today and all time (from the ledger: it survives
@@ -122,7 +122,7 @@ class Agent:
         self.registration = registration
         self._reload_settings = reload
         self._on_settings = on_settings
-        self._free_bytes = free_bytes or ctx.free_bytes
+        self._space = space or ctx.space
         self._health = health
         self._status_extra = dict(status_extra or {})
         self._totals = totals
@@ -342,26 +342,21 @@ class Agent:
         self.ctx.start_thread(check, "quarantine-check")
 
     def _disk_hold(self) -> Hold | None:
-        """Below ``min_free_bytes`` free in the state dir, claim nothing; say so once."""
-        free, floor = self._free_bytes(), self.settings.min_free_bytes
-        low = free is not None and free < floor
-        if low and not self._low_disk:
-            log.warning(
-                "not claiming: %d MiB free in the state dir, below the %d MiB floor",
-                (free or 0) >> 20,
-                floor >> 20,
-            )
-        elif self._low_disk and not low:
+        """Below ``min_free_bytes`` free in the state dir (or its share of the inodes), claim
+        nothing; say so once."""
+        space = self._space()
+        short = space.short(self.settings.min_free_bytes) if space is not None else None
+        if short and not self._low_disk:
+            log.warning("not claiming: the state dir has %s", short)
+        elif self._low_disk and not short:
             log.info("free space is back above the floor; claiming again")
-        self._low_disk = low
-        if not low:
+        self._low_disk = bool(short)
+        if space is None or not short:
             return None
-        assert free is not None
-        what = "the state dir's disk is full" if free < FULL_BELOW_BYTES else "low disk"
+        what = "the state dir's disk is full" if space.full() else "low disk"
         return Hold(
             "disk",
-            f"{what}: {free >> 20} MiB free, below min_free_bytes ({floor >> 20} MiB);"
-            " claims resume above it",
+            f"{what}: {short}; claims resume above it",
             fix=f"free space on the disk of {self.settings.state_dir} (`flashnode envs prune`"
             " evicts unused job environments), or lower min_free_bytes",
         )
@@ -668,7 +663,14 @@ class Agent:
         """Tell the node's own holds how an attempt ended."""
         lease = attempt.lease
         reason = attempt.ended[1] if attempt.ended else ""
-        ending = Ending(outcome, reason, lease.job_id if lease else "", attempt.node_fault, seconds)
+        ending = Ending(
+            outcome,
+            reason,
+            lease.job_id if lease else "",
+            attempt.node_fault,
+            seconds,
+            job_endpoint=attempt.job_endpoint,
+        )
         self.quarantine.record(ending)
         self.revoked.record(ending, attempt.lease_id)
         self._last_ended = {

@@ -197,11 +197,15 @@ class AttemptCgroup:
 
     def kill(self, timeout: float = 5.0) -> None:
         """SIGKILL everything inside until it is empty. Every pid listed here is the task's.
-        A frozen cgroup is thawed first: on v1 a frozen process dies only once thawed."""
-        self.thaw()
+        A frozen cgroup is killed before it is thawed (on v1 a frozen process dies only once
+        thawed): what it holds pending then runs no more of its own code."""
         if self.version == 2:
             with contextlib.suppress(OSError):
                 _write(self.paths["unified"] / "cgroup.kill", "1")
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self.thaw()
         deadline = self.clock.monotonic() + timeout
         while (pids := self.pids()) and self.clock.monotonic() < deadline:
             for pid in pids:

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -29,6 +28,7 @@ from flashnode import (
     __version__,
     cgroups,
     controls_cli,
+    diskuse,
     envs_cli,
     inventory,
     lastexit,
@@ -448,13 +448,6 @@ def _log_thread_death(args: threading.ExceptHookArgs) -> None:
     log.error("thread %s ended with an error", name, exc_info=exc)  # type: ignore[arg-type]
 
 
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
 def env_cache(settings: Settings, limits: Limits) -> EnvCache | None:
     """The agent's one cache of job environments: the trusted runner's only. A root agent builds
     as its build user (``procs.BUILD_USER``), in a cgroup of its own with the per-task
@@ -667,7 +660,7 @@ def _run_agent(
         gpu=nvml,
         gpus=gpus,
         limits=limits,
-        free_bytes=lambda: _free_bytes(settings.state_dir),
+        space=lambda: diskuse.space(settings.state_dir),
         metrics=served,
         envs=envs,
         data=data,

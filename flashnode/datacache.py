@@ -324,7 +324,9 @@ class Fetcher:
             except _Retry as exc:
                 failures = 1 if progress.offset > before else failures + 1
                 if failures > len(self.retry_delays):
-                    raise DataUnavailable(f"{where}: {exc} ({failures} tries)") from None
+                    raise DataUnavailable(
+                        f"{where}: {exc} ({failures} tries)", job_endpoint=True
+                    ) from None
                 log.info("%s: %s; trying again", where, exc)
                 if self.clock.wait(stop, self.retry_delays[failures - 1]):
                     raise DataUnavailable(f"{where}: fetch stopped") from None
@@ -339,8 +341,10 @@ class Fetcher:
     def _check_running(self, where: str, stop: threading.Event, deadline: float) -> None:
         if stop.is_set():
             raise DataUnavailable(f"{where}: fetch stopped")
-        if self.clock.monotonic() > deadline:
-            raise DataUnavailable(f"{where}: not fetched within {self.timeout_seconds:g} s")
+        if self.clock.monotonic() > deadline:  # the origin is too slow
+            raise DataUnavailable(
+                f"{where}: not fetched within {self.timeout_seconds:g} s", job_endpoint=True
+            )
 
     def _request(
         self,

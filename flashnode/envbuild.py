@@ -227,6 +227,14 @@ class EnvSpec:
     def hidden(self) -> tuple[str, ...]:
         return secrets_in(self.lines)
 
+    def names_index(self) -> bool:
+        """Whether the lines name where packages come from (an index, a page of links, a
+        direct URL): an endpoint of the job's own."""
+        return any(
+            line.startswith(("-", "http://", "https://")) or "@" in line.split(";", 1)[0]
+            for line in self.lines
+        )
+
     def shown_lines(self) -> list[str]:
         hidden = self.hidden()
         return [redact(line, hidden) for line in self.lines]
@@ -248,6 +256,12 @@ NODE_NETWORK = re.compile(
     r"|HTTP status server error|invalid peer certificate|certificate verify failed"
     r"|Network is unreachable|No route to host|HTTP status client error \((407|408|429)\b"
 )
+
+
+def unreachable(output: str) -> bool:
+    """Whether uv failed for want of an index (connection, DNS, TLS, 5xx, timeouts), not of a
+    resource of this node's."""
+    return not NODE_RESOURCE.search(output) and bool(NODE_NETWORK.search(output))
 
 
 def classify(returncode: int, output: str) -> Fault:
@@ -756,7 +770,10 @@ class _Runner:
             tail = summarize(text, self.spec.hidden())
             reason = f"{_one_line(tail)} (uv exit status {proc.returncode})"
             if classify(proc.returncode, text) == "node":
-                raise EnvUnavailable(f"cannot build the environment while {step}: {reason}")
+                raise EnvUnavailable(
+                    f"cannot build the environment while {step}: {reason}",
+                    job_endpoint=self.spec.names_index() and unreachable(text),
+                )
             raise EnvBuildFailed(
                 f"cannot build the Python {self.spec.python} environment: {reason}", tail
             )

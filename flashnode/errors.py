@@ -90,13 +90,26 @@ class AttemptLapsed(FlashnodeError):
     """The attempt ends for a reason that is not the task's fault (the node drains, stops or
     restarted; it cannot reach what the task needs; it should not have been given the lease): the
     agent stops renewing and lets the lease lapse, which spends the coordinator's separate expiry
-    budget meant for churn. Nothing is reported; the ledger records the reason."""
+    budget meant for churn. Nothing is reported; the ledger records the reason.
+
+    ``job_endpoint``: what failed is an endpoint the job itself named (its dataset origin, its
+    package index), which may as well be the job's as the node's: the black-hole guard counts
+    it only where such failures span more than one job."""
+
+    def __init__(self, *args: object, job_endpoint: bool = False) -> None:
+        super().__init__(*args)
+        self.job_endpoint = job_endpoint
 
 
 class DiskFull(AttemptLapsed):
     """A write of the agent's failed because the state dir's disk (or the agent's quota) is
     full: the node's fault. The attempt ends at once, its lease left to lapse, and its files are
     removed to give the space back."""
+
+
+class OutOfDescriptors(AttemptLapsed):
+    """The agent ran out of file descriptors (its own limit, or the system's) while it read a
+    task's files: the node's fault. What could not be read is never taken to be absent."""
 
 
 class Stopped(AttemptLapsed):

@@ -5,10 +5,14 @@
   every job's budgets. After ``after`` attempts in a row that ended through this node's fault (a
   lapse that was not a drain, stop, pause or owner control), or that failed within
   ``FAST_FAIL_S`` of their claim with the same reason across at least two jobs, the node stops
-  claiming and says why. It then runs its own checks (the preflight ``flashnode work`` runs at
-  start: ``health``) at once and every ``check_seconds``; once they pass, and no sooner than one
-  interval after it stopped (a fault its checks cannot see must not bring it back at full
-  speed), it takes work again. A committed attempt resets the count.
+  claiming and says why. A lapse at an endpoint the job itself named (its dataset origin, its
+  package index: ``job_endpoint``) counts only once such lapses in the row span two jobs: one
+  job's dead origin is no sign of this node's health, and must not bench node after node; a
+  node whose own network is down fails every job alike. It then runs its own checks (the
+  preflight ``flashnode work`` runs at start: ``health``) at once and every ``check_seconds``;
+  once they pass, and no sooner than one interval after it stopped (a fault its checks cannot
+  see must not bring it back at full speed), it takes work again. A committed attempt resets
+  the count.
 * **The backoff after a revoked lease** (``RevokedBackoff``): the coordinator's silence watchdog
   revokes a lease whose task shipped no checkpoint in time (docs/protocol.md §8); claiming straight
   away would most likely get that task back, to be revoked again, each time spending its expiry
@@ -52,6 +56,7 @@ class Ending:
     job_id: str
     node_fault: bool = False  # lapsed through this node's fault
     seconds: float | None = None  # claim to end
+    job_endpoint: bool = False  # ... at an endpoint the job named (a data origin, an index)
 
 
 def same_reason(reason: str) -> str:
@@ -67,7 +72,9 @@ class Quarantine:
         self.check_seconds = check_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        self._faults = 0  # node-fault endings in a row
+        self._faults = 0  # node-fault endings in a row, but those at a job's endpoints
+        self._endpoint_faults = 0  # those, in the same row
+        self._endpoint_jobs: set[str] = set()  # ... and the jobs whose endpoints they were
         self._fault_reason = ""
         self._fails = 0  # fast failures in a row with one reason
         self._fail_reason = ""
@@ -83,17 +90,22 @@ class Quarantine:
     def record(self, e: Ending) -> None:
         with self._lock:
             if e.outcome is Outcome.COMMITTED:
-                self._faults = self._fails = 0
+                self._fails = 0
                 self._fail_jobs.clear()
+                self._no_faults()
             elif e.node_fault:
-                self._faults += 1
+                if e.job_endpoint:
+                    self._endpoint_faults += 1
+                    self._endpoint_jobs.add(e.job_id)
+                else:
+                    self._faults += 1
                 self._fault_reason = e.reason
                 self._fails = 0
                 self._fail_jobs.clear()
             elif e.outcome is Outcome.FAILED:
                 fast = e.seconds is not None and e.seconds < FAST_FAIL_S
                 key = same_reason(e.reason)
-                self._faults = 0
+                self._no_faults()
                 if not fast:
                     self._fails = 0
                     self._fail_jobs.clear()
@@ -108,10 +120,21 @@ class Quarantine:
             if self._since is None and self.after > 0:
                 self._trip()
 
+    def _no_faults(self) -> None:
+        self._faults = self._endpoint_faults = 0
+        self._endpoint_jobs.clear()
+
+    def _counted_faults(self) -> int:
+        """The node-fault endings in a row that count: those at a job's endpoints only once
+        they span two jobs."""
+        endpoints = self._endpoint_faults if len(self._endpoint_jobs) >= 2 else 0
+        return self._faults + endpoints
+
     def _trip(self) -> None:
-        if self._faults >= self.after:
+        faults = self._counted_faults()
+        if faults >= self.after:
             why = (
-                f"{self._faults} attempts in a row ended through this node's fault"
+                f"{faults} attempts in a row ended through this node's fault"
                 f" (the last: {self._fault_reason})"
             )
         elif self._fails >= self.after and len(self._fail_jobs) >= 2:
@@ -136,7 +159,7 @@ class Quarantine:
     def streak(self) -> int:
         """The longer of the two counts (for the metrics)."""
         with self._lock:
-            return max(self._faults, self._fails)
+            return max(self._counted_faults(), self._fails)
 
     def hold(self) -> Hold | None:
         with self._lock:
@@ -177,8 +200,9 @@ class Quarantine:
             if not problems and served:
                 log.info("quarantine ends: this node passes its own checks; claiming again")
                 self._since, self._problems = None, None
-                self._faults = self._fails = 0
+                self._fails = 0
                 self._fail_jobs.clear()
+                self._no_faults()
                 return
             if problems and changed:
                 log.error("quarantined: this node's checks fail: %s", "; ".join(problems))

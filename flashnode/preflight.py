@@ -13,7 +13,6 @@ can be made, not made. The Docker SDK is imported only to check a docker runner.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from flashnode import unitview
+from flashnode import diskuse, unitview
 from flashnode.errors import ExitCode
 from flashnode.settings import Settings, credentials_names, format_size
 from flashnode.unitview import UnitView
@@ -172,17 +171,22 @@ def _state_dir(s: Settings) -> Iterator[Finding]:
     if not os.access(path, os.W_OK | os.X_OK):
         yield Problem("state dir", f"{path} is not writable", f"chmod u+rwx {path}")
         return
-    free = shutil.disk_usage(path).free
-    if free < s.min_free_bytes:
+    space = diskuse.space(path)
+    if space is None:
+        yield Problem(
+            "state dir", f"cannot read how much {path} has free", "check its file system", code=None
+        )
+        return
+    short = space.short(s.min_free_bytes)
+    if short:
         yield Problem(
             "state dir",
-            f"{format_size(free)} free in {path}, below min_free_bytes"
-            f" ({format_size(s.min_free_bytes)}): the agent will not claim work",
-            "free space, or lower min_free_bytes",
+            f"{path} has {short}: the agent will not claim work",
+            "free space (or remove files), or lower min_free_bytes",
             code=None,
         )
     else:
-        yield Ok("state dir", f"{path}, {format_size(free)} free")
+        yield Ok("state dir", f"{path}, {format_size(space.free_bytes)} free")
 
 
 # --- stored credentials -----------------------------------------------------------------------

@@ -64,6 +64,7 @@ import json
 import logging
 import os
 import pwd
+import resource
 import secrets
 import select
 import signal
@@ -197,20 +198,39 @@ def _quote(value: str) -> str:
     return "'" + value.replace("'", "'\\''") + "'"
 
 
-def env_script(env: Mapping[str, str], argv: Sequence[str], cwd: Path | None = None) -> bytes:
+def env_script(
+    env: Mapping[str, str],
+    argv: Sequence[str],
+    cwd: Path | None = None,
+    max_file_bytes: int | None = None,
+) -> bytes:
     """The script the last step of the chain sources: enter ``cwd`` (first: no variable of the
-    task's can change what it means), export exactly ``env`` (names are checked by the wire
-    parser), set the arguments, and, last, say it is whole (``FLASHNODE_GO``: a payload cannot
-    set that name, and it is never exported). Each export goes through ``command``: a name the
-    shell refuses to take (dash's ``OPTIND`` with a value that is not a number, bash's
-    read-only ``UID``) is then left out with a message, where a bare ``export`` would end the
-    shell before the task runs and make the task's own payload look like the launch failing."""
+    task's can change what it means), limit the size of any file the task makes to
+    ``max_file_bytes`` (rounded up to the shell's 512-byte blocks; soft and hard, so that the
+    task cannot raise it), export exactly ``env`` (names are checked by the wire parser), set
+    the arguments, and, last, say it is whole (``FLASHNODE_GO``: a payload cannot set that
+    name, and it is never exported). Each export goes through ``command``: a name the shell
+    refuses to take (dash's ``OPTIND`` with a value that is not a number, bash's read-only
+    ``UID``) is then left out with a message, where a bare ``export`` would end the shell before
+    the task runs and make the task's own payload look like the launch failing."""
     enter = f"cd -- {_quote(str(cwd))} || {{ echo 'flashnode: cannot enter the workspace' >&2;"
     lines = [f"{enter} exit {SETUP_FAILED}; }}\n"] if cwd is not None else []
+    if max_file_bytes is not None:
+        blocks = _file_size_blocks(max_file_bytes)
+        fail = "{ echo 'flashnode: cannot limit the size of files' >&2;"
+        lines.append(f"ulimit -f {blocks} || {fail} exit {SETUP_FAILED}; }}\n")
     lines += [f"command export {k}={_quote(v)}\n" for k, v in env.items()]
     lines.append("set -- " + " ".join(_quote(a) for a in argv) + "\n")
     lines.append("FLASHNODE_GO=1\n")
     return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+def _file_size_blocks(max_bytes: int) -> int:
+    """``max_bytes`` in the 512-byte blocks of the shell's ``ulimit -f``, rounded up, and no
+    more than the hard limit the chain inherits (which an unprivileged shell cannot raise)."""
+    blocks = -(-max_bytes // 512)
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    return blocks if hard == resource.RLIM_INFINITY else min(blocks, hard // 512)
 
 
 def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
@@ -416,7 +436,8 @@ class TaskProcess:
     ``launch``: a chain started ahead for it (else one is started here, in ``cwd``, ``cgroup``
     and ``sandbox``, as ``user``). ``workdir``: where the task starts, as it sees it (default
     ``cwd``). ``hold``: do not send the task its script yet (``go``): the caller first records
-    ``identity()``."""
+    ``identity()``. ``max_file_bytes``: the largest file the task may make
+    (``env_script``)."""
 
     def __init__(
         self,
@@ -434,9 +455,10 @@ class TaskProcess:
         launch: Launch | None = None,
         hold: bool = False,
         workdir: Path | None = None,
+        max_file_bytes: int | None = None,
     ) -> None:
         # First: a script that cannot be made (what cannot be encoded) fails before any chain.
-        script = env_script(env, argv, workdir or cwd)
+        script = env_script(env, argv, workdir or cwd, max_file_bytes)
         if launch is None:
             launch = Launch(cwd, cgroup, user, sandbox)
         self.token = env[OWNER_ENV]
@@ -640,7 +662,10 @@ class TaskProcess:
     def terminate(self, grace: float) -> None:
         """SIGTERM to the group and every token holder, up to ``grace`` seconds for them to go,
         then SIGKILL until none is left. Idempotent. A suspended task is resumed first, so that
-        it can act on SIGTERM."""
+        it can act on SIGTERM; with no grace it is killed at once, suspended or not."""
+        if grace <= 0:
+            self.kill()
+            return
         self.resume()
         if self._signal_all(signal.SIGTERM):
             deadline = self._clock.monotonic() + grace
@@ -653,13 +678,16 @@ class TaskProcess:
         group and everything in its cgroup; without a cgroup, the group and every token holder.
         A cgroup holds every process of the task (the chain joins it before the task runs, and
         no process of an unprivileged user can leave it), so a scan of /proc for the token
-        would find nothing more there, at the cost of a look at every process on the host."""
-        self.resume()
+        would find nothing more there, at the cost of a look at every process on the host.
+        A suspended task is killed before it is let run again: it runs no more of its code."""
         if self.cgroup is not None:
             with contextlib.suppress(OSError):
                 os.killpg(self.pid, signal.SIGKILL)
-            self.cgroup.kill()
+            self.cgroup.kill()  # thawed once killed
+            self.resume()
         else:
+            self._signal_all(signal.SIGKILL)  # a stopped process dies of it all the same
+            self.resume()
             deadline = self._clock.monotonic() + KILL_ROUNDS_S
             while self._signal_all(signal.SIGKILL) and self._clock.monotonic() < deadline:
                 self._clock.sleep(0.02)

@@ -255,6 +255,9 @@ class Settings(BaseModel):
     # Everything a task can write (out/, tmp/, its private /tmp, /var/tmp, /dev/shm, /run/lock;
     # a container's /tmp), measured while it runs: past it the task is stopped and fails.
     task_disk_bytes: int = Field(default=16 * 1024 * MiB, ge=MiB)
+    # The files and directories (inodes) a task may hold under out/ and tmp/: an empty file
+    # costs task_disk_bytes nothing, and a disk out of inodes is as full as one out of bytes.
+    task_disk_files: int = Field(default=1_000_000, ge=1000)
     log_max_bytes: int = Field(default=8 * MiB, ge=0)
     keep_logs: int = Field(default=20, ge=0)  # ended attempts whose output stays on the node
     max_output_file_bytes: int = Field(default=256 * MiB, ge=1)

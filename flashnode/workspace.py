@@ -32,17 +32,18 @@ checkpoints, removal) beside the layout it relies on.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from flashnode import manifests
-from flashnode.errors import AttemptFailed
+from flashnode.errors import AttemptFailed, AttemptLapsed, OutOfDescriptors
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ CHECKPOINT_NAME = re.compile(r"^step-([0-9]{1,15})(?:\.[A-Za-z0-9][A-Za-z0-9._-]
 MAX_CHECKPOINT_FILES = 1000
 MAX_CKPT_ENTRIES = 10 * MAX_CHECKPOINT_FILES  # what one look at out/ckpt/ reads at most
 REMOVE_DEPTH = 64
+MAX_OPEN_DIRS = 16  # the most directories one walk holds open at once, whatever the tree
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Usage:
     output_bytes: int  # regular files under out/, but ``not_outputs``: what would be uploaded
     output_files: int
     disk_bytes: int  # the blocks of everything under out/ and tmp/, each file once
+    disk_files: int  # the files and directories under out/ and tmp/ (inodes), each once
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,13 @@ class Workspace:
     def remove(self) -> None:
         remove_tree(self.root)
 
+    def seal(self) -> None:
+        """Put the directory out of every task's reach where it is (the agent's, mode 0700): a
+        finished result kept for the next start of the agent to commit, which the slot's later
+        tasks (the same user as the task that wrote it) must neither read nor change."""
+        os.chown(self.root, os.geteuid(), os.getegid(), follow_symlinks=False)
+        os.chmod(self.root, 0o700, follow_symlinks=False)
+
     def retire(self) -> Path | None:
         """Put the directory out of every task's reach at once (mode 0700: the slot's next task
         runs as the same user) under a dot name, which the next start of the agent removes
@@ -237,23 +247,24 @@ class Workspace:
     def usage(self) -> Usage:
         """What the task's files under out/ and tmp/ take now, walked the way outputs are
         (nothing followed; what vanishes meanwhile is left out): the outputs' bytes and count,
-        and the disk all of it holds (blocks, so a sparse file counts what it really holds; a
-        file with several names once; directories too)."""
-        out_bytes = out_files = disk = 0
+        the disk all of it holds (blocks, so a sparse file counts what it really holds; a file
+        with several names once; directories too) and how many files and directories that is
+        (inodes, each once). Raises what the walk raises when it cannot read everything."""
+        out_bytes = out_files = disk = inodes = 0
         seen: set[tuple[int, int]] = set()
         for top in ("out", "tmp"):
-            with contextlib.suppress(OSError, AttemptFailed):
-                for rel, st in self._walk([top], tolerant=True):
-                    output = top == "out" and rel.split("/", 1)[0] not in self.not_outputs
-                    if output and stat.S_ISREG(st.st_mode):
-                        out_bytes += st.st_size
-                        out_files += 1
-                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                        if (st.st_dev, st.st_ino) in seen:
-                            continue
-                        seen.add((st.st_dev, st.st_ino))
-                    disk += st.st_blocks * 512
-        return Usage(out_bytes, out_files, disk)
+            for rel, st in self._walk([top], tolerant=True):
+                output = top == "out" and rel.split("/", 1)[0] not in self.not_outputs
+                if output and stat.S_ISREG(st.st_mode):
+                    out_bytes += st.st_size
+                    out_files += 1
+                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                disk += st.st_blocks * 512
+                inodes += 1
+        return Usage(out_bytes, out_files, disk, inodes)
 
     @contextlib.contextmanager
     def open_output(self, f: OutputFile) -> Iterator[BinaryIO]:
@@ -263,7 +274,7 @@ class Workspace:
         fd = self._open_dir(["out", *parts[:-1]])
         try:
             try:
-                file_fd = os.open(parts[-1], FILE_FLAGS, dir_fd=fd)
+                file_fd = _open(parts[-1], FILE_FLAGS, f"out/{f.rel}", dir_fd=fd)
             except OSError:
                 raise AttemptFailed(f"out/{f.rel} changed after it was checked") from None
         finally:
@@ -288,7 +299,7 @@ class Workspace:
         fd = self._open_dir(["logs"])
         try:
             try:
-                file_fd = os.open(name, FILE_FLAGS, dir_fd=fd)
+                file_fd = _open(name, FILE_FLAGS, f"logs/{name}", dir_fd=fd)
             except OSError:
                 yield None
                 return
@@ -300,15 +311,15 @@ class Workspace:
 
     def _open_dir(self, parts: list[str]) -> int:
         """A descriptor of root/parts..., each step opened relative to the last with O_NOFOLLOW."""
-        fd = os.open(self.root, DIR_FLAGS)
+        fd = _open(str(self.root), DIR_FLAGS, "the workspace")
         for name in parts:
             try:
-                nxt = os.open(name, DIR_FLAGS, dir_fd=fd)
+                nxt = _open(name, DIR_FLAGS, "/".join(parts), dir_fd=fd)
             except OSError:
-                os.close(fd)
                 where = "/".join(parts)
                 raise AttemptFailed(f"{where} is not a directory of the workspace") from None
-            os.close(fd)
+            finally:
+                os.close(fd)
             fd = nxt
         return fd
 
@@ -409,7 +420,7 @@ class Workspace:
         except AttemptFailed:
             return None
         try:
-            file_fd = os.open(name, FILE_FLAGS, dir_fd=fd)
+            file_fd = _open(name, FILE_FLAGS, name, dir_fd=fd)
         except OSError:
             return None
         finally:
@@ -433,45 +444,160 @@ class Workspace:
     def _walk(
         self, parts: list[str], skip: frozenset[str] = frozenset(), tolerant: bool = False
     ) -> Iterator[tuple[str, os.stat_result]]:
-        """(path relative to root/parts, lstat) of everything there, from directory descriptors,
-        never following links; top-level names in ``skip`` are left out. ``tolerant``: an entry
-        that vanishes while it is read is left out instead of failing the walk."""
+        """(path relative to root/parts, lstat) of everything there, depth first, from directory
+        descriptors, never following links; top-level names in ``skip`` are left out.
+
+        Whatever the tree's shape, at most ``MAX_OPEN_DIRS`` directories are open at once: one
+        per level of the path walked, and past that many levels the shallower ones are closed
+        on the way down and opened again on the way back up (``..``, checked to be the very
+        directory it left; else by name from the root, checked the same way). ``tolerant``: an
+        entry that vanishes or is replaced while it is read is left out instead of failing the
+        walk (AttemptFailed). Nothing else is ever left out: a directory the agent cannot read
+        fails the walk, and the agent running out of descriptors ends the attempt
+        (OutOfDescriptors), never a gap in what was counted."""
         where = "/".join(parts)
-        stack = [("", self._open_dir(parts))]
+        stack = [_Dir("", self._open_dir(parts))]
+        lowest = 0  # stack[lowest:] are open, the shallower ones closed
         try:
+            try:
+                stack[0].fill()
+            except OSError as exc:
+                _walk_error(exc, where, tolerant=False)
             while stack:
-                rel_dir, fd = stack.pop()
+                d = stack[-1]
+                if d.fd < 0:
+                    if not self._reopen(d, parts, tolerant):
+                        stack.pop()  # moved away while it was read (tolerant): the rest of it
+                        lowest = min(lowest, len(stack))
+                        continue
+                    lowest = len(stack) - 1
+                if not d.names:
+                    stack.pop()
+                    parent = stack[-1] if stack else None
+                    if parent and parent.fd < 0 and self._reopen(parent, parts, tolerant, d.fd):
+                        lowest = len(stack) - 1
+                    _close(d)
+                    lowest = min(lowest, len(stack))
+                    continue
+                name = d.names.pop()
+                if not d.rel and name in skip:
+                    continue
+                rel = f"{d.rel}/{name}" if d.rel else name
                 try:
-                    with os.scandir(fd) as it:
-                        entries = list(it)
-                    for entry in entries:
-                        if not rel_dir and entry.name in skip:
-                            continue
-                        rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            if tolerant:
-                                continue
-                            raise AttemptFailed(
-                                f"{where}/{rel} changed while it was read"
-                            ) from None
-                        yield rel, st
-                        if stat.S_ISDIR(st.st_mode):
-                            try:
-                                sub = os.open(entry.name, DIR_FLAGS, dir_fd=fd)
-                            except OSError:
-                                if tolerant:
-                                    continue
-                                raise AttemptFailed(
-                                    f"{where}/{rel} changed while it was read"
-                                ) from None
-                            stack.append((rel, sub))
-                finally:
-                    os.close(fd)
+                    st = os.stat(name, dir_fd=d.fd, follow_symlinks=False)
+                except OSError as exc:
+                    _walk_error(exc, f"{where}/{rel}", tolerant)
+                    continue
+                yield rel, st
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                try:
+                    child = _Dir(rel, os.open(name, DIR_FLAGS, dir_fd=d.fd))
+                    try:
+                        child.fill()
+                    except OSError:
+                        _close(child)
+                        raise
+                except OSError as exc:
+                    _walk_error(exc, f"{where}/{rel}", tolerant)
+                    continue
+                stack.append(child)
+                if len(stack) - lowest > MAX_OPEN_DIRS:
+                    _close(stack[lowest])  # opened again on the way back up
+                    lowest += 1
         finally:
-            for _, fd in stack:
-                os.close(fd)
+            for d in stack:
+                _close(d)
+
+    def _reopen(self, d: _Dir, parts: list[str], tolerant: bool, child: int = -1) -> bool:
+        """Open ``d`` again (its descriptor was closed on the way down): from ``child`` (a
+        descriptor of a directory in it) by ``..``, else by name from the root; either way
+        checked to be the directory it was. False when it is not there any more (tolerant);
+        AttemptFailed (strict)."""
+        where = "/".join([*parts, d.rel])
+        if child >= 0:
+            try:
+                fd = os.open("..", DIR_FLAGS, dir_fd=child)
+            except OSError as exc:
+                _walk_error(exc, where, tolerant=True)  # raises what is not a vanished entry
+            else:
+                if _adopt(fd, d):
+                    return True
+        try:
+            fd = self._open_dir([*parts, *d.rel.split("/")])
+        except AttemptFailed:  # not there any more
+            pass
+        else:
+            if _adopt(fd, d):
+                return True
+        if tolerant:
+            return False
+        raise AttemptFailed(f"{where} changed while it was read")
+
+
+@dataclass
+class _Dir:
+    """One directory on a walk's path: its descriptor (-1 while closed), which directory it is,
+    and the names in it not walked yet."""
+
+    rel: str
+    fd: int
+    dev: int = 0
+    ino: int = 0
+    names: list[str] = field(default_factory=list)
+
+    def fill(self) -> None:
+        st = os.fstat(self.fd)
+        self.dev, self.ino = st.st_dev, st.st_ino
+        with os.scandir(self.fd) as it:
+            names = [e.name for e in it]
+        names.reverse()  # popped from the end: in the order the directory lists them
+        self.names = names
+
+
+def _adopt(fd: int, d: _Dir) -> bool:
+    """Whether ``fd`` is ``d``'s very directory: then it is ``d``'s descriptor, else closed."""
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) == (d.dev, d.ino):
+        d.fd = fd
+        return True
+    os.close(fd)
+    return False
+
+
+def _close(d: _Dir) -> None:
+    if d.fd >= 0:
+        os.close(d.fd)
+        d.fd = -1
+
+
+VANISHED = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})  # gone, or replaced
+NO_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def _walk_error(exc: OSError, where: str, tolerant: bool) -> None:
+    """What an error reading ``where`` means: nothing, for an entry that vanished or was
+    replaced in a tolerant walk; else the attempt's ending."""
+    if exc.errno in NO_DESCRIPTORS:
+        raise OutOfDescriptors(f"the agent ran out of file descriptors reading {where}") from None
+    if exc.errno in VANISHED:
+        if tolerant:
+            return
+        raise AttemptFailed(f"{where} changed while it was read") from None
+    if exc.errno in (errno.EACCES, errno.EPERM):  # the task made it unreadable to the agent
+        raise AttemptFailed(f"{where} cannot be read ({exc.strerror})") from None
+    raise AttemptLapsed(f"cannot read {where} ({exc.strerror or exc})") from None
+
+
+def _open(name: str, flags: int, what: str, dir_fd: int | None = None) -> int:
+    """``os.open``, but the agent out of descriptors is OutOfDescriptors, never a missing or
+    changed file (which a caller may take for the task's doing)."""
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in NO_DESCRIPTORS:
+            raise OutOfDescriptors(f"the agent ran out of file descriptors opening {what}") from exc
+        raise
 
 
 def _checkpoint(

@@ -9,6 +9,7 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
 from flashnode.agent import Agent
+from flashnode.diskuse import Space
 from flashnode.errors import CoordinatorUnavailable, CredentialsError, Unregistered
 from flashnode.inventory import registration
 
@@ -141,7 +142,7 @@ def test_low_disk_stops_claims_and_says_why_once(
         ctx,
         coord,
         lambda current: registration(current, "node-1"),
-        free_bytes=lambda: free["bytes"],
+        space=lambda: Space(free["bytes"], 100 << 30, 1 << 20, 1 << 20),
     )
     original = coord.node_heartbeat
 
@@ -155,8 +156,37 @@ def test_low_disk_stops_claims_and_says_why_once(
         agent.run()
     claims = coord.names("claim")
     assert claims and claims[0] > 1030  # no claim while below the floor
-    assert sum("below the" in r.message for r in caplog.records) == 1
+    assert sum("below min_free_bytes" in r.message for r in caplog.records) == 1
     assert sum("claiming again" in r.message for r in caplog.records) == 1
+
+
+def test_few_free_inodes_stop_claims_like_low_disk(tmp_path: Path) -> None:
+    """Plenty of bytes but almost no inodes left: no file can be made, so the node holds
+    claiming below min_free_bytes' share of the inodes (1 GiB of 100 GiB: 1% of them)."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0)])
+    inodes = {"free": 5_000}
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1, min_free_bytes=1 << 30)
+    agent = Agent(
+        ctx,
+        coord,
+        lambda current: registration(current, "node-1"),
+        space=lambda: Space(50 << 30, 100 << 30, inodes["free"], 1_000_000),
+    )
+    held: list[str] = []
+    original = coord.node_heartbeat
+
+    def heartbeat(hb: object) -> None:
+        held.extend(h.reason for h in agent.decision.holds if h.rule == "disk")
+        if clock.now > 1030:
+            inodes["free"] = 500_000
+        original(hb)  # type: ignore[arg-type]
+
+    coord.node_heartbeat = heartbeat  # type: ignore[method-assign,assignment]
+    agent.run()
+    claims = coord.names("claim")
+    assert claims and claims[0] > 1030
+    assert held and "5000 inodes free" in held[0] and "below 10000" in held[0], held
 
 
 def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: Path) -> None:
@@ -371,6 +401,39 @@ def test_endings_that_are_not_the_nodes_fault_neither_count_nor_reset() -> None:
         q.record(fault)
     hold = q.hold()
     assert hold is not None and hold.rule == "quarantine" and "disk full" in hold.reason
+
+
+def test_one_jobs_dead_endpoints_never_quarantine_a_node_but_two_jobs_do() -> None:
+    """Lapses at endpoints a job named (its data origin, its package index) say nothing of this
+    node while one job has them: that job could bench every node it lands on. Once they span
+    two jobs, they count like any node fault: a node whose own network is down fails every job
+    alike. A node fault of any other kind counts as it always did."""
+    from flashnode.attempt.record import Outcome
+    from flashnode.guard import Ending, Quarantine
+
+    def origin(job: str) -> Ending:
+        why = f"dataset entry ds/a.bin: origin unreachable (connection refused) (4 tries) {job}"
+        return Ending(Outcome.LAPSED, why, job, node_fault=True, job_endpoint=True)
+
+    q = Quarantine(3, 60, FakeClock())
+    for _ in range(10):
+        q.record(origin("j1"))
+    assert q.hold() is None and q.streak == 0
+    q.record(origin("j2"))  # a second job: the network, most likely, is this node's
+    hold = q.hold()
+    assert hold is not None and "11 attempts in a row" in hold.reason, hold
+
+    q = Quarantine(3, 60, FakeClock())
+    disk = Ending(Outcome.LAPSED, "disk full (No space left on device)", "j1", node_fault=True)
+    for ending in (disk, origin("j1"), disk):
+        q.record(ending)
+    assert q.hold() is None and q.streak == 2  # the job's own endpoint counts for nothing...
+    q.record(Ending(Outcome.COMMITTED, "", "j3"))
+    for ending in (origin("j1"), origin("j1"), disk, disk):
+        q.record(ending)
+    assert q.hold() is None  # ... nor breaks a row: a commit does
+    q.record(disk)
+    assert q.hold() is not None
 
 
 def test_a_lease_revoked_by_the_watchdog_is_not_claimed_straight_back(

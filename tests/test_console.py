@@ -119,7 +119,11 @@ def test_a_task_holding_the_owners_cookie_still_gets_nothing(console: ConsoleAge
     """A trusted task shares the host's network, and a browser sends a host's cookies to every
     port of it: a task listening on 127.0.0.1 could collect the owner's session cookie. Its
     requests come from a task user's uid, and those are not answered."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists():
+    if (
+        os.geteuid() != 0
+        or shutil.which("setpriv") is None
+        or not Path("/usr/bin/python3").exists()
+    ):
         pytest.skip("needs root, setpriv and /usr/bin/python3 to act as a task user")
     client, csrf = console.session()
     cookie = f"{auth.cookie_name(console.port)}={client.cookies[auth.cookie_name(console.port)]}"
@@ -542,7 +546,11 @@ def test_one_user_holding_connections_open_cannot_lock_the_owner_out(
     deadline, however slowly its bytes come."""
     from flashnode.console.server import MAX_CLIENTS, READ_TIMEOUT_S
 
-    if os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists():
+    if (
+        os.geteuid() != 0
+        or shutil.which("setpriv") is None
+        or not Path("/usr/bin/python3").exists()
+    ):
         pytest.skip("needs root, setpriv and /usr/bin/python3 to hold connections as another user")
     hold = (
         "import socket, sys, time\n"

@@ -28,8 +28,8 @@ ARGS = [
 # What a hostile task prints: markup that would run or load something if set as HTML.
 HOSTILE = (
     "<script>window.__pwned = 1</script>"
-    " <img src=x onerror=\"window.__pwned = 2\">"
-    " <b id=injected>bold</b> </pre><svg onload=\"window.__pwned = 3\">"
+    ' <img src=x onerror="window.__pwned = 2">'
+    ' <b id=injected>bold</b> </pre><svg onload="window.__pwned = 3">'
 )
 
 

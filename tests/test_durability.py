@@ -1,16 +1,22 @@
-"""Never lose a computed result: coordinator outages and restarts, agent restarts, drain, reload.
-Real coordinator, real agent processes, and a TCP proxy that stalls or resets connections."""
+"""Never lose a computed result: coordinator outages and restarts, agent restarts, drain, reload;
+and a result kept for the next start is nobody's but the agent's meanwhile. Real coordinator,
+real agent processes, and a TCP proxy that stalls or resets connections."""
 
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import signal
+import stat
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
 from proxy import Proxy
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
@@ -164,3 +170,56 @@ def test_a_reload_lowering_the_output_cap_leaves_the_running_task_its_own(
     assert by_task["task-000"]["outcome"] == "committed", by_task["task-000"]
     assert by_task["task-001"]["outcome"] == "failed"
     assert "1048576 bytes" in by_task["task-001"]["reason"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the slot's user is another user: needs root")
+def test_a_result_kept_for_the_next_start_is_out_of_reach_of_the_slots_later_tasks() -> None:
+    """The agent stops while a finished result is being committed: the result stays in the
+    outbox, and its workspace for the next start to commit. The slot's later tasks run as the
+    same user as the task that wrote it; one of them, knowing the lease id (every task sees
+    its own in its cgroup, and the tree's), reads the other job's result by its host path, or
+    changes it before it is committed. The kept workspace is sealed: the agent's, mode 0700."""
+    from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+
+    from flashnode.attempt import Attempt
+    from flashnode.errors import Stopped
+    from flashnode.runners.base import Handle, StartSpec
+    from flashnode.workspace import remove_tree
+
+    user = pwd.getpwnam("flashnode-task-0")
+    top = shared_dir("flashnode-kept-")  # a path every user can reach, up to the state dir
+    top.chmod(0o711)
+    state_dir = top / "state"
+    (state_dir / "attempts").mkdir(parents=True)
+    for d in (state_dir, state_dir / "attempts"):
+        d.chmod(0o711)  # as a root agent with the trusted runner makes them
+
+    class SlotUser(FakeRunner):
+        def start(self, spec: StartSpec) -> Handle:
+            handle = super().start(spec)
+            ws = spec.workspace
+            (ws.out / "metrics.json").write_text('{"secret": "of another job"}')
+            ws.hand_over(user.pw_uid, user.pw_gid, inputs_for="group")
+            os.chown(ws.out / "metrics.json", user.pw_uid, user.pw_gid)
+            return handle
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    attempt = Attempt(context(state_dir, clock, coord, SlotUser()), lease(0))
+    real_upload = coord.upload
+
+    def upload(key: str, fh: Any, size: int) -> str:  # the agent stops during the commit
+        attempt.cancel(Stopped("agent stopping"), 0.0)
+        return real_upload(key, fh, size)
+
+    coord.upload = upload  # type: ignore[method-assign]
+    assert attempt.run().value == "lapsed"
+    root = state_dir / "attempts" / "ls-000000000000"
+    assert (state_dir / "outbox" / "ls-000000000000.json").exists()  # kept for the next start
+    as_slot_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+    for attack in (["cat", f"{root}/out/metrics.json"], ["touch", f"{root}/out/metrics.json"]):
+        done = subprocess.run([*as_slot_user, *attack], capture_output=True, text=True, cwd="/")
+        assert done.returncode != 0 and "secret" not in done.stdout, (attack, done.stdout)
+    st = root.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), os.getegid(), 0o700)
+    remove_tree(top)

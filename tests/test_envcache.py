@@ -394,6 +394,21 @@ def test_an_unreachable_index_is_the_node_s_fault_and_is_not_remembered(root: Pa
     assert list((root / ".tmp").iterdir()) == []
 
 
+def test_an_index_the_job_named_that_cannot_be_reached_is_an_endpoint_of_the_job(
+    root: Path,
+) -> None:
+    """The black-hole guard counts such a lapse only across jobs: one job's dead index would
+    otherwise bench every node it lands on. Lines that name no index, page or URL leave the
+    default index: not the job's endpoint."""
+    cache, _ = make_cache(root)
+    with pytest.raises(EnvUnavailable) as caught:
+        acquire(cache, [f"--index-url http://127.0.0.1:{free_port()}/simple/", A])
+    assert caught.value.job_endpoint
+    for named in (["--extra-index-url https://x.example/simple", A], [f"{A} @ https://x/a.whl"]):
+        assert EnvSpec.make(PY, named).names_index()
+    assert not EnvSpec.make(PY, [A, "numpy>=1; python_version >= '3.8'"]).names_index()
+
+
 def test_credentials_in_an_index_url_never_reach_a_message(root: Path, index: PackageIndex) -> None:
     url = index.url.replace("http://", "http://ci-user:s3cr3t-t0ken@")
     cache, _ = make_cache(root)

@@ -158,3 +158,49 @@ def test_a_node_whose_lease_the_watchdog_revoked_does_not_claim_straight_back(
             timeout=10,
         )
     assert "watchdog revoked lease" in agent.log
+
+
+def dead_origin_job(coordinator: CoordinatorServer, tasks: int) -> str:
+    """A job each of whose tasks names a dataset origin that never answers (the job's own)."""
+    dead = f"http://127.0.0.1:{free_port()}/shard.bin"
+    entry = {
+        "path": "shard.bin",
+        "url": dead,
+        "size": 4,
+        "integrity": {"kind": "sha256", "value": "ab" * 32},
+    }
+    slices = [[{"name": "ds", "entries": [entry]}] for _ in range(tasks)]
+    command = ["sh", "-c", "echo '{}' > metrics.json"]
+    job = argv_job(command, dataset_slices=slices, max_attempts=1, lease_seconds=30)
+    return coordinator.submit(job)
+
+
+def test_one_jobs_dead_data_origin_benches_no_node_but_every_jobs_failing_does(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """A job names its own dataset origin; one that never answers is, to the node, an origin it
+    cannot reach: the lease lapses (the job's failure budget is not the place for an outage
+    that may as well be the node's own network). One such job must not bench the node, or it
+    benches every node it lands on in turn (docker nodes too): after ``quarantine_after`` such
+    lapses of one job the node still claims. A second job failing the same way makes it the
+    node's most likely: the node quarantines itself."""
+    env = {
+        "FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5",
+        "FLASHNODE_DATASET_CACHE_BYTES": str(1 << 20),
+        "FLASHNODE_DATASET_ALLOW_PRIVATE_ORIGINS": "true",
+        "FLASHNODE_DATASET_FETCH_TIMEOUT_SECONDS": "2",
+        "FLASHNODE_QUARANTINE_AFTER": "2",
+    }
+    first = dead_origin_job(coordinator, 2)
+    agent = start_agent(coordinator.url, *TRUSTED, env=env)
+    try:
+        lines = agent.wait_ledger(2, timeout=120)
+        assert [x["outcome"] for x in lines] == ["lapsed"] * 2, lines
+        assert all(x["reason"].startswith("dataset entry ds/shard.bin") for x in lines), lines
+        assert "quarantined" not in agent.log and quarantine_hold(agent.state_dir) is None
+        coordinator.cancel(first)
+        second = dead_origin_job(coordinator, 1)
+        wait_for("the node to quarantine itself", lambda: quarantine_hold(agent.state_dir), 120)
+        coordinator.cancel(second)
+    finally:
+        coordinator.cancel(first)

@@ -90,6 +90,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
         "LoadCredential=flashnode:/etc/flashnode/credentials",
         "UMask=0077",
         "PYTHONDONTWRITEBYTECODE=1",
+        "LimitNOFILE=65536",
     ):
         assert directive in unit
     assert "\nUser=" not in unit  # root, bounded by CapabilityBoundingSet=

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import os
+import resource
 import socket
 import stat
 import tarfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from flashnode import archives
-from flashnode.errors import AttemptFailed
-from flashnode.workspace import Workspace
+from flashnode import archives, workspace
+from flashnode.errors import AttemptFailed, OutOfDescriptors
+from flashnode.workspace import MAX_OPEN_DIRS, Workspace
 
 
 def unpack(ws: Workspace, archive: Path, name: str, max_bytes: int) -> None:
@@ -163,6 +167,131 @@ def test_usage_counts_what_out_and_tmp_hold_on_disk(ws: Workspace) -> None:
     )
     assert use.disk_bytes == held + dirs + os.lstat(ws.tmp / "sparse").st_blocks * 512
     assert 600_000 <= use.disk_bytes < 1 << 30
+
+
+def test_usage_counts_the_files_and_directories_once_each(ws: Workspace) -> None:
+    (ws.tmp / "d" / "e").mkdir(parents=True)
+    for i in range(5):
+        (ws.tmp / "d" / f"f{i}").touch()  # empty: no block, an inode each
+    os.link(ws.tmp / "d" / "f0", ws.tmp / "d" / "e" / "again")
+    os.symlink("nowhere", ws.out / "link")
+    # out/ckpt, tmp/d, tmp/d/e, five files (one with two names), the link
+    assert ws.usage().disk_files == 9
+
+
+@contextlib.contextmanager
+def descriptors(more: int) -> Iterator[None]:
+    """This process may open at most ``more`` descriptors meanwhile (0: not one)."""
+    fd = os.open("/", os.O_RDONLY)
+    os.close(fd)  # the lowest free number: the next one opened gets it
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + more, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_wide_tree_is_walked_whole_with_few_descriptors(ws: Workspace) -> None:
+    """2,000 directories side by side, each holding a file: a walk that opened every one of a
+    directory's subdirectories before reading them would need 2,000 descriptors at once."""
+    for i in range(2000):
+        (ws.tmp / "w" / f"{i:04d}").mkdir(parents=True)
+        (ws.tmp / "w" / f"{i:04d}" / "blob").write_bytes(b"x" * 4096)
+    with descriptors(MAX_OPEN_DIRS + 2):
+        use = ws.usage()
+    assert use.disk_files == 1 + 2000 * 2 + 1  # out/ckpt, w, each directory and its blob
+    assert use.disk_bytes >= 2000 * 4096
+
+
+def test_a_deep_tree_is_walked_whole_with_few_descriptors(ws: Workspace) -> None:
+    """A chain of 300 directories, a file at the bottom and one at every level: the walk keeps
+    MAX_OPEN_DIRS of them open, and finds its way back up through the ones it closed."""
+    here = os.open(ws.tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(300):
+            os.mkdir("d", dir_fd=here)
+            fd = os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=here)
+            os.write(fd, b"x" * 100)
+            os.close(fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=here)
+            os.close(here)
+            here = nxt
+        fd = os.open("bottom", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=here)
+        os.close(fd)
+    finally:
+        os.close(here)
+    with descriptors(MAX_OPEN_DIRS + 2):
+        found = [rel for rel, _ in ws._walk(["tmp"])]
+    assert len(found) == 300 * 2 + 1
+    assert found.count("/".join(["d"] * 300) + "/bottom") == 1
+    assert ws.usage().disk_files == 1 + 300 * 2 + 1
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_branch_moved_away_under_a_deep_walk_is_not_mistaken_for_another(
+    ws: Workspace, replace: bool
+) -> None:
+    """The walk goes back up through directories it closed: by ``..``, which leads elsewhere
+    once the task moved the branch, so it is checked to be the directory it left, else opened
+    by name from the root and checked the same way. A directory found by neither way (moved,
+    and another put in its place) fails a strict walk; a tolerant one goes on with the rest."""
+    top = MAX_OPEN_DIRS + 4
+    (ws.out / "/".join(["d"] * top)).mkdir(parents=True)
+    (ws.out / "d" / "x").mkdir()
+    (ws.out / "metrics.json").write_text("{}")
+    (ws.tmp / "only-in-tmp").touch()
+
+    def walk(tolerant: bool) -> list[str]:
+        seen = []
+        it = ws._walk(["out"], tolerant=tolerant)
+        for rel, _ in it:
+            seen.append(rel)
+            if rel.count("/") == top - 1:  # at the bottom: the task moves the branch away
+                os.rename(ws.out / "d" / "d", ws.tmp / "moved")
+                if replace:
+                    os.rename(ws.out / "d", ws.tmp / "old")
+                    (ws.out / "d").mkdir()
+        return seen
+
+    if not replace:
+        seen = walk(tolerant=False)
+        assert "d/x" in seen and "metrics.json" in seen
+        assert not any("only-in-tmp" in rel or "moved" in rel for rel in seen)
+        return
+    with pytest.raises(AttemptFailed, match="out/d changed while it was read"):
+        walk(tolerant=False)
+    for name in ("moved", "old"):
+        workspace.remove_tree(ws.tmp / name)
+    os.rmdir(ws.out / "d")
+    (ws.out / "/".join(["d"] * top)).mkdir(parents=True)
+    (ws.out / "d" / "x").mkdir()
+    seen = walk(tolerant=True)
+    assert "metrics.json" in seen and not any("only-in-tmp" in rel for rel in seen)
+
+
+def test_running_out_of_descriptors_is_the_nodes_fault_never_a_gap(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No entry is left out because the agent had no descriptor to open it: the walk ends the
+    attempt as the node's fault (OutOfDescriptors), whether it runs out at a subdirectory or
+    at the top."""
+    (ws.tmp / "a" / "b").mkdir(parents=True)
+    (ws.tmp / "a" / "b" / "big").write_bytes(b"x" * 100_000)
+    real_open = os.open
+
+    def starved(path: str, flags: int, *args: object, **kwargs: object) -> int:
+        if path == "b":
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(workspace.os, "open", starved)
+    with pytest.raises(OutOfDescriptors, match="tmp/a/b"):
+        ws.usage()
+    monkeypatch.setattr(workspace.os, "open", real_open)
+    (ws.out / "metrics.json").write_text("{}")
+    with descriptors(0), pytest.raises(OutOfDescriptors):
+        ws.outputs(1000, 1000)
 
 
 def test_outputs_refuse_links_fifos_sockets_and_oversize(ws: Workspace, tmp_path: Path) -> None:

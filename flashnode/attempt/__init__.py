@@ -16,7 +16,8 @@ How an attempt ends (docs/design.md §5, whose fault):
 * ``LeaseLost`` — the lease died: nothing more is uploaded or reported.
 
 Whatever raises, every attempt ends in exactly one ledger line, its GPUs released, its workspace
-and outbox record removed (unless a finished result waits in the outbox for the next start).
+and outbox record removed; unless a finished result waits in the outbox for the next start:
+then its workspace is sealed (the agent's alone) until that start commits it.
 
 Why one module of this size: the Attempt's shared state and hooks, which every phase reads, live
 beside the orchestrator.
@@ -133,6 +134,7 @@ class Attempt:
         self._ending: AttemptFailed | AttemptLapsed | None = None
         self.cancel_grace = 0.0
         self.node_fault = False  # it lapsed through the node's fault (the black-hole guard)
+        self.job_endpoint = False  # ... at an endpoint the job named (AttemptLapsed)
         self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
@@ -355,6 +357,11 @@ class Attempt:
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
             log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)
+            try:
+                if self.workspace is not None:
+                    self.workspace.seal()
+            except OSError as exc:  # the result stays: it is checked again when committed
+                log.error("lease %s: cannot seal its workspace: %s", lease.lease_id, exc)
         else:
             try:
                 if self.workspace is not None:
@@ -411,6 +418,7 @@ class Attempt:
         """Not the task's fault: the lease is left to lapse. ``node_fault`` says whether the
         node is to blame (not an owner's or a service manager's stop)."""
         self.node_fault = not isinstance(ending, Stopped)
+        self.job_endpoint = ending.job_endpoint
         log.warning("lease %s: %s; letting the lease lapse", self.lease_id, ending)
         return Outcome.LAPSED, str(ending)
 

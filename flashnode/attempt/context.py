@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 from flashnode.cgroups import Limits
 from flashnode.clock import Clock
+from flashnode.diskuse import Space
 from flashnode.gpupool import GpuPool
 from flashnode.ledger import Ledger
 from flashnode.metrics import MetricsSink, NullMetrics
@@ -119,7 +120,7 @@ class AttemptContext:
     metrics: MetricsSink = field(default_factory=NullMetrics)
     envs: EnvPort | None = None  # job environments, one cache per agent (trusted runner)
     data: DataPort[Any] | None = None  # dataset shards, one cache per agent
-    free_bytes: Callable[[], int | None] = lambda: None  # free in the state dir (None: unknown)
+    space: Callable[[], Space | None] = lambda: None  # the state dir's disk now (None: unknown)
     # A declared JSON Schema checked on the node (procs.json_schema_problem); None: left to the
     # coordinator.
     schema_check: SchemaCheck | None = None

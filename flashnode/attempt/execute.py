@@ -1,16 +1,18 @@
 """The run: start the task through the runner, wait for it (its exit, its timeout, a cancel, a
 lost lease, its files outgrowing their caps, the state dir's disk filling up, an owner control
 suspending it), sample it, and turn how it ended into evidence and, when it did not succeed, the
-reason. A full disk is the node's fault (``DiskFull``: the lease is left to lapse): the task is
-stopped as soon as it is seen, and a task that failed while the disk was full is taken to have
-failed because of it.
+reason.
 
-The caps on a task's files are watched while it runs and looked at once more when it has
-exited: its outputs (``max_output_total_bytes``, ``max_output_files``) and everything it wrote
-(``task_disk_bytes``: out/ and tmp/ as the workspace walk finds them, plus what its handle
-measures beyond them: its private temporary directories, files it removed but keeps open). The
-watch runs every ``WATCH_S``, less often when a walk is slow (a tree of many files), so that it
-never takes more than a small share of the agent's time.
+The task's disk (``attempt.diskwatch``): its caps are set when it starts (``task_disk_bytes``
+and ``task_disk_files``, or what the state dir's disk has free above ``min_free_bytes`` if that
+is less) and watched while it runs, and looked at once more when it has ended (nothing of it
+running then): the walk of its files every ``WATCH_S``, less often when a walk is slow (a tree
+of many files), so that it never takes more than a small share of the agent's time; between
+walks, the disk's free space and inodes, and a walk at once, the task frozen meanwhile, when the
+disk lost half of what the task may still write. A task past a cap has failed and is killed at
+once (writing on would take more). A full disk the task's own files do not explain is the
+node's fault (``DiskFull``: the lease is left to lapse): the task is stopped as soon as it is
+seen, and a task that failed while the disk was full is taken to have failed because of it.
 
 Suspension (``Attempt.request_suspension``, from the loop's owner controls): the task is frozen
 through its runner and resumed when the rule clears; time suspended does not count against the
@@ -26,24 +28,22 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from flashnode.attempt.diskwatch import DiskWatch, Look, disk_caps, full_disk, over_caps
 from flashnode.attempt.record import State
-from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, Stopped
+from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.runners import spec as specs
 from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.sampler import Sampler, task_cpu_percent
-from flashnode.settings import Settings, format_size
 from flashnode.wire import ExecutionEvidence
-from flashnode.workspace import Usage
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.5  # how often the task's files and the state dir's free space are measured
+WATCH_S = 0.5  # how often the task's files are walked
 WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits that many walks
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
-FULL_BELOW_BYTES = 1 << 20  # the state dir's disk is full with less than this free
 
 
 def run(a: Attempt) -> None:
@@ -57,6 +57,8 @@ def run(a: Attempt) -> None:
             State.RUNNING, process=identity, task_uid=a.workspace.task_uid if a.workspace else None
         )
 
+    space, use = ctx.space(), a.workspace.usage()
+    caps = disk_caps(s, use, space)
     start = specs.build(
         a.task,
         a.lease.job_id,
@@ -69,6 +71,7 @@ def run(a: Attempt) -> None:
         a.wake.set,
         record,
         a.prepared,
+        max_file_bytes=caps.bytes + 1,  # a file that size is past the cap already
     )
     a.check()
     cpu.start()
@@ -92,7 +95,8 @@ def run(a: Attempt) -> None:
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
     t0, cpu0 = sampler.cpu_start
     stopped: Exception | None = None
-    waited = _Wait(a, timeout, t0)
+    first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
+    waited = _Wait(a, timeout, t0, DiskWatch(caps, first))
     try:
         with a.timed("execute.wait", phase=False):
             stopped = waited.run()
@@ -129,30 +133,27 @@ def run(a: Attempt) -> None:
     a.check()
     if stopped is not None:
         raise stopped
+    # What it left, with nothing of it running any more: written faster than a watch.
+    over = over_caps(a.workspace.usage(), 0, s, caps)
+    if over is not None:
+        raise AttemptFailed(over)
     if result.status != 0 or result.cause or result.oom:
-        full = full_disk(a)  # what made it fail, most likely: the node's fault, not the task's
+        full = full_disk(ctx.space())  # what made it fail, most likely: the node's fault
         if full is not None:
             raise full
     _verdict(result)
-
-
-def full_disk(a: Attempt) -> DiskFull | None:
-    """The ending of an attempt whose state dir has (almost) no space left, else None."""
-    free = a.ctx.free_bytes()
-    if free is None or free >= FULL_BELOW_BYTES:
-        return None
-    return DiskFull(f"disk full ({free >> 10} KiB free in the state dir)")
 
 
 class _Wait:
     """Until the main process exits; stops it (and says why) on a lost lease, a cancel, the
     timeout, files past their caps, a full disk, or a suspension that lasts too long."""
 
-    def __init__(self, a: Attempt, timeout: float, t0: float) -> None:
+    def __init__(self, a: Attempt, timeout: float, t0: float, disk: DiskWatch) -> None:
         assert a.lease is not None
-        self.a, self.timeout = a, timeout
+        self.a, self.timeout, self.disk = a, timeout, disk
         self.deadline = t0 + timeout
         self.next_watch = t0 + WATCH_S
+        self.next_space = t0
         s = a.ctx.settings
         self.max_suspend = s.max_suspend_seconds or a.lease.window
         self.suspended_at: float | None = None
@@ -181,33 +182,70 @@ class _Wait:
             if self.suspended_at is None and now >= self.deadline:
                 handle.terminate(s.kill_grace_seconds)
                 return AttemptFailed(f"timed out after {self.timeout:g} s")
+            if now >= self.next_space:
+                space = ctx.space()
+                if self.disk.sample(now, space):
+                    looked = self._look(frozen=True)
+                    if looked is not None:
+                        return looked
+                    space = self.disk.last.space if self.disk.last else space
+                self.next_space = ctx.clock.monotonic() + self.disk.next_in(space)
             if now >= self.next_watch:
-                full = full_disk(a)
-                if full is not None:  # stopped at once: the next write of anyone would fail
-                    handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
-                    return full
-                over = self._watch(now)
-                if over is not None:
-                    handle.terminate(s.kill_grace_seconds)
-                    return AttemptFailed(f"{over}; the task was stopped")
-            until = self.next_watch
+                looked = self._look(frozen=self.disk.risky(ctx.space()))
+                if looked is not None:
+                    return looked
+            until = min(self.next_watch, self.next_space) if self.disk.last else self.next_watch
             if self.suspended_at is not None:
                 until = min(until, self.suspended_at + self.max_suspend)
             else:
                 until = min(until, self.deadline)
-            ctx.clock.wait(a.wake, until - now)
+            ctx.clock.wait(a.wake, until - ctx.clock.monotonic())
             a.wake.clear()
-        over = over_caps(a.workspace.usage(), 0, s)  # what it left: written faster than a watch
-        return AttemptFailed(over) if over is not None else None
+        return None
 
-    def _watch(self, now: float) -> str | None:
+    def _look(self, frozen: bool) -> AttemptFailed | AttemptLapsed | None:
+        """Walk the task's files (frozen meanwhile, where it can be and is not suspended
+        already) and read the disk; the ending when a cap is passed (the task is killed: it
+        must not write on) or the disk is full and the task's files do not explain it."""
         a = self.a
         assert a.handle is not None and a.workspace is not None
-        clock = a.ctx.clock
+        handle, clock, s = a.handle, a.ctx.clock, a.ctx.settings
         started = clock.monotonic()
-        usage, held = a.workspace.usage(), a.handle.disk_bytes()
-        self.next_watch = now + max(WATCH_S, (clock.monotonic() - started) * WATCH_COST)
-        return over_caps(usage, held, a.ctx.settings)
+        froze = False
+        if frozen and self.suspended_at is None:
+            try:
+                handle.suspend()
+                froze = True
+            except SuspendFailed as exc:  # walked all the same, only not frozen
+                log.warning("lease %s: %s, to measure its files", a.lease_id, exc)
+        try:
+            space = a.ctx.space()  # first: what the task writes during the walk counts twice
+            usage, held = a.workspace.usage(), handle.disk_bytes()
+        except (AttemptFailed, AttemptLapsed) as exc:
+            handle.terminate(0.0)
+            return exc
+        over = over_caps(usage, held, s, self.disk.caps)
+        if over is not None:
+            handle.terminate(0.0)
+            return AttemptFailed(f"{over}; the task was stopped")
+        if frozen:
+            full = full_disk(space)  # within its caps, the task cannot have filled it
+            if full is not None:
+                handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
+                return full
+        if froze:
+            try:
+                handle.resume()
+            except SuspendFailed as exc:
+                handle.terminate(0.0)
+                return AttemptLapsed(f"{exc}, after its files were measured")
+        now = clock.monotonic()
+        if space is not None:
+            self.disk.walked(
+                Look(space, usage.disk_bytes + held, usage.disk_files), now, now - started
+            )
+        self.next_watch = now + max(WATCH_S, (now - started) * WATCH_COST)
+        return None
 
     def _suspension(self, now: float) -> AttemptLapsed | None:
         """Suspend or resume as the owner's controls ask; the ending of a suspension that
@@ -242,21 +280,6 @@ class _Wait:
                 f" ({a.suspend_reason or 'released just now'}); the lease is given back"
             )
         return None
-
-
-def over_caps(usage: Usage, held: int, s: Settings) -> str | None:
-    """Which cap a task's files are past (``held``: what its handle measured beyond its
-    workspace), in the owner's words; None within them all."""
-    if usage.output_bytes > s.max_output_total_bytes:
-        return f"outputs grew past {s.max_output_total_bytes} bytes"
-    if usage.output_files > s.max_output_files:
-        return f"outputs grew past {s.max_output_files} files (max_output_files)"
-    if usage.disk_bytes + held > s.task_disk_bytes:
-        return (
-            f"the task's files grew past {format_size(s.task_disk_bytes)} (task_disk_bytes:"
-            " out/, tmp/ and its private temporary directories)"
-        )
-    return None
 
 
 def _verdict(result: RunResult) -> None:

@@ -47,6 +47,7 @@ from flashnode.errors import (
     CoordinatorError,
     CredentialsError,
     LeaseLost,
+    OutOfDescriptors,
     PayloadTooLarge,
 )
 from flashnode.wire import ARTIFACT_SCHEME, CheckpointPart
@@ -128,7 +129,7 @@ class Relay:
         s = self._a.ctx.settings
         try:
             found, total, unusable = self._ws.checkpoints()
-        except (AttemptFailed, OSError) as exc:
+        except (AttemptFailed, OutOfDescriptors, OSError) as exc:
             self._warn("ckpt", f"no checkpoint is shipped while out/{CKPT}/ is unusable: {exc}")
             return
         for name, why in unusable.items():

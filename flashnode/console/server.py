@@ -82,9 +82,7 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     app: App
 
-    def __init__(
-        self, address: tuple[str, int], family: int, refused_uids: frozenset[int]
-    ) -> None:
+    def __init__(self, address: tuple[str, int], family: int, refused_uids: frozenset[int]) -> None:
         self.address_family = family
         self.refused_uids = refused_uids
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)

@@ -69,6 +69,10 @@ class StartSpec:
     python: str | None = None  # the interpreter of a module task (a job environment's)
     path_prefix: tuple[str, ...] = ()  # host directories first on the task's PATH (trusted)
     read_only_binds: tuple[tuple[str, str], ...] = ()  # (host path, path under /work)
+    # The largest file the task may make (RLIMIT_FSIZE, both limits; None: no limit): a file
+    # that size is past its disk cap already, so the watch sees it, and the owner's disk keeps
+    # what the cap leaves free, however fast the task writes.
+    max_file_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -412,6 +412,9 @@ class ContainerRunner(Runner):
                 type="json-file", config={"max-size": str(log_bytes), "max-file": "2"}
             ),
         }
+        if spec.max_file_bytes is not None:  # RLIMIT_FSIZE, soft and hard: in bytes
+            size = spec.max_file_bytes
+            kwargs["ulimits"] = [docker.types.Ulimit(name="fsize", soft=size, hard=size)]
         if spec.limits.memory_bytes:
             kwargs["mem_limit"] = spec.limits.memory_bytes
             kwargs["memswap_limit"] = spec.limits.memory_bytes

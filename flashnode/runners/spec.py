@@ -60,6 +60,7 @@ def build(
     on_exit: Callable[[], None],
     record: Callable[[dict[str, Any]], None],
     prepared: Preparation | None = None,
+    max_file_bytes: int | None = None,
 ) -> StartSpec:
     prepared = prepared or Preparation()
     module = None
@@ -87,6 +88,7 @@ def build(
         python=prepared.python,
         path_prefix=tuple(prepared.path_prefix),
         read_only_binds=tuple(prepared.read_only_binds),
+        max_file_bytes=max_file_bytes,
     )
 
 

@@ -582,6 +582,7 @@ class TrustedRunner(Runner):
                 clock=self.env.clock,
                 launch=launch,
                 hold=True,
+                max_file_bytes=spec.max_file_bytes,
             )
         except BaseException as exc:
             # No chain may be left waiting with nobody to send or end it: the slot's next task

@@ -1,0 +1,182 @@
+"""A task's disk: its caps, set when it starts, and how near it is to them between walks.
+
+The caps (``DiskCaps``): a task may hold ``task_disk_bytes`` and ``task_disk_files`` (files and
+directories), or what the state dir's disk has free above ``min_free_bytes`` (and the same share
+of its inodes) when it starts, if that is less: a task never takes the owner's disk below the
+floor the owner keeps. Everything it wrote counts: out/ and tmp/ as the workspace walk finds
+them, plus what its handle measures beyond them (its private temporary directories, files it
+removed but keeps open); no single file of it may grow past the byte cap (the runner's
+``RLIMIT_FSIZE``). A task past a cap has failed: its own fault, the reason names the cap.
+
+The watch between walks (``DiskWatch``): a walk of a big tree is slow, and a task may write
+fast. The disk's free space and inodes are cheap to read, so they are read every ``SPACE_S``,
+and sooner while the disk loses them fast (down to ``SPACE_MIN_S``): whatever the disk lost
+since the last walk may have been the task's. Once that is half of what the task may still
+write, the task is walked at once, frozen (it cannot write on meanwhile); so is a walk that
+would last long enough, at the rate the disk loses space, for the task to write that much.
+
+A full disk that the task's own files do not explain (a task within its caps cannot have filled
+it) is the node's fault: ``full_disk``, a lapse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from flashnode.diskuse import FULL_BELOW_BYTES, Space
+from flashnode.errors import AttemptLapsed, DiskFull
+from flashnode.settings import Settings, format_size
+from flashnode.workspace import Usage
+
+SPACE_S = 0.02  # how often the state dir's free space and inodes are read while a task runs
+SPACE_MIN_S = 0.001  # ... at most this often, while they go fast
+MIN_ROOM_BYTES = 1 << 20  # a task with less room than this on the disk does not start
+MIN_ROOM_FILES = 64  # ... nor one with fewer inodes to make its files in
+
+
+@dataclass(frozen=True)
+class DiskCaps:
+    """What one task may hold on the state dir's disk, each with what set it (for reasons)."""
+
+    bytes: int
+    files: int
+    bytes_by: str = "task_disk_bytes"
+    files_by: str = "task_disk_files"
+
+
+def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
+    """``task_disk_bytes`` and ``task_disk_files``, or less: what the workspace holds already
+    (a restored checkpoint) and what the disk has free above ``min_free_bytes`` and its share of
+    the inodes. AttemptLapsed when the disk leaves the task (next to) no room: the node is short
+    of disk, the task is not at fault."""
+    caps = DiskCaps(s.task_disk_bytes, s.task_disk_files)
+    if space is None:
+        return caps
+    room = space.free_bytes - s.min_free_bytes
+    files = space.free_inodes - space.inode_floor(s.min_free_bytes) if space.total_inodes else None
+    if room < MIN_ROOM_BYTES or (files is not None and files < MIN_ROOM_FILES):
+        short = space.short(s.min_free_bytes) or "next to no room above min_free_bytes"
+        raise AttemptLapsed(f"low disk: the state dir has {short}; the task cannot start")
+    if use.disk_bytes + room < caps.bytes:
+        by = "what the state dir's disk had free above min_free_bytes when it started"
+        caps = dataclasses.replace(caps, bytes=use.disk_bytes + room, bytes_by=by)
+    if files is not None and use.disk_files + files < caps.files:
+        by = "the inodes the state dir's disk had free above min_free_bytes' share when it started"
+        caps = dataclasses.replace(caps, files=use.disk_files + files, files_by=by)
+    return caps
+
+
+def over_caps(usage: Usage, held: int, s: Settings, caps: DiskCaps) -> str | None:
+    """Which cap a task's files are past (``held``: what its handle measured beyond its
+    workspace), in the owner's words; None within them all."""
+    if usage.output_bytes > s.max_output_total_bytes:
+        return f"outputs grew past {s.max_output_total_bytes} bytes"
+    if usage.output_files > s.max_output_files:
+        return f"outputs grew past {s.max_output_files} files (max_output_files)"
+    if usage.disk_bytes + held > caps.bytes:
+        return (
+            f"the task's files grew past {format_size(caps.bytes)} ({caps.bytes_by}:"
+            " out/, tmp/ and its private temporary directories)"
+        )
+    if usage.disk_files > caps.files:
+        return (
+            f"the task's files and directories grew past {caps.files} ({caps.files_by}:"
+            " out/ and tmp/)"
+        )
+    return None
+
+
+def full_disk(space: Space | None) -> DiskFull | None:
+    """The ending of an attempt whose state dir has (almost) no space or inodes left, else
+    None."""
+    if space is None or not space.full():
+        return None
+    if space.free_bytes < FULL_BELOW_BYTES:
+        return DiskFull(f"disk full ({space.free_bytes >> 10} KiB free in the state dir)")
+    return DiskFull(f"disk full ({space.free_inodes} inodes free in the state dir)")
+
+
+@dataclass(frozen=True)
+class Look:
+    """The disk, and the task's use of it, at one walk."""
+
+    space: Space
+    bytes: int  # the task's, what its handle holds beyond the workspace included
+    files: int
+
+
+class DiskWatch:
+    """The disk between walks of the task's files (see the module docstring). Inactive (no
+    sample is suspect, none is asked for sooner than ``SPACE_S``) while the disk is unknown."""
+
+    def __init__(self, caps: DiskCaps, first: Look | None) -> None:
+        self.caps = caps
+        self.last = first  # the last walk
+        self._prev: tuple[float, Space] | None = None  # the last reading of the disk
+        self._rate = (0.0, 0.0)  # bytes and inodes the disk lost per second, lately
+        self._walk_s = 0.0  # how long the last walk took
+
+    def walked(self, look: Look, now: float, seconds: float) -> None:
+        """A walk: the task's use and the disk then (read first), ``seconds`` long."""
+        self.last, self._prev, self._walk_s = look, (now, look.space), seconds
+
+    def sample(self, now: float, space: Space | None) -> bool:
+        """A reading of the disk; whether the task must be walked at once, frozen: the disk is
+        full, or it lost half of what the task may still write since the last walk."""
+        prev, last = self._prev, self.last
+        if space is None or last is None:
+            return False
+        self._prev = (now, space)
+        if prev is not None and now > prev[0]:
+            seconds = now - prev[0]
+            lost = _lost(prev[1], space)
+            self._rate = (
+                max(lost[0] / seconds, self._rate[0] / 2),
+                max(lost[1] / seconds, self._rate[1] / 2),
+            )
+        if space.full():
+            return True
+        lost, room = _lost(last.space, space), self._room(space)
+        return any(gone * 2 > whole for gone, whole in zip(lost, room, strict=True))
+
+    def next_in(self, space: Space | None) -> float:
+        """Seconds until the next reading: ``SPACE_S``, or sooner while the disk loses what
+        the task may still write fast (half of it by then, at the present rate)."""
+        if space is None or self.last is None:
+            return SPACE_S
+        soon = SPACE_S
+        for left, rate in zip(self._left(space), self._rate, strict=True):
+            if rate > 0:
+                soon = min(soon, max(SPACE_MIN_S, left / rate / 2))
+        return soon
+
+    def risky(self, space: Space | None) -> bool:
+        """Whether a walk as long as the last one would give the task, at the rate the disk
+        loses space, the time to write half of what it may still write: then it is frozen."""
+        if space is None or self.last is None:
+            return False
+        left = self._left(space)
+        return any(
+            rate * self._walk_s * 2 > room for rate, room in zip(self._rate, left, strict=True)
+        )
+
+    def _room(self, space: Space) -> tuple[float, float]:
+        """What the task could still write at the last walk (inodes: unlimited where the disk
+        has no fixed number of them)."""
+        assert self.last is not None
+        files = self.caps.files - self.last.files if space.total_inodes else math.inf
+        return self.caps.bytes - self.last.bytes, files
+
+    def _left(self, space: Space) -> tuple[float, float]:
+        """What the task may still write now, were everything the disk lost since the last
+        walk its own."""
+        assert self.last is not None
+        room, lost = self._room(space), _lost(self.last.space, space)
+        return room[0] - lost[0], room[1] - lost[1]
+
+
+def _lost(before: Space, after: Space) -> tuple[int, int]:
+    """The bytes and inodes the disk lost from ``before`` to ``after``."""
+    return before.free_bytes - after.free_bytes, before.free_inodes - after.free_inodes
