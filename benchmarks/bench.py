@@ -60,10 +60,13 @@ class Agent:
         *extra: str,
         env: dict[str, str] | None = None,
         wrap: list[str] | None = None,
+        state_in: Path | None = None,
     ) -> None:
-        """``wrap``: a command the agent runs under (a profiler: benchmarks/profile.py)."""
+        """``wrap``: a command the agent runs under (a profiler: benchmarks/profile.py).
+        ``state_in``: where its state dir goes (default ``state_parent()``)."""
         self.kind = kind
-        self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-", dir=state_parent()))
+        parent = state_in or state_parent()
+        self.state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-", dir=parent))
         self.state.chmod(0o755)
         base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
         if kind == "ours":
@@ -153,12 +156,14 @@ def pct(values: list[float], q: float) -> float:
 
 def overhead_run(server: CoordinatorServer, kind: str, n: int) -> dict[str, float]:
     pool = f"p{random.randrange(10**9)}"
-    agent = None if kind == "floor" else Agent(kind, server.url, pool, "--max-tasks", str(n))
+    agent = (
+        None if kind.startswith("floor") else Agent(kind, server.url, pool, "--max-tasks", str(n))
+    )
     job_spec = argv_job(TRIVIAL, pool=pool, params=[{} for _ in range(n)], max_attempts=1)
     start = time.monotonic()
     job = server.submit(job_spec)
-    if kind == "floor":
-        floor_client(server.url, pool, n)
+    if kind in ("floor", "floor-isolated"):
+        floor_client(server.url, pool, n, isolated=kind == "floor-isolated")
     server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=600)
     wall = time.monotonic() - start
     if agent:
@@ -169,17 +174,33 @@ def overhead_run(server: CoordinatorServer, kind: str, n: int) -> dict[str, floa
         for v in ev.values()
         if "TASK_COMMIT_ACCEPTED" in v and "LEASE_CLAIMED" in v
     ]
+    claims = [v["LEASE_CLAIMED"] for v in ev.values() if "LEASE_CLAIMED" in v]
+    commits = [v["TASK_COMMIT_ACCEPTED"] for v in ev.values() if "TASK_COMMIT_ACCEPTED" in v]
     return {
         "per_task_ms": wall / n * 1000,
+        # The other count (issue 31's harness): the coordinator's own clock, from the first
+        # claim to the last commit, so without the wait for the agent's first claim.
+        "steady_ms": (max(commits) - min(claims)) / n * 1000 if commits else float("nan"),
         "p50_ms": pct(cycles, 0.5) * 1000,
         "p95_ms": pct(cycles, 0.95) * 1000,
         "committed": len(cycles),
     }
 
 
-def floor_client(url: str, pool: str, n: int) -> None:
-    """No agent: claim -> spawn the task -> PUT metrics.json -> complete, nothing else."""
+def floor_client(url: str, pool: str, n: int, isolated: bool = False) -> None:
+    """No agent: claim -> spawn the task -> PUT metrics.json -> complete, nothing else.
+
+    ``isolated``: what any isolating agent must do at the least (issue 31's floor): each task
+    spawned in new mount and IPC namespaces (``unshare --mount --ipc``) as a task user
+    (``setpriv``: slot 0's, with no supplementary groups), its out/ handed to that user."""
     import hashlib
+    import pwd
+
+    wrap: list[str] = []
+    user = pwd.getpwnam(f"{TASK_USER}-0") if isolated else None
+    if user is not None:
+        wrap = ["unshare", "--mount", "--ipc", "setpriv", f"--reuid={user.pw_uid}"]
+        wrap += [f"--regid={user.pw_gid}", "--clear-groups", "--"]
 
     api = url + "/v1alpha1"
     node = f"floor-{random.randrange(10**9)}"
@@ -197,6 +218,7 @@ def floor_client(url: str, pool: str, n: int) -> None:
         )
         done = 0
         work = Path(tempfile.mkdtemp(prefix="bench-floor-", dir=state_parent()))
+        work.chmod(0o711)  # the task user passes through to out/
         while done < n:
             r = c.post(api + "/leases/claim", json={"node_id": node})
             if r.status_code == 204:
@@ -204,8 +226,10 @@ def floor_client(url: str, pool: str, n: int) -> None:
                 continue
             lease = r.json()
             (work / "out").mkdir(exist_ok=True)
+            if user is not None:
+                os.chown(work / "out", user.pw_uid, user.pw_gid)
             argv = [a.replace("/work", str(work)) for a in lease["payload"]["argv"]]
-            subprocess.run(argv, check=True)
+            subprocess.run([*wrap, *argv], check=True)
             data = (work / "out" / "metrics.json").read_bytes()
             c.put(f"{api}/artifacts/{lease['payload']['output_prefix']}metrics.json", content=data)
             c.post(
@@ -221,13 +245,21 @@ def floor_client(url: str, pool: str, n: int) -> None:
 STAMP = ["sh", "-c", 'printf \'{"t": %s}\' "$(date +%s.%N)" > "$1"', "sh", "/work/out/metrics.json"]
 
 
-def dispatch(server: CoordinatorServer, kind: str, samples: int) -> list[float]:
+def dispatch(
+    server: CoordinatorServer,
+    kind: str,
+    samples: int,
+    env: dict[str, str] | None = None,
+    quiet: tuple[float, float] = (4, 8),
+) -> list[float]:
+    """Seconds from a job's submission to its task's start, each after a quiet period drawn
+    from ``quiet`` (seconds)."""
     pool = f"p{random.randrange(10**9)}"
-    agent = Agent(kind, server.url, pool)
+    agent = Agent(kind, server.url, pool, env=env)
     out = []
     try:
         for _ in range(samples):
-            time.sleep(random.uniform(4, 8))  # a quiet period: the agent backs off to its idle pace
+            time.sleep(random.uniform(*quiet))  # a quiet period: the agent backs off
             t0 = time.time()
             job = server.submit(argv_job(STAMP, pool=pool, max_attempts=1))
             server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60)
