@@ -578,7 +578,7 @@ class Agent:
         took = answered - now
         self.metrics.claim_finished(took, "empty" if lease is None else "work")
         self._working("claim")
-        self._next_claim = answered + self.pacing.claimed(lease is not None, took)
+        self._next_claim = answered + self.pacing.claimed(lease is not None, took, answered)
         if lease is None:
             return
         lease_id = lease.get("lease_id")
@@ -588,7 +588,7 @@ class Agent:
             # The same lease again (a replayed or hostile answer): it is running here already,
             # and a second attempt would share its workspace and cgroup.
             log.error("claim answer names lease %s, which runs here already: ignored", lease_id)
-            self._next_claim = answered + self.pacing.claimed(False, took)
+            self._next_claim = answered + self.pacing.claimed(False, took, answered)
             return
         self.stats.started += 1
         slot = self._free_slot() or 0
@@ -620,6 +620,7 @@ class Agent:
                 self.running.pop(key, None)
             self.stats.count(outcome)
             self._ended(attempt, outcome, self.clock.monotonic() - started)
+            self.pacing.attempt_ended(self.clock.monotonic())
             self._next_claim = self.clock.monotonic()  # claim again at once
             self._wake.set()
 

@@ -15,10 +15,14 @@ alone is harmless; what matters is what they do together:
   of at least ``SLOW_FACTOR * t`` (measured from the answer, not from the question): the slower
   the coordinator answers, the less often each node asks, instead of each node asking again
   the moment a slow answer arrives.
-* **Idle is cheap, work is found fast.** An empty claim doubles the wait from
-  ``claim_backoff_min_seconds`` up to ``claim_backoff_max_seconds`` (after work, work is likely:
-  a job's next round, a burst's remainder); work resets it, and the end of an attempt claims
-  again at once (the loop's part).
+* **Idle is cheap, work is found fast.** The end of an attempt claims again at once (the
+  loop's part); then, for ``claim_alert_seconds``, the node claims about every second
+  (``ALERT_STEP_S``), because after work more work is likely: a job's next round, the rest of a
+  burst, a retry. After that an empty claim doubles the wait from ``claim_backoff_min_seconds``
+  up to ``claim_backoff_max_seconds``: a node idle for long costs the coordinator a heartbeat
+  every 5 s and a claim every 6 s on average. This coordinator says nothing about waiting work
+  except in a claim's own answer (benchmarks/RESULTS.md, "Dispatch and the idle cost"), so an
+  idle node can learn of new work only by claiming: the cap is the price of that.
 
 Pure: it reads no clock and sleeps never; the loop asks it for delays.
 """
@@ -35,6 +39,7 @@ ERROR_JITTER = (0.5, 1.0)  # each retry's wait after an error, as a share of its
 HEARTBEAT_JITTER = (0.9, 1.1)  # each heartbeat's wait, as a share of heartbeat_seconds
 ERROR_FIRST_S = 1.0  # the first wait after an error
 SLOW_FACTOR = 2.0  # an answer that took t seconds is followed by a wait of at least 2 t
+ALERT_STEP_S = 1.2  # after an attempt: each claim's wait drawn from [0.5, 1.0] of this
 
 
 class Pacing:
@@ -44,6 +49,9 @@ class Pacing:
     def __init__(self, settings: Settings, rng: random.Random) -> None:
         self.rng = rng
         self.heartbeat_seconds = settings.heartbeat_seconds
+        self.alert_seconds = settings.claim_alert_seconds
+        self.alert_step = max(ALERT_STEP_S, settings.claim_backoff_min_seconds)
+        self._alert_until = float("-inf")
         self.idle = Backoff(
             Policy(
                 settings.claim_backoff_min_seconds,
@@ -56,13 +64,19 @@ class Pacing:
         self.claim_errors = Backoff(errors, rng)
         self.register_errors = Backoff(errors, rng)
 
-    def claimed(self, work: bool, took: float) -> float:
-        """A claim was answered after ``took`` seconds: the wait from the answer until the next
-        claim (0 after work: the next claim follows the attempt's end)."""
+    def attempt_ended(self, now: float) -> None:
+        """An attempt ended at ``now`` (monotonic): claims stay quick for a while."""
+        self._alert_until = now + self.alert_seconds
+
+    def claimed(self, work: bool, took: float, now: float) -> float:
+        """A claim was answered at ``now`` (monotonic) after ``took`` seconds: the wait until
+        the next claim (0 after work: the next claim follows the attempt's end)."""
         self.claim_errors.reset()
         if work:
             self.idle.reset()
             return 0.0
+        if now < self._alert_until:
+            return self._not_sooner(self.alert_step * self.rng.uniform(*IDLE_JITTER), took)
         return self._not_sooner(self.idle.next(), took)
 
     def claim_failed(self, took: float) -> float:

@@ -19,16 +19,30 @@ SETTINGS = Settings(coordinator="http://127.0.0.1:1", runner="trusted", pools=("
 
 def test_idle_waits_double_within_their_jitter_band_up_to_the_cap_and_work_resets_them() -> None:
     pacing = Pacing(SETTINGS, random.Random(1))
-    waits = [pacing.claimed(False, 0.001) for _ in range(8)]
-    for wait, step in zip(waits, [0.5, 1, 2, 4, 7, 7, 7, 7], strict=True):
+    waits = [pacing.claimed(False, 0.001, 0.0) for _ in range(8)]
+    for wait, step in zip(waits, [0.5, 1, 2, 4, 8, 8, 8, 8], strict=True):
         assert 0.5 * step <= wait <= step
-    assert pacing.claimed(True, 0.001) == 0.0
-    assert pacing.claimed(False, 0.001) <= 0.5
+    assert pacing.claimed(True, 0.001, 0.0) == 0.0
+    assert pacing.claimed(False, 0.001, 0.0) <= 0.5
+
+
+def test_after_an_attempt_claims_come_about_every_second_for_the_alert_window_then_back_off() -> (
+    None
+):
+    pacing = Pacing(SETTINGS, random.Random(1))
+    pacing.attempt_ended(100.0)
+    now, waits = 100.0, []
+    while now < 100.0 + SETTINGS.claim_alert_seconds:
+        waits.append(pacing.claimed(False, 0.001, now))
+        now += waits[-1]
+    assert len(waits) >= 12 and all(0.6 <= w <= 1.2 for w in waits)
+    after = [pacing.claimed(False, 0.001, now) for _ in range(6)]
+    assert after[0] <= 0.5 and 4 <= after[-1] <= 8  # the idle doubling, from its start
 
 
 def test_a_slow_answer_is_followed_by_a_longer_wait_than_it_took() -> None:
     pacing = Pacing(SETTINGS, random.Random(1))
-    assert pacing.claimed(False, 3.0) >= SLOW_FACTOR * 3.0
+    assert pacing.claimed(False, 3.0, 0.0) >= SLOW_FACTOR * 3.0
     assert pacing.claim_failed(10.0) >= SLOW_FACTOR * 10.0
     assert pacing.register_failed(10.0) >= SLOW_FACTOR * 10.0
 
@@ -44,8 +58,10 @@ def test_heartbeats_and_rejoins_stay_within_their_bands() -> None:
 # --- many nodes at once ---------------------------------------------------------------------
 
 
-def fleet_agent(tmp_path: Path, seed: int, coord: FakeCoordinator, clock: FakeClock) -> Agent:
-    ctx = context(tmp_path, clock, coord, FakeRunner())
+def fleet_agent(
+    tmp_path: Path, seed: int, coord: FakeCoordinator, clock: FakeClock, **settings: object
+) -> Agent:
+    ctx = context(tmp_path, clock, coord, FakeRunner(), **settings)
     ctx.rng = random.Random(seed)  # each node its own randomness, as each process has
     return Agent(ctx, coord, lambda current: registration(current, f"node-{seed}"))
 
@@ -139,6 +155,36 @@ def test_errors_back_off_with_wide_jitter_so_a_failing_fleet_does_not_retry_in_s
         fifth.append(coord.names("claim")[5])
     # Steps 1, 2, 4, 8, 16 s: drawn from [0.8, 1.0] of each, 30 nodes spread about 4 s.
     assert max(fifth) - min(fifth) > 6.0
+
+
+class WorkArrives(FakeCoordinator):
+    """A task at the first claim (the fake runner ends it at once); then 204 until ``quiet``
+    seconds later; then a second task."""
+
+    quiet = 0.0
+    arrives_at = float("inf")
+
+    def claim(self, node_id: str) -> dict[str, object] | None:
+        self._log("claim")
+        if len(self.names("claim")) == 1:
+            self.arrives_at = self.clock.now + self.quiet
+            return lease(0)
+        if self.clock.now >= self.arrives_at:
+            self._log("found")
+            return lease(1)
+        return None
+
+
+def test_after_a_task_a_node_finds_work_that_arrives_seconds_later_within_the_dispatch_goal(
+    tmp_path: Path,
+) -> None:
+    for quiet in (2.0, 4.0, 5.5, 7.0, 9.0, 12.0):
+        clock = FakeClock()
+        coord = WorkArrives(clock)
+        coord.quiet = quiet
+        agent = fleet_agent(tmp_path / str(quiet), int(quiet * 10), coord, clock, max_tasks=2)
+        agent.run()
+        assert coord.names("found")[0] - coord.arrives_at <= 1.2 + 1e-6, quiet
 
 
 def gaps(times: list[float]) -> list[float]:
