@@ -82,6 +82,7 @@ class Options:
     task_user: str = FLEET_USER
     env: dict[str, str] = field(default_factory=dict)  # more for every agent (FLASHNODE_*)
     after_restart: float = 5.0  # how long the restart's request peak is watched after all are back
+    before_restart: float = 30.0  # after the burst: past the nodes' quick claims after work
     # As root, under /var/lib as an owner's state dir: not under /tmp, which a root agent's tasks
     # get a private copy of (the agent then starts no launch chain ahead: see harnesses.py).
     state_parent: Path = field(
@@ -292,7 +293,7 @@ def run_point(kind: str, n: int, o: Options) -> dict[str, Any]:
         out["load_1min"].append(os.getloadavg()[0])
         out["burst"] = burst(server, requests, pool, n)
         out["load_1min"].append(os.getloadavg()[0])
-        time.sleep(min(o.settle, 10))
+        time.sleep(o.before_restart)
         out["restart"] = restart(server, requests, fleet)
         out["load_1min"].append(os.getloadavg()[0])
     finally:
@@ -441,7 +442,10 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
         ),
         ("agent memory per node, RSS (MB)", lambda p: p["memory"]["rss_per_node_mb"]),
         ("burst of 5 N: dispatch p50 (s)", lambda p: p["burst"]["dispatch_p50_s"]),
-        ("burst of 5 N: seconds to the last commit", lambda p: p["burst"]["to_last_commit_s"]),
+        (
+            "burst of 5 N: coordinator CPU peak (%)",
+            lambda p: p["burst"]["coordinator_cpu_peak_percent"],
+        ),
         (
             "restart: peak requests/s over idle rate",
             lambda p: (
@@ -455,6 +459,7 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
             mine = sorted((p for p in points if p["kind"] == kind), key=lambda p: p["n"])
             if mine:
                 ax.plot([p["n"] for p in mine], [value(p) for p in mine], "o-", label=label)
+        ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("nodes (N)")
         ax.grid(alpha=0.3)
@@ -468,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="10,50,100,200")
     p.add_argument("--kinds", default="ours,old")
-    p.add_argument("--out", type=Path, default=HERE / "fleet")
+    p.add_argument("--out", type=Path, default=HERE)
     p.add_argument("--settle", type=float, default=20.0)
     p.add_argument("--idle", type=float, default=60.0)
     p.add_argument("--launch-per-s", type=float, default=8.0)

@@ -30,6 +30,7 @@ def test_three_nodes_go_through_idle_burst_and_restart_and_the_table_reports_the
         # A quick pace, so that the smoke takes seconds: the sweep runs the defaults.
         env={"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "1", "FLASHNODE_HEARTBEAT_SECONDS": "1"},
         after_restart=0.5,
+        before_restart=1.0,
         state_parent=states,
     )
     try:
