@@ -253,11 +253,14 @@ def dispatch(
     quiet: tuple[float, float] = (4, 8),
 ) -> list[float]:
     """Seconds from a job's submission to its task's start, each after a quiet period drawn
-    from ``quiet`` (seconds)."""
+    from ``quiet`` (seconds) since the last task ended (a first task runs before the first
+    sample, so that every sample follows work, not the agent's start)."""
     pool = f"p{random.randrange(10**9)}"
     agent = Agent(kind, server.url, pool, env=env)
     out = []
     try:
+        job = server.submit(argv_job(STAMP, pool=pool, max_attempts=1))
+        server.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60)
         for _ in range(samples):
             time.sleep(random.uniform(*quiet))  # a quiet period: the agent backs off
             t0 = time.time()
