@@ -4,7 +4,7 @@ Federated averaging: a ``metrics.json`` that names a ``delta_file`` must carry t
 driver reads, with the right types; the delta must be a safe bare file name in ``out/``, shaped
 ``{name: {"shape": [int, ...], "data": [number, ...]}}`` with ``len(data) == prod(shape)``, and
 every value finite. One broken worker then fails its own attempt here instead of crashing the
-driver's whole round (PROTOCOL.md §10 item 13). The delta is checked as a stream (ijson), so a
+driver's whole round (docs/protocol.md §10 item 13). The delta is checked as a stream (ijson), so a
 delta of hundreds of MB is never loaded whole.
 """
 

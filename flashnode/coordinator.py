@@ -1,11 +1,11 @@
 """The coordinator client: the only module that imports httpx.
 
-One method per endpoint (PROTOCOL.md §3). What each status means is written once, in ``STATUS``;
-everything a hostile or broken answer can raise (transport and protocol errors, invalid JSON,
-absurd nesting, a bad URL) becomes one of the exceptions of ``flashnode.errors`` here, at the
-boundary. Every answer, error answers included, is read with a size cap and a total deadline, so
-a huge or dripping response cannot exhaust memory or hang the agent. Redirects are never followed,
-so credentials never leave for another host. Ids are checked before they go into a URL.
+One method per endpoint (docs/protocol.md §3). What each status means is written once, in
+``STATUS``; everything a hostile or broken answer can raise (transport and protocol errors, invalid
+JSON, absurd nesting, a bad URL) becomes one of the exceptions of ``flashnode.errors`` here, at the
+boundary. Every answer, error answers included, is read with a size cap and a total deadline, so a
+huge or dripping response cannot exhaust memory or hang the agent. Redirects are never followed, so
+credentials never leave for another host. Ids are checked before they go into a URL.
 
 Why one module of this size: one method per endpoint and the one status table, so that httpx stays
 behind this boundary.
@@ -62,8 +62,8 @@ class Done(Exception):
     """In ``STATUS``: the call needs nothing more (``fail`` on a lease already dead)."""
 
 
-# What a status means, per endpoint (PROTOCOL.md §3.0). Not listed: 200/201/204 are answers, 5xx
-# is CoordinatorUnavailable (retry with backoff), 3xx a refused redirect, else CoordinatorError.
+# What a status means, per endpoint (docs/protocol.md §3.0). Not listed: 200/201/204 are answers,
+# 5xx is CoordinatorUnavailable (retry with backoff), 3xx a refused redirect, else CoordinatorError.
 STATUS: dict[str, dict[int, type[Exception]]] = {
     "health": {},
     "nodes": {},
@@ -283,7 +283,7 @@ class Coordinator:
         except Exception as exc:
             raise _mapped(exc, f"download of {key}") from None
 
-    # --- checkpoints (PROTOCOL.md §8) -----------------------------------------------------------
+    # --- checkpoints (docs/protocol.md §8) -------------------------------------------------------
 
     def checkpoint_part(
         self, job_id: str, task_id: str, lease_id: str, step: int, part: CheckpointPart

@@ -10,11 +10,11 @@
   interval after it stopped (a fault its checks cannot see must not bring it back at full
   speed), it takes work again. A committed attempt resets the count.
 * **The backoff after a revoked lease** (``RevokedBackoff``): the coordinator's silence watchdog
-  revokes a lease whose task shipped no checkpoint in time (PROTOCOL.md §8); claiming straight
+  revokes a lease whose task shipped no checkpoint in time (docs/protocol.md §8); claiming straight
   away would most likely get that task back, to be revoked again, each time spending its expiry
-  budget. A claim cannot exclude a job (PROTOCOL.md §3.4: ``job_id`` only narrows it to one), so
-  the node claims nothing for a while (from ``REVOKED_FIRST_S``, doubling with each revocation
-  in a row up to ``REVOKED_CAP_S``, reset by a commit), so that another node may take the task.
+  budget. A claim cannot exclude a job (docs/protocol.md §3.4: ``job_id`` only narrows it to one),
+  so the node claims nothing for a while (from ``REVOKED_FIRST_S``, doubling with each revocation in
+  a row up to ``REVOKED_CAP_S``, reset by a commit), so that another node may take the task.
 
 Both give a ``controls.Hold`` with a reason an owner can read (``flashnode status``, the log, the
 metric ``flashnode_claiming_held{rule}``). They are fed from attempt threads, read from the

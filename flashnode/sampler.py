@@ -1,4 +1,4 @@
-"""Readings → the figures of ExecutionEvidence (DESIGN.md §6).
+"""Readings → the figures of ExecutionEvidence (docs/design.md §6).
 
 The rule: None means not measured, 0 means measured zero; a figure any of whose readings failed
 is None for the whole run.

@@ -1,4 +1,4 @@
-"""Pydantic models of every node-side message (PROTOCOL.md §4), and task payload parsing.
+"""Pydantic models of every node-side message (docs/protocol.md §4), and task payload parsing.
 
 Outgoing models mirror the coordinator's own. Incoming data is untrusted: a Lease envelope is
 parsed first (its ids end up in paths and URLs, so they are checked strictly), then its payload is
@@ -27,7 +27,7 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
 ARTIFACT_SCHEME = "artifact://"
 MAX_ARGV_BYTES = 128 * 1024
 MAX_ENV_BYTES = 128 * 1024
-# The only modules a module task may run (PROTOCOL.md §5.3): installed code, not task code.
+# The only modules a module task may run (docs/protocol.md §5.3): installed code, not task code.
 MODULES = (
     "flashml_workloads.sklearn_trial",
     "flashml_workloads.kmeans_shard",
@@ -104,7 +104,7 @@ class CompleteRequest(BaseModel):
 
 
 class CheckpointPart(BaseModel):
-    """One file of a checkpoint: its artifact key, sha256 and size (PROTOCOL.md §8)."""
+    """One file of a checkpoint: its artifact key, sha256 and size (docs/protocol.md §8)."""
 
     key: str
     sha256: str
@@ -200,8 +200,8 @@ class Input(BaseModel):
 
 
 class CheckpointPolicy(BaseModel):
-    """The payload's ``checkpoint`` (PROTOCOL.md §8): its presence turns on the relay and resume.
-    The numbers are the coordinator's (its silence watchdog), read the way it reads them: a
+    """The payload's ``checkpoint`` (docs/protocol.md §8): its presence turns on the relay and
+    resume. The numbers are the coordinator's (its silence watchdog), read the way it reads them: a
     value that is not a finite number counts as absent."""
 
     interval_seconds: float | None = None

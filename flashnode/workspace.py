@@ -16,7 +16,7 @@ Layout of ``<state_dir>/attempts/<lease_id>/`` (the task sees it as ``/work``)::
               data phase only when the task has datasets)
     .stage/   downloads in progress (never visible under inputs/)
 
-The privilege boundary (DESIGN.md §5): the directory itself, ``inputs/``, ``logs/`` and
+The privilege boundary (docs/design.md §5): the directory itself, ``inputs/``, ``logs/`` and
 ``.stage/`` belong to the agent; only ``out/`` and ``tmp/`` belong to the task's user (see
 ``hand_over``), so a task can rename nothing the agent later opens by name. Nothing under
 ``data/`` is ever chowned or chmodded: its files share their inodes with the dataset cache.

@@ -59,7 +59,7 @@ def wait_for(
 
 
 class CoordinatorServer:
-    """flashruntime 0.6.1's service app, started with uvicorn as in PROTOCOL.md §1.1."""
+    """flashruntime 0.6.1's service app, started with uvicorn as in docs/protocol.md §1.1."""
 
     def __init__(
         self,
@@ -202,7 +202,7 @@ def argv_job(
     lease_seconds: int = 60,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A pool-scoped argv job in the shape of PROTOCOL.md §1.5 example B."""
+    """A pool-scoped argv job in the shape of docs/protocol.md §1.5 example B."""
     spec: dict[str, Any] = {
         "apiVersion": "flashml.dev/v1alpha1",
         "kind": "Job",

@@ -1,6 +1,6 @@
 """A minimal Debian root with systemd as an engine image, for the test under a real systemd.
 
-DESIGN.md §8's recipe: ``debootstrap --variant=minbase --include=systemd,systemd-sysv,python3,dbus
+docs/design.md §8's recipe: ``debootstrap --variant=minbase --include=systemd,systemd-sysv,python3,dbus
 bookworm``, imported with ``docker import``. Built once and kept as a named image whose tag is a
 content hash of the recipe, so a later session (or a second test run) reuses it and a changed
 recipe makes a new one. Run as a script to build it ahead of the tests.

@@ -1,7 +1,7 @@
 """The owner's path from the package, under a real systemd (issue 15, test 1).
 
 A minimal Debian bookworm root with systemd (tests/systemd_image.py) boots in a container with
-systemd as PID 1 (DESIGN.md §8), on the host's network so that it reaches the real coordinator
+systemd as PID 1 (docs/design.md §8), on the host's network so that it reaches the real coordinator
 this test starts on 127.0.0.1. Inside, as an owner would: `dpkg -i` the .deb ./packaging/build
 made, `flashnode login` with the token and join code on standard input, a config for the trusted
 runner, `systemctl enable --now flashnode`; a pool job commits as a task user, `flashnode status`

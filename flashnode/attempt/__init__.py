@@ -1,4 +1,4 @@
-"""One lease from claim to commit (DESIGN.md §1), as a list of phases over one AttemptRecord.
+"""One lease from claim to commit (docs/design.md §1), as a list of phases over one AttemptRecord.
 
 The orchestrator only sequences phases and turns how they end into one outcome:
 
@@ -8,7 +8,7 @@ Each phase is a function of the running ``Attempt`` in its own module; a new cap
 as a new phase, not as a branch in an old one. Between phases, and inside every wait, the attempt
 checks whether it must stop (a lost lease, a cancel): cancellation is a state every phase sees.
 
-How an attempt ends (DESIGN.md §5, whose fault):
+How an attempt ends (docs/design.md §5, whose fault):
 
 * ``AttemptFailed`` — the task's own fault: reported with ``fail``;
 * ``AttemptLapsed`` — not the task's fault (drain, stop, restart, what the node lacks): the lease

@@ -1,4 +1,4 @@
-"""The checkpoint relay (PROTOCOL.md §8): while a checkpointing task runs, each new complete
+"""The checkpoint relay (docs/protocol.md §8): while a checkpointing task runs, each new complete
 checkpoint in its ``out/ckpt/`` is uploaded, every file registered as a part, then one manifest
 committed; once the task has exited, a last sweep ships the newest one it left, also when it
 crashed.

@@ -1,4 +1,4 @@
-"""Checkpoints, before the run (PROTOCOL.md §8), for a task whose payload carries
+"""Checkpoints, before the run (docs/protocol.md §8), for a task whose payload carries
 ``checkpoint``: the relay is set to watch the run (relay.py) and the task's latest valid
 checkpoint, when it has one, is fetched for it. Every task has its checkpoint directory,
 ``out/ckpt/`` (``FLASHML_CKPT_DIR``, ``FLASHML_CHECKPOINT_DIR`` for a checkpointing task), made

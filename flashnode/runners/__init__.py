@@ -1,1 +1,1 @@
-"""Runners turn a parsed task and a workspace into a finished process (DESIGN.md §3)."""
+"""Runners turn a parsed task and a workspace into a finished process (docs/design.md §3)."""

@@ -1,4 +1,4 @@
-"""The runner contract (DESIGN.md §3), shared by every runner.
+"""The runner contract (docs/design.md §3), shared by every runner.
 
 * ``preflight(settings, slots)`` checks what this runner needs on this host; through
   ``flashnode.preflight`` ``flashnode work`` refuses to start on a fatal problem and

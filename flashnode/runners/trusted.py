@@ -1,7 +1,7 @@
 """The trusted runner: argv tasks of the owner's team pools, and allowlisted module tasks, on the
 host without a container.
 
-Arbitrary code on the host is pool-only, three locks together (DESIGN.md §5): this node runs
+Arbitrary code on the host is pool-only, three locks together (docs/design.md §5): this node runs
 trusted with at least one pool, the task's ``pool`` is one of them, and its isolation says
 ``allowFallback: true``. The coordinator checks this at placement; ``check`` checks it again.
 
