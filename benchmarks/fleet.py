@@ -16,7 +16,7 @@ size and kind, on a fresh coordinator behind the request-counting wrapper (count
   task's own start, stamped by the task), claims answered 204 while a task was still waiting,
   and the coordinator's peak CPU (sampled every 0.5 s);
 * **restart**: the coordinator stopped and started again on the same data (it forgets every
-  node, PROTOCOL.md §1.2): seconds from its first answer until every node is registered again,
+  node, docs/protocol.md §1.1): seconds from its first answer until every node is registered again,
   how long the re-registrations spread, and the peak of node-facing requests per second and per
   100 ms, against the idle rate.
 

@@ -21,8 +21,9 @@ alone is harmless; what matters is what they do together:
   burst, a retry. After that an empty claim doubles the wait from ``claim_backoff_min_seconds``
   up to ``claim_backoff_max_seconds``: a node idle for long costs the coordinator a heartbeat
   every 5 s and a claim every 6 s on average. This coordinator says nothing about waiting work
-  except in a claim's own answer (benchmarks/RESULTS.md, "Dispatch and the idle cost"), so an
-  idle node can learn of new work only by claiming: the cap is the price of that.
+  except in a claim's own answer (docs/protocol.md §10, item 22), so an idle node learns of new
+  work only by claiming: the cap is the price of that (the curve of requests against dispatch
+  latency: benchmarks/RESULTS.md, "Dispatch and the idle cost").
 
 Pure: it reads no clock and sleeps never; the loop asks it for delays.
 """
