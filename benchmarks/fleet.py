@@ -329,15 +329,20 @@ def burst(server: CoordinatorServer, requests: RequestLog, pool: str, n: int) ->
     with CpuSampler(server.proc.pid) as cpu:
         t0_mono, t0 = time.monotonic(), time.time()
         jobs = [
-            server.submit(argv_job(STAMP, pool=pool, params=[{}] * size, max_attempts=1))
+            submit(server, argv_job(STAMP, pool=pool, params=[{}] * size, max_attempts=1))
             for size in sizes
         ]
         submitted = time.monotonic()
         for job in jobs:
-            server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=300 + 3 * total)
+            wait_for(
+                f"job {job} to end",
+                lambda job=job: get(server, f"/jobs/{job}")["state"] in ENDED,
+                timeout=300 + 3 * total,
+                every=0.5,
+            )
     claimed, committed, starts = [], [], []
     for job in jobs:
-        for e in server.events(job):
+        for e in get(server, f"/jobs/{job}/events"):
             ts = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
             if e["type"] == "LEASE_CLAIMED":
                 claimed.append(ts)
@@ -365,6 +370,23 @@ def burst(server: CoordinatorServer, requests: RequestLog, pool: str, n: int) ->
         "coordinator_cpu_peak_percent": max(cpu.samples, default=0.0),
         "coordinator_cpu_mean_percent": statistics.mean(cpu.samples) if cpu.samples else 0.0,
     }
+
+
+ENDED = {"SUCCEEDED", "FAILED", "PARTIAL", "CANCELLED"}
+
+
+def get(server: CoordinatorServer, path: str) -> Any:
+    """A job API read, waiting as long as a busy coordinator takes."""
+    r = httpx.get(server.url + "/v1alpha1" + path, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+def submit(server: CoordinatorServer, spec: dict[str, Any]) -> str:
+    """Submit a job, waiting as long as a busy coordinator takes to accept hundreds of tasks."""
+    r = httpx.post(server.url + "/v1alpha1/jobs", json=spec, timeout=600)
+    r.raise_for_status()
+    return str(r.json()["job_id"])
 
 
 def restart(server: CoordinatorServer, requests: RequestLog, fleet: Fleet) -> dict[str, Any]:
