@@ -431,7 +431,7 @@ def table(points: list[dict[str, Any]]) -> str:
     head = (
         "| kind | N | idle requests/s (per node/min) | idle coordinator CPU % | agents' memory,"
         " RSS per node / PSS total (MB) | burst 5N: to last commit (s) | dispatch p50 / p95 (s)"
-        " | 204s while work waited | burst coordinator CPU peak % | restart: all registered"
+        " | 204s while work waited | burst coordinator CPU peak %, ms per task | restart: all registered"
         " (s), spread (s) | restart peak requests/s (/100 ms) | load |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
@@ -442,12 +442,21 @@ def table(points: list[dict[str, Any]]) -> str:
             f"| {p['kind']} | {p['n']} | {i['requests_per_s']:.1f} ({i['requests_per_s'] / p['n'] * 60:.1f})"
             f" | {i['coordinator_cpu_percent']:.1f} | {m['rss_per_node_mb']:.1f} / {m['pss_total_mb']:.0f}"
             f" | {b['to_last_commit_s']:.1f} | {b['dispatch_p50_s']:.2f} / {b['dispatch_p95_s']:.2f}"
-            f" | {b['empty_claims_while_waiting']} | {b['coordinator_cpu_peak_percent']:.0f}"
+            f" | {b['empty_claims_while_waiting']} | {b['coordinator_cpu_peak_percent']:.0f},"
+            f" {coordinator_ms_per_task(b):.0f}"
             f" | {r['all_registered_s']:.1f}, {r['register_spread_s']:.1f}"
             f" | {r['peak_requests_per_s']} ({r['peak_requests_per_100ms']})"
             f" | {'-'.join(f'{x:.1f}' for x in p['load_1min'])} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def coordinator_ms_per_task(b: dict[str, Any]) -> float:
+    """The coordinator's CPU per burst task: its mean CPU over the burst times the burst's
+    length (the samples span it), per task."""
+    return (
+        float(b["coordinator_cpu_mean_percent"]) / 100 * b["to_last_commit_s"] / b["tasks"] * 1000
+    )
 
 
 def plot(points: list[dict[str, Any]], path: Path) -> None:
@@ -465,8 +474,8 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
         ("agent memory per node, RSS (MB)", lambda p: p["memory"]["rss_per_node_mb"]),
         ("burst of 5 N: dispatch p50 (s)", lambda p: p["burst"]["dispatch_p50_s"]),
         (
-            "burst of 5 N: coordinator CPU peak (%)",
-            lambda p: p["burst"]["coordinator_cpu_peak_percent"],
+            "burst of 5 N: coordinator CPU per task (ms)",
+            lambda p: coordinator_ms_per_task(p["burst"]),
         ),
         (
             "restart: peak requests/s over idle rate",
@@ -501,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launch-per-s", type=float, default=8.0)
     p.add_argument("--ours", help="our agent's command (default: benchmarks/.venv-ours)")
     p.add_argument("--task-user", default=FLEET_USER)
+    p.add_argument("--report", action="store_true", help="only the table and plot from fleet.json")
     args = p.parse_args(argv)
     o = Options(settle=args.settle, idle=args.idle, launch_per_s=args.launch_per_s)
     o.task_user = args.task_user
@@ -509,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "fleet.json"
     points: list[dict[str, Any]] = json.loads(results.read_text()) if results.exists() else []
-    for n in (int(x) for x in args.sizes.split(",")):
+    for n in () if args.report else (int(x) for x in args.sizes.split(",")):
         for kind in args.kinds.split(","):
             print(f"{kind} N={n} (load {os.getloadavg()[0]:.1f})", flush=True)
             point = run_point(kind, n, o)
