@@ -45,7 +45,7 @@ from flashnode.errors import (
 )
 from flashnode.gpupool import Device
 from flashnode.guard import Ending, Quarantine, RevokedBackoff
-from flashnode.retry import Backoff, Policy
+from flashnode.pacing import Pacing
 from flashnode.settings import Settings
 from flashnode.status import StatusSink
 from flashnode.wire import SAFE_ID, NodeHeartbeat, NodeRegistration
@@ -132,14 +132,7 @@ class Agent:
         self._low_disk = False
         self.clock = clock or ctx.clock
         rng, s = ctx.rng, self.settings
-        self.claim_backoff = Backoff(
-            Policy(s.claim_backoff_min_seconds, s.claim_backoff_max_seconds), rng
-        )
-        # Each conversation has its own error backoff: a working heartbeat must not hurry a
-        # failing claim.
-        errors = Policy(1.0, s.error_backoff_max_seconds)
-        self.register_errors = Backoff(errors, rng)
-        self.claim_errors = Backoff(errors, rng)
+        self.pacing = Pacing(s, rng)  # when to talk to the coordinator next (a fleet's pace)
         # The node's own holds: the black-hole guard and the backoff after a revoked lease.
         self.quarantine = Quarantine(s.quarantine_after, s.quarantine_check_seconds, self.clock)
         self.revoked = RevokedBackoff(self.clock, rng)
@@ -514,24 +507,32 @@ class Agent:
             self.node_id = self.coordinator.register(self.registration(self.settings))
         except CoordinatorError as exc:
             self._failing("registration", exc)
-            self._next_register = now + self.register_errors.next()
+            answered = self.clock.monotonic()
+            self._next_register = answered + self.pacing.register_failed(answered - now)
             return
         self._registered = True
         self._working("registration")
-        self.register_errors.reset()
+        self.pacing.registered()
         log.info("registered as node %s", self.node_id)
 
+    def _forgotten(self, what: str) -> None:
+        """The coordinator forgot this node (it restarted): register again after the pacing's
+        spread (a fleet noticed together), then claim at once."""
+        log.info("coordinator %s: registering again", what)
+        self._registered = False
+        now = self.clock.monotonic()
+        self._next_register = now + self.pacing.rejoin()
+        self._next_claim = 0.0
+
     def _heartbeat(self) -> None:
-        self._next_heartbeat = self.clock.monotonic() + self.settings.heartbeat_seconds
+        self._next_heartbeat = self.clock.monotonic() + self.pacing.heartbeat()
         heartbeat = NodeHeartbeat(
             node_id=self.node_id, status="draining" if self._draining else "online"
         )
         try:
             self.coordinator.node_heartbeat(heartbeat)
         except Unregistered:
-            log.info("coordinator forgot this node; registering again")
-            self._registered = False
-            self._register()
+            self._forgotten("forgot this node")
             return
         except CoordinatorError as exc:
             self._failing("node heartbeat", exc)
@@ -599,24 +600,21 @@ class Agent:
             lease = self.coordinator.claim(self.node_id)
         except Unregistered:
             self.metrics.claim_finished(self.clock.monotonic() - now, "error")
-            log.info("coordinator refused the claim as unregistered; registering again")
-            self._registered = False
-            self._register()
-            self._next_claim = now
+            self._forgotten("refused the claim as unregistered")
             return
         except CoordinatorError as exc:
-            self.metrics.claim_finished(self.clock.monotonic() - now, "error")
+            answered = self.clock.monotonic()
+            self.metrics.claim_finished(answered - now, "error")
             self._failing("claim", exc)
-            self._next_claim = now + self.claim_errors.next()
+            self._next_claim = answered + self.pacing.claim_failed(answered - now)
             return
-        result = "empty" if lease is None else "work"
-        self.metrics.claim_finished(self.clock.monotonic() - now, result)
+        answered = self.clock.monotonic()
+        took = answered - now
+        self.metrics.claim_finished(took, "empty" if lease is None else "work")
         self._working("claim")
-        self.claim_errors.reset()
+        self._next_claim = answered + self.pacing.claimed(lease is not None, took, answered)
         if lease is None:
-            self._next_claim = now + self.claim_backoff.next()
             return
-        self.claim_backoff.reset()
         lease_id = lease.get("lease_id")
         with self._lock:
             held = {a.record.lease_id for a in self.running.values()}
@@ -624,7 +622,7 @@ class Agent:
             # The same lease again (a replayed or hostile answer): it is running here already,
             # and a second attempt would share its workspace and cgroup.
             log.error("claim answer names lease %s, which runs here already: ignored", lease_id)
-            self._next_claim = now + self.claim_backoff.next()
+            self._next_claim = answered + self.pacing.claimed(False, took, answered)
             return
         self.stats.started += 1
         slot = self._free_slot() or 0
@@ -656,6 +654,7 @@ class Agent:
                 self.running.pop(key, None)
             self.stats.count(outcome)
             self._ended(attempt, outcome, self.clock.monotonic() - started)
+            self.pacing.attempt_ended(self.clock.monotonic())
             self._next_claim = self.clock.monotonic()  # claim again at once
             self._wake.set()
 

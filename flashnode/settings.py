@@ -232,7 +232,8 @@ class Settings(BaseModel):
 
     heartbeat_seconds: float = Field(default=5.0, gt=0, le=60)
     claim_backoff_min_seconds: float = Field(default=0.5, gt=0)
-    claim_backoff_max_seconds: float = Field(default=7.0, gt=0)
+    claim_backoff_max_seconds: float = Field(default=8.0, gt=0)
+    claim_alert_seconds: float = Field(default=15.0, ge=0)  # after work, claim about every second
     error_backoff_max_seconds: float = Field(default=60.0, gt=0)
     max_task_seconds: float = Field(default=24 * 3600.0, gt=0)
     kill_grace_seconds: float = Field(default=10.0, ge=0)
@@ -325,6 +326,7 @@ class Settings(BaseModel):
         "heartbeat_seconds",
         "claim_backoff_min_seconds",
         "claim_backoff_max_seconds",
+        "claim_alert_seconds",
         "error_backoff_max_seconds",
         "max_task_seconds",
         "kill_grace_seconds",

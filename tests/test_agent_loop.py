@@ -32,13 +32,13 @@ def test_empty_queue_backs_off_with_jitter_up_to_the_cap_and_resets_on_work(tmp_
     agent.run()
     claims = coord.names("claim")
     idle = gaps(claims[:9])
-    # Doubling from ~0.5 s, each step jittered into [0.8, 1.0] of itself, capped at 7 s.
-    steps = [0.5, 1, 2, 4, 7, 7, 7, 7]
+    # Doubling from ~0.5 s, each step jittered into [0.5, 1.0] of itself, capped at 8 s.
+    steps = [0.5, 1, 2, 4, 8, 8, 8, 8]
     for gap, step in zip(idle, steps):
-        assert 0.8 * step - 1e-6 <= gap <= step + 1e-6
-    # After work the backoff starts over at ~0.5 s.
+        assert 0.5 * step - 1e-6 <= gap <= step + 1e-6
+    # After work the node claims about every second for a while (pacing.py's alert window).
     after_work = gaps(claims[9:12])
-    assert after_work[0] <= 0.5 + 1e-6
+    assert all(0.6 - 1e-6 <= gap <= 1.2 + 1e-6 for gap in after_work)
 
 
 def test_claims_again_at_once_after_an_attempt_ends(tmp_path: Path) -> None:
@@ -64,8 +64,8 @@ def test_transport_errors_back_off_exponentially_and_log_once(
     claims = coord.names("claim")
     assert len(claims) == 13
     g = gaps(claims)
-    assert g[0] >= 0.8 and max(g) <= 60 + 1e-6
-    assert all(b >= a * 0.79 for a, b in zip(g, g[1:]))  # non-decreasing up to jitter
+    assert g[0] >= 0.5 and max(g) <= 60 + 1e-6
+    assert all(b >= a * 0.49 for a, b in zip(g, g[1:]))  # non-decreasing up to jitter
     assert sum(g) > 200  # no tight loop: 12 failures spread over minutes
     assert sum("claim failing" in r.message for r in caplog.records) == 1
     assert sum("claim works again" in r.message for r in caplog.records) == 1
@@ -99,10 +99,10 @@ def test_node_heartbeat_404_registers_again(tmp_path: Path) -> None:
     registers = coord.names("register")
     assert len(registers) == 2
     heartbeats = coord.names("node_heartbeat")
-    assert gaps(heartbeats)[1:] and all(4.99 <= g <= 5.01 for g in gaps(heartbeats)[1:-1])
+    assert gaps(heartbeats)[1:] and all(4.49 <= g <= 5.51 for g in gaps(heartbeats)[1:-1])
 
 
-def test_node_heartbeat_every_five_seconds_while_idle_and_a_last_one_on_exit(
+def test_node_heartbeat_about_every_five_seconds_while_idle_and_a_last_one_on_exit(
     tmp_path: Path,
 ) -> None:
     clock = FakeClock()
@@ -119,7 +119,7 @@ def test_node_heartbeat_every_five_seconds_while_idle_and_a_last_one_on_exit(
     agent.run()
     beats = coord.names("node_heartbeat")
     assert len(beats) >= 6
-    assert all(abs(g - 5.0) < 1e-6 for g in gaps(beats)[:-1])
+    assert all(4.5 - 1e-6 <= g <= 5.5 + 1e-6 for g in gaps(beats)[:-1])
     assert [c[2] for c in coord.calls if c[1] == "node_heartbeat"][-1] == "terminating"
 
 
