@@ -118,7 +118,8 @@ def sample(key: str) -> tuple[Any, Any, Any] | None:
     if float in types:
         return 5, "5", 5.0
     if int in types:
-        return 8, "8", 8
+        n = 1000 if key == "task_disk_files" else 8  # its least allowed value
+        return n, str(n), n
     return None
 
 
