@@ -181,11 +181,16 @@ def test_usage_counts_the_files_and_directories_once_each(ws: Workspace) -> None
 
 @contextlib.contextmanager
 def descriptors(more: int) -> Iterator[None]:
-    """This process may open at most ``more`` descriptors meanwhile (0: not one)."""
-    fd = os.open("/", os.O_RDONLY)
-    os.close(fd)  # the lowest free number: the next one opened gets it
+    """This process may open at most ``more`` descriptors meanwhile (0: not one): the limit
+    is set where exactly ``more`` numbers below it are free (earlier tests of the process may
+    have left holes among the numbers in use; a new descriptor takes the lowest free one)."""
+    used = {int(n) for n in os.listdir("/proc/self/fd")}
+    limit, free = 0, 0
+    while free < more or limit in used:
+        free += limit not in used
+        limit += 1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + more, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
         yield
     finally:
