@@ -112,7 +112,9 @@ def idle_agent(server: CoordinatorServer, kind: str, listen: str, settle: float)
         args += ["--state-dir", str(state)]
         env["FLASHNODE_UI_LISTEN"] = listen
         if os.geteuid() == 0:
-            env["FLASHNODE_TASK_USER"] = "flashfleet"  # benchmarks/fleet makes flashfleet-0
+            env["FLASHNODE_TASK_USER"] = "flashnode-task"  # what benchmarks/venvs makes
+        else:
+            env["FLASHNODE_ALLOW_SAME_USER"] = "true"
     else:
         py, entry = OLD_PY, "flashnode.agent.cli:main"
         args = ["work", "--coordinator", server.url, "--runner", "trusted", "--log-json"]
