@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def idle_agent(server: CoordinatorServer, kind: str, listen: str, settle: float)
         proc.terminate()
         proc.wait(30)
         log.close()
+        shutil.rmtree(state, ignore_errors=True)
     return {
         "rss_mb": info.rss / 2**20,
         "pss_mb": info.pss / 2**20,
