@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     finally:
         server.close()
+        shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = {"agents": {}, "savings": {}}
     for name, agent in agents.items():
         py = OLD_PY if name == "0.4.1" else OURS_PY
