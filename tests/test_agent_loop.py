@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
-from flashnode.agent import Agent
-from flashnode.diskuse import Space
 from flashnode.errors import CoordinatorUnavailable, CredentialsError, Unregistered
-from flashnode.inventory import registration
+from flashnode.evidence.inventory import registration
+from flashnode.node.agent import Agent
+from flashnode.sandbox.diskuse import Space
 
 
 def make_agent(
@@ -192,8 +192,8 @@ def test_few_free_inodes_stop_claims_like_low_disk(tmp_path: Path) -> None:
 def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: Path) -> None:
     import threading as th
 
-    from flashnode.gpupool import Device, GpuPool
-    from flashnode.wire import GpuInfo
+    from flashnode.coordinator.wire import GpuInfo
+    from flashnode.evidence.gpupool import Device, GpuPool
 
     clock = FakeClock()
     coord = FakeCoordinator(clock, claims=[lease(0, gpus=1), lease(1, gpus=1), lease(2, gpus=1)])
@@ -383,7 +383,7 @@ def test_one_success_resets_the_count(tmp_path: Path) -> None:
 
 def test_endings_that_are_not_the_nodes_fault_neither_count_nor_reset() -> None:
     from flashnode.attempt.record import Outcome
-    from flashnode.guard import Ending, Quarantine
+    from flashnode.node.guard import Ending, Quarantine
 
     q = Quarantine(3, 60, FakeClock())
     fault = Ending(Outcome.LAPSED, "disk full (No space left on device)", "j", node_fault=True)
@@ -409,7 +409,7 @@ def test_one_jobs_dead_endpoints_never_quarantine_a_node_but_two_jobs_do() -> No
     two jobs, they count like any node fault: a node whose own network is down fails every job
     alike. A node fault of any other kind counts as it always did."""
     from flashnode.attempt.record import Outcome
-    from flashnode.guard import Ending, Quarantine
+    from flashnode.node.guard import Ending, Quarantine
 
     def origin(job: str) -> Ending:
         why = f"dataset entry ds/a.bin: origin unreachable (connection refused) (4 tries) {job}"

@@ -25,7 +25,7 @@ from harness import (
     wait_for,
 )
 
-from flashnode import cgroups
+from flashnode.sandbox import cgroups
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")

@@ -10,8 +10,8 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, trusted_runner
 
 from flashnode.attempt import Attempt, LeaseKeeper, Outcome
+from flashnode.coordinator.wire import parse_lease
 from flashnode.errors import CoordinatorUnavailable, LeaseLost
-from flashnode.wire import parse_lease
 
 
 def run(

@@ -22,10 +22,10 @@ from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_f
 from test_container import engine, image  # noqa: F401 - the docker runner's fixtures
 
 from flashnode.attempt import Attempt, LeaseKeeper, relay, restore
+from flashnode.coordinator.wire import CheckpointManifest, CheckpointPart, parse_lease, parse_task
 from flashnode.errors import CheckpointRefused, CoordinatorUnavailable, LeaseLost
 from flashnode.runners.base import Runner
-from flashnode.wire import CheckpointManifest, CheckpointPart, parse_lease, parse_task
-from flashnode.workspace import Workspace
+from flashnode.sandbox.workspace import Workspace
 
 TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
 POOL = "team-ckpt"

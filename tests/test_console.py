@@ -21,11 +21,11 @@ import pytest
 from consoleharness import CONFIG, ConsoleAgent, start_console_agent
 from harness import AgentProcess, CoordinatorServer, argv_job, free_port, wait_for
 
+from flashnode.config.settings import load
 from flashnode.console import auth
 from flashnode.console.usage import UsageRing
 from flashnode.errors import ConfigError
-from flashnode.ledgerview import LedgerView
-from flashnode.settings import load
+from flashnode.owner.ledgerview import LedgerView
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "flashnode" / "console" / "static"

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
 
-from flashnode import procs, validators
+from flashnode.coordinator import validators
+from flashnode.sandbox import procs
 
 TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
 POOL = "team-contract"

@@ -12,8 +12,10 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from flashnode import pausefile, sensors
-from flashnode.controls import (
+from flashnode.config.settings import load
+from flashnode.errors import ConfigError
+from flashnode.evidence import sensors
+from flashnode.node.controls import (
     Controls,
     Pause,
     Readers,
@@ -21,8 +23,7 @@ from flashnode.controls import (
     parse_duration,
     parse_window,
 )
-from flashnode.errors import ConfigError
-from flashnode.settings import load
+from flashnode.owner import pausefile
 
 UTC = timezone.utc
 MONDAY = datetime(2024, 1, 1, tzinfo=UTC)  # 2024-01-01 was a Monday
@@ -315,7 +316,7 @@ def test_activity_unavailable_on_a_headless_machine_never_holds_and_says_so_once
 ) -> None:
     clock = Clock()
     c = controls(Rules(when_active=True), Fake(idle=None), clock)
-    with caplog.at_level(logging.WARNING, logger="flashnode.controls"):
+    with caplog.at_level(logging.WARNING, logger="flashnode.node.controls"):
         for _ in range(4):
             assert c.evaluate().may_claim
             clock.advance(5)
@@ -402,7 +403,7 @@ def test_reconfigure_turns_a_rule_off_at_once() -> None:
 def test_changes_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     clock, fake = Clock(), Fake(battery=True)
     c = controls(Rules(on_battery=True, clear_seconds=0), fake, clock)
-    with caplog.at_level(logging.INFO, logger="flashnode.controls"):
+    with caplog.at_level(logging.INFO, logger="flashnode.node.controls"):
         for _ in range(3):
             c.evaluate()
             clock.advance(5)

@@ -12,7 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from flashnode.coordinator import STATUS, CheckpointRefused, Coordinator, Done
+from flashnode.coordinator.client import STATUS, CheckpointRefused, Coordinator, Done
+from flashnode.coordinator.wire import (
+    CheckpointPart,
+    ExecutionEvidence,
+    NodeCapabilities,
+    NodeHeartbeat,
+    NodeRegistration,
+)
 from flashnode.errors import (
     AttemptFailed,
     CoordinatorError,
@@ -22,13 +29,6 @@ from flashnode.errors import (
     NotFound,
     PayloadTooLarge,
     Unregistered,
-)
-from flashnode.wire import (
-    CheckpointPart,
-    ExecutionEvidence,
-    NodeCapabilities,
-    NodeHeartbeat,
-    NodeRegistration,
 )
 
 OK_BODIES: dict[str, Any] = {

@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import TokenCoordinator
 from harness import AgentProcess, argv_job
 
-from flashnode.settings import credentials_names, load, stored_credential
+from flashnode.config.settings import credentials_names, load, stored_credential
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 

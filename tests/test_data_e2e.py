@@ -20,9 +20,9 @@ import pytest
 from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
 from origin import Content, Generated, Origin, TestCA
 
-from flashnode.coordinator import Coordinator
-from flashnode.inventory import registration
-from flashnode.settings import Settings
+from flashnode.config.settings import Settings
+from flashnode.coordinator.client import Coordinator
+from flashnode.evidence.inventory import registration
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")

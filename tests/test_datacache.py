@@ -19,7 +19,7 @@ import pytest
 from harness import free_port, wait_for
 from origin import Generated, Origin, Route, TestCA
 
-from flashnode.datacache import (
+from flashnode.caches.datacache import (
     DataCache,
     DatasetEntry,
     Fetcher,

@@ -22,11 +22,12 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
 
-from flashnode import statefile, status
+from flashnode import statefile
 from flashnode.attempt import Attempt
-from flashnode.diskuse import Space
-from flashnode.ledger import Ledger
+from flashnode.owner import status
+from flashnode.owner.ledger import Ledger
 from flashnode.runners.base import Handle, StartSpec
+from flashnode.sandbox.diskuse import Space
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "2"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -140,8 +141,8 @@ def test_a_broken_archive_on_a_full_disk_is_the_disks_fault(tmp_path: Path) -> N
     import io
     import tarfile
 
-    from flashnode import archives
     from flashnode.errors import DiskFull
+    from flashnode.sandbox import archives
 
     data = io.BytesIO()
     with tarfile.open(fileobj=data, mode="w") as tar:

@@ -23,10 +23,7 @@ import pytest
 from harness import TASK_USER, free_port, shared_dir, wait_for
 from pkgindex import PackageIndex, build_sdist, build_wheel, package_index
 
-from flashnode import cgroups, procs
-from flashnode.cgroups import Limits
-from flashnode.clock import SystemClock
-from flashnode.envbuild import (
+from flashnode.caches.envbuild import (
     DiskRoom,
     EnvSpec,
     UvBuilder,
@@ -35,8 +32,11 @@ from flashnode.envbuild import (
     others_can_run,
     summarize,
 )
-from flashnode.envcache import EnvCache, describe
+from flashnode.caches.envcache import EnvCache, describe
+from flashnode.clock import SystemClock
 from flashnode.errors import AttemptFailed, Cancelled, EnvBuildFailed, EnvUnavailable
+from flashnode.sandbox import cgroups, procs
+from flashnode.sandbox.cgroups import Limits
 
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 GiB = 1 << 30
@@ -796,7 +796,7 @@ def test_a_build_that_outlasts_its_timeout_fails(root: Path, index: PackageIndex
 CRASHING_AGENT = """
 import sys, threading
 from pathlib import Path
-from flashnode.envcache import EnvCache
+from flashnode.caches.envcache import EnvCache
 cache = EnvCache(Path(sys.argv[1]), 1 << 30)
 cache.acquire(sys.argv[2], sys.argv[3:], stop=threading.Event(), timeout_s=120)
 print("built")
@@ -981,7 +981,7 @@ def test_the_owner_lists_and_prunes_envs_never_one_in_use(
 ) -> None:
     from click.testing import CliRunner
 
-    from flashnode import envs_cli
+    from flashnode.cli import envs as envs_cli
 
     monkeypatch.delenv("FLASHNODE_COORDINATOR", raising=False)
     state = ["--state-dir", str(root.parent)]
@@ -1030,8 +1030,8 @@ class RecordingReport:
 
 
 def test_doctor_shows_the_cache_entries_bytes_and_budget(root: Path, index: PackageIndex) -> None:
-    from flashnode import envs_cli
-    from flashnode.settings import Settings
+    from flashnode.cli import envs as envs_cli
+    from flashnode.config.settings import Settings
 
     settings = Settings(
         coordinator="http://127.0.0.1:1",

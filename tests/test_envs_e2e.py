@@ -22,7 +22,7 @@ from badcoord import BadCoordinator, lease_answer
 from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
 from pkgindex import PackageIndex, Wheel, _record_hash, build_wheel, package_index
 
-from flashnode.envcache import EnvCache
+from flashnode.caches.envcache import EnvCache
 
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "UV_HTTP_RETRIES": "0"}

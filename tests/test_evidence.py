@@ -18,8 +18,8 @@ from conftest import FakeNvml
 from fakes import FakeClock
 from harness import AgentProcess, CoordinatorServer, argv_job
 
-from flashnode.gpu import Nvml
-from flashnode.sampler import Sampler
+from flashnode.evidence.gpu import Nvml
+from flashnode.evidence.sampler import Sampler
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -109,7 +109,7 @@ def test_sub_second_tasks_get_cpu_figures_within_what_the_machine_has(
 
 
 def test_task_cpu_figure_is_bounded_and_null_when_too_short_to_tell() -> None:
-    from flashnode.sampler import MIN_WALL_S, task_cpu_percent
+    from flashnode.evidence.sampler import MIN_WALL_S, task_cpu_percent
 
     assert task_cpu_percent(0.5, 1.0, 2) == 50.0
     assert task_cpu_percent(0.0, 1.0, 2) == 0.0  # measured zero, not "not measured"
@@ -139,7 +139,7 @@ def test_history_shows_a_figure_past_the_machines_cores_as_not_measured(tmp_path
     """Ledger lines an older agent wrote (CPU over no wall time) are not shown as figures."""
     from click.testing import CliRunner
 
-    from flashnode.cli import main
+    from flashnode.cli.main import main
 
     lines = [
         {"job_id": "j", "task_id": f"t{i}", "outcome": "committed", "task_usage": usage}

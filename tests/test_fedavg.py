@@ -256,7 +256,7 @@ def test_a_300_mb_delta_is_checked_and_uploaded_in_bounded_memory(
 
 
 def test_fedavg_output_checks_name_the_problem(tmp_path: Path) -> None:
-    from flashnode.checks import check_fedavg
+    from flashnode.coordinator.checks import check_fedavg
     from flashnode.errors import AttemptFailed
 
     out = tmp_path

@@ -342,7 +342,7 @@ def test_a_non_root_agent_refuses_the_trusted_runner_naming_the_fix(
 def test_preflight_refuses_trusted_without_a_user_to_switch_to(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from flashnode.settings import Settings
+    from flashnode.config.settings import Settings
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     s = Settings(
@@ -390,9 +390,9 @@ def test_nothing_in_the_state_dir_is_readable_by_another_local_user(
 
 
 def test_a_task_sees_only_its_own_gpu_device_files(tmp_path: Path) -> None:
-    from flashnode.gpupool import Device
+    from flashnode.coordinator.wire import GpuInfo
+    from flashnode.evidence.gpupool import Device
     from flashnode.runners.trusted import hidden_gpus
-    from flashnode.wire import GpuInfo
 
     for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
         (tmp_path / name).touch()

@@ -11,11 +11,11 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from flashnode import inventory
-from flashnode.doctor_cli import Report, _check_data
+from flashnode.caches.localdata import LentMount, mounts, requested_labels, unreadable
+from flashnode.cli.doctor import Report, _check_data
+from flashnode.config.settings import load
 from flashnode.errors import AttemptFailed, ConfigError
-from flashnode.localdata import LentMount, mounts, requested_labels, unreadable
-from flashnode.settings import load
+from flashnode.evidence import inventory
 
 URL = "http://127.0.0.1:8100"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashnode.logcap import CappedFile
+from flashnode.sandbox.logcap import CappedFile
 
 
 def test_a_stream_under_the_cap_is_kept_whole(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
 
-from flashnode import logcap
+from flashnode.sandbox import logcap
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")

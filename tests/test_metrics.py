@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flashnode.metrics import Metrics, NullMetrics, create, parse_listen
+from flashnode.owner.metrics import Metrics, NullMetrics, create, parse_listen
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

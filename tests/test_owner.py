@@ -29,8 +29,8 @@ import pytest
 from conftest import TokenCoordinator
 from harness import TASK_USER, AgentProcess, CoordinatorServer, argv_job, wait_for
 
-from flashnode.cli import main
-from flashnode.settings import load
+from flashnode.cli.main import main
+from flashnode.config.settings import load
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}

@@ -18,8 +18,8 @@ import httpx
 from harness import AgentProcess, CoordinatorServer, argv_job, free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from flashnode import status
-from flashnode.cgroups import AttemptCgroup
+from flashnode.owner import status
+from flashnode.sandbox.cgroups import AttemptCgroup
 
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}

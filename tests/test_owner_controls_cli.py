@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from flashnode import pausefile
-from flashnode.cli import main
-from flashnode.controls import Controls, Readers, Rules
-from flashnode.controls_cli import Clean, tail
-from flashnode.ledger import Ledger
+from flashnode.cli.controls import Clean, tail
+from flashnode.cli.main import main
+from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.owner import pausefile
+from flashnode.owner.ledger import Ledger
 from tests.harness import wait_for
 
 

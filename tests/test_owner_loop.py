@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
-from flashnode.agent import Agent
-from flashnode.controls import Controls, Pause, Readers, Rules
 from flashnode.errors import CoordinatorUnavailable
-from flashnode.inventory import registration
+from flashnode.evidence.inventory import registration
+from flashnode.node.agent import Agent
+from flashnode.node.controls import Controls, Pause, Readers, Rules
 
 
 class RecordingMetrics:
@@ -177,7 +177,7 @@ def test_the_terminal_line_is_cut_to_the_terminal_width(monkeypatch: pytest.Monk
     """A longer line would wrap, and the next redraw ("\\r") would not clear it."""
     import io
 
-    from flashnode.status import TerminalLine
+    from flashnode.owner.status import TerminalLine
 
     monkeypatch.setenv("COLUMNS", "40")
     out = io.StringIO()
@@ -187,7 +187,7 @@ def test_the_terminal_line_is_cut_to_the_terminal_width(monkeypatch: pytest.Monk
 
 
 def test_the_last_output_line_cannot_drive_the_owners_terminal(tmp_path: Path) -> None:
-    from flashnode.logcap import CappedFile, latest_line
+    from flashnode.sandbox.logcap import CappedFile, latest_line
 
     out, err = CappedFile(tmp_path / "o", 1024), CappedFile(tmp_path / "e", 1024)
     out.write(b"step 1\nstep 2 \x1b]0;owned\x07\x1b[2J\xe2\x80\xae done\n\n")

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from harness import wait_for
 
-from flashnode import cgroups, procs
-from flashnode.cgroups import AttemptCgroup, Hierarchy, Limits
-from flashnode.gpupool import GpuPool
+from flashnode.config.settings import Settings
+from flashnode.evidence.gpupool import GpuPool
 from flashnode.runners.base import RunnerEnv, StartSpec
 from flashnode.runners.trusted import TrustedRunner
-from flashnode.settings import Settings
-from flashnode.workspace import Workspace
+from flashnode.sandbox import cgroups, procs
+from flashnode.sandbox.cgroups import AttemptCgroup, Hierarchy, Limits
+from flashnode.sandbox.workspace import Workspace
 
 # A task that prints, and keeps a detached grandchild (its own session) busy with light work: a
 # little CPU each 20 ms, never a burner.

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
-from flashnode.agent import Agent
+from flashnode.config.settings import Settings
 from flashnode.errors import CoordinatorUnavailable, Unregistered
-from flashnode.inventory import registration
-from flashnode.pacing import SLOW_FACTOR, Pacing
-from flashnode.settings import Settings
+from flashnode.evidence.inventory import registration
+from flashnode.node.agent import Agent
+from flashnode.node.pacing import SLOW_FACTOR, Pacing
 
 SETTINGS = Settings(coordinator="http://127.0.0.1:1", runner="trusted", pools=("team-a",))
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import TokenCoordinator
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, processes_with, wait_for
 
-from flashnode import cgroups
+from flashnode.sandbox import cgroups
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -231,7 +231,7 @@ class SteppingClock:
 
 
 def test_term_then_kill_follows_the_grace_on_the_injected_clock(tmp_path: Path) -> None:
-    from flashnode import procs
+    from flashnode.sandbox import procs
 
     ready = tmp_path / "ready"
     done = threading.Event()
@@ -268,7 +268,7 @@ def _waiting(pid: int) -> bool:
 
 
 def test_a_held_task_runs_only_once_sent_and_a_torn_script_runs_nothing(tmp_path: Path) -> None:
-    from flashnode import procs
+    from flashnode.sandbox import procs
 
     ran = tmp_path / "ran"
     env = {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH}
@@ -312,7 +312,7 @@ def test_the_task_holds_no_descriptor_of_its_launchs_fault_channel(tmp_path: Pat
     """The launch tells its setup failures on a channel of its own, its stderr until the task's
     exec: the task has no descriptor of it, and what the task prints goes to its own stderr. A
     task printing a "flashnode:" line and ending 125 was launched: its exit is its own."""
-    from flashnode import procs
+    from flashnode.sandbox import procs
 
     launch = procs.Launch(tmp_path)
     fault = os.fstat(launch.fault_r).st_ino
@@ -337,7 +337,7 @@ def test_the_task_holds_no_descriptor_of_its_launchs_fault_channel(tmp_path: Pat
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a sandbox needs root")
 def test_a_launch_whose_setup_fails_says_why_and_runs_nothing(tmp_path: Path) -> None:
-    from flashnode import procs
+    from flashnode.sandbox import procs
 
     ran = tmp_path / "ran"
     (tmp_path / "view").mkdir()

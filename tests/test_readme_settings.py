@@ -12,7 +12,7 @@ from typing import Any, get_args
 
 import pytest
 
-from flashnode.settings import SETTABLE, Settings, load, parse_size
+from flashnode.config.settings import SETTABLE, Settings, load, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 URL = "http://127.0.0.1:9"

@@ -18,8 +18,8 @@ import pytest
 from badcoord import BadCoordinator, answer, lease_answer
 from harness import TASK_USER, AgentProcess
 
-from flashnode import status
-from flashnode.cli import JournalFormatter, JsonFormatter, LogFormatter
+from flashnode.cli.main import JournalFormatter, JsonFormatter, LogFormatter
+from flashnode.owner import status
 from flashnode.sanitise import sanitise
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from harness import AgentProcess, CoordinatorServer, NotifySocket, argv_job, wait_for
 
-from flashnode.procs import BUILD_USER, HELPER_USER
+from flashnode.sandbox.procs import BUILD_USER, HELPER_USER
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}

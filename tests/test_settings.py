@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from flashnode.config.settings import load
 from flashnode.errors import ConfigError
-from flashnode.settings import load
 
 URL = "http://127.0.0.1:8100"
 ROOT = Path(__file__).resolve().parent.parent

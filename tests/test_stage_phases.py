@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
-from flashnode import inventory, status
 from flashnode.attempt import Attempt, Outcome
-from flashnode.datasets import DatasetEntry
+from flashnode.config.settings import Settings
+from flashnode.coordinator.datasets import DatasetEntry
+from flashnode.coordinator.wire import Lease, parse_task
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -22,12 +23,12 @@ from flashnode.errors import (
     EnvBuildFailed,
     EnvUnavailable,
 )
-from flashnode.gpupool import GpuPool
+from flashnode.evidence import inventory
+from flashnode.evidence.gpupool import GpuPool
+from flashnode.owner import status
 from flashnode.runners.base import Handle, RunnerEnv, StartSpec
 from flashnode.runners.trusted import TrustedRunner
-from flashnode.settings import Settings
-from flashnode.wire import Lease, parse_task
-from flashnode.workspace import Workspace
+from flashnode.sandbox.workspace import Workspace
 
 SHA = "ab" * 32
 DEPS = ["--index-url https://pypi.example/simple", "numpy==2.0"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
 
-from flashnode import statelock
 from flashnode.errors import ExitCode
+from flashnode.owner import statelock
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")

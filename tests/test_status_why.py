@@ -20,9 +20,9 @@ from conftest import TokenCoordinator
 from consoleharness import ConsoleAgent
 from harness import AgentProcess, CoordinatorServer, argv_job, free_port, shared_dir, wait_for
 
-from flashnode import status
 from flashnode.clock import moment
-from flashnode.ledgerview import CHECKPOINT_FILE, LedgerView
+from flashnode.owner import status
+from flashnode.owner.ledgerview import CHECKPOINT_FILE, LedgerView
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")

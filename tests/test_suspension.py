@@ -13,10 +13,10 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, context, lease
 
 from flashnode.attempt import Attempt, Outcome
-from flashnode.preflight import Finding
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import Task
 from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec, SuspendFailed
-from flashnode.settings import Settings
-from flashnode.wire import Task
+from flashnode.runners.preflight import Finding
 
 
 class WorkingHandle:

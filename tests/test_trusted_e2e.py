@@ -15,12 +15,12 @@ import pytest
 from conftest import TokenCoordinator
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
 
-from flashnode.coordinator import Coordinator
+from flashnode.config.settings import Settings
+from flashnode.coordinator.client import Coordinator
 from flashnode.errors import PrerequisiteError
-from flashnode.inventory import registration
-from flashnode.preflight import Ok, Problem
+from flashnode.evidence.inventory import registration
 from flashnode.runners import trusted
-from flashnode.settings import Settings
+from flashnode.runners.preflight import Ok, Problem
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -339,10 +339,10 @@ def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> No
     env values are rewritten to the workspace, and the contract variables name it."""
     from fakes import lease
 
-    from flashnode.cgroups import Limits
+    from flashnode.coordinator.wire import Lease, parse_task
     from flashnode.runners.spec import build
-    from flashnode.wire import Lease, parse_task
-    from flashnode.workspace import Workspace
+    from flashnode.sandbox.cgroups import Limits
+    from flashnode.sandbox.workspace import Workspace
 
     ws = Workspace.create(tmp_path / "attempts", "ls-1")
     env = {"DATA": "/work/inputs/x", "OPT": "--o=/work/out"}

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flashnode import preflight, unitview
-from flashnode.settings import Settings
+from flashnode.config.settings import Settings
+from flashnode.owner import unitview
+from flashnode.runners import preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = unitview.parse((ROOT / "systemd" / "flashnode.service").read_text())

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from flashnode import archives, workspace
 from flashnode.errors import AttemptFailed, OutOfDescriptors
-from flashnode.workspace import MAX_OPEN_DIRS, Workspace
+from flashnode.sandbox import archives, workspace
+from flashnode.sandbox.workspace import MAX_OPEN_DIRS, Workspace
 
 
 def unpack(ws: Workspace, archive: Path, name: str, max_bytes: int) -> None:

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from flashnode import retry, validators
 from flashnode.attempt.record import Outcome, State
-from flashnode.checks import check_fedavg
+from flashnode.coordinator import retry, validators
+from flashnode.coordinator.checks import check_fedavg
+from flashnode.coordinator.wire import SAFE_ID, parse_task
 from flashnode.errors import (
     AttemptFailed,
     CoordinatorError,
@@ -32,9 +33,8 @@ from flashnode.errors import (
     PayloadTooLarge,
     disk_full,
 )
+from flashnode.sandbox.workspace import OutputFile, Workspace
 from flashnode.sanitise import sanitise
-from flashnode.wire import SAFE_ID, parse_task
-from flashnode.workspace import OutputFile, Workspace
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt

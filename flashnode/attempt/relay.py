@@ -39,7 +39,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
 
-from flashnode import retry
+from flashnode.coordinator import retry
+from flashnode.coordinator.wire import ARTIFACT_SCHEME, CheckpointPart
 from flashnode.errors import (
     AttemptFailed,
     Cancelled,
@@ -50,8 +51,7 @@ from flashnode.errors import (
     OutOfDescriptors,
     PayloadTooLarge,
 )
-from flashnode.wire import ARTIFACT_SCHEME, CheckpointPart
-from flashnode.workspace import CKPT, Checkpoint, OutputFile
+from flashnode.sandbox.workspace import CKPT, Checkpoint, OutputFile
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt

@@ -29,19 +29,19 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from flashnode import manifests, retry
 from flashnode.attempt import stage
 from flashnode.attempt.relay import Relay
-from flashnode.errors import AttemptLapsed, CoordinatorError, LeaseLost, NotFound
-from flashnode.runners.spec import WORK
-from flashnode.wire import (
+from flashnode.coordinator import manifests, retry
+from flashnode.coordinator.wire import (
     ARTIFACT_SCHEME,
     RESUME_INPUT,
     CheckpointManifest,
     CheckpointPart,
     safe_key,
 )
-from flashnode.workspace import CKPT, remove_tree
+from flashnode.errors import AttemptLapsed, CoordinatorError, LeaseLost, NotFound
+from flashnode.runners.spec import WORK
+from flashnode.sandbox.workspace import CKPT, remove_tree
 
 if TYPE_CHECKING:
     from pathlib import Path

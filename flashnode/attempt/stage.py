@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from flashnode import archives, retry
 from flashnode.attempt.record import State
+from flashnode.coordinator import retry
 from flashnode.errors import AttemptFailed, AttemptLapsed, CoordinatorError, LeaseLost, NotFound
-from flashnode.workspace import Workspace
+from flashnode.sandbox import archives
+from flashnode.sandbox.workspace import Workspace
 
 if TYPE_CHECKING:
     from pathlib import Path

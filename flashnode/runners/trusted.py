@@ -42,8 +42,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from flashnode import cgroups, diskuse, procs
-from flashnode.background import Background
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import MODULES, Task
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -51,8 +51,7 @@ from flashnode.errors import (
     ExitCode,
     PrerequisiteError,
 )
-from flashnode.logcap import latest_line
-from flashnode.preflight import SERVICE_UNIT, Finding, Ok, Problem
+from flashnode.runners.background import Background
 from flashnode.runners.base import (
     Handle,
     Runner,
@@ -61,6 +60,7 @@ from flashnode.runners.base import (
     StartSpec,
     SuspendFailed,
 )
+from flashnode.runners.preflight import SERVICE_UNIT, Finding, Ok, Problem
 from flashnode.runners.spec import (
     WORK,
     cuda_visible,
@@ -70,9 +70,9 @@ from flashnode.runners.spec import (
     module_argv,
     write_module_spec,
 )
-from flashnode.settings import Settings
-from flashnode.wire import MODULES, Task
-from flashnode.workspace import Workspace
+from flashnode.sandbox import cgroups, diskuse, procs
+from flashnode.sandbox.logcap import latest_line
+from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
