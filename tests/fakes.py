@@ -27,7 +27,7 @@ from flashnode.coordinator.wire import (
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.owner.ledger import Ledger
 from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
-from flashnode.runners.preflight import Finding
+from flashnode.runners.findings import Finding
 
 
 class FakeClock:

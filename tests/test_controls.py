@@ -12,17 +12,11 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from flashnode.config.schedule import Pause, parse_duration, parse_window
 from flashnode.config.settings import load
 from flashnode.errors import ConfigError
 from flashnode.evidence import sensors
-from flashnode.node.controls import (
-    Controls,
-    Pause,
-    Readers,
-    Rules,
-    parse_duration,
-    parse_window,
-)
+from flashnode.node.controls import Controls, Readers, Rules
 from flashnode.owner import pausefile
 
 UTC = timezone.utc

@@ -11,11 +11,12 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from flashnode.caches.localdata import LentMount, mounts, requested_labels, unreadable
+from flashnode.caches.localdata import LentMount, mounts, requested_labels
 from flashnode.cli.doctor import Report, _check_data
 from flashnode.config.settings import load
 from flashnode.errors import AttemptFailed, ConfigError
 from flashnode.evidence import inventory
+from flashnode.sandbox.lentcheck import unreadable
 
 URL = "http://127.0.0.1:8100"
 

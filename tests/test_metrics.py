@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flashnode.owner.metrics import Metrics, NullMetrics, create, parse_listen
+from flashnode.config.listen import parse_listen
+from flashnode.owner.metrics import Metrics, NullMetrics, create
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -158,7 +159,9 @@ def test_off_means_a_no_op_twin_and_no_prometheus_import() -> None:
     m.close()
     probe = (
         "import json, sys\n"
-        "from flashnode import metrics, settings, controls_cli\n"
+        "from flashnode.cli import controls\n"
+        "from flashnode.config import settings\n"
+        "from flashnode.owner import metrics\n"
         "m = metrics.create(None); m.uploaded(1); m.close()\n"
         "print(json.dumps('prometheus_client' in sys.modules))\n"
     )

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
+from flashnode.config.schedule import Pause
 from flashnode.errors import CoordinatorUnavailable
 from flashnode.evidence.inventory import registration
 from flashnode.node.agent import Agent
-from flashnode.node.controls import Controls, Pause, Readers, Rules
+from flashnode.node.controls import Controls, Readers, Rules
 
 
 class RecordingMetrics:

@@ -19,6 +19,7 @@ from conftest import TokenCoordinator
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, processes_with, wait_for
 
 from flashnode.sandbox import cgroups
+from flashnode.sandbox.limits import Limits
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -467,10 +468,10 @@ def test_a_cgroup_that_exists_is_never_joined_or_removed() -> None:
     hierarchy, _ = cgroups.detect()
     assert hierarchy is not None
     name = f"ahead-test-{secrets.token_hex(4)}"
-    first = hierarchy.create(name, cgroups.Limits())
+    first = hierarchy.create(name, Limits())
     try:
         with pytest.raises(FileExistsError):
-            hierarchy.create(name, cgroups.Limits())
+            hierarchy.create(name, Limits())
         assert all(path.is_dir() for path in first.paths.values())
     finally:
         first.remove()

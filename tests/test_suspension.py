@@ -16,7 +16,7 @@ from flashnode.attempt import Attempt, Outcome
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import Task
 from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec, SuspendFailed
-from flashnode.runners.preflight import Finding
+from flashnode.runners.findings import Finding
 
 
 class WorkingHandle:

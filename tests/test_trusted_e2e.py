@@ -20,7 +20,7 @@ from flashnode.coordinator.client import Coordinator
 from flashnode.errors import PrerequisiteError
 from flashnode.evidence.inventory import registration
 from flashnode.runners import trusted
-from flashnode.runners.preflight import Ok, Problem
+from flashnode.runners.findings import Ok, Problem
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")

@@ -17,8 +17,8 @@ from flashnode.evidence.sampler import CpuWindow, GpuReader
 from flashnode.owner.ledger import Ledger
 from flashnode.owner.metrics import MetricsSink, NullMetrics
 from flashnode.runners.base import Runner
-from flashnode.sandbox.cgroups import Limits
 from flashnode.sandbox.diskuse import Space
+from flashnode.sandbox.limits import Limits
 
 if TYPE_CHECKING:
     import threading

@@ -59,6 +59,7 @@ from urllib.parse import unquote, urlsplit
 from flashnode.clock import Clock, SystemClock
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups, procs
+from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.workspace import remove_tree
 
 log = logging.getLogger(__name__)
@@ -373,7 +374,7 @@ class UvBuilder:
         allow_source_builds: bool = False,
         build_user: procs.TaskUser | None = None,
         hierarchy: cgroups.Hierarchy | None = None,
-        limits: cgroups.Limits | None = None,
+        limits: Limits | None = None,
         clock: Clock | None = None,
         uv: str | None = None,
     ) -> None:
@@ -382,7 +383,7 @@ class UvBuilder:
         self.allow_source_builds = allow_source_builds
         self.build_user = build_user
         self.hierarchy = hierarchy
-        self.limits = limits or cgroups.Limits()
+        self.limits = limits or Limits()
         self.clock = clock or SystemClock()
         self._uv = uv
         self._one = threading.Lock()  # one build at a time: its user is the same for all

@@ -57,6 +57,7 @@ from flashnode.caches.envbuild import (
 from flashnode.clock import Clock, SystemClock
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups
+from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs import TaskUser
 from flashnode.sandbox.workspace import remove_tree
 
@@ -165,7 +166,7 @@ class EnvCache:
         clock: Clock | None = None,
         build_user: TaskUser | None = None,
         hierarchy: cgroups.Hierarchy | None = None,
-        build_limits: cgroups.Limits | None = None,
+        build_limits: Limits | None = None,
     ) -> None:
         self.root = root
         self.budget = budget_bytes
@@ -269,9 +270,7 @@ class EnvCache:
         self._expire_failures()
         return evicted
 
-    def reconfigure(
-        self, budget_bytes: int, min_free_bytes: int, build_limits: cgroups.Limits
-    ) -> None:
+    def reconfigure(self, budget_bytes: int, min_free_bytes: int, build_limits: Limits) -> None:
         """New settings (a reload): from the next build on; the budget is enforced at once."""
         self.budget, self.min_free_bytes = budget_bytes, min_free_bytes
         if isinstance(self._builder, UvBuilder):

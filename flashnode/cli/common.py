@@ -2,8 +2,8 @@
 uses without flags (the config ``/etc/flashnode/flashnode.toml``, the credentials ``flashnode
 login`` keeps in ``/etc/flashnode/credentials``, handed to the service with ``LoadCredential=``,
 and the state dir ``/var/lib/flashnode``, the service's ``StateDirectory=``); ``status`` and
-``history`` are here, the others in their own modules (login_cli, doctor_cli, pools_cli,
-controls_cli, envs_cli).
+``history`` are here, the others in their own modules beside this one (``login``, ``doctor``,
+``pools``, ``controls``, ``envs``; ``main`` holds ``work`` and assembles them).
 """
 
 from __future__ import annotations
@@ -82,24 +82,6 @@ def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
     if not used(found) and used(SERVICE_STATE_DIR):
         return SERVICE_STATE_DIR
     return found
-
-
-def register(main: click.Group) -> None:
-    from flashnode.cli import doctor as doctor_cli
-    from flashnode.cli import login as login_cli
-    from flashnode.cli import pools as pools_cli
-    from flashnode.cli import ui as ui_cli
-
-    for command in (
-        login_cli.login,
-        login_cli.logout,
-        status_command,
-        doctor_cli.doctor,
-        pools_cli.pools,
-        history,
-        ui_cli.ui,
-    ):
-        main.add_command(command)
 
 
 def config_value(config_file: Path | None, key: str) -> Any:

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import psutil
 
-from flashnode.caches import datacache, localdata
+from flashnode.caches import datacache
 from flashnode.cli.common import config_option, needs_root, roots_config
 from flashnode.cli.login import probe_node_id, register_dry_run
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings, format_size, load
@@ -29,8 +29,9 @@ from flashnode.errors import (
 from flashnode.evidence.gpu import Nvml
 from flashnode.owner import status, unitview
 from flashnode.runners import preflight
+from flashnode.runners.findings import Ok
 from flashnode.runners.spec import task_limits
-from flashnode.sandbox import cgroups
+from flashnode.sandbox import cgroups, lentcheck
 from flashnode.sanitise import sanitise
 
 
@@ -89,7 +90,7 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         f" {limits.pids} pids, {format_size(s.task_disk_bytes)} disk",
     )
     for finding in preflight.check(s, service=_service(r, config_file)):
-        if isinstance(finding, preflight.Ok):
+        if isinstance(finding, Ok):
             r.ok(finding.what, finding.detail)
         elif finding.fatal:
             r.fail(finding.what, finding.why, finding.fix)
@@ -204,7 +205,7 @@ def _check_data(r: Report, s: Settings) -> None:
             r.warn(f"local data {label}", f"{path}: no task user to check it for")
             continue
         uid, gid = identity
-        why = localdata.unreadable(path, uid, gid)
+        why = lentcheck.unreadable(path, uid, gid)
         if why:
             r.fail(
                 f"local data {label}",

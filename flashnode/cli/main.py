@@ -29,10 +29,11 @@ from flashnode.attempt import AttemptContext
 from flashnode.attempt.outbox import Outbox
 from flashnode.caches.datacache import DataCache, Fetcher, OriginPolicy
 from flashnode.caches.envcache import EnvCache
-from flashnode.cli import common as owner
+from flashnode.cli import common, doctor, login, pools, ui
 from flashnode.cli import controls as controls_cli
 from flashnode.cli import envs as envs_cli
 from flashnode.clock import SystemClock
+from flashnode.config.schedule import Pause, PauseMode
 from flashnode.config.settings import (
     DEFAULT_CONFIG_FILE,
     Settings,
@@ -55,7 +56,7 @@ from flashnode.evidence import inventory, sensors
 from flashnode.evidence.gpu import Nvml
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.node.agent import Agent, effective_slots
-from flashnode.node.controls import Controls, Pause, PauseMode, Readers, Rules
+from flashnode.node.controls import Controls, Readers, Rules
 from flashnode.owner import lastexit, ledgerview, metrics, pausefile, statelock, unitview
 from flashnode.owner.ledger import Ledger
 from flashnode.owner.ledgerview import LedgerView
@@ -66,7 +67,7 @@ from flashnode.runners.background import Background
 from flashnode.runners.base import Runner, RunnerEnv, runner_class
 from flashnode.runners.spec import task_limits
 from flashnode.sandbox import cgroups, diskuse, procs
-from flashnode.sandbox.cgroups import Limits
+from flashnode.sandbox.limits import Limits
 from flashnode.sanitise import sanitise
 
 if TYPE_CHECKING:  # the console is imported only when it is served
@@ -174,7 +175,7 @@ class Commands(click.Group):
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except PermissionError as exc:
-            owner.needs_root(f"cannot use {exc.filename}" if exc.filename else "not allowed")
+            common.needs_root(f"cannot use {exc.filename}" if exc.filename else "not allowed")
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
             _fail(ExitCode.FAILURE, f"{where}{exc.strerror or exc}")
@@ -194,7 +195,16 @@ def main() -> None:
     """flashnode: the volunteer node agent of the flashruntime distributed ML runtime."""
 
 
-owner.register(main)
+for command in (
+    login.login,
+    login.logout,
+    common.status_command,
+    doctor.doctor,
+    pools.pools,
+    common.history,
+    ui.ui,
+):
+    main.add_command(command)
 controls_cli.register(main)
 envs_cli.register(main)
 

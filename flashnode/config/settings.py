@@ -37,7 +37,9 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from flashnode.caches.localdata import lent_problem
+from flashnode.config.lent import lent_problem
+from flashnode.config.listen import parse_listen
+from flashnode.config.schedule import parse_window
 from flashnode.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -495,7 +497,6 @@ class Settings(BaseModel):
     @field_validator("run_windows")
     @classmethod
     def _windows(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        from flashnode.node.controls import parse_window
 
         for window in value:
             parse_window(window)
@@ -526,8 +527,6 @@ class Settings(BaseModel):
         if isinstance(value, str) and value.strip().lower() in ("", "off"):
             return None
         if isinstance(value, str):
-            from flashnode.owner.metrics import parse_listen
-
             if parse_listen(value.strip()).path is not None:
                 raise ValueError("the console is served on HOST:PORT, not on a unix socket")
             return value.strip()
@@ -536,8 +535,6 @@ class Settings(BaseModel):
     @field_validator("metrics_listen")
     @classmethod
     def _metrics_listen(cls, value: str | None) -> str | None:
-        from flashnode.owner.metrics import parse_listen
-
         if value is not None:
             parse_listen(value)
         return value
@@ -559,22 +556,17 @@ class Settings(BaseModel):
         for rule in self.suspend_when:
             if not enabled[rule]:
                 raise ValueError(f"suspend_when names {rule!r} but {key[rule]} is not set")
-        if self.metrics_listen is not None and not self.metrics_allow_remote:
-            from flashnode.owner.metrics import parse_listen
-
-            if not parse_listen(self.metrics_listen).loopback:
-                raise ValueError(
-                    f"metrics_listen {self.metrics_listen!r} is not a loopback address or a unix"
-                    " socket: set metrics_allow_remote = true to serve metrics to the network"
-                )
-        if self.ui_listen is not None and not self.ui_allow_remote:
-            from flashnode.owner.metrics import parse_listen
-
-            if not parse_listen(self.ui_listen).loopback:
-                raise ValueError(
-                    f"ui_listen {self.ui_listen!r} is not a loopback address: set"
-                    " ui_allow_remote = true to serve the console to the network"
-                )
+        metrics, ui = self.metrics_listen, self.ui_listen
+        if metrics is not None and not self.metrics_allow_remote and not _loopback(metrics):
+            raise ValueError(
+                f"metrics_listen {self.metrics_listen!r} is not a loopback address or a unix"
+                " socket: set metrics_allow_remote = true to serve metrics to the network"
+            )
+        if ui is not None and not self.ui_allow_remote and not _loopback(ui):
+            raise ValueError(
+                f"ui_listen {self.ui_listen!r} is not a loopback address: set"
+                " ui_allow_remote = true to serve the console to the network"
+            )
         return self
 
     @property
@@ -589,6 +581,10 @@ class Settings(BaseModel):
     #   shipped, and a resume point larger than this is not fetched (the attempt starts afresh).
     checkpoint_scan_seconds: float = Field(default=2.0, gt=0, le=300)
     max_checkpoint_bytes: int = Field(default=4096 * MiB, ge=1)
+
+
+def _loopback(listen: str) -> bool:
+    return parse_listen(listen).loopback
 
 
 def _zone(name: str) -> tzinfo:

@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flashnode.config.listen import parse_listen
+
 if TYPE_CHECKING:  # the parts are imported when the console starts (``start``)
     from flashnode.console.app import Wiring
     from flashnode.console.server import ConsoleServer
@@ -41,7 +43,6 @@ def start(listen: str, wiring: Wiring) -> Console:
     from flashnode.console import auth
     from flashnode.console.app import App
     from flashnode.console.server import ConsoleServer
-    from flashnode.owner.metrics import parse_listen
 
     parsed = parse_listen(listen)
     names = _local_names() if parsed.host in ("0.0.0.0", "::") else []

@@ -21,7 +21,7 @@ import signal
 from datetime import datetime
 from pathlib import Path
 
-from flashnode.node.controls import Pause, PauseMode, parse_duration
+from flashnode.config.schedule import Pause, PauseMode, parse_duration
 
 PAUSE_FILE = "pause.json"
 MAX_BYTES = 4096

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 UNIT = "flashnode.service"
+SERVICE_UNIT = Path("/usr/lib/systemd/system/flashnode.service")  # where the package puts it
 # Where systemd looks for system units, the first that has one winning (the owner's /etc first).
 UNIT_DIRS = (
     Path("/etc/systemd/system"),

@@ -31,8 +31,8 @@ from flashnode.clock import Clock, SystemClock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import Task
 from flashnode.evidence.gpupool import Device, GpuPool
-from flashnode.runners.preflight import Finding
-from flashnode.sandbox.cgroups import Limits
+from flashnode.runners.findings import Finding
+from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.workspace import Workspace
 
 

@@ -44,7 +44,7 @@ from flashnode.runners.base import (
     StartSpec,
     SuspendFailed,
 )
-from flashnode.runners.preflight import Finding, Ok, Problem
+from flashnode.runners.findings import Finding, Ok, Problem
 from flashnode.runners.spec import (
     cuda_visible,
     machine_cpus,

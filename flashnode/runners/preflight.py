@@ -15,48 +15,15 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
 from flashnode.config.settings import Settings, credentials_names, format_size
-from flashnode.errors import ExitCode
 from flashnode.owner import unitview
 from flashnode.owner.unitview import UnitView
+from flashnode.runners.base import runner_class
+from flashnode.runners.findings import Finding, Ok, Problem
 from flashnode.sandbox import diskuse
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something wrong, in the owner's words: what was checked, why it fails, how to fix it.
-
-    ``code`` is the exit code ``work`` ends with because of it; None for a warning (``work``
-    starts anyway, and says so in its log).
-    """
-
-    what: str
-    why: str
-    fix: str
-    code: ExitCode | None = ExitCode.CONFIG
-
-    @property
-    def fatal(self) -> bool:
-        return self.code is not None
-
-    def line(self) -> str:
-        return f"{self.what}: {self.why}; fix: {self.fix}"
-
-
-@dataclass(frozen=True)
-class Ok:
-    """A check that passed, with what was found (for ``doctor``)."""
-
-    what: str
-    detail: str = ""
-
-
-Finding = Ok | Problem
 
 
 def problems(
@@ -73,7 +40,6 @@ def check(
     """Every check, in order: the paths as ``service`` (the systemd unit the agent runs under,
     or will) lets it see them, state dir, credentials, the runner's prerequisites (for
     ``slots`` slots; by default what ``slots`` says, one for "auto")."""
-    from flashnode.runners.base import runner_class  # the runner's own module only when asked
 
     if slots is None:
         slots = settings.slots if isinstance(settings.slots, int) else 1
@@ -85,8 +51,6 @@ def check(
 
 
 # --- what the service can reach ---------------------------------------------------------------
-
-SERVICE_UNIT = Path("/usr/lib/systemd/system/flashnode.service")  # where the package puts it
 
 
 def _service_view(s: Settings, view: UnitView | None) -> list[Finding]:

@@ -15,7 +15,7 @@ from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import Task
 from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import ModuleSpec, StartSpec
-from flashnode.sandbox.cgroups import Limits
+from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.workspace import CKPT as CKPT
 from flashnode.sandbox.workspace import WORK as WORK
 from flashnode.sandbox.workspace import Workspace

@@ -51,6 +51,7 @@ from flashnode.errors import (
     ExitCode,
     PrerequisiteError,
 )
+from flashnode.owner.unitview import SERVICE_UNIT
 from flashnode.runners.background import Background
 from flashnode.runners.base import (
     Handle,
@@ -60,7 +61,7 @@ from flashnode.runners.base import (
     StartSpec,
     SuspendFailed,
 )
-from flashnode.runners.preflight import SERVICE_UNIT, Finding, Ok, Problem
+from flashnode.runners.findings import Finding, Ok, Problem
 from flashnode.runners.spec import (
     WORK,
     cuda_visible,
@@ -71,6 +72,7 @@ from flashnode.runners.spec import (
     write_module_spec,
 )
 from flashnode.sandbox import cgroups, diskuse, procs
+from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.logcap import latest_line
 from flashnode.sandbox.workspace import Workspace
 
@@ -436,7 +438,7 @@ class TrustedRunner(Runner):
         assert self.hierarchy is not None
         token = procs.new_token()[:8]
         try:
-            cgroup = self.hierarchy.create(f"{self._ahead_prefix}{slot}-{token}", cgroups.Limits())
+            cgroup = self.hierarchy.create(f"{self._ahead_prefix}{slot}-{token}", Limits())
         except OSError as exc:
             log.debug("slot %d: no cgroup ahead: %s", slot, exc)
             return
@@ -615,7 +617,7 @@ class TrustedRunner(Runner):
     def _launch(
         self,
         cwd: Path,
-        limits: cgroups.Limits,
+        limits: Limits,
         user: procs.TaskUser | None,
         sandbox: procs.Sandbox | None,
         program: str,

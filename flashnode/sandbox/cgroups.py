@@ -19,23 +19,16 @@ import contextlib
 import os
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from flashnode.clock import Clock, SystemClock
+from flashnode.sandbox.limits import Limits
 
 ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
 V1_FREEZER = "freezer"  # optional on v1: without it a task is suspended with SIGSTOP
 CFS_PERIOD_US = 100_000
 FREEZE_WAIT_S = 2.0  # how long freezing may take (a task in uninterruptible sleep delays it)
-
-
-@dataclass(frozen=True)
-class Limits:
-    memory_bytes: int | None = None
-    cpus: float | None = None
-    pids: int | None = None
 
 
 class Hierarchy:
