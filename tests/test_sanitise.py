@@ -1,4 +1,4 @@
-"""One sanitiser for every text an owner sees (issue 27, finding 5): whatever its source (a task,
+"""One sanitiser for every text an owner sees: whatever its source (a task,
 the coordinator, a data origin, a job's lines), nothing reaches the owner's terminal or journal
 that moves the cursor, recolours, reorders text or starts a record of its own."""
 

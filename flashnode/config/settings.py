@@ -367,7 +367,7 @@ class Settings(BaseModel):
             raise ValueError("must be a finite number")
         return value
 
-    # --- data (issue 18): dataset slices fetched into a cache; local datasets lent by label ----
+    # --- data: dataset slices fetched into a cache; local datasets lent by label ----
     # dataset_cache_bytes: disk the dataset cache (<state_dir>/data) may use, advertised as
     #   capabilities.dataset_cache_bytes. The coordinator places a task with `datasets` only
     #   where the sum of its entries' sizes fits; 0 (the default) advertises "no dataset work".
@@ -456,7 +456,7 @@ class Settings(BaseModel):
                     raise ValueError(f"local_data {label} ({path}) would lend {p}")
         return self
 
-    # --- owner controls and metrics (issue 19; README "Owner controls") ------------------------
+    # --- owner controls and metrics (README "Owner controls") ----------------------------------
     # Rules that hold claiming (and, named in suspend_when, suspend running tasks): see
     # controls.py. Metrics: an opt-in Prometheus endpoint, loopback only unless allowed.
     run_windows: tuple[str, ...] = ()
@@ -480,7 +480,7 @@ class Settings(BaseModel):
     #   claiming and runs its own checks every quarantine_check_seconds; 0 turns it off.
     quarantine_after: int = Field(default=5, ge=0)
     quarantine_check_seconds: float = Field(default=300.0, gt=0, le=86400)
-    # --- the owner's console (issue 29; README "The console") --------------------------------
+    # --- the owner's console (README "The console") ------------------------------------------
     # ui_listen: where the agent serves the console (HOST:PORT); "" or "off": not served.
     # ui_allow_remote: allow ui_listen on an address that is not loopback.
     ui_listen: str | None = UI_DEFAULT_LISTEN
@@ -574,7 +574,7 @@ class Settings(BaseModel):
         """The time zone of run_windows; None: the system's local time."""
         return _zone(self.run_windows_timezone) if self.run_windows_timezone else None
 
-    # --- checkpoints (issue 16; README "Checkpoints") --------------------------------------------
+    # --- checkpoints (README "Checkpoints") ------------------------------------------------------
     # checkpoint_scan_seconds: how often the relay looks in a running task's out/ckpt/ for a new
     #   checkpoint to ship.
     # max_checkpoint_bytes: the most one checkpoint (all its files) may hold: a larger one is not
