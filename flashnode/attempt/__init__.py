@@ -40,7 +40,6 @@ from flashnode.attempt import commit, data, environment, execute, prepare, resto
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, State
-from flashnode.coordinator.retry import Interrupted
 from flashnode.coordinator.wire import ExecutionEvidence, Lease, Task, parse_lease
 from flashnode.errors import (
     AttemptFailed,
@@ -332,7 +331,7 @@ class Attempt:
             outcome, reason = self.outcome
         except (LeaseLost, CredentialsError) as exc:
             outcome, reason = self._lost_reason(exc)
-        except (Interrupted, Cancelled):
+        except Cancelled:
             outcome, reason = self._interrupted()
         except AttemptLapsed as exc:
             outcome, reason = self._lapse(exc)

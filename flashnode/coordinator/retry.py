@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from flashnode.clock import Clock
-from flashnode.errors import CoordinatorUnavailable
+from flashnode.errors import Cancelled, CoordinatorUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,10 +55,6 @@ class Backoff:
         return delay
 
 
-class Interrupted(Exception):
-    """``retry`` was stopped while it waited."""
-
-
 class GaveUp(Exception):
     """``retry`` ran out of attempts; the last error is the cause."""
 
@@ -75,13 +71,13 @@ def retry(
 ) -> T:
     """Run ``call``; on ``retry_on`` errors wait the policy's next delay and try again.
 
-    Raises Interrupted when ``stop`` is set (before a try, or while waiting), GaveUp once the
+    Raises Cancelled when ``stop`` is set (before a try, or while waiting), GaveUp once the
     policy's attempts are spent, and any other error of ``call`` at once."""
     backoff = Backoff(policy, rng)
     failures = 0
     while True:
         if stop.is_set():
-            raise Interrupted(what)
+            raise Cancelled(f"stopped before {what}")
         try:
             return call()
         except retry_on as exc:
@@ -91,4 +87,4 @@ def retry(
             if failures == 1:
                 log.warning("%s failed, retrying: %s", what, exc)
             if clock.wait(stop, backoff.next()):
-                raise Interrupted(what) from None
+                raise Cancelled(f"stopped while waiting to retry {what}") from None
