@@ -39,6 +39,7 @@ TIERS = {
         "index",
         "origin",
         "browser",
+        "flashnode",
     },
     "root": {"as_root", "task_cgroups", "packages"},
     "docker": {"engine", "booted", "other_release"},
@@ -127,6 +128,22 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     yield start
     for agent in agents:
         agent.stop()
+
+
+@pytest.fixture
+def flashnode() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "flashnode", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    return run
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
@@ -219,14 +220,20 @@ def small_disk() -> Iterator[Path]:
         mount.rmdir()
 
 
-def flashnode(*args: str) -> subprocess.CompletedProcess[str]:
+def _flashnode(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "flashnode", *args], capture_output=True, text=True, timeout=60
     )
 
 
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
+
+
 def status_of(state_dir: Path) -> dict[str, object] | None:
-    done = flashnode("status", "--json", "--state-dir", str(state_dir))
+    done = _flashnode("status", "--json", "--state-dir", str(state_dir))
     return json.loads(done.stdout) if done.returncode == 0 else None
 
 
@@ -273,6 +280,7 @@ def test_a_task_that_fills_the_disk_itself_is_stopped_at_the_free_space_and_fail
 
 
 def test_a_disk_filled_by_something_else_ends_the_task_at_once_and_the_node_carries_on(
+    flashnode: Callable[..., Any],
     small_disk: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],

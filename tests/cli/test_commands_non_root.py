@@ -19,7 +19,8 @@ from harness import shared_dir
 ROOT = Path(__file__).resolve().parents[2]
 USER = 64_123  # a uid with no account: nothing of it exists on the machine
 
-pytestmark = pytest.mark.usefixtures("as_root")
+# Every test runs the flashnode program, as a user who is not root.
+pytestmark = pytest.mark.usefixtures("as_root", "flashnode")
 
 
 @pytest.fixture(scope="module")

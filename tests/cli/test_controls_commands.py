@@ -10,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -23,18 +25,24 @@ from flashnode.owner.ledger import Ledger
 from tests.harness import wait_for
 
 
-def cli(*args: str) -> tuple[int, str]:
+def _cli(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(main, list(args), env={"FLASHNODE_STATE_DIR": None})
     return result.exit_code, result.output
+
+
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _cli
 
 
 # --- pause and resume ------------------------------------------------------------------------
 
 
-def test_pause_for_a_duration_then_resume(tmp_path: Path) -> None:
+def test_pause_for_a_duration_then_resume(flashnode: Callable[..., Any], tmp_path: Path) -> None:
     state = tmp_path / "state"
     before = time.time()
-    code, out = cli("pause", "--for", "2h", "--state-dir", str(state))
+    code, out = flashnode("pause", "--for", "2h", "--state-dir", str(state))
     assert code == 0, out
     assert "paused until" in out and "running tasks finish" in out
     assert "no agent is running" in out
@@ -43,29 +51,31 @@ def test_pause_for_a_duration_then_resume(tmp_path: Path) -> None:
     assert before + 7200 <= pause.until <= time.time() + 7200
     assert (state / "pause.json").stat().st_mode & 0o777 == 0o640
 
-    code, out = cli("resume", "--state-dir", str(state))
+    code, out = flashnode("resume", "--state-dir", str(state))
     assert (code, out.splitlines()[0]) == (0, "resumed")
     assert pausefile.read(state) is None
-    assert cli("resume", "--state-dir", str(state)) == (0, "not paused\n")
+    assert flashnode("resume", "--state-dir", str(state)) == (0, "not paused\n")
 
 
-def test_pause_now_is_seen_by_an_agent_started_later(tmp_path: Path) -> None:
+def test_pause_now_is_seen_by_an_agent_started_later(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     """The pause lives in the state dir: a (re)started agent's controls read it from there."""
-    code, out = cli("pause", "--now", "--state-dir", str(tmp_path))
+    code, out = flashnode("pause", "--now", "--state-dir", str(tmp_path))
     assert code == 0 and "stopped and their leases given back" in out
     restarted = Controls(Rules(), Readers(pause=pausefile.PauseReader(tmp_path)), _Clock())
     d = restarted.evaluate()
     assert not d.may_claim and d.stop_reason is not None and "flashnode resume" in d.stop_reason
-    cli("resume", "--state-dir", str(tmp_path))
+    flashnode("resume", "--state-dir", str(tmp_path))
     assert restarted.evaluate().may_claim
 
 
-def test_pause_names_a_running_agent(tmp_path: Path) -> None:
+def test_pause_names_a_running_agent(flashnode: Callable[..., Any], tmp_path: Path) -> None:
     # A stand-in for the agent: status checks that the pid is a live flashnode process.
     agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "flashnode"])
     try:
         (tmp_path / "status.json").write_text(json.dumps({"pid": agent.pid}))
-        code, out = cli("pause", "--state-dir", str(tmp_path))
+        code, out = flashnode("pause", "--state-dir", str(tmp_path))
         assert code == 0 and f"the running agent (pid {agent.pid}) applies it" in out
     finally:
         agent.kill()
@@ -73,8 +83,10 @@ def test_pause_names_a_running_agent(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("duration", ["soon", "0m", "5", "2y"])
-def test_pause_refuses_a_bad_duration_and_writes_nothing(tmp_path: Path, duration: str) -> None:
-    code, out = cli("pause", "--for", duration, "--state-dir", str(tmp_path))
+def test_pause_refuses_a_bad_duration_and_writes_nothing(
+    flashnode: Callable[..., Any], tmp_path: Path, duration: str
+) -> None:
+    code, out = flashnode("pause", "--for", duration, "--state-dir", str(tmp_path))
     assert code == 2 and "--for" in out
     assert not (tmp_path / "pause.json").exists()
 
@@ -152,21 +164,27 @@ def test_logs_follow_shows_a_printed_line_within_a_second_and_ends_with_the_atte
     assert got["err"] == b"warn \\x1b]0;owned\\x07 \\u202e\n"
 
 
-def test_logs_without_follow_prints_what_there_is(tmp_path: Path) -> None:
+def test_logs_without_follow_prints_what_there_is(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     attempt = attempt_dir(tmp_path, "L2")
     append(attempt / "logs" / "stdout.txt", "héllo\n".encode())
-    code, out = cli("logs", "L2", "--state-dir", str(tmp_path))
+    code, out = flashnode("logs", "L2", "--state-dir", str(tmp_path))
     assert (code, out) == (0, "héllo\n")
 
 
 @pytest.mark.parametrize("lease", ["../../etc", "..", "a/b", "-x", ".hidden", "x" * 200])
-def test_logs_refuses_a_lease_id_that_is_not_one(tmp_path: Path, lease: str) -> None:
-    code, out = cli("logs", "--state-dir", str(tmp_path), "--", lease)
+def test_logs_refuses_a_lease_id_that_is_not_one(
+    flashnode: Callable[..., Any], tmp_path: Path, lease: str
+) -> None:
+    code, out = flashnode("logs", "--state-dir", str(tmp_path), "--", lease)
     assert code == 2 and "is not a lease id" in out
 
 
-def test_logs_of_an_attempt_that_is_not_on_the_node(tmp_path: Path) -> None:
-    code, out = cli("logs", "gone", "--state-dir", str(tmp_path))
+def test_logs_of_an_attempt_that_is_not_on_the_node(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    code, out = flashnode("logs", "gone", "--state-dir", str(tmp_path))
     assert code == 1 and "no output of attempt gone is on this node" in out
 
 
@@ -207,6 +225,7 @@ def test_clean_keeps_text_and_escapes_terminal_control_across_chunks() -> None:
 
 
 def test_history_shows_the_task_scoped_cpu_and_a_dash_for_what_was_not_measured(
+    flashnode: Callable[..., Any],
     tmp_path: Path,
 ) -> None:
     ledger = Ledger(tmp_path / "ledger.jsonl")
@@ -236,7 +255,7 @@ def test_history_shows_the_task_scoped_cpu_and_a_dash_for_what_was_not_measured(
             "reason": "exit code 1",
         }
     )
-    code, out = cli("history", "--state-dir", str(tmp_path))
+    code, out = flashnode("history", "--state-dir", str(tmp_path))
     assert code == 0, out
     header, first, second, third = out.splitlines()
     assert header.startswith(f"ended ({time.strftime('%Z')})") and "outcome" in header

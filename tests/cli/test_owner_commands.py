@@ -24,6 +24,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -38,7 +39,7 @@ FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 IS_ROOT = os.geteuid() == 0
 
 
-def flashnode(
+def _flashnode(
     *args: str, env: dict[str, str] | None = None, stdin: str = ""
 ) -> subprocess.CompletedProcess[str]:
     base = {
@@ -56,6 +57,12 @@ def flashnode(
     )
 
 
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
+
+
 def private_dir(path: Path) -> Path:
     path.mkdir(mode=0o700)
     return path
@@ -65,6 +72,7 @@ def private_dir(path: Path) -> Path:
 
 
 def test_login_stores_token_and_join_code_and_work_uses_both(
+    flashnode: Callable[..., Any],
     token_coordinator: TokenCoordinator,
     start_agent: Callable[..., AgentProcess],
     tmp_path: Path,
@@ -106,7 +114,10 @@ def test_login_stores_token_and_join_code_and_work_uses_both(
 
 
 def test_status_is_exit_3_once_the_agent_has_stopped(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
 ) -> None:
     agent = start_agent(coordinator.url, "--runner", "trusted", "--pool", "team-a", env=FAST)
     state = ["--state-dir", str(agent.state_dir)]
@@ -137,7 +148,9 @@ def config(tmp_path: Path, url: str, text: str, mode: int = 0o640) -> Path:
     return path
 
 
-def test_pools_join_and_leave_keep_the_file_as_written(tmp_path: Path) -> None:
+def test_pools_join_and_leave_keep_the_file_as_written(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     url = "http://127.0.0.1:9"
     env = {"FLASHNODE_STATE_DIR": str(tmp_path / "state")}
     path = config(tmp_path, url, 'pools = ["my-team"]                    # my pools\nslots = 1\n')
@@ -166,7 +179,9 @@ def test_pools_join_and_leave_keep_the_file_as_written(tmp_path: Path) -> None:
     assert load({}, {}, absent).pools == ("z",) and '# pools = ["x"]' in absent.read_text()
 
 
-def test_pools_refuses_what_it_cannot_edit_and_what_work_would_refuse(tmp_path: Path) -> None:
+def test_pools_refuses_what_it_cannot_edit_and_what_work_would_refuse(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     url = "http://127.0.0.1:9"
     env = {"FLASHNODE_STATE_DIR": str(tmp_path / "state")}
     for text, reason in [
@@ -196,7 +211,10 @@ def doctor_lines(out: str) -> dict[str, list[str]]:
 
 
 def test_doctor_fails_where_work_would_be_refused_the_join_code(
-    token_coordinator: TokenCoordinator, tmp_path: Path, drop_dir: Path
+    flashnode: Callable[..., Any],
+    token_coordinator: TokenCoordinator,
+    tmp_path: Path,
+    drop_dir: Path,
 ) -> None:
     """A token but no join code: `work` exits 77, so doctor must FAIL (main said ok, rc 0)."""
     state = drop_dir / "state"  # where a task user can reach it
@@ -276,7 +294,12 @@ def agreement_cases() -> list[tuple[str, dict[str, str], int, str]]:
     [pytest.param(env, code, what, id=name) for name, env, code, what in agreement_cases()],
 )
 def test_doctor_and_work_agree(
-    coordinator: CoordinatorServer, tmp_path: Path, env: dict[str, str], code: int, what: str
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    tmp_path: Path,
+    env: dict[str, str],
+    code: int,
+    what: str,
 ) -> None:
     env = {
         "FLASHNODE_COORDINATOR": coordinator.url,
@@ -298,7 +321,9 @@ def test_doctor_and_work_agree(
 # --- row: login -----------------------------------------------------------------------------
 
 
-def test_login_refuses_what_is_not_a_url_and_stores_nothing(tmp_path: Path) -> None:
+def test_login_refuses_what_is_not_a_url_and_stores_nothing(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     creds = tmp_path / "creds"
     for url in ("notaurl", "127.0.0.1:19101", "ftp://127.0.0.1"):
         done = flashnode(
@@ -309,7 +334,7 @@ def test_login_refuses_what_is_not_a_url_and_stores_nothing(tmp_path: Path) -> N
 
 
 def test_login_never_replaces_good_credentials_with_refused_ones(
-    token_coordinator: TokenCoordinator, tmp_path: Path
+    flashnode: Callable[..., Any], token_coordinator: TokenCoordinator, tmp_path: Path
 ) -> None:
     server = token_coordinator.server
     creds = private_dir(tmp_path / "creds")
@@ -345,7 +370,7 @@ def test_login_never_replaces_good_credentials_with_refused_ones(
 
 
 def test_login_refuses_a_directory_others_can_use_and_secrets_as_flags(
-    coordinator: CoordinatorServer, tmp_path: Path
+    flashnode: Callable[..., Any], coordinator: CoordinatorServer, tmp_path: Path
 ) -> None:
     creds = tmp_path / "creds"
     creds.mkdir(mode=0o700)
@@ -367,7 +392,7 @@ def test_login_refuses_a_directory_others_can_use_and_secrets_as_flags(
 
 
 def test_logout_of_nothing_fails_and_logout_forgets_both(
-    coordinator: CoordinatorServer, tmp_path: Path
+    flashnode: Callable[..., Any], coordinator: CoordinatorServer, tmp_path: Path
 ) -> None:
     creds = private_dir(tmp_path / "creds")
     args = ("--coordinator", coordinator.url, "--credentials-dir", str(creds))
@@ -414,7 +439,10 @@ def html_server() -> Iterator[str]:
 
 
 def test_a_url_that_is_not_a_coordinator_is_one_line_without_html(
-    html_server: str, start_agent: Callable[..., AgentProcess], tmp_path: Path
+    flashnode: Callable[..., Any],
+    html_server: str,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
 ) -> None:
     env = {
         "FLASHNODE_RUNNER": "trusted",
@@ -445,7 +473,9 @@ def test_a_url_that_is_not_a_coordinator_is_one_line_without_html(
 # --- row: docker runner that can run nothing ---------------------------------------------------
 
 
-def test_a_docker_runner_that_can_run_nothing_refuses_to_start(tmp_path: Path) -> None:
+def test_a_docker_runner_that_can_run_nothing_refuses_to_start(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     base = {"FLASHNODE_STATE_DIR": str(tmp_path / "s"), "FLASHNODE_RUNNER": "docker"}
     url = ("--coordinator", "http://127.0.0.1:9")
     for images, text in [
@@ -470,7 +500,7 @@ def test_a_docker_runner_that_can_run_nothing_refuses_to_start(tmp_path: Path) -
 # --- row: help ------------------------------------------------------------------------------
 
 
-def test_every_command_and_option_has_help() -> None:
+def test_every_command_and_option_has_help(flashnode: Callable[..., Any]) -> None:
     missing = []
 
     def walk(command: click.Command, path: str) -> None:
@@ -491,7 +521,9 @@ def test_every_command_and_option_has_help() -> None:
 
 
 @pytest.mark.usefixtures("as_root")
-def test_the_task_user_flag_reaches_the_settings(tmp_path: Path) -> None:
+def test_the_task_user_flag_reaches_the_settings(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     done = flashnode(
         "work",
         "--coordinator",
@@ -580,7 +612,9 @@ def test_a_member_of_group_flashnode_sees_the_status_without_flags(
     assert history.returncode == 1 and "run it with sudo" in history.stderr
 
 
-def test_a_misspelt_environment_setting_is_refused_with_a_suggestion(tmp_path: Path) -> None:
+def test_a_misspelt_environment_setting_is_refused_with_a_suggestion(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     done = flashnode(
         "work",
         "--coordinator",
@@ -594,7 +628,7 @@ def test_a_misspelt_environment_setting_is_refused_with_a_suggestion(tmp_path: P
 
 
 def test_doctor_shows_slots_and_limits_and_warns_of_limits_the_machine_lacks(
-    coordinator: CoordinatorServer, tmp_path: Path
+    flashnode: Callable[..., Any], coordinator: CoordinatorServer, tmp_path: Path
 ) -> None:
     config = tmp_path / "flashnode.toml"
     config.write_text(

@@ -8,7 +8,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,7 +107,7 @@ def test_token_file_must_be_private(tmp_path: Path) -> None:
     assert s.join_code is not None and s.join_code.get_secret_value() == "jc"
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
     return subprocess.run(
         [sys.executable, "-m", "flashnode", *args],
@@ -116,13 +118,19 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
-def test_cli_exit_codes(tmp_path: Path) -> None:
-    assert cli("--version").stdout.startswith("flashnode, version")
-    r = cli("work", "--coordinator", URL, "--runner", "trusted", "--state-dir", str(tmp_path))
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _cli
+
+
+def test_cli_exit_codes(flashnode: Callable[..., Any], tmp_path: Path) -> None:
+    assert flashnode("--version").stdout.startswith("flashnode, version")
+    r = flashnode("work", "--coordinator", URL, "--runner", "trusted", "--state-dir", str(tmp_path))
     assert r.returncode == 78 and r.stderr.count("\n") == 1 and "configuration error" in r.stderr
-    r = cli("work", "--coordinator", URL, "--token", "x")
+    r = flashnode("work", "--coordinator", URL, "--token", "x")
     assert r.returncode == 2  # secrets are never flags
-    r = cli("work", "--config", str(tmp_path / "missing.toml"), "--coordinator", URL)
+    r = flashnode("work", "--config", str(tmp_path / "missing.toml"), "--coordinator", URL)
     assert r.returncode == 78 and "cannot read config file" in r.stderr
 
 
@@ -265,7 +273,9 @@ def test_coordinator_urls_are_normalised_or_refused() -> None:
             load({"coordinator": bad}, {})
 
 
-def test_cli_refused_settings_exit_78_in_one_line(tmp_path: Path) -> None:
+def test_cli_refused_settings_exit_78_in_one_line(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     for args, env, text in [
         (("--slots", "-1"), {}, "slots = '-1' (from --slots)"),
         ((), {"FLASHNODE_SLOTS": "-2"}, "slots = '-2' (from FLASHNODE_SLOTS)"),
@@ -273,7 +283,9 @@ def test_cli_refused_settings_exit_78_in_one_line(tmp_path: Path) -> None:
         (("--token-file", str(tmp_path)), {}, "cannot read token file"),
         (("--join-code-file", str(tmp_path / "missing")), {}, "cannot read join code file"),
     ]:
-        r = cli("work", "--coordinator", URL, "--state-dir", str(tmp_path / "s"), *args, env=env)
+        r = flashnode(
+            "work", "--coordinator", URL, "--state-dir", str(tmp_path / "s"), *args, env=env
+        )
         assert r.returncode == 78, (args, r.stderr)
         assert text in r.stderr and r.stderr.count("\n") == 1, r.stderr
 

@@ -9,7 +9,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 from conftest import TokenCoordinator
 from harness import AgentProcess, argv_job
 
@@ -18,7 +20,7 @@ from flashnode.config.settings import credentials_names, load, stored_credential
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 
 
-def flashnode(
+def _flashnode(
     *args: str, env: dict[str, str] | None = None, stdin: str = ""
 ) -> subprocess.CompletedProcess[str]:
     base = {
@@ -34,6 +36,12 @@ def flashnode(
         input=stdin,
         env={**base, **(env or {})},
     )
+
+
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
 
 
 def test_localhost_and_127_0_0_1_and_a_default_port_are_one_coordinator(tmp_path: Path) -> None:
@@ -58,6 +66,7 @@ def test_localhost_and_127_0_0_1_and_a_default_port_are_one_coordinator(tmp_path
 
 
 def test_logged_in_as_127_0_0_1_an_agent_configured_as_localhost_uses_the_credentials(
+    flashnode: Callable[..., Any],
     token_coordinator: TokenCoordinator,
     start_agent: Callable[..., AgentProcess],
     tmp_path: Path,
@@ -99,6 +108,7 @@ def test_logged_in_as_127_0_0_1_an_agent_configured_as_localhost_uses_the_creden
 
 
 def test_doctor_says_which_stored_credentials_exist_and_why_they_do_not_apply(
+    flashnode: Callable[..., Any],
     tmp_path: Path,
 ) -> None:
     creds = tmp_path / "creds"

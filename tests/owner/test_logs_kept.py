@@ -9,7 +9,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
 
 from flashnode.sandbox import logcap
@@ -18,7 +20,7 @@ FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 
 
-def flashnode(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _flashnode(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
     return subprocess.run(
         [sys.executable, "-m", "flashnode", *args],
@@ -29,8 +31,17 @@ def flashnode(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[st
     )
 
 
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
+
+
 def test_logs_without_a_lease_follows_the_only_running_task_to_its_end(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    drop_dir: Path,
 ) -> None:
     go = drop_dir / "go"
     script = f"echo started; while [ ! -e {go} ]; do sleep 0.1; done; echo done >&2; echo '{{}}' > metrics.json"
@@ -69,7 +80,7 @@ def test_logs_without_a_lease_follows_the_only_running_task_to_its_end(
 
 
 def _running(agent: AgentProcess) -> str:
-    done = flashnode("status", "--json", "--state-dir", str(agent.state_dir))
+    done = _flashnode("status", "--json", "--state-dir", str(agent.state_dir))
     if done.returncode != 0:
         return "-"
     import json
@@ -79,7 +90,9 @@ def _running(agent: AgentProcess) -> str:
 
 
 def test_a_finished_tasks_output_is_kept_readable_and_rotated(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
 ) -> None:
     agent = start_agent(coordinator.url, *TRUSTED, env={**FAST, "FLASHNODE_KEEP_LOGS": "2"})
     for n in range(3):

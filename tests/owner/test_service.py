@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import AgentProcess, CoordinatorServer, NotifySocket, argv_job, wait_for
@@ -24,7 +25,7 @@ FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 
 
-def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
     return subprocess.run(
         [sys.executable, "-m", "flashnode", *args],
@@ -33,6 +34,12 @@ def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
         timeout=120,
         env={**base, **(env or {})},
     )
+
+
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
 
 
 @pytest.fixture
@@ -282,6 +289,7 @@ def test_rpm_builds_with_the_right_files(packages: list[Path]) -> None:
 
 
 def test_status_names_the_running_task_and_pools_join_reaches_the_agent(
+    flashnode: Callable[..., Any],
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     tmp_path: Path,

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import TokenCoordinator
@@ -29,7 +30,7 @@ TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 ZONE = time.strftime("%Z")
 
 
-def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
     return subprocess.run(
         [sys.executable, "-m", "flashnode", *args],
@@ -40,8 +41,14 @@ def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     )
 
 
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
+
+
 def status_text(state_dir: Path) -> str:
-    done = flashnode("status", "--state-dir", str(state_dir))
+    done = _flashnode("status", "--state-dir", str(state_dir))
     assert "Traceback" not in done.stdout + done.stderr
     return done.stdout
 
@@ -50,7 +57,9 @@ def status_text(state_dir: Path) -> str:
 
 
 def test_status_names_the_disk_floor_the_pause_and_the_window_each_with_its_fix(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
 ) -> None:
     # A window that is closed now: today's weekday, an hour that ended two hours ago.
     ago = time.localtime(time.time() - 7200)
@@ -127,6 +136,7 @@ def test_a_coordinator_it_cannot_reach_is_named_with_its_error_and_fix(
 
 
 def test_after_refused_credentials_status_says_why_the_agent_stopped_and_how_to_fix_it(
+    flashnode: Callable[..., Any],
     token_coordinator: TokenCoordinator,
     start_agent: Callable[..., AgentProcess],
     tmp_path: Path,
@@ -196,7 +206,9 @@ def test_after_refused_credentials_status_says_why_the_agent_stopped_and_how_to_
     assert agent.proc.poll() is None
 
 
-def test_a_configuration_error_is_kept_where_status_finds_it(tmp_path: Path) -> None:
+def test_a_configuration_error_is_kept_where_status_finds_it(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
     config = tmp_path / "c.toml"
@@ -214,7 +226,9 @@ def test_a_configuration_error_is_kept_where_status_finds_it(tmp_path: Path) -> 
 
 
 def test_totals_survive_a_restart(
-    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
 ) -> None:
     state_dir = shared_dir("flashnode-state-")
     first = start_agent(coordinator.url, *TRUSTED, env=FAST, state_dir=state_dir)
