@@ -1,3 +1,3 @@
-from flashnode.cli import main
+from flashnode.cli.main import main
 
 main()

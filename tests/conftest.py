@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,69 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import AgentProcess, CoordinatorServer, shared_dir
 
 ROOT = Path(__file__).resolve().parent.parent
+TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
+
+# The tiers, from the fixtures a test uses (directly or through another fixture): `-m "not
+# integration"` is the unit tier, fakes and a fake clock, in well under a minute.
+TIERS = {
+    # a real coordinator, a real agent process, the real Docker engine, a real systemd, real uv
+    # against a package index, a real HTTPS origin, a real browser, the built packages
+    "integration": {
+        "coordinator",
+        "recording_coordinator",
+        "token_coordinator",
+        "start_agent",
+        "engine",
+        "booted",
+        "other_release",
+        "packages",
+        "installed_deb",
+        "packaged_python",
+        "index",
+        "origin",
+        "browser",
+        "flashnode",
+    },
+    "root": {"as_root", "task_cgroups", "packages"},
+    "docker": {"engine", "booted", "other_release"},
+    "systemd": {"booted", "other_release"},
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in TIERS.items():
+            if used & fixtures:
+                item.add_marker(marker)
+
+
+# --- the gates: a test that needs what this host lacks is skipped, saying what it needs ----------
+
+
+@pytest.fixture(scope="session")
+def as_root() -> None:
+    """Root: tasks run as the per-slot users, in mount namespaces and cgroups of their own."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (tasks as the slot users, mounts, cgroups)")
+
+
+@pytest.fixture(scope="session")
+def task_cgroups(as_root: None) -> None:
+    """Per-task cgroups: root and a cgroup v1 or delegated v2 hierarchy on this host."""
+    from flashnode.sandbox import cgroups
+
+    hierarchy, why = cgroups.detect()
+    if hierarchy is None:
+        pytest.skip(f"per-task cgroups are not available here: {why}")
+
+
+@pytest.fixture(scope="session")
+def task_python() -> str:
+    """The task interpreter with flashruntime and CPU torch (.ci/run makes it)."""
+    if not os.path.exists(TASK_PYTHON):
+        pytest.skip(f"no task interpreter with torch and flashruntime at {TASK_PYTHON}")
+    return TASK_PYTHON
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +131,22 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 
 
 @pytest.fixture
+def flashnode() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "flashnode", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    return run
+
+
+@pytest.fixture
 def drop_dir() -> Iterator[Path]:
     """A directory outside the test's private tmp_path that a task (running as the task user
     when the tests run as root) can write to, e.g. to report its pids."""
@@ -99,17 +179,26 @@ class FakeNvml:
 
 
 @pytest.fixture(scope="session")
-def box() -> str:
-    """The busybox test image (tests/test_container.py builds it), for the docker runner."""
-    docker = pytest.importorskip("docker")
-    from test_container import IMAGE, _import_image
+def engine() -> Any:
+    """The Docker engine; the test is skipped without one (.ci/run starts one)."""
+    pytest.importorskip("docker")
+    from boxes import engine_client
 
-    try:
-        engine = docker.from_env(timeout=30)
-        engine.ping()
-    except Exception as exc:
-        pytest.skip(f"no Docker engine answers ({type(exc).__name__}); .ci/run starts one")
-    return _import_image(engine, IMAGE)
+    return engine_client()
+
+
+@pytest.fixture(scope="session")
+def box(engine: Any) -> str:
+    """The busybox test image (tests/boxes.py builds it), for the docker runner."""
+    from boxes import IMAGE, import_image
+
+    return import_image(engine, IMAGE)
+
+
+@pytest.fixture(scope="session")
+def image(box: str) -> str:
+    """The busybox test image under the name the docker runner's own tests use."""
+    return box
 
 
 @pytest.fixture(scope="session")

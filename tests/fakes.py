@@ -14,13 +14,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from flashnode.attempt import AttemptContext
-from flashnode.errors import AttemptFailed, AttemptLapsed
-from flashnode.ledger import Ledger
-from flashnode.outbox import Outbox
-from flashnode.preflight import Finding
-from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
-from flashnode.settings import Settings
-from flashnode.wire import (
+from flashnode.attempt.outbox import Outbox
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import (
     CheckpointManifest,
     CheckpointPart,
     ExecutionEvidence,
@@ -28,6 +24,10 @@ from flashnode.wire import (
     NodeRegistration,
     Task,
 )
+from flashnode.errors import AttemptFailed, AttemptLapsed
+from flashnode.owner.ledger import Ledger
+from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
+from flashnode.runners.findings import Finding
 
 
 class FakeClock:
@@ -268,7 +268,7 @@ def context(
 
 def trusted_runner(pools: tuple[str, ...] = ("team-a",)) -> Any:
     """A TrustedRunner for its checks only (no users, cgroups or sandbox: it starts nothing)."""
-    from flashnode.gpupool import GpuPool
+    from flashnode.evidence.gpupool import GpuPool
     from flashnode.runners.trusted import TrustedRunner
 
     s = Settings(coordinator="http://127.0.0.1:1", runner="trusted", pools=pools)

@@ -1,4 +1,4 @@
-"""Attacks from the security review (branch attack-review). Each test is one attack, as a hostile
+"""Attacks from a security review. Each test is one attack, as a hostile
 task author, a hostile coordinator or a hostile local user would run it against a root agent
 with ``--runner trusted``; each FAILS while the hole it demonstrates is open."""
 
@@ -27,7 +27,6 @@ from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, shared
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not ROOT, reason="the attacks are on an agent running as root")
 SLOT0 = "flashnode-task-0"
 
 
@@ -69,7 +68,7 @@ def _deep_tar(depth: int = 1200) -> bytes:
     return buf.getvalue()
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 @pytest.mark.parametrize("how", ["task-tmp", "input-archive"])
 def test_a_deep_tree_neither_crashes_cleanup_nor_wedges_restarts(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], how: str
@@ -142,7 +141,7 @@ echo '{"ok": 1}' > metrics.json
 """
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_task_cannot_replace_the_logs_the_agent_captured(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
@@ -162,7 +161,7 @@ def test_task_cannot_replace_the_logs_the_agent_captured(
 # --- 3. terminal escapes from a task's stderr reach the owner's terminal -----------------------
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_task_stderr_cannot_write_escape_sequences_to_the_owners_terminal(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
@@ -217,7 +216,7 @@ FORGET_KEY = (
 )
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_a_later_task_of_the_slot_cannot_read_what_an_earlier_one_left_in_the_keyring(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
@@ -288,7 +287,7 @@ def mqueue_mount() -> Iterator[Path]:
         where.rmdir()
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_nothing_a_task_writes_outside_its_workspace_outlives_it(
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
@@ -382,7 +381,7 @@ def _uid_processes(uid: int) -> list[int]:
     return found
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_slot0_task_cannot_hijack_the_module_probe_to_escape_and_rob_later_tasks(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
 ) -> None:
@@ -480,7 +479,7 @@ echo '{{"ok": 1}}' > metrics.json
 """
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_without_cgroups_detached_children_cannot_outlive_the_attempt(
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
@@ -530,7 +529,7 @@ def test_without_cgroups_detached_children_cannot_outlive_the_attempt(
 # --- 8. a coordinator hands out the same lease id twice -----------------------------------------
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_a_second_claim_of_a_running_lease_id_cannot_touch_the_running_attempt(
     start_agent: Callable[..., AgentProcess],
 ) -> None:
@@ -606,7 +605,7 @@ if 'FLASHML_OUTPUT_DIR' in os.environ:
 """
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 @pytest.mark.parametrize("who", ["trusted-task", "local-user"])
 def test_nobody_on_the_host_can_catch_the_agents_token_on_a_loopback_coordinator_port(
     token_coordinator: TokenCoordinator,
@@ -663,7 +662,7 @@ json.dump({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), 'usable': usable},
 """
 
 
-@needs_root
+@pytest.mark.usefixtures("as_root")
 def test_a_task_given_no_gpu_cannot_open_the_gpus(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashnode.attempt import Attempt, Outcome
-from flashnode.coordinator import Coordinator
+from flashnode.coordinator.client import Coordinator
+from flashnode.coordinator.wire import NodeCapabilities, NodeRegistration, Task
 from flashnode.errors import CoordinatorError, CoordinatorUnavailable
-from flashnode.wire import NodeCapabilities, NodeRegistration, Task
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")

@@ -1,4 +1,4 @@
-"""One sanitiser for every text an owner sees (issue 27, finding 5): whatever its source (a task,
+"""One sanitiser for every text an owner sees: whatever its source (a task,
 the coordinator, a data origin, a job's lines), nothing reaches the owner's terminal or journal
 that moves the cursor, recolours, reorders text or starts a record of its own."""
 
@@ -13,13 +13,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from badcoord import BadCoordinator, answer, lease_answer
 from harness import TASK_USER, AgentProcess
 
-from flashnode import status
-from flashnode.cli import JournalFormatter, JsonFormatter, LogFormatter
+from flashnode.cli.main import JournalFormatter, JsonFormatter, LogFormatter
+from flashnode.owner import status
 from flashnode.sanitise import sanitise
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
@@ -38,7 +39,7 @@ def clean(text: str) -> bool:
     return not any(c in text for c in RAW)
 
 
-def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
     return subprocess.run(
         [sys.executable, "-m", "flashnode", *args],
@@ -47,6 +48,12 @@ def flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
         timeout=120,
         env={**base, **(env or {})},
     )
+
+
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
 
 
 @pytest.fixture
@@ -92,7 +99,7 @@ def test_each_log_record_is_one_line_and_a_traceback_cannot_forge_a_journal_reco
 
 
 def test_a_coordinators_detail_cannot_forge_a_journal_line_or_drive_the_terminal(
-    bad: BadCoordinator, start_agent: Callable[..., AgentProcess]
+    flashnode: Callable[..., Any], bad: BadCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
     """The attack: `complete` answers accepted:false with a detail holding escapes and
     "\\n<0>...". The agent logs it (under journald: a priority prefix per line) and keeps it as
@@ -118,7 +125,9 @@ def test_a_coordinators_detail_cannot_forge_a_journal_line_or_drive_the_terminal
     assert "EMERGENCY forged" in shown and clean(shown), shown
 
 
-def test_envs_list_shows_a_jobs_bidi_and_c1_controls_escaped(tmp_path: Path) -> None:
+def test_envs_list_shows_a_jobs_bidi_and_c1_controls_escaped(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
     """A job's dependency lines pass uv's checks with C1 and bidi controls in them (a marker's
     string, a URL's fragment) and are kept as the environment's description."""
     entry = tmp_path / "state" / "envs" / ("ab" * 32)
@@ -140,7 +149,7 @@ def test_envs_list_shows_a_jobs_bidi_and_c1_controls_escaped(tmp_path: Path) -> 
 
 
 def test_the_doctor_shows_a_coordinators_hostile_refusal_escaped(
-    bad: BadCoordinator, tmp_path: Path
+    flashnode: Callable[..., Any], bad: BadCoordinator, tmp_path: Path
 ) -> None:
     bad.overrides["/healthz"] = answer(200, {"status": "ok"})
     bad.overrides["/v1alpha1/nodes/register"] = answer(401, {"detail": HOSTILE})

@@ -36,11 +36,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from flashnode import logcap
 from flashnode.attempt import commit, data, environment, execute, prepare, restore, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, State
+from flashnode.coordinator.wire import ExecutionEvidence, Lease, Task, parse_lease
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -51,12 +51,11 @@ from flashnode.errors import (
     disk_full,
     disk_full_error,
 )
-from flashnode.gpupool import Device
-from flashnode.retry import Interrupted
+from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.spec import Preparation
-from flashnode.wire import ExecutionEvidence, Lease, Task, parse_lease
-from flashnode.workspace import OutputFile, Workspace, remove_tree
+from flashnode.sandbox import logcap
+from flashnode.sandbox.workspace import OutputFile, Workspace, remove_tree
 
 __all__ = ["PHASES", "Attempt", "AttemptContext", "CoordinatorPort", "LeaseKeeper", "Outcome"]
 
@@ -332,7 +331,7 @@ class Attempt:
             outcome, reason = self.outcome
         except (LeaseLost, CredentialsError) as exc:
             outcome, reason = self._lost_reason(exc)
-        except (Interrupted, Cancelled):
+        except Cancelled:
             outcome, reason = self._interrupted()
         except AttemptLapsed as exc:
             outcome, reason = self._lapse(exc)

@@ -21,20 +21,22 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from flashnode import retry, validators
 from flashnode.attempt.record import Outcome, State
-from flashnode.checks import check_fedavg
+from flashnode.attempt.transfer import transfer
+from flashnode.coordinator import retry, validators
+from flashnode.coordinator.checks import check_fedavg
+from flashnode.coordinator.wire import SAFE_ID, parse_task
 from flashnode.errors import (
     AttemptFailed,
+    Cancelled,
     CoordinatorError,
     CredentialsError,
     LeaseLost,
     PayloadTooLarge,
     disk_full,
 )
+from flashnode.sandbox.workspace import OutputFile, Workspace
 from flashnode.sanitise import sanitise
-from flashnode.wire import SAFE_ID, parse_task
-from flashnode.workspace import OutputFile, Workspace
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -204,14 +206,7 @@ def _upload(a: Attempt, key: str, open_file: Callable[[], Opened]) -> str | None
 def _retrying(a: Attempt, what: str, call: Callable[[], T]) -> T:
     """Retry transport errors and 5xx with the shared backoff for as long as the lease lives
     (the keeper says when it is lost) and the attempt is not stopped."""
-    return retry.retry(
-        call,
-        policy=retry.RESULT,
-        rng=a.ctx.rng,
-        clock=a.ctx.clock,
-        stop=a.stop,
-        what=f"lease {a.lease_id}: {what}",
-    )
+    return transfer(a, what, call, policy=retry.RESULT)
 
 
 # --- failure ---------------------------------------------------------------------------------
@@ -228,17 +223,8 @@ def report_failure(a: Attempt, reason: str) -> tuple[Outcome, str]:
         _upload_logs_best_effort(a, a.task.output_prefix, a.workspace)
     stop = a.keeper.lost if a.keeper is not None else threading.Event()
     try:
-        retry.retry(
-            lambda: a.ctx.coordinator.fail(a.lease_id, reason),
-            policy=retry.TRANSFER,
-            rng=a.ctx.rng,
-            clock=a.ctx.clock,
-            stop=stop,
-            what=f"lease {a.lease_id}: fail",
-        )
-    except (LeaseLost, CredentialsError):
-        return Outcome.LOST, reason
-    except retry.Interrupted:
+        transfer(a, "fail", lambda: a.ctx.coordinator.fail(a.lease_id, reason), stop=stop)
+    except (LeaseLost, CredentialsError, Cancelled):
         return Outcome.LOST, reason
     except (CoordinatorError, retry.GaveUp) as exc:
         log.error("lease %s: could not report the failure: %s", a.lease_id, exc)

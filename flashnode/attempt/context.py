@@ -8,29 +8,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
-from flashnode.cgroups import Limits
 from flashnode.clock import Clock
-from flashnode.diskuse import Space
-from flashnode.gpupool import GpuPool
-from flashnode.ledger import Ledger
-from flashnode.metrics import MetricsSink, NullMetrics
+from flashnode.config.settings import Settings
+from flashnode.coordinator.validators import SchemaCheck
+from flashnode.coordinator.wire import CheckpointManifest, CheckpointPart, ExecutionEvidence
+from flashnode.evidence.gpupool import GpuPool
+from flashnode.evidence.sampler import CpuWindow, GpuReader
+from flashnode.owner.ledger import Ledger
+from flashnode.owner.metrics import MetricsSink, NullMetrics
 from flashnode.runners.base import Runner
-from flashnode.sampler import CpuWindow, GpuReader
-from flashnode.settings import Settings
-from flashnode.validators import SchemaCheck
-from flashnode.wire import CheckpointManifest, CheckpointPart, ExecutionEvidence
+from flashnode.sandbox.diskuse import Space
+from flashnode.sandbox.limits import Limits
 
 if TYPE_CHECKING:
     import threading
     from collections.abc import Sequence
     from pathlib import Path
 
-    from flashnode.datasets import DatasetEntry
-    from flashnode.outbox import Outbox
+    from flashnode.attempt.outbox import Outbox
+    from flashnode.coordinator.datasets import DatasetEntry
 
 
 class CoordinatorPort(Protocol):
-    """What an attempt needs of the coordinator (flashnode.coordinator.Coordinator fits)."""
+    """What an attempt needs of the coordinator (flashnode.coordinator.client.Coordinator fits)."""
 
     def attempt_heartbeat(self, lease_id: str) -> None: ...
     def complete(
@@ -59,7 +59,7 @@ class CoordinatorPort(Protocol):
 
 
 class EnvLease(Protocol):
-    """A job environment pinned for one attempt (flashnode.envcache.EnvHandle fits)."""
+    """A job environment pinned for one attempt (flashnode.caches.envcache.EnvHandle fits)."""
 
     key: str
     path: Path  # the venv
@@ -71,7 +71,7 @@ class EnvLease(Protocol):
 
 
 class EnvPort(Protocol):
-    """The agent's cache of job environments (flashnode.envcache.EnvCache fits)."""
+    """The agent's cache of job environments (flashnode.caches.envcache.EnvCache fits)."""
 
     def acquire(
         self, python: str, lines: Sequence[str], *, stop: threading.Event, timeout_s: float
@@ -79,7 +79,7 @@ class EnvPort(Protocol):
 
 
 class ShardLease(Protocol):
-    """A dataset shard pinned for one attempt (flashnode.datacache.ShardHandle fits)."""
+    """A dataset shard pinned for one attempt (flashnode.caches.datacache.ShardHandle fits)."""
 
     size: int
     fetched: bool  # False: a cache hit
@@ -92,7 +92,7 @@ H = TypeVar("H", bound=ShardLease)
 
 
 class DataPort(Protocol[H]):
-    """The agent's dataset cache (flashnode.datacache.DataCache fits)."""
+    """The agent's dataset cache (flashnode.caches.datacache.DataCache fits)."""
 
     budget_bytes: int
 

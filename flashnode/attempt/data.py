@@ -19,13 +19,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from flashnode import localdata
+from flashnode.caches import localdata
 from flashnode.errors import AttemptLapsed, DataUnavailable
 from flashnode.runners.spec import WORK
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
-    from flashnode.settings import Settings
+    from flashnode.config.settings import Settings
 
 
 def run(a: Attempt) -> None:

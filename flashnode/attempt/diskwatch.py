@@ -25,10 +25,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from flashnode.diskuse import FULL_BELOW_BYTES, Space
+from flashnode.config.settings import Settings, format_size
 from flashnode.errors import AttemptLapsed, DiskFull
-from flashnode.settings import Settings, format_size
-from flashnode.workspace import Usage
+from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
+from flashnode.sandbox.workspace import Usage
 
 SPACE_S = 0.02  # how often the state dir's free space and inodes are read while a task runs
 SPACE_MIN_S = 0.001  # ... at most this often, while they go fast

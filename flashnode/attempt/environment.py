@@ -1,5 +1,5 @@
 """The job environment: a task's ``dependencies`` installed for the Python its ``python`` names,
-before it starts (flashnode.envcache builds each environment once per key and shares it).
+before it starts (flashnode.caches.envcache builds each environment once per key and shares it).
 
 Only a runner that ``installs_dependencies`` (the trusted runner) gets one: a container task's
 image already holds its base, and its ``extra_dependencies`` were refused by the runner's check.

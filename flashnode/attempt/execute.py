@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from flashnode.attempt.diskwatch import DiskWatch, Look, disk_caps, full_disk, over_caps
 from flashnode.attempt.record import State
+from flashnode.coordinator.wire import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
+from flashnode.evidence.sampler import Sampler, task_cpu_percent
 from flashnode.runners import spec as specs
 from flashnode.runners.base import RunResult, SuspendFailed
-from flashnode.sampler import Sampler, task_cpu_percent
-from flashnode.wire import ExecutionEvidence
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from flashnode.attempt.context import CoordinatorPort
 from flashnode.clock import Clock
+from flashnode.coordinator.retry import Backoff, Policy
+from flashnode.coordinator.wire import Lease
 from flashnode.errors import CoordinatorError, CredentialsError, LeaseLost
-from flashnode.retry import Backoff, Policy
-from flashnode.wire import Lease
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from flashnode.coordinator.wire import parse_task
 from flashnode.errors import AttemptFailed, AttemptLapsed
-from flashnode.wire import parse_task
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashnode.wire import ExecutionEvidence
+from flashnode.coordinator.wire import ExecutionEvidence
 
 
 class State(str, enum.Enum):

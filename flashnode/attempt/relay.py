@@ -39,7 +39,9 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
 
-from flashnode import retry
+from flashnode.attempt.transfer import transfer
+from flashnode.coordinator import retry
+from flashnode.coordinator.wire import ARTIFACT_SCHEME, CheckpointPart
 from flashnode.errors import (
     AttemptFailed,
     Cancelled,
@@ -50,8 +52,7 @@ from flashnode.errors import (
     OutOfDescriptors,
     PayloadTooLarge,
 )
-from flashnode.wire import ARTIFACT_SCHEME, CheckpointPart
-from flashnode.workspace import CKPT, Checkpoint, OutputFile
+from flashnode.sandbox.workspace import CKPT, Checkpoint, OutputFile
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -221,7 +222,7 @@ class Relay:
         except (LeaseLost, CredentialsError) as exc:
             self._lose(f"checkpoint write refused: {exc}")
             return Shipped.LOST
-        except (Cancelled, retry.Interrupted):
+        except Cancelled:
             return Shipped.LOST
         except (CheckpointRefused, PayloadTooLarge) as exc:
             self._warn(c.name, f"checkpoint step {c.step} was refused: {exc}")
@@ -267,14 +268,7 @@ class Relay:
             raise Cancelled("the lease is lost")
         if not final:
             return call()
-        return retry.retry(
-            call,
-            policy=retry.TRANSFER,
-            rng=self._a.ctx.rng,
-            clock=self._a.ctx.clock,
-            stop=self._lost,
-            what=f"lease {self._lease.lease_id}: last checkpoint",
-        )
+        return transfer(self._a, "last checkpoint", call, stop=self._lost)
 
     def _remove_older(self, found: list[Checkpoint], step: int) -> None:
         keep = self._shipped[0] if self._shipped is not None else None

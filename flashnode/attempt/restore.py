@@ -29,19 +29,20 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from flashnode import manifests, retry
 from flashnode.attempt import stage
 from flashnode.attempt.relay import Relay
-from flashnode.errors import AttemptLapsed, CoordinatorError, LeaseLost, NotFound
-from flashnode.runners.spec import WORK
-from flashnode.wire import (
+from flashnode.attempt.transfer import Ladder, transfer
+from flashnode.coordinator import manifests
+from flashnode.coordinator.wire import (
     ARTIFACT_SCHEME,
     RESUME_INPUT,
     CheckpointManifest,
     CheckpointPart,
     safe_key,
 )
-from flashnode.workspace import CKPT, remove_tree
+from flashnode.errors import AttemptLapsed
+from flashnode.runners.spec import WORK
+from flashnode.sandbox.workspace import CKPT, remove_tree
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -95,21 +96,16 @@ def run(a: Attempt) -> None:
 def _latest(a: Attempt) -> CheckpointManifest | None:
     assert a.lease is not None
     lease = a.lease
-    try:
-        return retry.retry(
-            lambda: a.ctx.coordinator.checkpoint_latest(lease.job_id, lease.task_id),
-            policy=retry.TRANSFER,
-            rng=a.ctx.rng,
-            clock=a.ctx.clock,
-            stop=a.stop,
-            what=f"lease {a.lease_id}: latest checkpoint",
-        )
-    except LeaseLost:
-        raise
-    except retry.GaveUp as exc:
-        raise AttemptLapsed(f"could not ask for the task's latest checkpoint: {exc}") from None
-    except CoordinatorError as exc:
-        raise AttemptLapsed(f"could not ask for the task's latest checkpoint: {exc}") from None
+    ladder = Ladder(
+        gave_up=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
+        refused=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
+    )
+    return transfer(
+        a,
+        "latest checkpoint",
+        lambda: a.ctx.coordinator.checkpoint_latest(lease.job_id, lease.task_id),
+        ladder=ladder,
+    )
 
 
 def _layout(
@@ -223,16 +219,12 @@ def _fetch(a: Attempt, files: list[tuple[CheckpointPart, str]]) -> Path:
 
 
 def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:
-    try:
-        return stage.fetch(a, part.key, dest, part.size_bytes, f"checkpoint part {part.key}")
-    except LeaseLost:
-        raise
-    except NotFound:
-        raise Unusable(f"part {part.key} is missing from the store") from None
-    except retry.GaveUp as exc:
-        raise AttemptLapsed(f"the task's checkpoint could not be fetched: {exc}") from None
-    except CoordinatorError as exc:
-        raise Unusable(f"part {part.key}: {exc}") from None
+    ladder = Ladder(
+        missing=lambda _: Unusable(f"part {part.key} is missing from the store"),
+        gave_up=lambda e: AttemptLapsed(f"the task's checkpoint could not be fetched: {e}"),
+        refused=lambda e: Unusable(f"part {part.key}: {e}"),
+    )
+    return stage.fetch(a, part.key, dest, part.size_bytes, f"checkpoint part {part.key}", ladder)
 
 
 def _sha256(path: Path) -> str:

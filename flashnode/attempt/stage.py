@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from flashnode import archives, retry
 from flashnode.attempt.record import State
-from flashnode.errors import AttemptFailed, AttemptLapsed, CoordinatorError, LeaseLost, NotFound
-from flashnode.workspace import Workspace
+from flashnode.attempt.transfer import Ladder, transfer
+from flashnode.errors import AttemptFailed, AttemptLapsed
+from flashnode.sandbox import archives
+from flashnode.sandbox.workspace import Workspace
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -33,10 +34,10 @@ def run(a: Attempt) -> None:
             dest.unlink()
 
 
-def fetch(a: Attempt, key: str, dest: Path, max_bytes: int, what: str) -> int:
+def fetch(a: Attempt, key: str, dest: Path, max_bytes: int, what: str, ladder: Ladder) -> int:
     """Download artifact ``key`` into ``dest`` (made here, never through a link), retried with
-    the shared backoff while the attempt goes on; counted as staged. Raises NotFound,
-    retry.GaveUp (the coordinator kept failing), LeaseLost or another CoordinatorError."""
+    the shared backoff while the attempt goes on; counted as staged. How it can end is the
+    ``ladder``'s (``transfer.py``)."""
 
     def once() -> int:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -45,24 +46,13 @@ def fetch(a: Attempt, key: str, dest: Path, max_bytes: int, what: str) -> int:
         a.count_staged(size)
         return size
 
-    return retry.retry(
-        once,
-        policy=retry.TRANSFER,
-        rng=a.ctx.rng,
-        clock=a.ctx.clock,
-        stop=a.stop,
-        what=f"lease {a.lease_id}: download of {what}",
-    )
+    return transfer(a, f"download of {what}", once, ladder=ladder)
 
 
 def _download(a: Attempt, name: str, key: str, dest: Path, budget: int) -> int:
-    try:
-        return fetch(a, key, dest, budget, f"input {name}")
-    except LeaseLost:
-        raise
-    except NotFound:
-        raise AttemptFailed(f"input {name!r} is missing: no artifact at {key}") from None
-    except retry.GaveUp as exc:
-        raise AttemptLapsed(f"input {name!r} could not be fetched: {exc.__cause__}") from None
-    except CoordinatorError as exc:
-        raise AttemptFailed(f"input {name!r} could not be fetched: {exc}") from None
+    ladder = Ladder(
+        missing=lambda _: AttemptFailed(f"input {name!r} is missing: no artifact at {key}"),
+        gave_up=lambda e: AttemptLapsed(f"input {name!r} could not be fetched: {e.__cause__}"),
+        refused=lambda e: AttemptFailed(f"input {name!r} could not be fetched: {e}"),
+    )
+    return fetch(a, key, dest, budget, f"input {name}", ladder)

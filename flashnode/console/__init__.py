@@ -4,7 +4,7 @@
 running ``Console``; ``close`` stops serving and removes the keys. Parts: ``auth`` (login links,
 sessions, the checks on each request), ``server`` (the HTTP edge), ``app`` (what each request
 means), ``usage`` (the node's use over the last day), ``static/`` (the page: no asset comes from
-anywhere else); totals and history come from the agent's ``flashnode.ledgerview``.
+anywhere else); totals and history come from the agent's ``flashnode.owner.ledgerview``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import os
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from flashnode.config.listen import parse_listen
 
 if TYPE_CHECKING:  # the parts are imported when the console starts (``start``)
     from flashnode.console.app import Wiring
@@ -41,7 +43,6 @@ def start(listen: str, wiring: Wiring) -> Console:
     from flashnode.console import auth
     from flashnode.console.app import App
     from flashnode.console.server import ConsoleServer
-    from flashnode.metrics import parse_listen
 
     parsed = parse_listen(listen)
     names = _local_names() if parsed.host in ("0.0.0.0", "::") else []

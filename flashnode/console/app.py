@@ -22,15 +22,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from flashnode import __version__, configedit, lastexit, logcap, pausefile, status
+from flashnode import __version__
+from flashnode.config import configedit
+from flashnode.config.settings import Settings
 from flashnode.console import auth
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
+from flashnode.coordinator.wire import SAFE_ID
 from flashnode.errors import FlashnodeError
-from flashnode.ledgerview import LedgerView
+from flashnode.owner import lastexit, pausefile, status
+from flashnode.owner.ledgerview import LedgerView
+from flashnode.sandbox import logcap
 from flashnode.sanitise import sanitise
-from flashnode.settings import Settings
-from flashnode.wire import SAFE_ID
 
 log = logging.getLogger(__name__)
 

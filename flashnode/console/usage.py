@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Callable
 from typing import TypeVar
 
-from flashnode.sampler import host_cpu_times
+from flashnode.evidence.sampler import host_cpu_times
 
 T = TypeVar("T")
 MINUTES = 24 * 60

@@ -1,7 +1,7 @@
 """The runner contract (docs/design.md §3), shared by every runner.
 
 * ``preflight(settings, slots)`` checks what this runner needs on this host; through
-  ``flashnode.preflight`` ``flashnode work`` refuses to start on a fatal problem and
+  ``flashnode.runners.preflight`` ``flashnode work`` refuses to start on a fatal problem and
   ``flashnode doctor`` prints every finding, so the two can never disagree.
 * ``create(settings, env)`` builds a runner; every runner is built the same way.
 * ``check(task)`` refuses a task this runner must not run, before anything starts.
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from flashnode.cgroups import Limits
 from flashnode.clock import Clock, SystemClock
-from flashnode.gpupool import Device, GpuPool
-from flashnode.preflight import Finding
-from flashnode.settings import Settings
-from flashnode.wire import Task
-from flashnode.workspace import Workspace
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import Task
+from flashnode.evidence.gpupool import Device, GpuPool
+from flashnode.runners.findings import Finding
+from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Handle(Protocol):
     def disk_bytes(self) -> int:
         """What the task holds on disk now beyond what a walk of its workspace finds: its
         private temporary directories (a tmpfs each), and files it removed but keeps open
-        (``flashnode.diskuse``); 0 where nothing can be measured."""
+        (``flashnode.sandbox.diskuse``); 0 where nothing can be measured."""
 
     def suspend(self) -> None:
         """Stop every process of the task from running, keeping them (an owner control).

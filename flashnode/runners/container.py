@@ -33,10 +33,9 @@ import docker.errors
 import docker.types
 import requests
 
-from flashnode import diskuse
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import MODULES, Task
 from flashnode.errors import AttemptFailed, AttemptLapsed, ExitCode, PrerequisiteError
-from flashnode.logcap import Pump, latest_line
-from flashnode.preflight import Finding, Ok, Problem
 from flashnode.runners.base import (
     Handle,
     Runner,
@@ -45,6 +44,7 @@ from flashnode.runners.base import (
     StartSpec,
     SuspendFailed,
 )
+from flashnode.runners.findings import Finding, Ok, Problem
 from flashnode.runners.spec import (
     cuda_visible,
     machine_cpus,
@@ -52,8 +52,8 @@ from flashnode.runners.spec import (
     module_argv,
     write_module_spec,
 )
-from flashnode.settings import Settings
-from flashnode.wire import MODULES, Task
+from flashnode.sandbox import diskuse
+from flashnode.sandbox.logcap import Pump, latest_line
 
 log = logging.getLogger(__name__)
 

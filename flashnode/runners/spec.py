@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashnode.cgroups import Limits
-from flashnode.gpupool import Device
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import Task
+from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import ModuleSpec, StartSpec
-from flashnode.settings import Settings
-from flashnode.wire import Task
-from flashnode.workspace import CKPT as CKPT
-from flashnode.workspace import WORK as WORK
-from flashnode.workspace import Workspace
+from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.workspace import CKPT as CKPT
+from flashnode.sandbox.workspace import WORK as WORK
+from flashnode.sandbox.workspace import Workspace
 
 # The command a module task runs, with the interpreter, spec and output directory filled in.
 MODULE_ARGV = ("-m", "{module}", "--spec", "{spec}", "--out", "{out}")

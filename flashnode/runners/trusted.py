@@ -42,8 +42,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from flashnode import cgroups, diskuse, procs
-from flashnode.background import Background
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import MODULES, Task
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -51,8 +51,8 @@ from flashnode.errors import (
     ExitCode,
     PrerequisiteError,
 )
-from flashnode.logcap import latest_line
-from flashnode.preflight import SERVICE_UNIT, Finding, Ok, Problem
+from flashnode.owner.unitview import SERVICE_UNIT
+from flashnode.runners.background import Background
 from flashnode.runners.base import (
     Handle,
     Runner,
@@ -61,6 +61,7 @@ from flashnode.runners.base import (
     StartSpec,
     SuspendFailed,
 )
+from flashnode.runners.findings import Finding, Ok, Problem
 from flashnode.runners.spec import (
     WORK,
     cuda_visible,
@@ -70,9 +71,10 @@ from flashnode.runners.spec import (
     module_argv,
     write_module_spec,
 )
-from flashnode.settings import Settings
-from flashnode.wire import MODULES, Task
-from flashnode.workspace import Workspace
+from flashnode.sandbox import cgroups, diskuse, procs
+from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.logcap import latest_line
+from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +438,7 @@ class TrustedRunner(Runner):
         assert self.hierarchy is not None
         token = procs.new_token()[:8]
         try:
-            cgroup = self.hierarchy.create(f"{self._ahead_prefix}{slot}-{token}", cgroups.Limits())
+            cgroup = self.hierarchy.create(f"{self._ahead_prefix}{slot}-{token}", Limits())
         except OSError as exc:
             log.debug("slot %d: no cgroup ahead: %s", slot, exc)
             return
@@ -615,7 +617,7 @@ class TrustedRunner(Runner):
     def _launch(
         self,
         cwd: Path,
-        limits: cgroups.Limits,
+        limits: Limits,
         user: procs.TaskUser | None,
         sandbox: procs.Sandbox | None,
         program: str,

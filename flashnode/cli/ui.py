@@ -1,0 +1,82 @@
+"""``flashnode ui``: a login link to the running agent's console.
+
+The link is minted from the key the agent wrote for the level this user may read (``console.json``
+for root, the owner; ``console-view.json`` for group ``flashnode``, who may only look), good for
+ten minutes and one login. It is printed, and opened in a browser where one is available: not as
+root (a browser should not run as root) and not with ``--print-url``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from flashnode.cli.common import config_option, needs_root, state_dir_of, state_dir_option, stop
+from flashnode.errors import ExitCode
+from flashnode.owner import status
+
+NO_AGENT = 3  # as `flashnode status`
+
+
+@click.command("ui")
+@config_option
+@state_dir_option
+@click.option("--print-url", is_flag=True, help="Only print the link; open no browser.")
+def ui(config_file: Path | None, state_dir: Path | None, print_url: bool) -> None:
+    """A login link to the running agent's console (good for 10 minutes, once)."""
+    from flashnode.console import auth
+
+    directory = state_dir_of(config_file, state_dir)
+    try:
+        snapshot = status.read(directory, strict=True)
+    except PermissionError:
+        needs_root(f"cannot read {directory / status.STATUS_FILE}", group=True)
+    if snapshot is None:
+        click.echo("flashnode: no agent is running on this state dir", err=True)
+        sys.exit(NO_AGENT)
+    found = auth.read_key_file(directory)
+    if found is None:
+        if any((directory / name).exists() for name in auth.KEY_FILES.values()):
+            stop(
+                ExitCode.FAILURE,
+                "the console's login keys are readable by root and group flashnode only:"
+                " run `sudo flashnode ui`",
+            )
+        stop(
+            ExitCode.FAILURE,
+            "the running agent serves no console (ui_listen is off, or its address was taken:"
+            " see the agent's log)",
+        )
+    level, key, url = found.get("level"), found.get("key"), found.get("url")
+    if (
+        level not in auth.LEVELS
+        or not isinstance(key, str)
+        or not isinstance(url, str)
+        or found.get("pid") != snapshot.get("pid")
+    ):
+        stop(ExitCode.FAILURE, "the console's login keys do not belong to the running agent")
+    try:
+        secret = bytes.fromhex(str(key))
+    except ValueError:
+        stop(ExitCode.FAILURE, "the console's login key is damaged; restart the agent")
+    link = f"{url}/login?token={auth.mint(level, secret, time.time())}"
+    click.echo(link)
+    if level == "view":
+        click.echo(
+            "(this login may only look; run `sudo flashnode ui` to change the node)", err=True
+        )
+    if not print_url and _may_open_browser():
+        import webbrowser
+
+        webbrowser.open(link)
+
+
+def _may_open_browser() -> bool:
+    """A graphical session of a user who is not root."""
+    if os.geteuid() == 0:
+        return False
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))

@@ -1,0 +1,460 @@
+"""The coordinator client: the only module that imports httpx.
+
+One method per endpoint (docs/protocol.md §3). What each status means is written once, in
+``STATUS``; everything a hostile or broken answer can raise (transport and protocol errors, invalid
+JSON, absurd nesting, a bad URL) becomes one of the exceptions of ``flashnode.errors`` here, at the
+boundary. Every answer, error answers included, is read with a size cap and a total deadline, so a
+huge or dripping response cannot exhaust memory or hang the agent. Redirects are never followed, so
+credentials never leave for another host. Ids are checked before they go into a URL.
+
+Why one module of this size: one method per endpoint and the one status table, so that httpx stays
+behind this boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+from urllib.parse import quote, urlsplit
+
+import httpx
+
+from flashnode import __version__
+from flashnode.config.settings import is_loopback
+from flashnode.coordinator.wire import (
+    SAFE_ID,
+    CheckpointManifest,
+    CheckpointPart,
+    CompleteRequest,
+    ExecutionEvidence,
+    NodeHeartbeat,
+    NodeRegistration,
+)
+from flashnode.errors import (
+    AttemptFailed,
+    AttemptLapsed,
+    CheckpointRefused,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    CredentialsError,
+    FlashnodeError,
+    LeaseLost,
+    NotFound,
+    PayloadTooLarge,
+    Unregistered,
+    disk_full,
+    disk_full_error,
+)
+
+API = "/v1alpha1"
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+ANSWER_DEADLINE_S = 60.0
+CHUNK = 1024 * 1024
+
+
+class Done(Exception):
+    """In ``STATUS``: the call needs nothing more (``fail`` on a lease already dead)."""
+
+
+# What a status means, per endpoint (docs/protocol.md §3.0). Not listed: 200/201/204 are answers,
+# 5xx is CoordinatorUnavailable (retry with backoff), 3xx a refused redirect, else CoordinatorError.
+STATUS: dict[str, dict[int, type[Exception]]] = {
+    "health": {},
+    "nodes": {},
+    "register": {401: CredentialsError, 403: CredentialsError},
+    "node heartbeat": {401: CredentialsError, 403: CredentialsError, 404: Unregistered},
+    "claim": {401: CredentialsError, 403: Unregistered},
+    "attempt heartbeat": {401: CredentialsError, 403: LeaseLost, 404: LeaseLost, 410: LeaseLost},
+    "complete": {401: CredentialsError, 403: LeaseLost, 404: LeaseLost, 410: LeaseLost},
+    "fail": {401: CredentialsError, 403: Done, 404: Done, 410: Done},
+    "upload": {401: CredentialsError, 403: LeaseLost, 410: LeaseLost, 413: PayloadTooLarge},
+    "download": {404: NotFound},
+    "checkpoint part": {401: CredentialsError, 403: LeaseLost, 410: LeaseLost},
+    "checkpoint commit": {
+        401: CredentialsError,
+        403: LeaseLost,
+        409: CheckpointRefused,
+        410: LeaseLost,
+    },
+    "checkpoint latest": {404: NotFound},
+}
+
+
+def _segment(value: str, what: str) -> str:
+    """An id for a URL path segment, checked against the protocol's charset."""
+    if not SAFE_ID.match(value):
+        raise CoordinatorError(f"refusing to put an unsafe {what} in a URL")
+    return value
+
+
+def _key(key: str) -> str:
+    return quote(key, safe="/")
+
+
+class Coordinator:
+    """A client for one coordinator. Thread-safe: httpx.Client may be shared between threads."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        join_code: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+        timeout: float = 30.0,
+        answer_deadline: float = ANSWER_DEADLINE_S,
+    ) -> None:
+        self._answer_deadline = answer_deadline
+        self._root = base_url
+        headers = {"User-Agent": f"flashnode/{__version__}"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._join_code = join_code
+        # Credentials in clear text to a loopback port: whoever holds the port gets them, and
+        # any local user can take it while the coordinator is down. Each new connection first
+        # checks who listens there (transport None: a real socket, not a test's stand-in).
+        parts = urlsplit(base_url)
+        self._guard = (
+            (parts.hostname, parts.port or 80)
+            if transport is None
+            and parts.scheme == "http"
+            and is_loopback(parts.hostname or "")
+            and (token or join_code)
+            else None
+        )
+        self._client = httpx.Client(
+            base_url=base_url + API,
+            headers=headers,
+            transport=transport,
+            follow_redirects=False,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            # Plain http (a loopback coordinator) has no certificate to verify: a context with
+            # no trusted certificate at all (any https use fails closed) instead of loading the
+            # trust store, 3 MB of an idle agent's memory.
+            verify=True if parts.scheme != "http" else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT),
+            trust_env=False,
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def health(self) -> None:
+        """GET /healthz: raises CoordinatorError unless the coordinator answers 200."""
+        self._call("health", "GET", self._root + "/healthz")
+
+    # --- nodes --------------------------------------------------------------------------------
+
+    def register(self, registration: NodeRegistration) -> str:
+        """Register (or re-register) this node; returns the effective node id."""
+        headers = {"X-FlashML-Join-Code": self._join_code} if self._join_code else {}
+        _, body = self._call(
+            "register",
+            "POST",
+            "/nodes/register",
+            json=registration.model_dump(mode="json"),
+            headers=headers,
+        )
+        node_id = _json(body, "register").get("node_id")
+        if not isinstance(node_id, str) or not SAFE_ID.match(node_id):
+            raise CoordinatorError("register answer carries no usable node_id")
+        return node_id
+
+    def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None:
+        node = _segment(heartbeat.node_id, "node id")
+        self._call(
+            "node heartbeat",
+            "POST",
+            f"/nodes/{node}/heartbeat",
+            json=heartbeat.model_dump(mode="json"),
+        )
+
+    def node_view(self, node_id: str) -> dict[str, Any] | None:
+        """The coordinator's view of one node (``GET /nodes``: its record, accepted tasks,
+        reliability, placement tier), as the coordinator sent it; None when it lists no such
+        node. What it holds is the coordinator's text: check and escape before showing it."""
+        _, body = self._call("nodes", "GET", "/nodes")
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):
+            raise CoordinatorError("nodes answer is not JSON") from None
+        if not isinstance(value, list):
+            raise CoordinatorError("nodes answer is not a list")
+        for node in value:
+            if isinstance(node, dict) and node.get("node_id") == node_id:
+                return node
+        return None
+
+    # --- leases -------------------------------------------------------------------------------
+
+    def claim(self, node_id: str) -> dict[str, Any] | None:
+        """Claim a lease: the raw lease object, or None when nothing is eligible for this node."""
+        status, body = self._call(
+            "claim", "POST", "/leases/claim", json={"node_id": node_id, "job_id": None}
+        )
+        if status == 204:
+            return None
+        return _json(body, "claim")
+
+    def attempt_heartbeat(self, lease_id: str) -> None:
+        self._call(
+            "attempt heartbeat", "POST", f"/attempts/{_segment(lease_id, 'lease id')}/heartbeat"
+        )
+
+    def complete(
+        self, lease_id: str, output_sha256: str, evidence: ExecutionEvidence
+    ) -> tuple[bool, str]:
+        """Commit; returns (accepted, detail). ``accepted`` False is final."""
+        req = CompleteRequest(output_sha256=output_sha256, evidence=evidence)
+        _, body = self._call(
+            "complete",
+            "POST",
+            f"/attempts/{_segment(lease_id, 'lease id')}/complete",
+            json=req.model_dump(mode="json"),
+        )
+        answer = _json(body, "complete")
+        detail = answer.get("detail")
+        return answer.get("accepted") is True, detail[:300] if isinstance(detail, str) else ""
+
+    def fail(self, lease_id: str, reason: str) -> None:
+        """Report a failed attempt. A dead or unknown lease needs nothing more."""
+        try:
+            self._call(
+                "fail",
+                "POST",
+                f"/attempts/{_segment(lease_id, 'lease id')}/fail",
+                json={"reason": reason},
+            )
+        except Done:
+            return
+
+    # --- artifacts ----------------------------------------------------------------------------
+
+    def upload(self, key: str, fh: BinaryIO, size: int) -> str:
+        """PUT exactly ``size`` bytes read from ``fh`` (an open file the caller checked), hashing
+        them on the way; returns their sha256 after checking that the coordinator stored the same
+        bytes. A file that ends early is AttemptFailed: it changed after it was checked."""
+        digest = hashlib.sha256()
+        _, body = self._call(
+            "upload",
+            "PUT",
+            f"/artifacts/{_key(key)}",
+            content=_exactly(fh, size, digest, key),
+            headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+        )
+        local = digest.hexdigest()
+        if _json(body, "upload").get("sha256") != local:
+            raise CoordinatorUnavailable(f"upload of {key} arrived corrupted (sha256 mismatch)")
+        return local
+
+    def download(
+        self, key: str, out: BinaryIO, max_bytes: int, stop: threading.Event | None = None
+    ) -> int:
+        """GET an artifact into ``out`` as a stream; returns its size. NotFound if missing;
+        CoordinatorError past ``max_bytes``; CoordinatorUnavailable when ``stop`` is set or the
+        transfer stalls (no byte for the client's read timeout); AttemptLapsed (``DiskFull``)
+        when ``out`` cannot be written: this node's fault, not the coordinator's."""
+        size = 0
+        try:
+            with self._client.stream("GET", f"/artifacts/{_key(key)}") as resp:
+                if resp.status_code != 200:
+                    self._check("download", resp.status_code, _read_capped(resp, "GET", key))
+                    raise CoordinatorError(f"download: unexpected {resp.status_code}")
+                for chunk in resp.iter_bytes():  # as it arrives: a stop is seen between reads
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise CoordinatorError(f"input {key} is larger than {max_bytes} bytes")
+                    if stop is not None and stop.is_set():
+                        raise CoordinatorUnavailable(f"download of {key} stopped")
+                    try:
+                        out.write(chunk)
+                    except OSError as exc:  # this node's disk, not the coordinator
+                        full = disk_full(exc)
+                        if full is not None:
+                            raise disk_full_error(full) from None
+                        raise AttemptLapsed(f"cannot write {key}: {exc.strerror}") from None
+                return size
+        except FlashnodeError:
+            raise
+        except Exception as exc:
+            raise _mapped(exc, f"download of {key}") from None
+
+    # --- checkpoints (docs/protocol.md §8) -------------------------------------------------------
+
+    def checkpoint_part(
+        self, job_id: str, task_id: str, lease_id: str, step: int, part: CheckpointPart
+    ) -> None:
+        self._call(
+            "checkpoint part",
+            "POST",
+            f"{_task_path(job_id, task_id)}/checkpoints/parts",
+            json={"attempt_id": lease_id, "step": step, "part": part.model_dump(mode="json")},
+        )
+
+    def checkpoint_commit(
+        self,
+        job_id: str,
+        task_id: str,
+        lease_id: str,
+        step: int,
+        parts: list[CheckpointPart],
+        storage_prefix: str,
+        world_size: int = 1,
+        framework: str = "",
+    ) -> None:
+        self._call(
+            "checkpoint commit",
+            "POST",
+            f"{_task_path(job_id, task_id)}/checkpoints/commit",
+            json={
+                "attempt_id": lease_id,
+                "step": step,
+                "expected_parts": [p.model_dump(mode="json") for p in parts],
+                "storage_prefix": storage_prefix,
+                "world_size": world_size,
+                "framework": framework,
+            },
+        )
+
+    def checkpoint_latest(self, job_id: str, task_id: str) -> CheckpointManifest | None:
+        """The task's newest valid checkpoint, None when it has none (or says nonsense)."""
+        try:
+            _, body = self._call(
+                "checkpoint latest", "GET", f"{_task_path(job_id, task_id)}/checkpoints/latest"
+            )
+        except NotFound:
+            return None
+        return CheckpointManifest.parse(_json(body, "checkpoint latest"))
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    def _call(self, what: str, method: str, path: str, **kwargs: Any) -> tuple[int, bytes]:
+        """One request; the answer is read with a size cap and a total deadline and its status
+        checked against ``STATUS``."""
+        if self._guard is not None:
+            _check_listener(*self._guard)
+        try:
+            with self._client.stream(method, path, **kwargs) as resp:
+                body = _read_capped(resp, method, path, self._answer_deadline)
+                status = resp.status_code
+        except FlashnodeError:
+            raise
+        except Exception as exc:
+            raise _mapped(exc, f"{method} {path}") from None
+        self._check(what, status, body)
+        return status, body
+
+    @staticmethod
+    def _check(what: str, status: int, body: bytes) -> None:
+        if status in (200, 201, 204):
+            return
+        meaning = STATUS[what].get(status)
+        detail = _detail(body)
+        if meaning is Done:
+            raise Done()
+        if meaning is not None:
+            if issubclass(meaning, CoordinatorError):
+                raise meaning(f"{what}: {status} {detail}", status)
+            raise meaning(f"{what} refused ({status}: {detail})")
+        if status >= 500:
+            raise CoordinatorUnavailable(f"{what}: {status} {detail}", status)
+        if 300 <= status < 400:
+            raise CoordinatorError(f"{what}: redirect {status} refused", status)
+        raise CoordinatorError(f"{what}: {status} {detail}", status)
+
+
+def _check_listener(host: str | None, port: int) -> None:
+    """Refuse (as a transport error: retried) when the loopback port is held by a user other
+    than root or this agent's: credentials never go to a local squatter."""
+    owners = listener_uids(port)
+    strangers = owners - {0, os.geteuid()}
+    if strangers:
+        raise CoordinatorUnavailable(
+            f"{host}:{port} is held by uid {min(strangers)}, not by root or this agent's user:"
+            " no credentials are sent there"
+        )
+
+
+def listener_uids(port: int) -> set[int]:
+    """The uids owning TCP sockets that listen on ``port`` (loopback or any address)."""
+    found: set[int] = set()
+    want = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[3] == "0A" and fields[1].endswith(want):
+                        found.add(int(fields[7]))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _task_path(job_id: str, task_id: str) -> str:
+    return f"/jobs/{_segment(job_id, 'job id')}/tasks/{_segment(task_id, 'task id')}"
+
+
+def _read_capped(
+    resp: httpx.Response, method: str, path: str, deadline_s: float = ANSWER_DEADLINE_S
+) -> bytes:
+    deadline = time.monotonic() + deadline_s
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in resp.iter_bytes():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise CoordinatorError(f"{method} {path}: answer larger than {MAX_ANSWER_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise CoordinatorUnavailable(f"{method} {path}: answer too slow")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _mapped(exc: Exception, what: str) -> CoordinatorError:
+    """Transport and protocol errors are worth a retry; anything else the HTTP stack raised (an
+    invalid URL, a protocol violation of our own making) is not."""
+    text = f"{type(exc).__name__}: {exc}"[:300] if str(exc) else type(exc).__name__
+    if isinstance(exc, (httpx.TransportError, httpx.StreamError, OSError)):
+        return CoordinatorUnavailable(f"{what}: {text}")
+    return CoordinatorError(f"{what}: {text}")
+
+
+def _json(body: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        raise CoordinatorError(f"{what} answer is not JSON") from None
+    if not isinstance(value, dict):
+        raise CoordinatorError(f"{what} answer is not a JSON object")
+    return value
+
+
+def _detail(body: bytes) -> str:
+    """The ``detail`` of an error answer, on one line; never a page of HTML."""
+    try:
+        value = json.loads(body)
+        detail = value.get("detail", "") if isinstance(value, dict) else ""
+    except (ValueError, RecursionError):
+        head = body[:200].decode("utf-8", "replace").lstrip()
+        if head[:1] == "<":
+            return "an HTML page, not a coordinator's answer"
+        detail = head
+    text = detail if isinstance(detail, str) else json.dumps(detail)[:300]
+    return " ".join(text.split())[:300]
+
+
+def _exactly(fh: BinaryIO, size: int, digest: Any, key: str) -> Iterator[bytes]:
+    left = size
+    while left > 0:
+        chunk = fh.read(min(CHUNK, left))
+        if not chunk:
+            raise AttemptFailed(f"{key.rsplit('/', 1)[-1]} shrank while it was uploaded")
+        digest.update(chunk)
+        left -= len(chunk)
+        yield chunk

@@ -1,0 +1,185 @@
+"""NVIDIA GPUs through NVML: the only module that imports pynvml (the nvidia-ml-py binding),
+and only where the NVML library loads (the binding costs an agent without GPUs 2 MB).
+
+No NVML library or no driver means no GPUs (and one log line), never a crash. Every reading
+that fails is None, never 0.
+
+MIG: a GPU with MIG mode enabled is not handed out whole. Each of its MIG devices becomes one
+GPU of this node (name "<GPU name> MIG <n>", its own memory), handed to tasks by its UUID in
+``CUDA_VISIBLE_DEVICES``. NVML reports no utilisation for MIG devices, so their figures are None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from typing import Any
+
+from flashnode.coordinator.wire import GpuInfo
+from flashnode.evidence.gpupool import Device
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "libnvidia-ml.so.1"  # what pynvml itself loads on Linux
+
+
+class Nvml:
+    """An initialised NVML session. ``Nvml.open`` returns None where there is no NVML."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.devices: list[Device] = []
+
+    @classmethod
+    def open(cls, library: str | None = None) -> Nvml | None:
+        try:
+            lib = ctypes.CDLL(library or LIBRARY)
+        except OSError as exc:
+            log.info("no NVIDIA GPUs: NVML is not available (%s)", _describe(exc))
+            return None
+        import pynvml
+
+        try:
+            if pynvml.nvmlLib is None:
+                pynvml.nvmlLib = lib
+            pynvml.nvmlInit()
+        except (pynvml.NVMLError, OSError) as exc:
+            log.info("no NVIDIA GPUs: NVML is not available (%s)", _describe(exc))
+            return None
+        nvml = cls()
+        nvml.devices = nvml._read_devices()
+        return nvml
+
+    def close(self) -> None:
+        import pynvml
+
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+    def refresh(self) -> list[Device]:
+        """Read the devices again (on re-registration)."""
+        with self._lock:
+            self.devices = self._read_devices()
+        return self.devices
+
+    def _read_devices(self) -> list[Device]:
+        import pynvml
+
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            log.warning("NVML cannot count GPUs (%s): reporting none", _describe(exc))
+            return []
+        driver = _read(pynvml.nvmlSystemGetDriverVersion) or ""
+        devices: list[Device] = []
+        for i in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            except pynvml.NVMLError as exc:
+                log.warning("NVML cannot open GPU %d (%s): skipping it", i, _describe(exc))
+                continue
+            name = _read(pynvml.nvmlDeviceGetName, handle) or ""
+            mig = _read(pynvml.nvmlDeviceGetMigMode, handle)
+            if mig and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
+                devices.extend(self._mig_devices(handle, name, driver, len(devices)))
+                continue
+            devices.append(
+                Device(
+                    GpuInfo(
+                        index=len(devices),
+                        name=name,
+                        memory_total_mb=_memory_mb(handle),
+                        driver_version=driver,
+                        compute_capability=_capability(handle),
+                    ),
+                    visible=str(i),
+                    handle=handle,
+                    minor=_read(pynvml.nvmlDeviceGetMinorNumber, handle),
+                )
+            )
+        return devices
+
+    def _mig_devices(self, parent: Any, name: str, driver: str, first: int) -> list[Device]:
+        import pynvml
+
+        found: list[Device] = []
+        for m in range(_read(pynvml.nvmlDeviceGetMaxMigDeviceCount, parent) or 0):
+            handle = _read(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, parent, m)
+            uuid = handle is not None and _read(pynvml.nvmlDeviceGetUUID, handle)
+            if not uuid:
+                continue
+            found.append(
+                Device(
+                    GpuInfo(
+                        index=first + len(found),
+                        name=f"{name} MIG {m}",
+                        memory_total_mb=_memory_mb(handle),
+                        driver_version=driver,
+                        compute_capability=_capability(parent),
+                    ),
+                    visible=str(uuid),
+                    handle=None,  # no utilisation for MIG devices
+                    minor=_read(pynvml.nvmlDeviceGetMinorNumber, parent),
+                )
+            )
+        return found
+
+    # --- readings (None when unreadable) ----------------------------------------------------
+
+    def utilization(self, device: Device) -> float | None:
+        import pynvml
+
+        if device.handle is None:
+            return None
+        rates = _read(pynvml.nvmlDeviceGetUtilizationRates, device.handle)
+        return float(rates.gpu) if rates is not None else None
+
+    def process_utilization(
+        self, device: Device, since_us: int
+    ) -> list[tuple[int, float, int]] | None:
+        """(pid, SM utilisation %, timestamp µs) samples newer than ``since_us``; [] when no
+        process used the GPU meanwhile; None when unreadable."""
+        import pynvml
+
+        if device.handle is None:
+            return None
+        try:
+            samples = pynvml.nvmlDeviceGetProcessUtilization(device.handle, since_us)
+        except pynvml.NVMLError as exc:
+            if isinstance(exc, pynvml.NVMLError_NotFound):
+                return []
+            return None
+        return [(int(s.pid), float(s.smUtil), int(s.timeStamp)) for s in samples]
+
+
+def _read(fn: Any, *args: Any) -> Any:
+    import pynvml
+
+    try:
+        value = fn(*args)
+    except pynvml.NVMLError:
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _memory_mb(handle: Any) -> int | None:
+    import pynvml
+
+    info = _read(pynvml.nvmlDeviceGetMemoryInfo, handle)
+    return int(info.total) // (1024 * 1024) if info is not None else None
+
+
+def _capability(handle: Any) -> str:
+    import pynvml
+
+    cc = _read(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+    return f"{cc[0]}.{cc[1]}" if cc else ""
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return str(exc) or type(exc).__name__
+    except Exception:  # pynvml's __str__ can itself call into a missing library
+        return type(exc).__name__

@@ -1,0 +1,66 @@
+"""The node's GPUs as a pool: each handed to at most one running attempt at a time."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from flashnode.coordinator.wire import GpuInfo
+from flashnode.errors import AttemptFailed
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU of this node: what is registered, and how a task is pointed at it."""
+
+    info: GpuInfo
+    visible: str  # its CUDA_VISIBLE_DEVICES name: the NVML index, or a MIG device's UUID
+    handle: Any = None  # the NVML handle, None where NVML reports no utilisation
+    minor: int | None = None  # its /dev/nvidia<minor> (a MIG device: its GPU's), where known
+
+    @property
+    def device_file(self) -> str | None:
+        """The device file that opens this GPU, where known."""
+        if self.minor is not None:
+            return f"/dev/nvidia{self.minor}"
+        return f"/dev/nvidia{self.visible}" if self.visible.isdigit() else None
+
+
+class GpuPool:
+    def __init__(self, devices: list[Device] | None = None) -> None:
+        self._lock = threading.Lock()
+        self.devices: list[Device] = list(devices or [])
+        self._held: set[str] = set()
+
+    def set_devices(self, devices: list[Device]) -> None:
+        """Take a fresh inventory; GPUs still held stay held."""
+        with self._lock:
+            self.devices = list(devices)
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return sum(1 for d in self.devices if d.visible not in self._held)
+
+    def acquire(self, count: int) -> list[Device]:
+        """``count`` GPUs no other attempt holds, or AttemptFailed with the reason."""
+        if count <= 0:
+            return []
+        with self._lock:
+            if count > len(self.devices):
+                raise AttemptFailed(
+                    f"task asks for {count} GPU(s); this node has {len(self.devices)}"
+                )
+            free = [d for d in self.devices if d.visible not in self._held]
+            if count > len(free):
+                raise AttemptFailed(
+                    f"task asks for {count} GPU(s); {len(free)} of this node's are free now"
+                )
+            taken = free[:count]
+            self._held.update(d.visible for d in taken)
+            return taken
+
+    def release(self, devices: list[Device]) -> None:
+        with self._lock:
+            self._held.difference_update(d.visible for d in devices)

@@ -1,0 +1,709 @@
+"""The main loop: register, node heartbeat, claim, hand attempts to slots, drain.
+
+``run`` has three phases, as uvicorn's server does: ``startup`` (reap what an earlier run left,
+resume the outbox), the loop, and ``shutdown``, which runs in every case (a drain, a second
+signal, refused credentials, a bug) and stops, ends and records every running attempt before the
+agent returns.
+
+It imports no edge: the coordinator, the runner, the clock and the way attempts are started are
+all given to it, so tests drive it with fakes and a fake clock. Signal handlers (in the CLI) only
+call ``request_stop``/``request_reload``; the loop acts on them.
+
+The owner's controls (``controls.py``) are evaluated every turn: the node claims only while no
+rule holds; ``flashnode pause --now`` stops running attempts as an ending that is not the task's
+fault; a rule named in ``suspend_when`` suspends running tasks until it clears. Heartbeats go on
+throughout: a paused node is online and says why it takes no work.
+
+Why one module of this size: the loop, its three phases, the owner controls it applies and what it
+publishes share one state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from flashnode.attempt import Attempt, AttemptContext, Outcome
+from flashnode.attempt.record import State
+from flashnode.clock import Clock, stamp
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import SAFE_ID, NodeHeartbeat, NodeRegistration
+from flashnode.errors import (
+    AttemptFailed,
+    AttemptLapsed,
+    CoordinatorError,
+    CredentialsError,
+    FlashnodeError,
+    Stopped,
+    Unregistered,
+)
+from flashnode.evidence.gpupool import Device
+from flashnode.node.controls import Controls, Decision, Hold, Rules
+from flashnode.node.guard import Ending, Quarantine, RevokedBackoff
+from flashnode.node.pacing import Pacing
+from flashnode.owner import status
+from flashnode.owner.status import StatusSink
+from flashnode.sandbox.diskuse import Space
+from flashnode.sandbox.workspace import remove_stale_workspaces
+
+log = logging.getLogger(__name__)
+
+TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
+SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
+
+
+class AgentCoordinator(Protocol):
+    def register(self, registration: NodeRegistration) -> str: ...
+    def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None: ...
+    def claim(self, node_id: str) -> dict[str, Any] | None: ...
+
+
+class _Quiet:
+    """No systemd, no terminal: status goes nowhere."""
+
+    def status(self, text: str) -> None:
+        pass
+
+    def send(self, **fields: str | int) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+@dataclass
+class Stats:
+    started: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def count(self, outcome: Outcome) -> None:
+        self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
+
+
+class Agent:
+    def __init__(
+        self,
+        ctx: AttemptContext,
+        coordinator: AgentCoordinator,
+        registration: Callable[[Settings], NodeRegistration],
+        clock: Clock | None = None,
+        reload: Callable[[], Settings] | None = None,
+        space: Callable[[], Space | None] | None = None,
+        sink: StatusSink | None = None,
+        on_settings: Callable[[Settings], None] | None = None,
+        controls: Controls | None = None,
+        health: Callable[[Settings], list[str]] | None = None,
+        status_extra: dict[str, Any] | None = None,
+        totals: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """``controls``: the owner's rules (None: none). ``space``: the state dir's disk now
+        (default: ``ctx.space``). ``health``: this node's own checks for the given
+        settings, as one line per problem (the preflight; none: always healthy).
+        ``status_extra``: more for status.json (what owners' commands may use to reach it).
+        ``totals``: what this node gave, today and all time (from the ledger: it survives
+        restarts), for status.json. Counts go to ``ctx.metrics``."""
+        self.ctx = ctx
+        self.controls = controls
+        self.metrics = ctx.metrics
+        self.decision = Decision()  # the owner controls' latest word
+        self.sink: StatusSink = sink or _Quiet()
+        self._pid = os.getpid()
+        self._published = ""
+        self._published_beats = -1
+        self._beats = 0
+        self._last_beat_wall: float | None = None
+        self.settings = ctx.settings
+        self.coordinator = coordinator
+        self.registration = registration
+        self._reload_settings = reload
+        self._on_settings = on_settings
+        self._space = space or ctx.space
+        self._health = health
+        self._status_extra = dict(status_extra or {})
+        self._totals = totals
+        self._reload_requested = False
+        self._reloading = False
+        self._reload_refused: dict[str, Any] | None = None  # the last refused reload: at, reason
+        self._low_disk = False
+        self.clock = clock or ctx.clock
+        rng, s = ctx.rng, self.settings
+        self.pacing = Pacing(s, rng)  # when to talk to the coordinator next (a fleet's pace)
+        # The node's own holds: the black-hole guard and the backoff after a revoked lease.
+        self.quarantine = Quarantine(s.quarantine_after, s.quarantine_check_seconds, self.clock)
+        self.revoked = RevokedBackoff(self.clock, rng)
+        self._status_failing = False
+        self._last_ended: dict[str, Any] | None = None  # the latest attempt's end, for status
+        self.node_id = ""
+        self.stats = Stats()
+        self.running: dict[int, Attempt] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._registered = False
+        self._problems: dict[str, float] = {}  # conversation -> since when it fails
+        self._problem_errors: dict[str, str] = {}  # conversation -> its latest error
+        self._started_wall = self.clock.wall()
+        self._next_heartbeat = 0.0
+        self._next_claim = 0.0
+        self._next_register = 0.0
+        self._draining = False
+        self._drain_started = False
+        self._drain_deadline = 0.0
+        self._extend_at = 0.0
+        self._stop_now = False
+
+    # --- control (safe to call from a signal handler: sets flags only) ------------------------
+
+    def request_stop(self) -> None:
+        """First call: drain. Second call: stop now, still cleaning up."""
+        if self._draining:
+            self._stop_now = True
+        self._draining = True
+
+    def request_reload(self) -> None:
+        """Re-read the configuration (pools, limits) and register again."""
+        self._reload_requested = True
+
+    # --- the three phases ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until drained, stopped, or ``max_tasks`` attempts have finished. Refused
+        credentials end the loop and are raised again once every attempt is stopped."""
+        self.startup()
+        fatal: BaseException | None = None
+        try:
+            self._loop()
+        except CredentialsError as exc:
+            log.error("the coordinator refused this node's credentials: %s", exc)
+            fatal = exc
+        except BaseException as exc:
+            fatal = exc
+            raise
+        finally:
+            self.shutdown(fatal is not None)
+        if fatal is not None:
+            raise fatal
+
+    def startup(self) -> None:
+        """Before any claim: reap what an earlier run of this agent left running, commit the
+        results it finished (the outbox), let the rest lapse, and remove workspaces no record
+        names."""
+        outbox = self.ctx.outbox
+        for lease_id in outbox.leases():
+            try:
+                self._recover(lease_id)
+            except Exception:  # one bad leftover must not keep the agent from starting
+                log.exception("lease %s: recovery failed; dropping its record", lease_id)
+                outbox.remove(lease_id)
+        try:
+            self.ctx.runner.reconcile()
+            keep = set(outbox.leases())
+            stale = remove_stale_workspaces(self.settings.state_dir / "attempts", keep=keep)
+            for lease_id in stale:  # ended by a crash before its task started: no record
+                self._ledger_lapsed(lease_id, "agent restarted before the task started")
+        except Exception:
+            log.exception("cleaning up after an earlier run failed")
+        self.sink.send(READY=1)
+
+    def _recover(self, lease_id: str) -> None:
+        outbox = self.ctx.outbox
+        record = outbox.read(lease_id)
+        if record is None:
+            outbox.remove(lease_id)
+            return
+        if record.process:
+            self.ctx.runner.reap(record.process)
+        attempt = Attempt(self.ctx, record.lease, record.slot, record=record)
+        if record.state is State.FINISHED:
+            outcome = attempt.resume()
+        else:
+            outcome = attempt.abandon("agent restarted")
+        self.stats.count(outcome)
+
+    def _ledger_lapsed(self, lease_id: str, reason: str) -> None:
+        if not SAFE_ID.match(lease_id):
+            return
+        log.warning("lease %s: %s; letting its lease lapse", lease_id, reason)
+        entry = {"lease_id": lease_id, "outcome": Outcome.LAPSED.value, "reason": reason}
+        try:
+            self.ctx.ledger.append({**entry, "ended_at": self.clock.wall()})
+        except OSError as exc:
+            log.error("lease %s: cannot write the ledger: %s", lease_id, exc)
+        self.stats.count(Outcome.LAPSED)
+
+    def _loop(self) -> None:
+        while True:
+            self.sink.tick()
+            now = self.clock.monotonic()
+            self._drain_tick(now)
+            self._owner_controls()
+            if self.ctx.ledger.pending:  # lines a full disk kept back
+                self.ctx.ledger.flush()
+            if self._stop_now:
+                self._cancel_all(Stopped("agent stopping"), grace=0.0)
+            elif self._draining and now >= self._drain_deadline:
+                self._cancel_all(Stopped("node draining"), self.settings.kill_grace_seconds)
+            if not self.running and (self._draining or self._quota_spent()):
+                return
+            if self._reload_requested and not self._reloading:
+                self._reload_requested = False
+                self._reload()
+            if not self._registered:
+                if now >= self._next_register:
+                    self._register()
+            else:
+                if now >= self._next_heartbeat:
+                    self._heartbeat()
+                if self._may_claim() and now >= self._next_claim:
+                    self._claim()
+                    self._publish()
+                    continue
+            self._publish()
+            wake_at = self._next_heartbeat if self._registered else self._next_register
+            if self._may_claim():
+                wake_at = min(wake_at, self._next_claim)
+            self.clock.wait(self._wake, min(max(wake_at - now, 0.0), TICK))
+            self._wake.clear()
+
+    def shutdown(self, abrupt: bool = False) -> None:
+        """Stop every running attempt (left to lapse: not the tasks' fault), wait for each to
+        end and be recorded, say goodbye to the coordinator, publish the final status."""
+        s = self.settings
+        with self._lock:
+            left = list(self.running.values())
+        if left:
+            log.info("stopping %d running attempt(s)", len(left))
+            self._cancel_all(Stopped("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds)
+            deadline = self.clock.monotonic() + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
+            while self.running and self.clock.monotonic() < deadline:
+                self.sink.tick()
+                self.clock.wait(self._wake, TICK)
+                self._wake.clear()
+            if self.running:
+                log.error("%d attempt(s) did not end in time", len(self.running))
+        if self._registered and not abrupt:
+            with contextlib.suppress(CoordinatorError, CredentialsError):
+                self.coordinator.node_heartbeat(
+                    NodeHeartbeat(node_id=self.node_id, status="terminating")
+                )
+        try:
+            self.ctx.runner.close()
+        except Exception:  # the last status and log line must still be written
+            log.exception("closing the runner failed")
+        self._publish(final=True)
+        log.info("agent stopped: %s", self.stats.outcomes)
+
+    # --- the owner's controls ------------------------------------------------------------------
+
+    def _owner_controls(self) -> None:
+        """Evaluate the owner's rules; stop or suspend running attempts as they say. Add the
+        node's own holds (a full disk, the quarantine, the backoff after a revoked lease): they
+        hold claiming and say why, but stop or suspend nothing."""
+        d = self.controls.evaluate() if self.controls else Decision()
+        if self.quarantine.check_due():
+            self._check_health()
+        self.decision = d.holding(self._disk_hold(), self.quarantine.hold(), self.revoked.hold())
+        with self._lock:
+            attempts = list(self.running.values())
+        for attempt in attempts:
+            # Not the task's fault: the lease is given back, no `fail`. A finished result (its
+            # task ran, its outputs are spooled) is still committed: the pause stops tasks.
+            if d.stop_reason and attempt.record.state is not State.FINISHED:
+                attempt.cancel(Stopped(d.stop_reason), self.settings.kill_grace_seconds)
+            attempt.request_suspension(d.suspend_reason)
+        suspended = sum(a.suspended_since is not None for a in attempts)
+        self.metrics.set_running(len(attempts), suspended)
+        self.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
+
+    def _check_health(self) -> None:
+        """The quarantine's check, on a thread of its own (the preflight takes seconds)."""
+        health, settings = self._health, self.settings
+
+        def check() -> None:
+            try:
+                problems = health(settings) if health is not None else []
+            except Exception as exc:  # a check that cannot run is a failing one
+                log.exception("the quarantine's check failed to run")
+                problems = [f"the checks could not run ({type(exc).__name__})"]
+            self.quarantine.checked(problems)
+            self._wake.set()
+
+        self.ctx.start_thread(check, "quarantine-check")
+
+    def _disk_hold(self) -> Hold | None:
+        """Below ``min_free_bytes`` free in the state dir (or its share of the inodes), claim
+        nothing; say so once."""
+        space = self._space()
+        short = space.short(self.settings.min_free_bytes) if space is not None else None
+        if short and not self._low_disk:
+            log.warning("not claiming: the state dir has %s", short)
+        elif self._low_disk and not short:
+            log.info("free space is back above the floor; claiming again")
+        self._low_disk = bool(short)
+        if space is None or not short:
+            return None
+        what = "the state dir's disk is full" if space.full() else "low disk"
+        return Hold(
+            "disk",
+            f"{what}: {short}; claims resume above it",
+            fix=f"free space on the disk of {self.settings.state_dir} (`flashnode envs prune`"
+            " evicts unused job environments), or lower min_free_bytes",
+        )
+
+    def task_cpu(self) -> dict[str, float] | None:
+        """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule);
+        None when one of them cannot be measured, so that the rule never mistakes this node's
+        own tasks for other programs."""
+        with self._lock:
+            attempts = list(self.running.items())
+        found: dict[str, float] = {}
+        for key, attempt in attempts:
+            seconds = attempt.cpu_seconds()
+            if seconds is None:
+                return None
+            found[str(key)] = seconds
+        return found
+
+    # --- draining -----------------------------------------------------------------------------
+
+    def _drain_tick(self, now: float) -> None:
+        s = self.settings
+        if self._draining and not self._drain_started:
+            self._drain_started = True
+            self._drain_deadline = now + s.drain_seconds
+            log.info("draining: no new claims; %d attempt(s) running", len(self.running))
+            self.sink.send(STOPPING=1)
+            self._next_heartbeat = now
+        if self._draining and now >= self._extend_at:
+            # Tell systemd the stop takes longer: what is left of the drain, the kill grace,
+            # and a margin for the last commits.
+            left = max(self._drain_deadline - now, 0.0) + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
+            self.sink.send(EXTEND_TIMEOUT_USEC=int(left * 1e6))
+            self._extend_at = now + 5
+
+    # --- what the agent is doing: systemd STATUS, the terminal line, status.json ---------------
+
+    def _status_text(self, running: list[dict[str, Any]]) -> str:
+        if self._draining:
+            text = f"draining: {len(running)} attempt(s) running"
+            if running and self._drain_started:
+                by = self._wall_of(self._drain_deadline)
+                text += f", stopped by {stamp(by)} at the latest (drain_seconds)"
+            return text
+        if self._problems:
+            since = min(self._problems.values())
+            what = ", ".join(sorted(self._problems))
+            return f"coordinator unreachable since {stamp(self._wall_of(since))} ({what})"
+        held = self.decision.hold_reason
+        wall = self.clock.wall()
+        text = "; ".join(status.attempt_line(a, wall) for a in running) or "idle"
+        if running:
+            text = "running " + text
+        return f"{text} | not claiming: {held}" if held else text
+
+    def _wall_of(self, monotonic: float) -> float:
+        """A moment on the monotonic clock, on the wall clock."""
+        return self.clock.wall() - (self.clock.monotonic() - monotonic)
+
+    def _coordinator_problems(self) -> list[dict[str, Any]]:
+        """Each failing conversation with the coordinator: since when, its latest error."""
+        offset = self.clock.wall() - self.clock.monotonic()
+        return [
+            {
+                "conversation": what,
+                "since": since + offset,
+                "error": self._problem_errors.get(what, ""),
+                "fix": "check that the coordinator runs and that this machine reaches"
+                f" {self.settings.coordinator} (`flashnode doctor` checks it); the agent keeps"
+                " trying",
+            }
+            for what, since in sorted(self._problems.items())
+        ]
+
+    def _publish(self, final: bool = False) -> None:
+        with self._lock:
+            attempts = list(self.running.values())
+        running = [a.snapshot() for a in attempts if a.lease is not None]
+        text = "stopped" if final else self._status_text(running)
+        self.sink.status(text)
+        if text == self._published and self._beats == self._published_beats and not final:
+            return
+        self._published, self._published_beats = text, self._beats
+        snapshot = {
+            "pid": None if final else self._pid,
+            "node_id": self.node_id,
+            "coordinator": self.settings.coordinator,
+            "runner": self.settings.runner,
+            "pools": list(self.settings.pools),
+            "state": text,
+            "draining": self._draining,
+            "registered": self._registered,
+            "started_at": self._started_wall,
+            "last_heartbeat_at": self._last_beat_wall,
+            "coordinator_problems": self._coordinator_problems(),
+            "counters": dict(self.stats.outcomes),
+            "totals": self._read_totals(),
+            "running": running,
+            "controls": self.decision.snapshot(),
+            "last_ended": self._last_ended,
+            "reload_refused": self._reload_refused,
+            "updated_at": self.clock.wall(),
+            **self._status_extra,
+        }
+        try:
+            status.write(self.settings.state_dir, snapshot)
+        except OSError as exc:
+            if not self._status_failing:
+                log.error("cannot write status.json (%s): `flashnode status` lags", exc.strerror)
+            self._status_failing = True
+            return
+        if self._status_failing:
+            self._status_failing = False
+            log.info("status.json is written again")
+
+    def _read_totals(self) -> dict[str, Any] | None:
+        if self._totals is None:
+            return None
+        try:
+            return self._totals()
+        except Exception:  # the totals are for the owner's eyes: never the loop's end
+            log.exception("cannot read the totals from the ledger")
+            return None
+
+    def _quota_spent(self) -> bool:
+        m = self.settings.max_tasks
+        return m is not None and self.stats.started >= m
+
+    @property
+    def slots(self) -> int:
+        """Attempts run at once: ``slots``, or with ``auto`` one per GPU (1 without GPUs)."""
+        return effective_slots(self.settings, len(self.ctx.gpus.devices))
+
+    def _free_slot(self) -> int | None:
+        with self._lock:
+            used = {a.record.slot for a in self.running.values()}
+        return next((i for i in range(self.slots) if i not in used), None)
+
+    def _may_claim(self) -> bool:
+        """Claim only with a free slot that could serve a task: on a GPU node, a free GPU."""
+        if not self._registered or self._draining or self._quota_spent() or self._reloading:
+            return False
+        if not self.decision.may_claim:
+            return False
+        gpus = self.ctx.gpus
+        if self._free_slot() is None or (gpus.devices and gpus.free == 0):
+            return False
+        return self.ctx.runner.ready()
+
+    # --- coordinator conversations ------------------------------------------------------------
+
+    def _register(self) -> None:
+        now = self.clock.monotonic()
+        try:
+            self.node_id = self.coordinator.register(self.registration(self.settings))
+        except CoordinatorError as exc:
+            self._failing("registration", exc)
+            answered = self.clock.monotonic()
+            self._next_register = answered + self.pacing.register_failed(answered - now)
+            return
+        self._registered = True
+        self._working("registration")
+        self.pacing.registered()
+        log.info("registered as node %s", self.node_id)
+
+    def _forgotten(self, what: str) -> None:
+        """The coordinator forgot this node (it restarted): register again after the pacing's
+        spread (a fleet noticed together), then claim at once."""
+        log.info("coordinator %s: registering again", what)
+        self._registered = False
+        now = self.clock.monotonic()
+        self._next_register = now + self.pacing.rejoin()
+        self._next_claim = 0.0
+
+    def _heartbeat(self) -> None:
+        self._next_heartbeat = self.clock.monotonic() + self.pacing.heartbeat()
+        heartbeat = NodeHeartbeat(
+            node_id=self.node_id, status="draining" if self._draining else "online"
+        )
+        try:
+            self.coordinator.node_heartbeat(heartbeat)
+        except Unregistered:
+            self._forgotten("forgot this node")
+            return
+        except CoordinatorError as exc:
+            self._failing("node heartbeat", exc)
+            return
+        self._working("node heartbeat")
+        self._beats += 1
+        self._last_beat_wall = self.clock.wall()
+
+    def _reload(self) -> None:
+        """Re-read the configuration now; the runner's slow part (probes, import checks) runs
+        on its own thread while the loop, its heartbeats and the watchdog go on."""
+        if self._reload_settings is None:
+            return
+        try:
+            new = self._reload_settings()
+        except FlashnodeError as exc:
+            log.error("reload refused, keeping the running configuration: %s", exc)
+            self._refused(str(exc))
+            return
+        fixed = ("coordinator", "runner", "state_dir", "node_id", "token", "join_code", "task_user")
+        changed = [k for k in fixed if getattr(new, k) != getattr(self.settings, k)]
+        if changed:
+            log.error("reload refused: changing %s needs a restart", ", ".join(changed))
+            self._refused(f"changing {', '.join(changed)} needs a restart")
+            return
+        self._reloading = True
+
+        def reconfigure() -> None:
+            try:
+                self.ctx.runner.reconfigure(new)
+            except Exception as exc:  # a reload must never take the agent down
+                log.error("reload failed, keeping the running configuration: %s", exc)
+                self._refused(str(exc))
+                self._reloading = False
+                return
+            for key in ("metrics_listen", "ui_listen"):
+                if getattr(new, key) != getattr(self.settings, key):
+                    log.warning("%s changes at the next start of the agent", key)
+            self.settings = self.ctx.settings = new
+            self.quarantine.after = new.quarantine_after
+            self.quarantine.check_seconds = new.quarantine_check_seconds
+            if self.controls is not None:
+                self.controls.reconfigure(Rules.from_settings(new))
+            if self._on_settings is not None:
+                self._on_settings(new)
+            log.info(
+                "configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-"
+            )
+            self._reload_refused = None
+            self._registered = False
+            self._next_register = self._next_claim = 0.0
+            self._reloading = False
+            self._wake.set()
+
+        self.ctx.start_thread(reconfigure, "reload")
+
+    def _refused(self, reason: str) -> None:
+        """A reload that kept the running configuration: published until one succeeds."""
+        self._reload_refused = {"at": self.clock.wall(), "reason": reason}
+        self._published = ""  # publish it now, not at the next heartbeat
+
+    def _claim(self) -> None:
+        now = self.clock.monotonic()
+        try:
+            lease = self.coordinator.claim(self.node_id)
+        except Unregistered:
+            self.metrics.claim_finished(self.clock.monotonic() - now, "error")
+            self._forgotten("refused the claim as unregistered")
+            return
+        except CoordinatorError as exc:
+            answered = self.clock.monotonic()
+            self.metrics.claim_finished(answered - now, "error")
+            self._failing("claim", exc)
+            self._next_claim = answered + self.pacing.claim_failed(answered - now)
+            return
+        answered = self.clock.monotonic()
+        took = answered - now
+        self.metrics.claim_finished(took, "empty" if lease is None else "work")
+        self._working("claim")
+        self._next_claim = answered + self.pacing.claimed(lease is not None, took, answered)
+        if lease is None:
+            return
+        lease_id = lease.get("lease_id")
+        with self._lock:
+            held = {a.record.lease_id for a in self.running.values()}
+        if isinstance(lease_id, str) and lease_id in held:
+            # The same lease again (a replayed or hostile answer): it is running here already,
+            # and a second attempt would share its workspace and cgroup.
+            log.error("claim answer names lease %s, which runs here already: ignored", lease_id)
+            self._next_claim = answered + self.pacing.claimed(False, took, answered)
+            return
+        self.stats.started += 1
+        slot = self._free_slot() or 0
+        attempt = Attempt(self.ctx, lease, slot, self._reserve_gpus(lease))
+        key = self.stats.started
+        with self._lock:
+            self.running[key] = attempt
+        self.ctx.start_thread(lambda: self._run_attempt(key, attempt), f"attempt-{key}")
+
+    def _reserve_gpus(self, lease: dict[str, Any]) -> list[Device]:
+        """Take the GPUs a lease asks for now, in the loop, so that the next claim already
+        sees them held; the attempt checks the request properly (and ends it with a reason)."""
+        payload = lease.get("payload")
+        want = payload.get("gpus") if isinstance(payload, dict) else None
+        if not isinstance(want, int) or isinstance(want, bool) or want <= 0:
+            return []
+        try:
+            return self.ctx.gpus.acquire(want)
+        except AttemptFailed:
+            return []
+
+    def _run_attempt(self, key: int, attempt: Attempt) -> None:
+        outcome = Outcome.FAILED
+        started = self.clock.monotonic()
+        try:
+            outcome = attempt.run()
+        finally:
+            with self._lock:
+                self.running.pop(key, None)
+            self.stats.count(outcome)
+            self._ended(attempt, outcome, self.clock.monotonic() - started)
+            self.pacing.attempt_ended(self.clock.monotonic())
+            self._next_claim = self.clock.monotonic()  # claim again at once
+            self._wake.set()
+
+    def _ended(self, attempt: Attempt, outcome: Outcome, seconds: float) -> None:
+        """Tell the node's own holds how an attempt ended."""
+        lease = attempt.lease
+        reason = attempt.ended[1] if attempt.ended else ""
+        ending = Ending(
+            outcome,
+            reason,
+            lease.job_id if lease else "",
+            attempt.node_fault,
+            seconds,
+            job_endpoint=attempt.job_endpoint,
+        )
+        self.quarantine.record(ending)
+        self.revoked.record(ending, attempt.lease_id)
+        self._last_ended = {
+            "lease_id": attempt.lease_id,
+            "job_id": ending.job_id,
+            "task_id": lease.task_id if lease else "",
+            "outcome": outcome.value,
+            "reason": reason,
+            "ended_at": self.clock.wall(),
+        }
+
+    def _cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
+        with self._lock:
+            attempts = list(self.running.values())
+        for attempt in attempts:
+            attempt.cancel(ending, grace)
+
+    # --- one log line per state change -------------------------------------------------------
+
+    def _failing(self, what: str, exc: Exception) -> None:
+        self.metrics.coordinator_error(what)
+        self._problem_errors[what] = str(exc)
+        if what not in self._problems:
+            self._problems[what] = self.clock.monotonic()
+            log.warning("%s failing, retrying with backoff: %s", what, exc)
+
+    def _working(self, what: str) -> None:
+        since = self._problems.pop(what, None)
+        self._problem_errors.pop(what, None)
+        if since is not None:
+            log.info("%s works again after %.0f s", what, self.clock.monotonic() - since)
+
+
+def effective_slots(settings: Settings, gpus: int) -> int:
+    if settings.slots == "auto":
+        return max(1, gpus)
+    return settings.slots

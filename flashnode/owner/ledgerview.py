@@ -1,0 +1,295 @@
+"""What the node gave, from the ledger: totals (today and all time), tasks per hour, and the
+latest attempts, read incrementally. One implementation for ``flashnode status`` (the agent
+publishes the totals in ``status.json``), the console, and ``flashnode status`` of an agent that
+is gone.
+
+Nothing is read until someone asks; then only what was appended since the last look (the file's
+offset is kept; a torn last line waits for its end). All time totals are sums kept as the lines go
+by, and memory stays bounded: the latest ``RECENT`` attempts and what the last day's gave. The
+agent keeps those sums in a checkpoint (``<state dir>/ledger-totals.json``: the offset they cover
+and the ledger's inode), so a start reads only what was appended since, and the latest attempts
+from the ledger's end: the ledger grows without bound, a start's cost does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from flashnode import statefile
+from flashnode.owner.ledger import parse, tail_lines
+from flashnode.owner.status import describe_facts
+
+CHECKPOINT_FILE = "ledger-totals.json"
+SAVE_EVERY_S = 30.0
+RECENT = 500
+DAY = 86400.0
+CHUNK = 1 << 20
+
+
+def number(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return float(value)
+    return None
+
+
+@dataclass(frozen=True)
+class Given:
+    """What one attempt gave, in the few numbers the totals need (a day of them is kept)."""
+
+    ended: float | None
+    outcome: str
+    cpu_hours: float  # core-hours of the task's own CPU use
+    gpu_hours: float  # GPU-hours of the task's own GPU use
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> Given:
+        cpu, gpu, wall = usage(record)
+        gpus = record.get("gpus")
+        count = len(gpus) if isinstance(gpus, list) and gpus else 1
+        return cls(
+            number(record.get("ended_at")),
+            str(record.get("outcome") or "-"),
+            cpu / 100.0 * wall / 3600.0 if cpu is not None and wall is not None else 0.0,
+            gpu / 100.0 * wall / 3600.0 * count if gpu is not None and wall is not None else 0.0,
+        )
+
+
+@dataclass
+class Totals:
+    tasks: int = 0  # committed
+    outcomes: dict[str, int] = field(default_factory=dict)
+    cpu_hours: float = 0.0
+    gpu_hours: float = 0.0
+
+    @classmethod
+    def of(cls, data: Any) -> Totals:
+        """From a checkpoint; ValueError when it is not one."""
+        if not isinstance(data, dict):
+            raise ValueError("not totals")
+        outcomes = data.get("outcomes")
+        if not isinstance(outcomes, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in outcomes.items()
+        ):
+            raise ValueError("not totals")
+        tasks, cpu, gpu = (
+            data.get("tasks"),
+            number(data.get("cpu_hours")),
+            number(data.get("gpu_hours")),
+        )
+        if not isinstance(tasks, int) or cpu is None or gpu is None:
+            raise ValueError("not totals")
+        return cls(tasks, dict(outcomes), cpu, gpu)
+
+    def add(self, given: Given) -> None:
+        self.outcomes[given.outcome] = self.outcomes.get(given.outcome, 0) + 1
+        if given.outcome == "committed":
+            self.tasks += 1
+        self.cpu_hours += given.cpu_hours
+        self.gpu_hours += given.gpu_hours
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "tasks": self.tasks,
+            "outcomes": dict(self.outcomes),
+            "cpu_hours": round(self.cpu_hours, 3),
+            "gpu_hours": round(self.gpu_hours, 3),
+        }
+
+
+def usage(record: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
+    """(the task's CPU % of one core, its GPU %, the run's wall seconds) of a ledger line."""
+    task = record.get("task_usage")
+    evidence = record.get("evidence")
+    task = task if isinstance(task, dict) else {}
+    evidence = evidence if isinstance(evidence, dict) else {}
+    return (
+        number(task.get("cpu_percent_mean")),
+        number(task.get("gpu_util_percent_mean")),
+        number(evidence.get("wall_seconds")),
+    )
+
+
+class LedgerView:
+    def __init__(
+        self,
+        path: Path,
+        clock: Any = time.time,
+        checkpoint: Path | None = None,
+        persist: bool = True,
+    ) -> None:
+        """``checkpoint``: where the sums are kept between starts (None: in memory only);
+        ``persist`` False: only read from it (a command beside the agent)."""
+        self.path = path
+        self._clock = clock
+        self._checkpoint = checkpoint
+        self._persist = persist
+        self._lock = threading.Lock()
+        self._offset = 0
+        self._inode: int | None = None
+        self._partial = b""
+        self._loaded = False
+        self._saved_offset = -1
+        self._saved_at = 0.0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # brief, newest last
+        self.all_time = Totals()
+        self._day: deque[Given] = deque()  # what the last day's attempts gave
+
+    def refresh(self) -> None:
+        """Read what was appended since the last call (from the start after a rotation)."""
+        with self._lock:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            try:
+                st = os.fstat(fd)
+                if not self._loaded:
+                    self._loaded = True
+                    self._resume(fd, st)
+                if st.st_ino != self._inode or st.st_size < self._offset:
+                    self._reset(st.st_ino)
+                os.lseek(fd, self._offset, os.SEEK_SET)
+                while chunk := os.read(fd, CHUNK):
+                    self._offset += len(chunk)
+                    self._lines(chunk)
+            finally:
+                os.close(fd)
+            cutoff = self._clock() - DAY
+            while self._day and (self._day[0].ended or 0.0) < cutoff:
+                self._day.popleft()
+            if (
+                self._offset != self._saved_offset
+                and self._clock() - self._saved_at >= SAVE_EVERY_S
+            ):
+                self._save()
+
+    def save(self) -> None:
+        """Keep the sums now (the agent, as it stops)."""
+        self.refresh()
+        with self._lock:
+            if self._offset != self._saved_offset:
+                self._save()
+
+    def _save(self) -> None:
+        """The checkpoint: the sums as of the last whole line read (a torn line's start is not
+        covered: it is read again)."""
+        if self._checkpoint is None or self._inode is None or not self._persist:
+            return
+        data = {
+            "version": 1,
+            "inode": self._inode,
+            "offset": self._offset - len(self._partial),
+            "all_time": asdict(self.all_time),
+            "day": [list(asdict(g).values()) for g in self._day],
+        }
+        try:
+            statefile.write(self._checkpoint, json.dumps(data).encode())
+        except OSError:
+            return  # kept in memory; the next start reads the ledger again
+        self._saved_offset, self._saved_at = self._offset, self._clock()
+
+    def _resume(self, fd: int, st: os.stat_result) -> None:
+        """Start from the checkpoint when it covers this very ledger; the latest attempts
+        from the ledger's end."""
+        if self._checkpoint is None:
+            return
+        try:
+            data = json.loads(self._checkpoint.read_bytes())
+            inode, offset = data["inode"], data["offset"]
+            if data.get("version") != 1 or inode != st.st_ino or not 0 <= offset <= st.st_size:
+                return
+            totals = Totals.of(data["all_time"])
+            day = [Given(number(e), str(o), float(c), float(g)) for e, o, c, g in data["day"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        self._inode, self._offset, self.all_time = inode, offset, totals
+        self._day.extend(day)
+        self._saved_offset = offset
+        for record in parse(tail_lines(fd, offset, RECENT)):
+            self.recent.append(brief(record))
+
+    def _reset(self, inode: int) -> None:
+        self._inode, self._offset, self._partial = inode, 0, b""
+        self.recent.clear()
+        self._day.clear()
+        self.all_time = Totals()
+
+    def _lines(self, chunk: bytes) -> None:
+        data = self._partial + chunk
+        *lines, self._partial = data.split(b"\n")
+        cutoff = self._clock() - DAY
+        for record in parse(lines):
+            given = Given.of(record)
+            self.all_time.add(given)
+            self.recent.append(brief(record))
+            if given.ended is not None and given.ended >= cutoff:
+                self._day.append(given)
+
+    # --- views ----------------------------------------------------------------------------------
+
+    def totals(self) -> dict[str, Any]:
+        """All time and today (local midnight on), as the owner counts: tasks committed, every
+        outcome, CPU-hours and GPU-hours given."""
+        self.refresh()
+        midnight = datetime.fromtimestamp(self._clock()).replace(
+            hour=0, minute=0, second=0, microsecond=0
+        )
+        today = Totals()
+        with self._lock:
+            for given in self._day:
+                if (given.ended or 0.0) >= midnight.timestamp():
+                    today.add(given)
+            return {"all_time": self.all_time.view(), "today": today.view()}
+
+    def per_bin(self, since: float, bin_seconds: int) -> list[tuple[int, int]]:
+        """Committed tasks per ``bin_seconds`` from ``since`` on: (bin start, count), every bin
+        listed (zeros included)."""
+        self.refresh()
+        start = int(since // bin_seconds) * bin_seconds
+        end = self._clock()
+        counts = {b: 0 for b in range(start, int(end) + 1, bin_seconds)}
+        with self._lock:
+            for given in self._day:
+                ended = given.ended or 0.0
+                if ended >= start and given.outcome == "committed":
+                    b = int(ended // bin_seconds) * bin_seconds
+                    if b in counts:
+                        counts[b] += 1
+        return sorted(counts.items())
+
+    def latest(self, outcome: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """The latest attempts (``brief``), newest first, optionally of one outcome."""
+        self.refresh()
+        with self._lock:
+            found = [r for r in reversed(self.recent) if outcome in (None, r.get("outcome"))]
+        return found[:limit]
+
+
+BRIEF_TEXT = 2000
+
+
+def brief(record: dict[str, Any]) -> dict[str, Any]:
+    """What the history shows of a ledger line (the rest stays in the ledger)."""
+    cpu, gpu, wall = usage(record)
+    reason = record.get("reason")
+    return {
+        "lease_id": record.get("lease_id"),
+        "job_id": record.get("job_id"),
+        "task_id": record.get("task_id"),
+        "outcome": record.get("outcome"),
+        "reason": reason[:BRIEF_TEXT] if isinstance(reason, str) else None,
+        "ended_at": number(record.get("ended_at")),
+        "wall_seconds": wall,
+        "cpu_percent": cpu,
+        "gpu_percent": gpu,
+        "checkpoints": number(record.get("checkpoints_shipped")),
+        "facts": describe_facts(record)[:BRIEF_TEXT],
+    }

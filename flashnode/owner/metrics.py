@@ -1,0 +1,368 @@
+"""Prometheus metrics: opt-in (``metrics_listen``), loopback or a unix socket unless allowed.
+
+``create`` returns a ``Metrics`` serving its own ``CollectorRegistry`` (never the process-global
+one), or, with metrics off, a ``NullMetrics`` whose methods do nothing, so that callers never test
+for None. ``prometheus_client`` is imported only when metrics are on: an agent without them does
+not pay its memory. The address it listens on is
+``config/listen.py``'s ``Listen``.
+
+The series (all prefixed ``flashnode_``):
+
+=================================  =========  ===================================================
+``attempts_total{outcome}``        counter    finished attempts, by ledger outcome
+``attempt_duration_seconds``       histogram  claim to final outcome, per attempt
+``claim_duration_seconds{result}`` histogram  one claim request (result: work, empty, error)
+``coordinator_errors_total{conversation}``  counter  failed coordinator conversations
+``uploaded_bytes_total``           counter    output bytes uploaded
+``downloaded_bytes_total``         counter    input bytes downloaded
+``running_attempts``               gauge      attempts running now
+``suspended_attempts``             gauge      of those, suspended by an owner control
+``paused``                         gauge      1 while ``flashnode pause`` is in force
+``claiming_held{rule}``            gauge      1 while that owner control or node hold holds claiming
+``task_cpu_percent``               histogram  per attempt, the task's mean CPU (% of one core)
+``task_gpu_percent``               histogram  per attempt, the task's mean GPU use (%)
+``info{version}``                  gauge      always 1
+=================================  =========  ===================================================
+
+Why one module of this size: the metrics and their no-op twin mirror each other method for method;
+the unix-socket server is the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import socketserver
+import stat
+import threading
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from flashnode import __version__
+from flashnode.config.listen import Listen, parse_listen
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+HELD_RULES = ("pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked")
+_LABEL = re.compile(r"[^a-z0-9_]+")
+
+
+class MetricsSink(Protocol):
+    """What the agent records; ``Metrics`` exports it, ``NullMetrics`` drops it."""
+
+    def attempt_finished(
+        self,
+        outcome: str,
+        seconds: float | None,
+        cpu_percent: float | None = None,
+        gpu_percent: float | None = None,
+    ) -> None: ...
+    def claim_finished(self, seconds: float, result: str) -> None: ...
+    def coordinator_error(self, conversation: str) -> None: ...
+    def uploaded(self, nbytes: int) -> None: ...
+    def downloaded(self, nbytes: int) -> None: ...
+    def set_running(self, running: int, suspended: int = 0) -> None: ...
+    def set_controls(self, paused: bool, held: Iterable[str]) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullMetrics:
+    """Metrics off: every call does nothing."""
+
+    address: str | None = None
+
+    def attempt_finished(
+        self,
+        outcome: str,
+        seconds: float | None,
+        cpu_percent: float | None = None,
+        gpu_percent: float | None = None,
+    ) -> None:
+        pass
+
+    def claim_finished(self, seconds: float, result: str) -> None:
+        pass
+
+    def coordinator_error(self, conversation: str) -> None:
+        pass
+
+    def uploaded(self, nbytes: int) -> None:
+        pass
+
+    def downloaded(self, nbytes: int) -> None:
+        pass
+
+    def set_running(self, running: int, suspended: int = 0) -> None:
+        pass
+
+    def set_controls(self, paused: bool, held: Iterable[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _label(value: str) -> str:
+    """A bounded, tidy label value: 'node heartbeat' → 'node_heartbeat'."""
+    return _LABEL.sub("_", value.lower()).strip("_")[:40] or "unknown"
+
+
+def _usable(value: float | None) -> bool:
+    return value is not None and value == value and value not in (float("inf"), float("-inf"))
+
+
+class Metrics:
+    """The agent's series in a private registry; ``serve`` exposes them."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.address: str | None = None
+        self._close: list[Callable[[], None]] = []
+        self._attempts = Counter(
+            "flashnode_attempts", "Finished attempts, by outcome.", ["outcome"], registry=r
+        )
+        self._duration = Histogram(
+            "flashnode_attempt_duration_seconds",
+            "Attempt duration, claim to final outcome.",
+            buckets=(1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600, float("inf")),
+            registry=r,
+        )
+        self._claim = Histogram(
+            "flashnode_claim_duration_seconds",
+            "Latency of one claim request, by result (work, empty, error).",
+            ["result"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, float("inf")),
+            registry=r,
+        )
+        self._errors = Counter(
+            "flashnode_coordinator_errors",
+            "Failed coordinator conversations.",
+            ["conversation"],
+            registry=r,
+        )
+        self._up = Counter("flashnode_uploaded_bytes", "Output bytes uploaded.", registry=r)
+        self._down = Counter("flashnode_downloaded_bytes", "Input bytes downloaded.", registry=r)
+        self._running = Gauge("flashnode_running_attempts", "Attempts running now.", registry=r)
+        self._suspended = Gauge(
+            "flashnode_suspended_attempts",
+            "Running attempts suspended by an owner control.",
+            registry=r,
+        )
+        self._paused = Gauge(
+            "flashnode_paused", "1 while the owner's pause is in force.", registry=r
+        )
+        self._held = Gauge(
+            "flashnode_claiming_held",
+            "1 while this owner control (or the node's own hold) holds claiming.",
+            ["rule"],
+            registry=r,
+        )
+        self._cpu = Histogram(
+            "flashnode_task_cpu_percent",
+            "Per attempt, the task's own mean CPU use in percent of one core.",
+            buckets=(1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, float("inf")),
+            registry=r,
+        )
+        self._gpu = Histogram(
+            "flashnode_task_gpu_percent",
+            "Per attempt, the task's own mean GPU utilisation in percent.",
+            buckets=(1, 5, 10, 25, 50, 75, 90, 100, float("inf")),
+            registry=r,
+        )
+        info = Gauge("flashnode_info", "This agent's version.", ["version"], registry=r)
+        info.labels(version=__version__).set(1)
+        for rule in HELD_RULES:
+            self._held.labels(rule=rule).set(0)
+
+    # --- recording -----------------------------------------------------------------------------
+
+    def attempt_finished(
+        self,
+        outcome: str,
+        seconds: float | None,
+        cpu_percent: float | None = None,
+        gpu_percent: float | None = None,
+    ) -> None:
+        """One attempt reached its final outcome (call it where the ledger record is written).
+        A figure that was not measured (None) is left out, never counted as zero."""
+        self._attempts.labels(outcome=_label(outcome)).inc()
+        if _usable(seconds):
+            self._duration.observe(max(float(seconds), 0.0))  # type: ignore[arg-type]
+        if _usable(cpu_percent):
+            self._cpu.observe(max(float(cpu_percent), 0.0))  # type: ignore[arg-type]
+        if _usable(gpu_percent):
+            self._gpu.observe(max(float(gpu_percent), 0.0))  # type: ignore[arg-type]
+
+    def claim_finished(self, seconds: float, result: str) -> None:
+        self._claim.labels(result=_label(result)).observe(max(seconds, 0.0))
+
+    def coordinator_error(self, conversation: str) -> None:
+        self._errors.labels(conversation=_label(conversation)).inc()
+
+    def uploaded(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self._up.inc(nbytes)
+
+    def downloaded(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self._down.inc(nbytes)
+
+    def set_running(self, running: int, suspended: int = 0) -> None:
+        self._running.set(running)
+        self._suspended.set(suspended)
+
+    def set_controls(self, paused: bool, held: Iterable[str]) -> None:
+        self._paused.set(1 if paused else 0)
+        holding = set(held)
+        for rule in HELD_RULES:
+            self._held.labels(rule=rule).set(1 if rule in holding else 0)
+
+    def exposition(self) -> bytes:
+        """The text format, as a scrape sees it."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    # --- serving -------------------------------------------------------------------------------
+
+    def serve(self, listen: Listen) -> str:
+        """Start serving on a daemon thread; return the address actually bound."""
+        if listen.path is not None:
+            path = listen.path
+            server = _serve_unix(path, self.registry)
+            self.address = f"unix:{path}"
+            self._close.append(lambda: _close_unix(server, path))
+        else:
+            from prometheus_client import start_http_server
+
+            httpd, _ = start_http_server(listen.port, listen.host, registry=self.registry)
+            port = httpd.server_port
+            self.address = str(Listen(host=listen.host, port=port))
+
+            def stop() -> None:
+                httpd.shutdown()
+                httpd.server_close()
+
+            self._close.append(stop)
+        log.info("metrics served at %s", self.address)
+        return self.address
+
+    def close(self) -> None:
+        while self._close:
+            with contextlib.suppress(Exception):
+                self._close.pop()()
+
+
+def create(listen: str | None, allow_remote: bool = False) -> Metrics | NullMetrics:
+    """Metrics served at ``listen``, or the no-op twin when it is None.
+
+    Raises ValueError for an address settings validation would refuse, and OSError when the
+    address cannot be bound.
+    """
+    if listen is None:
+        return NullMetrics()
+    parsed = parse_listen(listen)
+    if not parsed.loopback and not allow_remote:
+        raise ValueError(
+            f"metrics_listen {listen!r} is not loopback and metrics_allow_remote is off"
+        )
+    metrics = Metrics()
+    try:
+        metrics.serve(parsed)
+    except BaseException:
+        metrics.close()
+        raise
+    return metrics
+
+
+# --- a small HTTP server on a unix socket ---------------------------------------------------
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    registry: CollectorRegistry
+    inode = 0  # of the socket file in the file system, to remove only our own at close
+
+
+class _UnixHandler(BaseHTTPRequestHandler):
+    server: _UnixServer
+    timeout = 10  # a client that stalls does not hold its thread forever
+
+    def do_GET(self) -> None:
+        from prometheus_client.exposition import choose_encoder
+
+        if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+            self.send_error(404)
+            return
+        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        body = encoder(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def address_string(self) -> str:
+        return "unix"  # client_address is '' on a unix socket
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _serve_unix(path: Path, registry: CollectorRegistry) -> _UnixServer:
+    """Bind ``path`` (mode 0660: the agent's user and group may scrape), replacing only a stale
+    socket: a live one or anything that is not a socket is an error, never removed."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise OSError(f"{path} exists and is not a socket; not replacing it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1)
+            probe.connect(str(path))
+        except OSError:
+            pass  # stale: nobody listens
+        else:
+            raise OSError(f"{path} is in use by another process")
+        finally:
+            probe.close()
+    # Bound under a private name, given its mode, then renamed into place: no moment where the
+    # socket exists with the process umask's mode.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    server = _UnixServer(str(tmp), _UnixHandler, bind_and_activate=True)
+    try:
+        os.chmod(tmp, 0o660)
+        os.replace(tmp, path)
+        server.inode = path.lstat().st_ino
+    except BaseException:
+        server.server_close()
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    server.registry = registry
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
+def _close_unix(server: _UnixServer, path: Path) -> None:
+    server.shutdown()
+    server.server_close()
+    with contextlib.suppress(OSError):
+        if path.lstat().st_ino == server.inode:
+            path.unlink()

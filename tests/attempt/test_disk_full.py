@@ -1,0 +1,372 @@
+"""A full disk is the node's fault, handled everywhere: the attempt ends at once and lapses, its
+files are removed, no thread dies, the ledger and status catch up, pause and resume still work,
+and the agent claims again when space is back. But a task never fills it itself: its disk cap
+is what the disk has free above min_free_bytes when it starts, if that is less than
+task_disk_bytes, and a task stopped there has failed."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
+
+from flashnode import statefile
+from flashnode.attempt import Attempt
+from flashnode.owner import status
+from flashnode.owner.ledger import Ledger
+from flashnode.runners.base import Handle, StartSpec
+from flashnode.sandbox.diskuse import Space
+
+FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "2"}
+TRUSTED = ("--runner", "trusted", "--pool", "team-a")
+FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+# --- the pieces, with fakes ------------------------------------------------------------------
+
+
+def test_a_write_that_finds_the_disk_full_lapses_the_attempt_and_fails_nothing(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = FakeRunner()
+    runner.start_error = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))  # the outbox record
+    attempt = Attempt(context(tmp_path, clock, coord, runner), lease(0))
+    assert attempt.run().value == "lapsed"
+    assert attempt.ended == ("lapsed", "disk full (Disk quota exceeded)")  # type: ignore[comparison-overlap]
+    assert attempt.node_fault
+    assert coord.names("fail") == []  # the task's failure budget is untouched
+    assert not (tmp_path / "attempts" / "ls-000000000000").exists()
+
+
+AMPLE = Space(free_bytes=50 << 30, total_bytes=100 << 30, free_inodes=1 << 20, total_inodes=2 << 20)
+
+
+class Writer(FakeRunner):
+    """Writes ``size`` bytes into the task's tmp/ (and its metrics), as a task would."""
+
+    def __init__(self, size: int, code: int = 0) -> None:
+        super().__init__(code=code)
+        self.size = size
+
+    def start(self, spec: StartSpec) -> Handle:
+        with open(spec.workspace.tmp / "big", "wb") as fh:
+            fh.truncate(self.size)
+            fh.write(b"x")  # not sparse: the blocks are held
+            for _ in range(0, self.size, 1 << 20):
+                fh.write(os.urandom(1 << 20))
+        return super().start(spec)
+
+
+def test_a_task_that_fails_while_the_disk_is_full_is_not_blamed(tmp_path: Path) -> None:
+    """The disk filled up while the task ran, and the task's own files do not explain it (it
+    wrote nothing): what made it fail, most likely, is the node's."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = FakeRunner(code=1)
+    ctx = context(tmp_path, clock, coord, runner)
+    full = dataclasses.replace(AMPLE, free_bytes=4096)  # what something else left
+    ctx.space = lambda: full if runner.started else AMPLE
+    attempt = Attempt(ctx, lease(0))
+    assert attempt.run().value == "lapsed"
+    assert (
+        attempt.ended is not None and attempt.ended[1] == "disk full (4 KiB free in the state dir)"
+    )
+    assert coord.names("fail") == []
+
+
+def test_a_disk_out_of_inodes_is_as_full_as_one_out_of_bytes(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = FakeRunner(code=1)
+    ctx = context(tmp_path, clock, coord, runner)
+    full = dataclasses.replace(AMPLE, free_inodes=10)
+    ctx.space = lambda: full if runner.started else AMPLE
+    attempt = Attempt(ctx, lease(0))
+    assert attempt.run().value == "lapsed"
+    assert (
+        attempt.ended is not None
+        and attempt.ended[1] == "disk full (10 inodes free in the state dir)"
+    )
+
+
+def test_a_tasks_disk_cap_is_the_free_space_above_min_free_bytes_when_that_is_less(
+    tmp_path: Path,
+) -> None:
+    """With 10 MiB free above min_free_bytes, a task that writes 12 MiB is past its cap (the
+    task's fault, the reason says which cap), whatever task_disk_bytes allows; and no file of
+    the task may grow much past the cap (the runner's RLIMIT_FSIZE)."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = Writer(12 << 20)
+    ctx = context(tmp_path, clock, coord, runner, min_free_bytes=16 << 20)
+    ctx.space = lambda: dataclasses.replace(AMPLE, free_bytes=26 << 20)
+    attempt = Attempt(ctx, lease(0))
+    assert attempt.run().value == "failed"
+    assert attempt.ended is not None
+    reason = attempt.ended[1]
+    assert "(what the state dir's disk had free above min_free_bytes when it" in reason, reason
+    [spec] = runner.started
+    assert spec.max_file_bytes is not None and 10 << 20 < spec.max_file_bytes < 11 << 20
+
+
+def test_a_task_with_no_room_above_min_free_bytes_does_not_start(tmp_path: Path) -> None:
+    """Less free than min_free_bytes by the time the task would start (staging took it): the
+    node is short of disk, the task is not at fault."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = FakeRunner()
+    ctx = context(tmp_path, clock, coord, runner, min_free_bytes=1 << 30)
+    ctx.space = lambda: dataclasses.replace(AMPLE, free_bytes=512 << 20)
+    attempt = Attempt(ctx, lease(0))
+    assert attempt.run().value == "lapsed"
+    assert attempt.ended is not None and attempt.ended[1].startswith("low disk:"), attempt.ended
+    assert runner.started == [] and coord.names("fail") == []
+
+
+def test_a_broken_archive_on_a_full_disk_is_the_disks_fault(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    from flashnode.errors import DiskFull
+    from flashnode.sandbox import archives
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        member = tarfile.TarInfo("a.bin")
+        member.size = 4
+        tar.addfile(member, io.BytesIO(b"abcd"))
+    archive = tmp_path / "in.tar"
+    archive.write_bytes(data.getvalue())
+    real_write = archives._write_member
+
+    def full(*args: object) -> None:
+        raise FULL
+
+    archives._write_member = full  # type: ignore[assignment]
+    try:
+        with pytest.raises(DiskFull):
+            archives.unpack(archive, tmp_path / "out", "in", 1 << 20)
+    finally:
+        archives._write_member = real_write
+    assert not (tmp_path / "out").exists()
+
+
+def test_ledger_lines_a_full_disk_keeps_back_are_written_in_order_once_space_is_back(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(Path("/dev/full"))  # every write: ENOSPC
+    ledger.append({"n": 1})
+    ledger.append({"n": 2})
+    ledger.flush()
+    assert ledger.pending == 2
+    ledger.path = tmp_path / "ledger.jsonl"  # space is back
+    ledger.flush()
+    ledger.append({"n": 3})
+    assert ledger.pending == 0 and [r["n"] for r in ledger.records()] == [1, 2, 3]
+
+
+def test_status_is_written_in_place_when_the_disk_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status.write(tmp_path, {"pid": os.getpid(), "state": "idle", "running": []})
+    size = (tmp_path / status.STATUS_FILE).stat().st_size
+    assert size % status.BLOCK_BYTES == 0
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise FULL
+
+    monkeypatch.setattr(statefile, "write", full)  # no new file can be made
+    snapshot = {"pid": os.getpid(), "state": "not claiming: the state dir's disk is full"}
+    status.write(tmp_path, {**snapshot, "running": [{"lease_id": "ls-1"}] * 20})
+    read = json.loads((tmp_path / status.STATUS_FILE).read_text())  # padded: still JSON
+    assert read is not None and read["state"] == snapshot["state"] and len(read["running"]) == 20
+    assert (tmp_path / status.STATUS_FILE).stat().st_size == size  # no new block
+    with pytest.raises(OSError):  # more than the file holds: an error, not half a snapshot
+        status.write(tmp_path, {**snapshot, "running": [{"lease_id": "ls-1"}] * 2000})
+
+
+# --- end to end: the state dir on a 64 MiB tmpfs -------------------------------------------
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 64 MiB tmpfs, unmounted and removed at the end whatever happened."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = shared_dir("flashnode-small-disk-")
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(mount)], check=True
+    )
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        mount.rmdir()
+
+
+def _flashnode(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flashnode", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _flashnode
+
+
+def status_of(state_dir: Path) -> dict[str, object] | None:
+    done = _flashnode("status", "--json", "--state-dir", str(state_dir))
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def disk_hold(state_dir: Path) -> str | None:
+    snap = status_of(state_dir)
+    controls = snap.get("controls") if snap else None
+    held = controls.get("held_by") if isinstance(controls, dict) else None
+    return next((h["reason"] for h in held or [] if h["rule"] == "disk"), None)
+
+
+def test_a_task_that_fills_the_disk_itself_is_stopped_at_the_free_space_and_fails(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """``task_disk_bytes`` (16 GiB by default) is more than the disk has: with about 47 MiB free
+    above ``min_free_bytes`` a task writes 100 MB into its tmp/ at full speed. Its cap is the
+    free space above the floor: it is stopped there and fails (its own fault, the reason says
+    which cap), and the owner's disk keeps what the floor keeps, however fast it wrote."""
+    state_dir = small_disk / "state"
+    filler = "head -c 100000000 /dev/zero > /work/tmp/big; sleep 300"
+    job = coordinator.submit(argv_job(["sh", "-c", filler], lease_seconds=60, max_attempts=3))
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=state_dir)
+    lowest = [1 << 62]
+
+    def watch() -> None:
+        while agent.proc.poll() is None and not agent.ledger():
+            with contextlib.suppress(OSError):
+                st = os.statvfs(small_disk)
+                lowest[0] = min(lowest[0], st.f_bavail * st.f_frsize)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        [line] = agent.wait_ledger(1, timeout=90)
+    finally:
+        watcher.join(5)
+        coordinator.cancel(job)
+    assert line["outcome"] == "failed", line
+    assert "above min_free_bytes when it started" in line["reason"], line["reason"]
+    assert lowest[0] >= 8 << 20, f"the owner's disk went down to {lowest[0] >> 10} KiB free"
+    assert "Traceback" not in agent.log
+
+
+def test_a_disk_filled_by_something_else_ends_the_task_at_once_and_the_node_carries_on(
+    flashnode: Callable[..., Any],
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    drop_dir: Path,
+) -> None:
+    state_dir = small_disk / "state"
+    started = drop_dir / "started"
+    sleeper = f"touch {started}; echo '{{}}' > metrics.json; sleep 300"
+    victim = coordinator.submit(argv_job(["sh", "-c", sleeper], lease_seconds=60))
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=state_dir)
+
+    # The owner's own program fills the disk while the task runs: the attempt ends within
+    # seconds, lapsed as the node's fault; the task, which wrote next to nothing, is not blamed.
+    wait_for("the task to start", started.exists, timeout=60)
+    with (small_disk / "filler").open("wb") as fh, pytest.raises(OSError):
+        while True:
+            fh.write(b"\0" * (1 << 20))
+            fh.flush()
+    t0 = time.monotonic()
+    [line] = agent.wait_ledger(1, timeout=30)
+    assert time.monotonic() - t0 < 15, agent.log
+    assert line["outcome"] == "lapsed" and line["reason"].startswith("disk full"), line
+    last = (status_of(state_dir) or {}).get("last_ended")
+    assert isinstance(last, dict) and last["reason"] == line["reason"], last
+    assert [e for e in coordinator.events(victim) if e["type"] == "TASK_ATTEMPT_FAILED"] == []
+    assert "Traceback" not in agent.log and "OSError" not in agent.log
+    coordinator.cancel(victim)  # else it comes back once its lease lapses
+    wait_for(
+        "the workspace to be removed",  # a chain started ahead keeps its empty /work in attempts/
+        lambda: all(p.name.startswith(".ahead-") for p in (state_dir / "attempts").iterdir()),
+    )
+
+    # The disk full with nothing running: status says so (written in place), and the owner's
+    # pause and resume still reach the agent (by signal: the pause file cannot be written).
+    with (small_disk / "filler").open("ab") as fh, contextlib.suppress(OSError):
+        while True:  # what the removed workspace gave back
+            fh.write(b"\0" * (1 << 16))
+            fh.flush()
+    assert "disk is full" in wait_for(
+        "status to say the disk is full", lambda: disk_hold(state_dir)
+    )
+    paused = flashnode("pause", "--now", "--state-dir", str(state_dir))
+    assert paused.returncode == 0 and "by a signal" in paused.stdout, paused.stdout + paused.stderr
+    wait_for(
+        "the pause to show",
+        lambda: (s := status_of(state_dir)) and s["controls"]["paused"],  # type: ignore[index]
+    )
+    resumed = flashnode("resume", "--state-dir", str(state_dir))
+    assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stdout
+    wait_for(
+        "the pause to end",
+        lambda: (s := status_of(state_dir)) and not s["controls"]["paused"],  # type: ignore[index]
+    )
+
+    # Space is back: the hold clears, the next job commits, the ledger is whole.
+    (small_disk / "filler").unlink()
+    wait_for("the hold to clear", lambda: disk_hold(state_dir) is None)
+    job = coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
+    assert [r["outcome"] for r in agent.wait_ledger(2)] == ["lapsed", "committed"]
+    assert agent.proc.poll() is None
+
+    t0 = time.monotonic()
+    agent.signal(15)
+    assert agent.wait(30) == 0
+    assert time.monotonic() - t0 < 10  # a stop waits for no attempt that already ended
+
+
+def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:
+    text = status.render(
+        {
+            "node_id": "n",
+            "state": "idle | not claiming: the state dir's disk is full",
+            "controls": {
+                "held_by": [{"rule": "disk", "reason": "the state dir's disk is full: 0 MiB free"}]
+            },
+            "last_ended": {
+                "lease_id": "ls-1",
+                "job_id": "j",
+                "task_id": "t",
+                "outcome": "lapsed",
+                "reason": "disk full (No space left on device)\x1b[2J",
+            },
+            "running": [],
+        }
+    )
+    assert "  disk: the state dir's disk is full: 0 MiB free" in text
+    assert "last ended  ls-1 (j/t) lapsed: disk full (No space left on device)\\x1b[2J" in text

@@ -1,0 +1,265 @@
+"""The owner's commands: pause / resume, logs [-f], and history's task-scoped figures."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from flashnode.cli.controls import Clean, tail
+from flashnode.cli.main import main
+from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.owner import pausefile
+from flashnode.owner.ledger import Ledger
+from tests.harness import wait_for
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), env={"FLASHNODE_STATE_DIR": None})
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def flashnode() -> Callable[..., Any]:
+    """The flashnode program, run as a process (a test that uses it is an integration test)."""
+    return _cli
+
+
+# --- pause and resume ------------------------------------------------------------------------
+
+
+def test_pause_for_a_duration_then_resume(flashnode: Callable[..., Any], tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    before = time.time()
+    code, out = flashnode("pause", "--for", "2h", "--state-dir", str(state))
+    assert code == 0, out
+    assert "paused until" in out and "running tasks finish" in out
+    assert "no agent is running" in out
+    pause = pausefile.read(state)
+    assert pause is not None and pause.mode == "drain" and pause.until is not None
+    assert before + 7200 <= pause.until <= time.time() + 7200
+    assert (state / "pause.json").stat().st_mode & 0o777 == 0o640
+
+    code, out = flashnode("resume", "--state-dir", str(state))
+    assert (code, out.splitlines()[0]) == (0, "resumed")
+    assert pausefile.read(state) is None
+    assert flashnode("resume", "--state-dir", str(state)) == (0, "not paused\n")
+
+
+def test_pause_now_is_seen_by_an_agent_started_later(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The pause lives in the state dir: a (re)started agent's controls read it from there."""
+    code, out = flashnode("pause", "--now", "--state-dir", str(tmp_path))
+    assert code == 0 and "stopped and their leases given back" in out
+    restarted = Controls(Rules(), Readers(pause=pausefile.PauseReader(tmp_path)), _Clock())
+    d = restarted.evaluate()
+    assert not d.may_claim and d.stop_reason is not None and "flashnode resume" in d.stop_reason
+    flashnode("resume", "--state-dir", str(tmp_path))
+    assert restarted.evaluate().may_claim
+
+
+def test_pause_names_a_running_agent(flashnode: Callable[..., Any], tmp_path: Path) -> None:
+    # A stand-in for the agent: status checks that the pid is a live flashnode process.
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "flashnode"])
+    try:
+        (tmp_path / "status.json").write_text(json.dumps({"pid": agent.pid}))
+        code, out = flashnode("pause", "--state-dir", str(tmp_path))
+        assert code == 0 and f"the running agent (pid {agent.pid}) applies it" in out
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+@pytest.mark.parametrize("duration", ["soon", "0m", "5", "2y"])
+def test_pause_refuses_a_bad_duration_and_writes_nothing(
+    flashnode: Callable[..., Any], tmp_path: Path, duration: str
+) -> None:
+    code, out = flashnode("pause", "--for", duration, "--state-dir", str(tmp_path))
+    assert code == 2 and "--for" in out
+    assert not (tmp_path / "pause.json").exists()
+
+
+class _Clock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+    def wait(self, event: threading.Event, timeout: float) -> bool:
+        return event.wait(timeout)
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+def attempt_dir(state: Path, lease: str = "lease-1") -> Path:
+    logs = state / "attempts" / lease / "logs"
+    logs.mkdir(parents=True)
+    (logs / "stdout.txt").write_bytes(b"")
+    (logs / "stderr.txt").write_bytes(b"")
+    return logs.parent
+
+
+def append(path: Path, data: bytes) -> None:
+    with path.open("ab") as fh:
+        fh.write(data)
+
+
+def test_logs_follow_shows_a_printed_line_within_a_second_and_ends_with_the_attempt(
+    tmp_path: Path,
+) -> None:
+    attempt = attempt_dir(tmp_path)
+    out_file, err_file = attempt / "logs" / "stdout.txt", attempt / "logs" / "stderr.txt"
+    append(out_file, b"first\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashnode", "logs", "lease-1", "-f", "--state-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    got: dict[str, bytes] = {"out": b"", "err": b""}
+
+    def pump(name: str, stream: io.BufferedReader) -> None:
+        while chunk := stream.read1(4096):
+            got[name] += chunk
+
+    threads = [
+        threading.Thread(target=pump, args=("out", proc.stdout), daemon=True),
+        threading.Thread(target=pump, args=("err", proc.stderr), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        wait_for("the existing output", lambda: b"first\n" in got["out"], timeout=20)
+        printed = time.monotonic()
+        append(out_file, b"step 2 of 10\n")
+        wait_for("the new line", lambda: b"step 2 of 10\n" in got["out"], timeout=5, every=0.02)
+        assert time.monotonic() - printed < 1.0
+        append(err_file, b"warn \x1b]0;owned\x07 \xe2\x80\xae\n")
+        wait_for("stderr", lambda: b"warn" in got["err"], timeout=5, every=0.02)
+        append(out_file, b"last words\n")
+        shutil.rmtree(attempt)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for t in threads:
+        t.join(timeout=5)
+    assert got["out"] == b"first\nstep 2 of 10\nlast words\n"
+    assert got["err"] == b"warn \\x1b]0;owned\\x07 \\u202e\n"
+
+
+def test_logs_without_follow_prints_what_there_is(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    attempt = attempt_dir(tmp_path, "L2")
+    append(attempt / "logs" / "stdout.txt", "héllo\n".encode())
+    code, out = flashnode("logs", "L2", "--state-dir", str(tmp_path))
+    assert (code, out) == (0, "héllo\n")
+
+
+@pytest.mark.parametrize("lease", ["../../etc", "..", "a/b", "-x", ".hidden", "x" * 200])
+def test_logs_refuses_a_lease_id_that_is_not_one(
+    flashnode: Callable[..., Any], tmp_path: Path, lease: str
+) -> None:
+    code, out = flashnode("logs", "--state-dir", str(tmp_path), "--", lease)
+    assert code == 2 and "is not a lease id" in out
+
+
+def test_logs_of_an_attempt_that_is_not_on_the_node(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    code, out = flashnode("logs", "gone", "--state-dir", str(tmp_path))
+    assert code == 1 and "no output of attempt gone is on this node" in out
+
+
+def test_tail_follows_a_replaced_file_and_copies_the_rest_after_the_directory_goes(
+    tmp_path: Path,
+) -> None:
+    attempt = attempt_dir(tmp_path)
+    out, err = io.BytesIO(), io.BytesIO()
+    stdout = attempt / "logs" / "stdout.txt"
+    steps = iter(
+        [
+            lambda: append(stdout, b"a\n"),
+            lambda: (stdout.unlink(), stdout.write_bytes(b"b\n")),  # replaced: a new inode
+            lambda: append(stdout, b"c\n"),
+            lambda: shutil.rmtree(attempt),
+        ]
+    )
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        next(steps)()
+
+    tail(attempt / "logs", out, err, follow=True, poll=0.2, sleep=sleep)
+    assert out.getvalue() == b"a\nb\nc\n"
+    assert sleeps == [0.2] * 4
+
+
+def test_clean_keeps_text_and_escapes_terminal_control_across_chunks() -> None:
+    s = io.StringIO()
+    clean = Clean(s)
+    for chunk in (b"ok \xe2\x82", b"\xac 10%\r20%\r", b"\n\x1b[2J\tdone\n", b"\xff\n"):
+        clean.write(chunk)
+    assert s.getvalue() == "ok € 10%\n20%\n\\x1b[2J\tdone\n\ufffd\n"
+
+
+# --- history ---------------------------------------------------------------------------------
+
+
+def test_history_shows_the_task_scoped_cpu_and_a_dash_for_what_was_not_measured(
+    flashnode: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger.append(
+        {
+            "ended_at": 1.7e9,
+            "job_id": "j",
+            "task_id": "t1",
+            "outcome": "committed",
+            "evidence": {
+                "wall_seconds": 4.2,
+                "cpu_percent_mean": 52.0,
+                "gpu_util_percent_mean": None,
+            },
+            "task_usage": {"cpu_percent_mean": 0.15, "gpu_util_percent_mean": None},
+        }
+    )
+    ledger.append({"ended_at": None, "job_id": "j", "task_id": "t2", "outcome": None})
+    ledger.append(
+        {
+            "ended_at": 1.7e9,
+            "job_id": "j",
+            "task_id": "t3",
+            "outcome": "failed",
+            "evidence": {"wall_seconds": 1.0},
+            "task_usage": {"cpu_percent_mean": 150.0, "gpu_util_percent_mean": 87.5},
+            "reason": "exit code 1",
+        }
+    )
+    code, out = flashnode("history", "--state-dir", str(tmp_path))
+    assert code == 0, out
+    header, first, second, third = out.splitlines()
+    assert header.startswith(f"ended ({time.strftime('%Z')})") and "outcome" in header
+    assert "cpu 0.15%  gpu -" in first and "52" not in first
+    assert "j/t2" in second and "cpu -  gpu -" in second
+    assert "cpu 150%  gpu 87.5%" in third and third.endswith("exit code 1")
+    assert "None" not in out

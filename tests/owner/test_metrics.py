@@ -1,0 +1,169 @@
+"""The Prometheus endpoint: real servers, scraped and parsed with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from flashnode.config.listen import parse_listen
+from flashnode.owner.metrics import Metrics, NullMetrics, create
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def record(m: Metrics | NullMetrics) -> None:
+    m.attempt_finished("committed", 12.5, cpu_percent=0.15, gpu_percent=None)
+    m.attempt_finished("committed", 3.0, cpu_percent=None, gpu_percent=40.0)
+    m.attempt_finished("failed", None)
+    m.claim_finished(0.02, "work")
+    m.claim_finished(0.5, "empty")
+    m.coordinator_error("node heartbeat")
+    m.coordinator_error("node heartbeat")
+    m.coordinator_error("claim")
+    m.uploaded(1000)
+    m.uploaded(24)
+    m.downloaded(7)
+    m.set_running(2, suspended=1)
+    m.set_controls(paused=True, held=["pause", "battery"])
+
+
+def scrape_tcp(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def test_counters_gauges_and_histograms_as_scraped_over_tcp() -> None:
+    m = create("127.0.0.1:0")
+    assert isinstance(m, Metrics) and m.address is not None
+    try:
+        record(m)
+        got = samples(scrape_tcp(m.address))
+    finally:
+        m.close()
+    assert got[("flashnode_attempts_total", (("outcome", "committed"),))] == 2
+    assert got[("flashnode_attempts_total", (("outcome", "failed"),))] == 1
+    # the unmeasured duration is left out, not counted as zero
+    assert got[("flashnode_attempt_duration_seconds_count", ())] == 2
+    assert got[("flashnode_attempt_duration_seconds_sum", ())] == 15.5
+    assert got[("flashnode_claim_duration_seconds_count", (("result", "work"),))] == 1
+    assert got[("flashnode_coordinator_errors_total", (("conversation", "node_heartbeat"),))] == 2
+    assert got[("flashnode_coordinator_errors_total", (("conversation", "claim"),))] == 1
+    assert got[("flashnode_uploaded_bytes_total", ())] == 1024
+    assert got[("flashnode_downloaded_bytes_total", ())] == 7
+    assert got[("flashnode_running_attempts", ())] == 2
+    assert got[("flashnode_suspended_attempts", ())] == 1
+    assert got[("flashnode_paused", ())] == 1
+    assert got[("flashnode_claiming_held", (("rule", "battery"),))] == 1
+    assert got[("flashnode_claiming_held", (("rule", "window"),))] == 0
+    assert got[("flashnode_task_cpu_percent_count", ())] == 1
+    assert got[("flashnode_task_cpu_percent_sum", ())] == 0.15
+    assert got[("flashnode_task_gpu_percent_count", ())] == 1
+    with pytest.raises(OSError):  # closed: nothing listens any more
+        scrape_tcp(m.address)
+
+
+def test_the_registry_is_private_not_the_global_one() -> None:
+    from prometheus_client import REGISTRY, generate_latest
+
+    a, b = Metrics(), Metrics()
+    a.uploaded(5)
+    assert b"flashnode_uploaded_bytes_total 0.0" in b.exposition()
+    assert b"flashnode_" not in generate_latest(REGISTRY)
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=10)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(self.path)
+
+
+def scrape_unix(path: Path, url: str = "/metrics") -> tuple[int, str]:
+    conn = UnixHTTPConnection(str(path))
+    try:
+        conn.request("GET", url)
+        r = conn.getresponse()
+        return r.status, r.read().decode()
+    finally:
+        conn.close()
+
+
+def test_a_unix_socket_serves_the_same_exposition(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.sock"
+    m = create(f"unix:{path}")
+    try:
+        record(m)
+        assert path.is_socket() and path.stat().st_mode & 0o777 == 0o660
+        status, text = scrape_unix(path)
+        assert status == 200
+        assert samples(text)[("flashnode_paused", ())] == 1
+        assert scrape_unix(path, "/other")[0] == 404
+    finally:
+        m.close()
+    assert not path.exists()
+
+
+def test_a_stale_socket_is_replaced_but_a_live_one_or_a_file_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # the file stays; nobody listens
+    first = create(f"unix:{path}")
+    try:
+        with pytest.raises(OSError, match="in use"):
+            create(f"unix:{path}")
+        assert scrape_unix(path)[0] == 200  # the refused second one did not disturb the first
+    finally:
+        first.close()
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    with pytest.raises(OSError, match="not a socket"):
+        create(f"unix:{precious}")
+    assert precious.read_text() == "keep me"
+
+
+def test_remote_addresses_are_refused_without_the_opt_in() -> None:
+    with pytest.raises(ValueError, match="not loopback"):
+        create("0.0.0.0:0")
+    assert not parse_listen("0.0.0.0:9464").loopback
+    assert not parse_listen("192.168.1.5:9464").loopback
+    assert not parse_listen("metrics.example.org:9464").loopback
+    assert parse_listen("localhost:9464").loopback and parse_listen("[::1]:9464").loopback
+    assert parse_listen("127.0.0.2:9464").loopback
+    m = create("127.0.0.1:0", allow_remote=True)  # the opt-in does not force a remote address
+    m.close()
+
+
+def test_off_means_a_no_op_twin_and_no_prometheus_import() -> None:
+    m = create(None)
+    assert isinstance(m, NullMetrics)
+    record(m)
+    m.close()
+    probe = (
+        "import json, sys\n"
+        "from flashnode.cli import controls\n"
+        "from flashnode.config import settings\n"
+        "from flashnode.owner import metrics\n"
+        "m = metrics.create(None); m.uploaded(1); m.close()\n"
+        "print(json.dumps('prometheus_client' in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) is False

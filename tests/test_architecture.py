@@ -1,0 +1,183 @@
+"""The package's import graph keeps the layout's rules (ARCHITECTURE.md, docs/design.md §2):
+folders by role in one order, nothing importing a role above its own, no import circle, no
+folder over 15 modules, and no side effect below the loop: the node loop and the attempt reach
+none of httpx, docker, pynvml, subprocess or signal, directly or through another module.
+
+The graph is read from the source (every ``import`` a module can run, at its top or inside a
+function; ``if TYPE_CHECKING:`` blocks are never run and are left out), so a test of it needs no
+import of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "flashnode"
+
+# The roles from the bottom up: a module may import its own role and those before it. The
+# package's root modules (errors, clock, sanitise, statefile) are the ground every role stands on.
+ROLES = (
+    "",
+    "config",
+    "coordinator",
+    "owner",
+    "evidence",
+    "sandbox",
+    "caches",
+    "runners",
+    "attempt",
+    "node",
+    "console",
+    "cli",
+    "__main__",
+)
+EDGES = ("httpx", "docker", "pynvml", "subprocess", "signal")
+MAX_MODULES = 15
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ["flashnode", *path.relative_to(PACKAGE).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _run_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: those under ``if TYPE_CHECKING:`` are skipped."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _imports(name: str) -> tuple[set[str], set[str]]:
+    """(the package's modules ``name`` imports, the outside top-level names it imports)."""
+    path = MODULES[name]
+    inner, outer = set(), set()
+    for node in _run_imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                here = here[: len(here) - node.level + 1]
+                base = ".".join([*here, base] if base else here)
+            # ``from pkg import module`` imports the module; ``from module import name`` the module
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
+        for target in targets:
+            if target.split(".")[0] == "flashnode":
+                while target not in MODULES:  # an attribute path: the module that holds it
+                    target = target.rpartition(".")[0]
+                if target != name:
+                    inner.add(target)
+            else:
+                outer.add(target.split(".")[0])
+    return inner, outer
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _role(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROLES else ""
+
+
+def _ancestors(name: str) -> list[str]:
+    """The packages Python runs before the module itself (their ``__init__``)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def test_every_module_belongs_to_a_role_and_no_folder_holds_more_than_fifteen() -> None:
+    folders: dict[Path, int] = {}
+    for name, path in MODULES.items():
+        assert _role(name) in ROLES
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+    too_big = {str(f.relative_to(PACKAGE.parent)): n for f, n in folders.items() if n > MAX_MODULES}
+    assert not too_big
+    roots = {n for n in MODULES if _role(n) == "" and n.count(".") > 1}
+    assert not roots, f"a folder that is no role: {sorted(roots)}"
+
+
+def test_no_module_imports_a_role_above_its_own() -> None:
+    upward = [
+        f"{name} -> {target}"
+        for name, (inner, _) in GRAPH.items()
+        for target in inner
+        if ROLES.index(_role(target)) > ROLES.index(_role(name))
+    ]
+    assert not upward
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    circles: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(GRAPH[name][0]):
+            if state.get(target) == 1:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [name])
+    assert not circles
+
+
+def _reach(start: str) -> dict[str, str]:
+    """Every module importing ``start`` runs (its packages' ``__init__`` included), each with the
+    module that first imported it."""
+    seen = {start: ""}
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        for target in sorted(GRAPH[name][0] | set(_ancestors(name))):
+            if target not in seen:
+                seen[target] = name
+                todo.append(target)
+    return seen
+
+
+def test_the_loop_and_the_attempt_reach_no_edge_even_through_another_module() -> None:
+    below = [n for n in MODULES if _role(n) in ("node", "attempt")]
+    assert len(below) > 10
+    found = []
+    for start in below:
+        reached = _reach(start)
+        for name, by in reached.items():
+            for edge in sorted(GRAPH[name][1] & set(EDGES)):
+                chain = [name]
+                while by:
+                    chain.append(by)
+                    by = reached[by]
+                found.append(f"{edge} via {' <- '.join(chain)}")
+    assert not found, "\n".join(sorted(set(found)))
+
+
+def test_the_graph_reader_sees_an_edge_through_a_function_level_import() -> None:
+    """The walk is not blind to an import hidden in a function: the CLI's commands reach
+    subprocess only through other modules, some imported inside functions."""
+    assert "subprocess" in GRAPH["flashnode.sandbox.lentcheck"][1]
+    reached = _reach("flashnode.cli.main")
+    assert any("subprocess" in GRAPH[n][1] for n in reached)
