@@ -108,7 +108,7 @@ def idle_agent(server: CoordinatorServer, kind: str, listen: str, settle: float)
     dump = state / "modules.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
     if kind == "ours":
-        py, entry = OURS_PY, "flashnode.cli:main"
+        py, entry = OURS_PY, "flashnode.cli.main:main"
         args = ["work", "--coordinator", server.url, "--runner", "trusted", "--pool", "idle"]
         args += ["--state-dir", str(state)]
         env["FLASHNODE_UI_LISTEN"] = listen
