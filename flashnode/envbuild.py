@@ -58,6 +58,8 @@ from urllib.parse import unquote, urlsplit
 
 from flashnode import cgroups, procs
 from flashnode.clock import Clock, SystemClock
+from flashnode.datacache import Resolver, resolve
+from flashnode.datasets import OriginPolicy
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.workspace import remove_tree
 
@@ -168,6 +170,50 @@ def _is_url(value: str) -> bool:
     except ValueError:
         return False
     return parts.scheme in URL_SCHEMES and bool(parts.hostname)
+
+
+def endpoints(lines: Sequence[str]) -> list[tuple[str, str]]:
+    """Every URL the (checked) lines name, with its line: an index, an extra index, a page of
+    links, a direct reference."""
+    found = []
+    for line in lines:
+        words = line.split()
+        if line.startswith("-"):
+            option, _, value = words[0].partition("=")
+            if option in URL_OPTIONS:
+                found.append((line, value or words[1]))
+        elif line.startswith(("http://", "https://")):
+            found.append((line, words[0]))
+        elif "@" in line.split(";", 1)[0]:
+            found.append((line, line.split("@", 1)[1].split(";", 1)[0].split()[0]))
+    return found
+
+
+def check_endpoints(
+    lines: Sequence[str], policy: OriginPolicy, resolver: Resolver = resolve
+) -> None:
+    """Refuse, with the job's fault, a line whose URL's host has an address the owner's
+    ``env_allow_private_indexes`` does not allow (the dataset origins' rule, ``OriginPolicy``):
+    by default loopback, private and link-local addresses. Every address the host resolves to
+    must pass. EnvUnavailable when a host does not resolve here (DNS is the node's)."""
+    hidden = secrets_in(lines)
+    for line, url in endpoints(lines):
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        shown = redact(line, hidden)[:200]
+        try:
+            addresses = resolver(host, parts.port or (443 if parts.scheme == "https" else 80))
+        except (OSError, ValueError, UnicodeError):
+            raise EnvUnavailable(
+                f"dependency line {shown!r}: its host does not resolve here", job_endpoint=True
+            ) from None
+        for address in addresses or ["0.0.0.0"]:
+            problem = policy.problem(address)
+            if problem:
+                raise EnvBuildFailed(
+                    f"dependency line {shown!r} is refused: its host is {problem}"
+                    " (the owner allows indexes at such addresses with env_allow_private_indexes)"
+                )
 
 
 def secrets_in(lines: Sequence[str]) -> tuple[str, ...]:
@@ -285,13 +331,20 @@ def classify(returncode: int, output: str) -> Fault:
 
 NOISE = re.compile(
     r"^(Using (CPython|Python)|Creating virtual environment|Activate with|Resolved |Prepared |"
-    r"Installed |Uninstalled |Audited |Bytecode compiled| [+-] )"
+    r"Installed |Uninstalled |Audited |Bytecode compiled| [+-] |\s*hint:)"
 )
+# What a server answered (a status line, its reason phrase): never told back to a job, whose
+# lines may name any server it likes; the kind of failure (client or server error) stays.
+HTTP_STATUS = re.compile(r"HTTP status (client|server) error \([^)]*\)")
 
 
 def summarize(output: str, hidden: Sequence[str] = ()) -> str:
-    """The last meaningful lines of uv's output, redacted, bounded, one per line."""
-    lines = [redact(line.rstrip(), hidden) for line in output.splitlines()]
+    """The last meaningful lines of uv's output, redacted, bounded, one per line; without uv's
+    hints and without what a server answered (``HTTP_STATUS``)."""
+    lines = [
+        HTTP_STATUS.sub(r"HTTP \1 error", redact(line.rstrip(), hidden))
+        for line in output.splitlines()
+    ]
     lines = [line for line in lines if line.strip() and not NOISE.match(line)]
     start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
     if start is not None:
@@ -371,6 +424,7 @@ class UvBuilder:
         *,
         allow_python_downloads: bool = False,
         allow_source_builds: bool = False,
+        index_policy: OriginPolicy | None = None,
         build_user: procs.TaskUser | None = None,
         hierarchy: cgroups.Hierarchy | None = None,
         limits: cgroups.Limits | None = None,
@@ -380,6 +434,7 @@ class UvBuilder:
         self.python_dir = python_dir
         self.allow_python_downloads = allow_python_downloads
         self.allow_source_builds = allow_source_builds
+        self.index_policy = index_policy or OriginPolicy()
         self.build_user = build_user
         self.hierarchy = hierarchy
         self.limits = limits or cgroups.Limits()
@@ -415,6 +470,7 @@ class UvBuilder:
     def build(
         self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float, room: DiskRoom
     ) -> Path:
+        check_endpoints(spec.lines, self.index_policy)
         uv = self.uv()
         user = self.user()
         token = procs.new_token()

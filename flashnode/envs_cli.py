@@ -12,13 +12,11 @@ from typing import Protocol
 import click
 
 from flashnode.envbuild import DiskRoom, EnvSpec, size
-from flashnode.envcache import EnvCache, EnvInfo, describe, summary
+from flashnode.envcache import ENVS_DIR, EnvCache, EnvInfo, describe, summary
 from flashnode.errors import ConfigError, EnvUnavailable
 from flashnode.owner import config_option, needs_root, state_dir_of, state_dir_option
 from flashnode.sanitise import sanitise
 from flashnode.settings import Settings, load
-
-ENVS_DIR = "envs"
 
 
 class NoBuilder:

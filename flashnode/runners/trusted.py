@@ -44,6 +44,7 @@ from typing import Any
 
 from flashnode import cgroups, diskuse, procs
 from flashnode.background import Background
+from flashnode.envcache import ENVS_DIR, PYTHON_DIR
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -327,6 +328,19 @@ class TrustedRunner(Runner):
             return ""
         return procs.cover_fstab(settings.state_dir, settings.local_data.values())
 
+    def _envs(self, environment: str | None) -> dict[str, Any]:
+        """The sandbox's cover over the job environments: a task sees only its own (``None``:
+        none) and the managed interpreters, never another job's (whose files are world-readable
+        for task users, and whose paths are in every task's command line)."""
+        root = self.settings.state_dir / ENVS_DIR
+        if not root.is_dir():
+            return {}
+        kept = [root / PYTHON_DIR, *([Path(environment)] if environment else [])]
+        return {
+            "envs": str(root),
+            "envs_kept": tuple(str(p) for p in kept if p.is_relative_to(root) and p.is_dir()),
+        }
+
     def _apply_cpu_cap(self, settings: Settings) -> None:
         """``task_cpu_percent`` of the machine for all tasks together: the CPU quota of the
         attempts' parent cgroup, changed live (running tasks included) on a reload."""
@@ -442,7 +456,7 @@ class TrustedRunner(Runner):
             return
         work = self.settings.state_dir / "attempts" / f".ahead-{slot}-{token}"
         sandbox = procs.Sandbox(
-            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers
+            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers, **self._envs(None)
         )
         try:
             work.mkdir(mode=0o700)
@@ -523,6 +537,7 @@ class TrustedRunner(Runner):
                 self._fstab,
                 work=True,
                 covers=self._covers,
+                **self._envs(spec.environment),
             )
             if self.sandbox
             else None
