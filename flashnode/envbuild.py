@@ -204,10 +204,12 @@ def check_endpoints(
         try:
             addresses = resolver(host, parts.port or (443 if parts.scheme == "https" else 80))
         except (OSError, ValueError, UnicodeError):
+            addresses = []
+        if not addresses:
             raise EnvUnavailable(
                 f"dependency line {shown!r}: its host does not resolve here", job_endpoint=True
-            ) from None
-        for address in addresses or ["0.0.0.0"]:
+            )
+        for address in addresses:
             problem = policy.problem(address)
             if problem:
                 raise EnvBuildFailed(
