@@ -333,8 +333,8 @@ class TrustedRunner(Runner):
         none) and the managed interpreters, never another job's (whose files are world-readable
         for task users, and whose paths are in every task's command line)."""
         root = self.settings.state_dir / ENVS_DIR
-        if not root.is_dir():
-            return {}
+        if not root.is_dir() or under_private_dir(root) is not None:
+            return {}  # none, or out of the task's sight already (its private directory)
         kept = [root / PYTHON_DIR, *([Path(environment)] if environment else [])]
         return {
             "envs": str(root),
