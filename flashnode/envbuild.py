@@ -29,7 +29,10 @@ Privileges. No code of a job runs as root, as the agent, or as any user somethin
 uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
 redacted from every message and record. A job's lines may not make uv read a file of this host
-(``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused).
+(``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused), nor, before the build, name
+a URL whose host has an address the owner does not allow (``check_endpoints``: the dataset
+origins' ``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
+DNS rebinding, a public index's redirects and the links its pages list are not checked here.
 
 Why one module of this size: uv's invocation, the checks of a job's lines, the build's bounds and
 the classification of uv's failures belong together.
