@@ -47,6 +47,7 @@ def run(a: Attempt) -> None:
         "built": env.built,
         "build_seconds": round(env.build_seconds, 3),
     }
+    a.prepared.environment = str(env.path)
     if task.module is not None:
         a.prepared.python = str(env.python)
     else:

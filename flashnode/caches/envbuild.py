@@ -29,7 +29,10 @@ Privileges. No code of a job runs as root, as the agent, or as any user somethin
 uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
 redacted from every message and record. A job's lines may not make uv read a file of this host
-(``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused).
+(``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused), nor, before the build, name
+a URL whose host has an address the owner does not allow (``check_endpoints``: the dataset
+origins' ``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
+DNS rebinding, a public index's redirects and the links its pages list are not checked here.
 
 Why one module of this size: uv's invocation, the checks of a job's lines, the build's bounds and
 the classification of uv's failures belong together.
@@ -56,7 +59,9 @@ from pathlib import Path
 from typing import IO, Literal, Protocol
 from urllib.parse import unquote, urlsplit
 
+from flashnode.caches.datacache import Resolver, resolve
 from flashnode.clock import Clock, SystemClock
+from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
@@ -169,6 +174,52 @@ def _is_url(value: str) -> bool:
     except ValueError:
         return False
     return parts.scheme in URL_SCHEMES and bool(parts.hostname)
+
+
+def endpoints(lines: Sequence[str]) -> list[tuple[str, str]]:
+    """Every URL the (checked) lines name, with its line: an index, an extra index, a page of
+    links, a direct reference."""
+    found = []
+    for line in lines:
+        words = line.split()
+        if line.startswith("-"):
+            option, _, value = words[0].partition("=")
+            if option in URL_OPTIONS:
+                found.append((line, value or words[1]))
+        elif line.startswith(("http://", "https://")):
+            found.append((line, words[0]))
+        elif "@" in line.split(";", 1)[0]:
+            found.append((line, line.split("@", 1)[1].split(";", 1)[0].split()[0]))
+    return found
+
+
+def check_endpoints(
+    lines: Sequence[str], policy: OriginPolicy, resolver: Resolver = resolve
+) -> None:
+    """Refuse, with the job's fault, a line whose URL's host has an address the owner's
+    ``env_allow_private_indexes`` does not allow (the dataset origins' rule, ``OriginPolicy``):
+    by default loopback, private and link-local addresses. Every address the host resolves to
+    must pass. EnvUnavailable when a host does not resolve here (DNS is the node's)."""
+    hidden = secrets_in(lines)
+    for line, url in endpoints(lines):
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        shown = redact(line, hidden)[:200]
+        try:
+            addresses = resolver(host, parts.port or (443 if parts.scheme == "https" else 80))
+        except (OSError, ValueError, UnicodeError):
+            addresses = []
+        if not addresses:
+            raise EnvUnavailable(
+                f"dependency line {shown!r}: its host does not resolve here", job_endpoint=True
+            )
+        for address in addresses:
+            problem = policy.problem(address)
+            if problem:
+                raise EnvBuildFailed(
+                    f"dependency line {shown!r} is refused: its host is {problem}"
+                    " (the owner allows indexes at such addresses with env_allow_private_indexes)"
+                )
 
 
 def secrets_in(lines: Sequence[str]) -> tuple[str, ...]:
@@ -286,13 +337,20 @@ def classify(returncode: int, output: str) -> Fault:
 
 NOISE = re.compile(
     r"^(Using (CPython|Python)|Creating virtual environment|Activate with|Resolved |Prepared |"
-    r"Installed |Uninstalled |Audited |Bytecode compiled| [+-] )"
+    r"Installed |Uninstalled |Audited |Bytecode compiled| [+-] |\s*hint:)"
 )
+# What a server answered (a status line, its reason phrase): never told back to a job, whose
+# lines may name any server it likes; the kind of failure (client or server error) stays.
+HTTP_STATUS = re.compile(r"HTTP status (client|server) error \([^)]*\)")
 
 
 def summarize(output: str, hidden: Sequence[str] = ()) -> str:
-    """The last meaningful lines of uv's output, redacted, bounded, one per line."""
-    lines = [redact(line.rstrip(), hidden) for line in output.splitlines()]
+    """The last meaningful lines of uv's output, redacted, bounded, one per line; without uv's
+    hints and without what a server answered (``HTTP_STATUS``)."""
+    lines = [
+        HTTP_STATUS.sub(r"HTTP \1 error", redact(line.rstrip(), hidden))
+        for line in output.splitlines()
+    ]
     lines = [line for line in lines if line.strip() and not NOISE.match(line)]
     start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
     if start is not None:
@@ -372,6 +430,7 @@ class UvBuilder:
         *,
         allow_python_downloads: bool = False,
         allow_source_builds: bool = False,
+        index_policy: OriginPolicy | None = None,
         build_user: procs.TaskUser | None = None,
         hierarchy: cgroups.Hierarchy | None = None,
         limits: Limits | None = None,
@@ -381,6 +440,7 @@ class UvBuilder:
         self.python_dir = python_dir
         self.allow_python_downloads = allow_python_downloads
         self.allow_source_builds = allow_source_builds
+        self.index_policy = index_policy or OriginPolicy()
         self.build_user = build_user
         self.hierarchy = hierarchy
         self.limits = limits or Limits()
@@ -416,6 +476,7 @@ class UvBuilder:
     def build(
         self, spec: EnvSpec, work: Path, *, stop: threading.Event, deadline: float, room: DiskRoom
     ) -> Path:
+        check_endpoints(spec.lines, self.index_policy)
         uv = self.uv()
         user = self.user()
         token = procs.new_token()

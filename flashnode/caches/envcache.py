@@ -55,6 +55,7 @@ from flashnode.caches.envbuild import (
     size,
 )
 from flashnode.clock import Clock, SystemClock
+from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups
 from flashnode.sandbox.limits import Limits
@@ -62,6 +63,9 @@ from flashnode.sandbox.procs import TaskUser
 from flashnode.sandbox.workspace import remove_tree
 
 log = logging.getLogger(__name__)
+
+ENVS_DIR = "envs"  # the cache's directory in the state dir
+PYTHON_DIR = ".python"  # the managed interpreters' directory in the cache
 
 
 # --- the cache ---------------------------------------------------------------------------------
@@ -167,6 +171,7 @@ class EnvCache:
         build_user: TaskUser | None = None,
         hierarchy: cgroups.Hierarchy | None = None,
         build_limits: Limits | None = None,
+        index_policy: OriginPolicy | None = None,
     ) -> None:
         self.root = root
         self.budget = budget_bytes
@@ -177,11 +182,12 @@ class EnvCache:
         self._tmp = root / ".tmp"
         self._locks = root / ".locks"
         self._failed_dir = root / ".failed"
-        self._python_dir = root / ".python"
+        self._python_dir = root / PYTHON_DIR
         self._builder = builder or UvBuilder(
             self._python_dir,
             allow_python_downloads=allow_python_downloads,
             allow_source_builds=allow_source_builds,
+            index_policy=index_policy,
             build_user=build_user,
             hierarchy=hierarchy,
             limits=build_limits,
@@ -270,11 +276,19 @@ class EnvCache:
         self._expire_failures()
         return evicted
 
-    def reconfigure(self, budget_bytes: int, min_free_bytes: int, build_limits: Limits) -> None:
+    def reconfigure(
+        self,
+        budget_bytes: int,
+        min_free_bytes: int,
+        build_limits: Limits,
+        index_policy: OriginPolicy | None = None,
+    ) -> None:
         """New settings (a reload): from the next build on; the budget is enforced at once."""
         self.budget, self.min_free_bytes = budget_bytes, min_free_bytes
         if isinstance(self._builder, UvBuilder):
             self._builder.limits = build_limits
+            if index_policy is not None:
+                self._builder.index_policy = index_policy
         self.prune()
 
     def usage(self) -> tuple[int, int]:

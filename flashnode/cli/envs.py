@@ -12,13 +12,11 @@ from typing import Protocol
 import click
 
 from flashnode.caches.envbuild import DiskRoom, EnvSpec, size
-from flashnode.caches.envcache import EnvCache, EnvInfo, describe, summary
+from flashnode.caches.envcache import ENVS_DIR, EnvCache, EnvInfo, describe, summary
 from flashnode.cli.common import config_option, needs_root, state_dir_of, state_dir_option
 from flashnode.config.settings import Settings, load
 from flashnode.errors import ConfigError, EnvUnavailable
 from flashnode.sanitise import sanitise
-
-ENVS_DIR = "envs"
 
 
 class NoBuilder:

@@ -28,7 +28,7 @@ from flashnode import __version__
 from flashnode.attempt import AttemptContext
 from flashnode.attempt.outbox import Outbox
 from flashnode.caches.datacache import DataCache, Fetcher, OriginPolicy
-from flashnode.caches.envcache import EnvCache
+from flashnode.caches.envcache import ENVS_DIR, EnvCache
 from flashnode.cli import common, doctor, login, pools, ui
 from flashnode.cli import controls as controls_cli
 from flashnode.cli import envs as envs_cli
@@ -457,7 +457,7 @@ def env_cache(settings: Settings, limits: Limits) -> EnvCache | None:
     hierarchy = cgroups.detect()[0] if os.geteuid() == 0 else None
     try:
         return EnvCache(
-            settings.state_dir / envs_cli.ENVS_DIR,
+            settings.state_dir / ENVS_DIR,
             settings.env_cache_bytes,
             allow_python_downloads=settings.allow_python_downloads,
             allow_source_builds=settings.allow_source_builds,
@@ -465,6 +465,7 @@ def env_cache(settings: Settings, limits: Limits) -> EnvCache | None:
             min_free_bytes=settings.min_free_bytes,
             hierarchy=hierarchy,
             build_limits=limits,
+            index_policy=OriginPolicy.of(settings.env_allow_private_indexes),
         )
     except EnvUnavailable as exc:
         raise PrerequisiteError(str(exc)) from None
@@ -674,7 +675,12 @@ def _run_agent(
         data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)
         data.prune()
         if envs is not None:
-            envs.reconfigure(new.env_cache_bytes, new.min_free_bytes, ctx.limits)
+            envs.reconfigure(
+                new.env_cache_bytes,
+                new.min_free_bytes,
+                ctx.limits,
+                OriginPolicy.of(new.env_allow_private_indexes),
+            )
 
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []

@@ -359,6 +359,10 @@ class Settings(BaseModel):
     allow_source_builds: bool = False
     env_build_timeout_seconds: float = Field(default=900.0, gt=0)
     env_negative_seconds: float = Field(default=600.0, ge=0)  # a failed build is remembered
+    # env_allow_private_indexes: package indexes, find-links pages and direct references a job's
+    #   lines name at addresses that are not public (datasets.OriginPolicy, as for dataset
+    #   origins): true (all but link-local), or the networks allowed; false: public only.
+    env_allow_private_indexes: bool | tuple[str, ...] = False
 
     @field_validator("env_build_timeout_seconds", "env_negative_seconds")
     @classmethod
@@ -390,7 +394,7 @@ class Settings(BaseModel):
             raise ValueError("must be a finite number")
         return value
 
-    @field_validator("dataset_allow_private_origins", mode="before")
+    @field_validator("dataset_allow_private_origins", "env_allow_private_indexes", mode="before")
     @classmethod
     def _private_origins(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -400,7 +404,7 @@ class Settings(BaseModel):
             return tuple(n.strip() for n in value.split(",") if n.strip())
         return value
 
-    @field_validator("dataset_allow_private_origins")
+    @field_validator("dataset_allow_private_origins", "env_allow_private_indexes")
     @classmethod
     def _networks(cls, value: bool | tuple[str, ...]) -> bool | tuple[str, ...]:
         if isinstance(value, bool):

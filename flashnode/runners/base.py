@@ -68,6 +68,7 @@ class StartSpec:
     agent_env: Mapping[str, str] = field(default_factory=dict)  # over the payload's; /work paths
     python: str | None = None  # the interpreter of a module task (a job environment's)
     path_prefix: tuple[str, ...] = ()  # host directories first on the task's PATH (trusted)
+    environment: str | None = None  # the job environment's directory, the only one it sees
     read_only_binds: tuple[tuple[str, str], ...] = ()  # (host path, path under /work)
     # The largest file the task may make (RLIMIT_FSIZE, both limits; None: no limit): a file
     # that size is past its disk cap already, so the watch sees it, and the owner's disk keeps

@@ -32,6 +32,7 @@ class Preparation:
     agent_env: dict[str, str] = field(default_factory=dict)  # values may name /work paths
     python: str | None = None  # a module task's interpreter, instead of task_python
     path_prefix: list[str] = field(default_factory=list)  # host dirs first on PATH (trusted)
+    environment: str | None = None  # the job environment's directory (trusted), if any
     read_only_binds: list[tuple[str, str]] = field(default_factory=list)  # (host, /work/...)
     module_inputs: dict[str, str] = field(default_factory=dict)  # more spec inputs: /work paths
 
@@ -87,6 +88,7 @@ def build(
         agent_env={**contract_env(job_id, lease_id), **prepared.agent_env},
         python=prepared.python,
         path_prefix=tuple(prepared.path_prefix),
+        environment=prepared.environment,
         read_only_binds=tuple(prepared.read_only_binds),
         max_file_bytes=max_file_bytes,
     )

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from flashnode.caches.envcache import ENVS_DIR, PYTHON_DIR
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import MODULES, Task
 from flashnode.errors import (
@@ -329,6 +330,19 @@ class TrustedRunner(Runner):
             return ""
         return procs.cover_fstab(settings.state_dir, settings.local_data.values())
 
+    def _envs(self, environment: str | None) -> dict[str, Any]:
+        """The sandbox's cover over the job environments: a task sees only its own (``None``:
+        none) and the managed interpreters, never another job's (whose files are world-readable
+        for task users, and whose paths are in every task's command line)."""
+        root = self.settings.state_dir / ENVS_DIR
+        if not root.is_dir() or under_private_dir(root) is not None:
+            return {}  # none, or out of the task's sight already (its private directory)
+        kept = [root / PYTHON_DIR, *([Path(environment)] if environment else [])]
+        return {
+            "envs": str(root),
+            "envs_kept": tuple(str(p) for p in kept if p.is_relative_to(root) and p.is_dir()),
+        }
+
     def _apply_cpu_cap(self, settings: Settings) -> None:
         """``task_cpu_percent`` of the machine for all tasks together: the CPU quota of the
         attempts' parent cgroup, changed live (running tasks included) on a reload."""
@@ -444,7 +458,7 @@ class TrustedRunner(Runner):
             return
         work = self.settings.state_dir / "attempts" / f".ahead-{slot}-{token}"
         sandbox = procs.Sandbox(
-            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers
+            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers, **self._envs(None)
         )
         try:
             work.mkdir(mode=0o700)
@@ -525,6 +539,7 @@ class TrustedRunner(Runner):
                 self._fstab,
                 work=True,
                 covers=self._covers,
+                **self._envs(spec.environment),
             )
             if self.sandbox
             else None

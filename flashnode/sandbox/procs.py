@@ -128,6 +128,11 @@ class Sandbox:
     work: bool = False  # bind the chain's working directory at /work and enter it there
     covers: str = ""  # the lent directories' covers as one table (``cover_fstab``), if any
     no_network: bool = False  # a network namespace of its own: no interface but a down loopback
+    # The job environments' directory, covered by an empty tmpfs (no task sees another job's
+    # environment), and what under it is bound back read-only at its same path (the task's own
+    # environment, the managed interpreters): shebangs and pyvenv.cfg keep working.
+    envs: str = ""
+    envs_kept: tuple[str, ...] = field(default=())
 
 
 def private_fstab(path: Path, tmp_bytes: int) -> str:
@@ -253,11 +258,13 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 # ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per system call), bind the
 # read-only views ($3: lines, a source then its target in the working directory, so that paths may
 # hold spaces), bind the working directory with them at /work and enter it there ($7), cover the
-# lent directories ($8: a table; after the views, whose sources they are), hide device files ($4),
-# run the rest. Paths in the working directory are taken from the directory the chain is in, not
-# its path, which a private directory may cover by now (--no-canonicalize). Every step a process
-# fewer where the shell can do it itself: this runs before every task. Each failure goes to
-# stderr: the launch's fault channel (module docstring).
+# lent directories ($8: a table; after the views, whose sources they are), cover the job
+# environments' directory ($9) with an empty tmpfs, made in the private /tmp with what is kept of
+# it bound in (${10}: lines) and then moved over it, hide device files ($4), run the rest. Paths
+# in the working directory are taken from the directory the chain is in, not its path, which a
+# private directory may cover by now (--no-canonicalize). Every step a process fewer where the
+# shell can do it itself: this runs before every task. Each failure goes to stderr: the launch's
+# fault channel (module docstring).
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
@@ -277,8 +284,22 @@ done || exit 125
 [ -z "$7" ] || { mount --no-canonicalize --rbind . /work && cd /work; } \
   || fail "cannot bind the workspace at /work"
 [ -z "$8" ] || mount -a -T "$8" || fail "cannot cover the lent directories"
+[ -z "$9" ] || {
+  s=/tmp/.flashnode-envs
+  mkdir -m 0700 "$s" && mount -t tmpfs -o nosuid,nodev,mode=0711,size=64k flashnode-envs "$s" \
+    || fail "cannot cover the job environments"
+  [ -z "${10}" ] || printf '%s\n' "${10}" | while IFS= read -r kept; do
+    to="$s${kept#"$9"}"
+    umask 022  # this pipeline's subshell only: task users pass through the directories made
+    mkdir -p "$to" && mount --no-canonicalize --bind "$kept" "$to" \
+      && mount --no-canonicalize -o remount,bind,ro,nosuid,nodev "$to" \
+      || fail "cannot bind the job environment $kept read-only"
+  done || exit 125
+  mount -o remount,ro "$s" && mount --no-canonicalize --move "$s" "$9" && rmdir "$s" \
+    || fail "cannot cover the job environments"
+}
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 8
+shift 10
 exec "$@"
 """
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
@@ -342,6 +363,10 @@ def command(
         return cmd
     if sandbox and any("\n" in p for bind in sandbox.read_only_binds for p in bind):
         raise ValueError("a read-only view's path holds a newline")
+    if sandbox and any(
+        "\n" in p or not p.startswith(sandbox.envs + "/") for p in sandbox.envs_kept
+    ):
+        raise ValueError("a kept environment's path holds a newline or lies elsewhere")
     procs = " ".join(cgroup.procs_files) if cgroup else ""
     tmpfs = f"nosuid,nodev,mode=1777,size={sandbox.tmp_bytes}" if sandbox else ""
     binds = "\n".join(f"{s}\n{d}" for s, d in sandbox.read_only_binds) if sandbox else ""
@@ -351,7 +376,9 @@ def command(
     queues = " ".join(mqueue_mounts()) if sandbox else ""
     work = "1" if sandbox and sandbox.work else ""
     covers = sandbox.covers if sandbox else ""
-    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers]
+    envs = sandbox.envs if sandbox else ""
+    kept = "\n".join(sandbox.envs_kept) if sandbox else ""
+    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, kept]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         net = ["--net"] if sandbox.no_network else []

@@ -27,6 +27,7 @@ from flashnode.caches.envbuild import (
     DiskRoom,
     EnvSpec,
     UvBuilder,
+    check_endpoints,
     check_lines,
     classify,
     others_can_run,
@@ -34,6 +35,7 @@ from flashnode.caches.envbuild import (
 )
 from flashnode.caches.envcache import EnvCache, describe
 from flashnode.clock import SystemClock
+from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import AttemptFailed, Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.cgroups import Limits
@@ -143,6 +145,8 @@ def make_cache(
     if "build_limits" in kw:
         builder_kw["limits"] = kw.pop("build_limits")
     sources = {k: kw.pop(k) for k in ("allow_source_builds",) if k in kw}
+    # The test index listens on loopback: the owner's opt-in to private indexes.
+    builder_kw.setdefault("index_policy", kw.pop("index_policy", OriginPolicy(private=True)))
     builder = CountingBuilder(root / ".python", gate, clock=clock, **builder_kw, **sources)
     cache = EnvCache(root, budget, builder=builder, clock=clock, **sources, **kw)  # type: ignore[arg-type]
     return cache, builder
@@ -795,8 +799,9 @@ def test_a_build_that_outlasts_its_timeout_fails(root: Path, index: PackageIndex
 CRASHING_AGENT = """
 import sys, threading
 from pathlib import Path
+from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.caches.envcache import EnvCache
-cache = EnvCache(Path(sys.argv[1]), 1 << 30)
+cache = EnvCache(Path(sys.argv[1]), 1 << 30, index_policy=OriginPolicy(private=True))
 cache.acquire(sys.argv[2], sys.argv[3:], stop=threading.Event(), timeout_s=120)
 print("built")
 """
@@ -949,6 +954,65 @@ def test_uv_failures_are_classified_by_output_and_exit_status(
     code: int, output: str, fault: str
 ) -> None:
     assert classify(code, output) == fault
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "--index-url http://127.0.0.1:8080/simple",
+        "-i http://169.254.169.254/latest/meta-data/",
+        "--extra-index-url=http://192.168.1.1/admin",
+        "--find-links http://10.0.0.5/links",
+        "x @ https://[::1]:8443/x-1.0-py3-none-any.whl",
+        "http://[::ffff:127.0.0.1]/x-1.0-py3-none-any.whl",
+        "--index-url https://rebound.example/simple",  # resolves to loopback (below)
+    ],
+)
+def test_lines_naming_non_public_addresses_are_the_jobs_fault(line: str) -> None:
+    def resolver(host: str, port: int) -> list[str]:
+        return ["93.184.215.14", "127.0.0.1"] if host == "rebound.example" else [host]
+
+    with pytest.raises(EnvBuildFailed, match="is refused: its host is a") as caught:
+        check_endpoints([line, "x"], OriginPolicy(), resolver)
+    assert "env_allow_private_indexes" in str(caught.value)
+
+
+def test_the_owner_allows_private_indexes_by_network_but_never_link_local_by_true() -> None:
+    def resolver(host: str, port: int) -> list[str]:
+        return [host]
+
+    lan = ["--index-url http://10.0.0.5/simple", "x"]
+    check_endpoints(lan, OriginPolicy.of(["10.0.0.0/8"]), resolver)
+    with pytest.raises(EnvBuildFailed):
+        check_endpoints(["--index-url http://10.1.0.5/simple"], OriginPolicy.of(["10.0.0.0/24"]))
+    check_endpoints(lan, OriginPolicy.of(True), resolver)
+    metadata = ["--index-url http://169.254.169.254/", "x"]
+    with pytest.raises(EnvBuildFailed, match="link-local"):
+        check_endpoints(metadata, OriginPolicy.of(True), resolver)
+    check_endpoints(["--index-url https://8.8.8.8/simple", "x"], OriginPolicy(), resolver)
+
+
+def test_a_host_that_does_not_resolve_is_the_nodes_at_the_jobs_endpoint() -> None:
+    def resolver(host: str, port: int) -> list[str]:
+        raise OSError("no such host")
+
+    with pytest.raises(EnvUnavailable, match="does not resolve") as caught:
+        check_endpoints(
+            ["--index-url https://nowhere.invalid/simple", "x"], OriginPolicy(), resolver
+        )
+    assert caught.value.job_endpoint
+
+
+def test_summaries_quote_no_hint_and_no_status_a_server_answered() -> None:
+    unauthorized = (
+        "error: Failed to fetch: `http://10.0.0.5/admin/x/`\n"
+        "  Caused by: HTTP status client error (401 Unauthorized) for url (http://10.0.0.5/admin/x/)\n"
+        "hint: An index URL (http://10.0.0.5/admin) could not be queried due to a lack of valid"
+        " authentication credentials (401 Unauthorized).\n"
+    )
+    text = summarize(unauthorized)
+    assert "401" not in text and "Unauthorized" not in text and "hint" not in text, text
+    assert "HTTP client error" in text and "http://10.0.0.5/admin/x/" in text, text
 
 
 def test_summaries_are_bounded_and_redacted() -> None:

@@ -14,6 +14,7 @@ import sys
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,15 @@ from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_
 from pkgindex import PackageIndex, Wheel, _record_hash, build_wheel, package_index
 
 from flashnode.caches.envcache import EnvCache
+from flashnode.coordinator.datasets import OriginPolicy
 
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
-FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "UV_HTTP_RETRIES": "0"}
+# The test index listens on loopback: the owner's opt-in to private indexes lets jobs name it.
+FAST = {
+    "FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5",
+    "UV_HTTP_RETRIES": "0",
+    "FLASHNODE_ENV_ALLOW_PRIVATE_INDEXES": "127.0.0.1",
+}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 PKGS = ("flashnode_envtest_a", "flashnode_envtest_b", "flashnode_envtest_c", "flashnode_envtest_d")
 A, B, C, D = PKGS
@@ -161,7 +168,9 @@ def test_an_environment_is_built_once_shared_by_slots_reused_and_read_only_to_ta
         assert Path(m["python"]).parent == venv / "bin"
     if os.geteuid() == 0:
         assert all(m["uid"] != 0 for m in seen)
-        assert all(set(m["writes"].values()) <= {"PermissionError"} for m in seen), seen
+        # EACCES (the files are the agent's) or EROFS (the task sees its environment read-only)
+        denied = {"PermissionError", "OSError"}
+        assert all(set(m["writes"].values()) <= denied for m in seen), seen
         venv = Path(seen[0]["venv"])
         assert not (venv / "pwned").exists() and not (venv / "bin" / "pwned").exists()
         module = next((venv / "lib").glob(f"python*/site-packages/{A}/__init__.py"))
@@ -197,7 +206,7 @@ def test_the_budget_evicts_the_least_recently_used_environment_never_one_in_use(
     scratch = shared_dir("flashnode-envsize-")  # not under /tmp: builds get a private one
     scratch.chmod(0o755)
     try:
-        cache = EnvCache(scratch / "envs", 1 << 30)
+        cache = EnvCache(scratch / "envs", 1 << 30, index_policy=OriginPolicy(private=True))
         with cache.acquire(PY, deps(index, f"{A}==1.0"), stop=threading.Event(), timeout_s=120):
             pass
         [probe] = cache.entries()
@@ -459,3 +468,153 @@ def test_a_jobs_environment_cannot_fill_the_owners_disk_past_env_cache_bytes(
     assert lowest[0] >= 8 << 20, f"the build took the disk down to {lowest[0] >> 10} KiB free"
     assert line["outcome"] == "failed", line["reason"]
     assert "the environment grew past 8.0 MiB (env_cache_bytes)" in line["reason"]
+
+
+class _OwnersService:
+    """Stands for a service of the owner's on loopback only (an admin page, a router's, a
+    metadata service's look-alike): it answers 401 and records every request it gets."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                service.requests.append(self.path)
+                body = b"<html><body>owner's private admin page</body></html>"
+                self.send_response(401)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def owners_service() -> Iterator[_OwnersService]:
+    service = _OwnersService()
+    yield service
+    service.close()
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_jobs_package_index_cannot_reach_the_owners_loopback_services(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    owners_service: _OwnersService,
+    state: Path,
+) -> None:
+    """A job's lines that name an index, a page of links or a direct reference on the owner's
+    loopback make no request there (blind SSRF, a port scan through the reason): the build is
+    refused as the job's fault, and the reason names the line, not what answered. The owner
+    has not allowed private indexes here."""
+    url = owners_service.url
+    named = [
+        [f"--index-url {url}/admin/delete-everything", "anything"],
+        [f"--extra-index-url={url}/extra", "anything"],
+        [f"--find-links {url}/links", "anything"],
+        [f"anything @ {url}/direct/anything-1.0-py3-none-any.whl"],
+    ]
+    jobs = [
+        coordinator.submit(
+            argv_job(
+                ["python", "-c", "open('metrics.json', 'w').write('{}')"],
+                dependencies=lines,
+                python=PY,
+                max_attempts=1,
+            )
+        )
+        for lines in named
+    ]
+    owner_only = {k: v for k, v in FAST.items() if k != "FLASHNODE_ENV_ALLOW_PRIVATE_INDEXES"}
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--max-tasks", "4", env=owner_only, state_dir=state
+    )
+    assert agent.wait(180) == 0, agent.log
+    assert owners_service.requests == []
+    for job, lines in zip(jobs, named, strict=True):
+        coordinator.wait_state(job, {"FAILED"})
+        [reason] = failures(coordinator, job)
+        assert f"{lines[0]!r} is refused: its host is a loopback address" in reason, reason
+        assert "401" not in reason, reason
+
+
+# Another slot's task: find a job environment from the command lines every user can read in
+# /proc (a console script's interpreter, a module task's python: <state>/envs/<key>/bin/...),
+# then read that job's installed code. No braces (the coordinator formats commands).
+SNOOP = r"""
+drop=$1
+i=0
+while [ $i -lt 100 ]; do
+  for f in /proc/[0-9]*/cmdline; do
+    env=$(tr '\0' '\n' < $f 2>/dev/null | grep -o '^/.*/envs/[0-9a-f]*' | head -n 1)
+    if [ -n "$env" ]; then
+      grep -rho 'job-a-proprietary-[0-9a-f]*' "$env" > "$drop/.s" 2>/dev/null
+      if [ -s "$drop/.s" ]; then mv "$drop/.s" "$drop/stolen"; exit 0; fi
+    fi
+  done
+  i=$((i+1)); sleep 0.1
+done
+"""
+
+
+def _cmdline_with(word: str) -> str:
+    for pid in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().decode(errors="replace").split("\0")
+            if any(word in a for a in argv) and not any("pytest" in a for a in argv):
+                return " ".join(argv)
+    return ""
+
+
+@pytest.mark.usefixtures("as_root")
+def test_another_slots_task_cannot_read_a_jobs_private_environment(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    state: Path,
+    drop_dir: Path,
+) -> None:
+    """Job A installs its own package from its private index and runs its console script: the
+    environment's path is in that process's command line, which every local user reads, and
+    the environment's files are readable by task users. Job B, a stranger's job in the other
+    slot, looks for it there and reads job A's code: it finds nothing, for each task sees the
+    job environments' directory empty but for its own environment."""
+    secret = "job-a-proprietary-" + os.urandom(6).hex()
+    private = build_wheel(
+        "flashnode_envtest_priv",
+        "1.0",
+        source=f"SECRET = {secret!r}\ndef main():\n    import time\n    time.sleep(60)\n",
+        scripts={"privrun": "flashnode_envtest_priv:main"},
+    )
+    with package_index(private) as private_index:
+        job_a = coordinator.submit(
+            argv_job(
+                ["privrun"],
+                dependencies=deps(private_index, "flashnode_envtest_priv==1.0"),
+                python=PY,
+                max_attempts=3,  # another agent on a shared test host may kill its build
+            )
+        )
+        start_agent(coordinator.url, *TRUSTED, "--slots", "2", env=FAST, state_dir=state)
+        try:
+            seen = wait_for("job A's task running", lambda: _cmdline_with("privrun"), 240)
+            job_b = coordinator.submit(
+                argv_job(["sh", "-c", SNOOP, "snoop", str(drop_dir)], max_attempts=1)
+            )
+            coordinator.wait_state(job_b, {"SUCCEEDED", "FAILED"}, 150)
+            stolen = drop_dir / "stolen"
+            assert not stolen.exists(), f"job B read job A's package via {seen}"
+            assert coordinator.job(job_a)["state"] == "RUNNING"  # its own environment works
+        finally:
+            coordinator.cancel(job_a)

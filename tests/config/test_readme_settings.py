@@ -40,6 +40,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {  # key: (value as given, value as loaded
         "192.168.1.20,10.8.0.0/16",
         ("192.168.1.20/32", "10.8.0.0/16"),
     ),
+    "env_allow_private_indexes": ("10.8.0.0/16,127.0.0.1", ("10.8.0.0/16", "127.0.0.1/32")),
 }
 
 
