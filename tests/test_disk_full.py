@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -394,6 +396,111 @@ def test_a_disk_filled_by_something_else_ends_the_task_at_once_and_the_node_carr
     agent.signal(15)
     assert agent.wait(30) == 0
     assert time.monotonic() - t0 < 10  # a stop waits for no attempt that already ended
+
+
+def _inode_bomb(members: int, depth: int) -> bytes:
+    """A gzipped tar of ``members`` one-byte files, each at the end of its own chain of
+    ``depth`` directories (which the unpacker makes as the files' parents): a few KiB that
+    unpack to members * (depth + 1) inodes and a few hundred bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for m in range(members):
+            info = tarfile.TarInfo(f"m{m}/" + "/".join(["a"] * depth) + "/f")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def few_inodes() -> Iterator[Path]:
+    """A tmpfs of 64 MiB and 20,000 inodes standing in for the owner's disk."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = shared_dir("flashnode-few-inodes-")
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=20000,mode=0755", "tmpfs", str(mount)],
+        check=True,
+    )
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        mount.rmdir()
+
+
+def test_an_input_archive_cannot_use_up_the_owners_inodes_and_blame_the_node(
+    few_inodes: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """A job ships a 5 KiB archive of 300 one-byte files, each 100 directories deep: 30,000
+    inodes, on a disk of 20,000. The agent (root) counts every directory it makes and stops
+    before the disk's free inodes go below min_free_bytes' share of them: the owner's disk keeps
+    its floor, and the task fails, the job's fault, with a reason that says why (it used to
+    run the disk out of inodes and lapse as the node's own full disk)."""
+    coordinator.put_artifact("review2/inodes.tar.gz", _inode_bomb(300, 100))
+    job = coordinator.submit(
+        argv_job(
+            ["true"],
+            max_attempts=1,
+            inputs={"bomb": "artifact://review2/inodes.tar.gz"},
+            unpack_inputs=["bomb"],
+        )
+    )
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}  # its share: 5,000 of the 20,000 inodes
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--max-tasks", "1", env=env, state_dir=few_inodes / "state"
+    )
+    lowest = [1 << 62]
+
+    def watch() -> None:
+        while agent.proc.poll() is None and not agent.ledger():
+            with contextlib.suppress(OSError):
+                lowest[0] = min(lowest[0], os.statvfs(few_inodes).f_favail)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        [line] = agent.wait_ledger(1, timeout=120)
+    finally:
+        watcher.join(5)
+        coordinator.cancel(job)
+    assert lowest[0] >= 5000, (
+        f"unpacking the job's input left the owner's disk {lowest[0]} free inodes"
+        f" ({line['outcome']}: {line['reason']})"
+    )
+    assert line["outcome"] == "failed", line["reason"]
+    assert "does not fit: unpacking it would take the state dir's disk" in line["reason"]
+
+
+def test_one_job_cannot_bench_a_node_with_input_archives_that_use_up_its_inodes(
+    few_inodes: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """The same archive as the input of five tasks of one job: each fails (the job's fault),
+    none lapses as the node's full disk, and the node is never quarantined for it."""
+    coordinator.put_artifact("review2/inodes.tar.gz", _inode_bomb(300, 100))
+    job = coordinator.submit(
+        argv_job(
+            ["true"],
+            params=[{"n": i} for i in range(5)],
+            max_attempts=1,
+            inputs={"bomb": "artifact://review2/inodes.tar.gz"},
+            unpack_inputs=["bomb"],
+        )
+    )
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=few_inodes / "state")
+    try:
+        lines = agent.wait_ledger(5, timeout=180)
+    finally:
+        coordinator.cancel(job)
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    outcomes = [(line["outcome"], line["reason"]) for line in lines]
+    assert held == [], f"one job's inputs benched the node: {held}; its attempts: {outcomes}"
+    assert [o for o, _ in outcomes] == ["failed"] * 5, outcomes
 
 
 def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:

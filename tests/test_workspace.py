@@ -120,6 +120,38 @@ def test_decompression_bomb_stops_at_the_cap(ws: Workspace, tmp_path: Path) -> N
     assert not (ws.inputs / "data").exists()
 
 
+def deep_files(path: Path, members: int, depth: int) -> Path:
+    """A gzipped tar of ``members`` one-byte files, each at the end of its own chain of
+    ``depth`` directories that only the members' paths name: a few KiB, many inodes."""
+    with tarfile.open(path, "w:gz") as tar:
+        for m in range(members):
+            info = tarfile.TarInfo(f"m{m}/" + "/".join(["a"] * depth) + "/f")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    return path
+
+
+def test_an_archive_stops_at_the_tasks_own_file_cap(ws: Workspace, tmp_path: Path) -> None:
+    """30 members, each 100 directories deep: 3,030 files and directories (those its members'
+    paths need count too), past a task_disk_files of 1,000."""
+    archive = deep_files(tmp_path / "deep.tar.gz", 30, 100)
+    with pytest.raises(AttemptFailed, match="more than 1000 files and directories"):
+        archives.unpack(archive, ws.inputs / "data", "data", 1 << 20, max_entries=1000)
+    archives.unpack(archive, ws.inputs / "ok", "ok", 1 << 20, max_entries=30 * 102)
+
+
+def test_an_archive_that_would_take_the_disk_below_min_free_bytes_is_refused(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    archive = deep_files(tmp_path / "few.tar.gz", 3, 2)
+    with pytest.raises(AttemptFailed, match="would take the state dir's disk below min_free"):
+        archives.unpack(archive, ws.inputs / "data", "data", 1 << 20, min_free_bytes=free + 1)
+    assert not (ws.inputs / "data").exists()
+    archives.unpack(archive, ws.inputs / "ok", "ok", 1 << 20, min_free_bytes=free >> 1)
+
+
 def test_not_an_archive(ws: Workspace, tmp_path: Path) -> None:
     (tmp_path / "plain").write_bytes(b"just text")
     with pytest.raises(AttemptFailed, match="not a tar or zip"):
