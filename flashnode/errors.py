@@ -93,8 +93,9 @@ class AttemptLapsed(FlashnodeError):
     budget meant for churn. Nothing is reported; the ledger records the reason.
 
     ``job_endpoint``: what failed is an endpoint the job itself named (its dataset origin, its
-    package index), which may as well be the job's as the node's: the black-hole guard counts
-    it only where such failures span more than one job."""
+    package index), or the task outgrew the disk room the node had for it (less than
+    task_disk_bytes): this may as well be the job's doing as the node's, and the black-hole
+    guard counts it only where such endings span more than one job."""
 
     def __init__(self, *args: object, job_endpoint: bool = False) -> None:
         super().__init__(*args)

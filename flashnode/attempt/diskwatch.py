@@ -6,7 +6,11 @@ of its inodes) when it starts, if that is less: a task never takes the owner's d
 floor the owner keeps. Everything it wrote counts: out/ and tmp/ as the workspace walk finds
 them, plus what its handle measures beyond them (its private temporary directories, files it
 removed but keeps open); no single file of it may grow past the byte cap (the runner's
-``RLIMIT_FSIZE``). A task past a cap has failed: its own fault, the reason names the cap.
+``RLIMIT_FSIZE``). A task past ``task_disk_bytes`` or ``task_disk_files`` has failed: its own
+fault, the reason names the cap. A task past a cap that the disk's free space set (less than
+those) is stopped all the same, but its lease lapses: the node was short of disk, and a task
+within what the node advertises is not at fault (the black-hole guard counts such lapses only
+once they span two jobs, as for a job's own endpoints: ``job_endpoint``).
 
 The watch between walks (``DiskWatch``): a walk of a big tree is slow, and a task may write
 fast. The disk's free space and inodes are cheap to read, so they are read every ``SPACE_S``,
@@ -26,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from flashnode.config.settings import Settings, format_size
-from flashnode.errors import AttemptLapsed, DiskFull
+from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull
 from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
 from flashnode.sandbox.workspace import Usage
 
@@ -68,24 +72,51 @@ def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
     return caps
 
 
-def over_caps(usage: Usage, held: int, s: Settings, caps: DiskCaps) -> str | None:
-    """Which cap a task's files are past (``held``: what its handle measured beyond its
-    workspace), in the owner's words; None within them all."""
+def over_caps(
+    usage: Usage, held: int, s: Settings, caps: DiskCaps, then: str = ""
+) -> AttemptFailed | AttemptLapsed | None:
+    """The ending of a task whose files are past a cap (``held``: what its handle measured
+    beyond its workspace), in the owner's words (``then`` added: what was done to it); None
+    within them all. Past a cap the disk's free space set: a lapse, the node's shortage."""
     if usage.output_bytes > s.max_output_total_bytes:
-        return f"outputs grew past {s.max_output_total_bytes} bytes"
+        return AttemptFailed(f"outputs grew past {s.max_output_total_bytes} bytes{then}")
     if usage.output_files > s.max_output_files:
-        return f"outputs grew past {s.max_output_files} files (max_output_files)"
+        return AttemptFailed(
+            f"outputs grew past {s.max_output_files} files (max_output_files){then}"
+        )
     if usage.disk_bytes + held > caps.bytes:
-        return (
+        if caps.bytes_by != DiskCaps.bytes_by:
+            return _short(
+                f"{format_size(caps.bytes)} free above min_free_bytes",
+                f"task_disk_bytes, {format_size(s.task_disk_bytes)}",
+                then,
+            )
+        return AttemptFailed(
             f"the task's files grew past {format_size(caps.bytes)} ({caps.bytes_by}:"
-            " out/, tmp/ and its private temporary directories)"
+            f" out/, tmp/ and its private temporary directories){then}"
         )
     if usage.disk_files > caps.files:
-        return (
+        if caps.files_by != DiskCaps.files_by:
+            return _short(
+                f"{caps.files} inodes free above min_free_bytes' share",
+                f"task_disk_files, {s.task_disk_files}",
+                then,
+            )
+        return AttemptFailed(
             f"the task's files and directories grew past {caps.files} ({caps.files_by}:"
-            " out/ and tmp/)"
+            f" out/ and tmp/){then}"
         )
     return None
+
+
+def _short(had: str, cap: str, then: str) -> AttemptLapsed:
+    """A task stopped at a cap the disk's free space set: the node's lack of disk. It may as
+    well be the job's doing (it writes much): counted like a job's endpoint, across jobs."""
+    return AttemptLapsed(
+        f"the state dir's disk had only {had} when the task started (less than {cap}), and"
+        f" the task's files grew past that{then}",
+        job_endpoint=True,
+    )
 
 
 def full_disk(space: Space | None) -> DiskFull | None:

@@ -5,14 +5,15 @@ reason.
 
 The task's disk (``attempt.diskwatch``): its caps are set when it starts (``task_disk_bytes``
 and ``task_disk_files``, or what the state dir's disk has free above ``min_free_bytes`` if that
-is less) and watched while it runs, and looked at once more when it has ended (nothing of it
-running then): the walk of its files every ``WATCH_S``, less often when a walk is slow (a tree
-of many files), so that it never takes more than a small share of the agent's time; between
-walks, the disk's free space and inodes, and a walk at once, the task frozen meanwhile, when the
-disk lost half of what the task may still write. A task past a cap has failed and is killed at
-once (writing on would take more). A full disk the task's own files do not explain is the
-node's fault (``DiskFull``: the lease is left to lapse): the task is stopped as soon as it is
-seen, and a task that failed while the disk was full is taken to have failed because of it.
+is less: past such a cap, the lease lapses) and watched while it runs, and looked at once more
+when it has ended (nothing of it running then): the walk of its files every ``WATCH_S``, less
+often when a walk is slow (a tree of many files), so that it never takes more than a small share
+of the agent's time; between walks, the disk's free space and inodes, and a walk at once, the
+task frozen meanwhile, when the disk lost half of what the task may still write. A task past a
+cap is killed at once (writing on would take more). A full disk the task's own files do not
+explain is the node's fault (``DiskFull``: the lease is left to lapse): the task is stopped as
+soon as it is seen, and a task that failed while the disk was full is taken to have failed
+because of it.
 
 Suspension (``Attempt.request_suspension``, from the loop's owner controls): the task is frozen
 through its runner and resumed when the rule clears; time suspended does not count against the
@@ -136,7 +137,7 @@ def run(a: Attempt) -> None:
     # What it left, with nothing of it running any more: written faster than a watch.
     over = over_caps(a.workspace.usage(), 0, s, caps)
     if over is not None:
-        raise AttemptFailed(over)
+        raise over
     if result.status != 0 or result.cause or result.oom:
         full = full_disk(ctx.space())  # what made it fail, most likely: the node's fault
         if full is not None:
@@ -224,10 +225,10 @@ class _Wait:
         except (AttemptFailed, AttemptLapsed) as exc:
             handle.terminate(0.0)
             return exc
-        over = over_caps(usage, held, s, self.disk.caps)
+        over = over_caps(usage, held, s, self.disk.caps, "; the task was stopped")
         if over is not None:
             handle.terminate(0.0)
-            return AttemptFailed(f"{over}; the task was stopped")
+            return over
         if frozen:
             full = full_disk(space)  # within its caps, the task cannot have filled it
             if full is not None:

@@ -23,14 +23,24 @@ def run(a: Attempt) -> None:
     assert a.lease is not None and a.task is not None
     a.record.state = State.STAGING  # in memory: no process exists yet (prepare.py)
     a.workspace = ws = Workspace.create(a.ctx.settings.state_dir / "attempts", a.lease.lease_id)
-    budget = a.ctx.settings.max_input_bytes
+    s = a.ctx.settings
+    budget = s.max_input_bytes
     for inp in a.task.inputs:
         a.check()
         dest = ws.stage / inp.name if inp.unpack else ws.inputs / inp.dest
         size = _download(a, inp.name, inp.key, dest, budget)
         budget -= size
         if inp.unpack:
-            archives.unpack(dest, ws.inputs / inp.name, inp.name, budget)
+            # What it unpacks to is the task's: within its own disk caps, and never below the
+            # owner's floor (the agent unpacks as root).
+            archives.unpack(
+                dest,
+                ws.inputs / inp.name,
+                inp.name,
+                min(budget, s.task_disk_bytes),
+                max_entries=s.task_disk_files,
+                min_free_bytes=s.min_free_bytes,
+            )
             dest.unlink()
 
 

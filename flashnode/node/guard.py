@@ -5,11 +5,16 @@
   every job's budgets. After ``after`` attempts in a row that ended through this node's fault (a
   lapse that was not a drain, stop, pause or owner control), or that failed within
   ``FAST_FAIL_S`` of their claim with the same reason across at least two jobs, the node stops
-  claiming and says why. A lapse at an endpoint the job itself named (its dataset origin, its
-  package index: ``job_endpoint``) counts only once such lapses in the row span two jobs: one
-  job's dead origin is no sign of this node's health, and must not bench node after node; a
-  node whose own network is down fails every job alike. It then runs its own checks (the
-  preflight ``flashnode work`` runs at start: ``health``) at once and every ``check_seconds``;
+  claiming and says why. A failure is the task's own ending, in its author's hands (two jobs
+  that ``exit 1`` fail fast alike): such a row only makes the node run its checks at once,
+  claiming nothing meanwhile, and it is quarantined only if they fail; if they pass, the row
+  was the tasks' own and it claims on. A lapse that may as well be the job's as the node's
+  (``job_endpoint``: at an endpoint the job itself named, its dataset origin or package index;
+  or a task stopped at a disk cap that the disk's free space set) counts only once such lapses
+  in the row span two jobs: one job's dead origin is no sign of this node's health, and must
+  not bench node after node; a node whose own network is down fails every job alike. Once
+  quarantined, it runs its own checks (the preflight ``flashnode work`` runs at start:
+  ``health``) at once and every ``check_seconds``;
   once they pass, and no sooner than one interval after it stopped (a fault its checks cannot
   see must not bring it back at full speed), it takes work again. A committed attempt resets
   the count.
@@ -80,6 +85,7 @@ class Quarantine:
         self._fail_reason = ""
         self._fail_text = ""
         self._fail_jobs: set[str] = set()
+        self._suspect = ""  # why, while a row of fast failures has the node's checks run
         self._since: float | None = None  # monotonic, while quarantined
         self._why = ""
         self._next_check = 0.0
@@ -131,6 +137,8 @@ class Quarantine:
         return self._faults + endpoints
 
     def _trip(self) -> None:
+        """Quarantine on a row of node faults; on a row of fast failures across two jobs, have
+        the node's checks run first (``checked`` decides)."""
         faults = self._counted_faults()
         if faults >= self.after:
             why = (
@@ -138,14 +146,18 @@ class Quarantine:
                 f" (the last: {self._fault_reason})"
             )
         elif self._fails >= self.after and len(self._fail_jobs) >= 2:
-            why = (
-                f"{self._fails} attempts of {len(self._fail_jobs)} jobs in a row failed within"
-                f" {FAST_FAIL_S:g} s with the same reason ({self._fail_text})"
-            )
+            if not self._suspect:
+                self._suspect = (
+                    f"{self._fails} attempts of {len(self._fail_jobs)} jobs in a row failed"
+                    f" within {FAST_FAIL_S:g} s with the same reason ({self._fail_text})"
+                )
+                self._next_check = self._clock.monotonic()
+                log.warning("%s; checking this node before claiming again", self._suspect)
+            return
         else:
             return
         now = self._clock.monotonic()
-        self._since, self._why, self._problems = now, why, None
+        self._since, self._why, self._problems, self._suspect = now, why, None, ""
         self._next_check = now  # check at once: status says what is wrong
         log.error(
             "quarantined: %s; not claiming until this node passes its own checks (every %g s)",
@@ -164,7 +176,14 @@ class Quarantine:
     def hold(self) -> Hold | None:
         with self._lock:
             if self._since is None:
-                return None
+                if not self._suspect:
+                    return None
+                return Hold(
+                    "quarantine",
+                    f"checking this node: {self._suspect}",
+                    fix="none needed: it claims again once its checks pass (the failures were"
+                    " then the tasks' own); if they fail, it says what they found",
+                )
             found = self._problems
             if found is None:
                 checks = "checking this node"
@@ -182,18 +201,41 @@ class Quarantine:
     def check_due(self) -> bool:
         """A check should start now (the caller runs it, then calls ``checked``)."""
         with self._lock:
-            if self._since is None or self._clock.monotonic() < self._next_check:
+            if self._since is None and not self._suspect:
+                return False
+            if self._clock.monotonic() < self._next_check:
                 return False
             self._next_check = float("inf")  # until ``checked``
             return True
 
     def checked(self, problems: list[str]) -> None:
         """What the node's checks found: nothing (they pass) ends the quarantine once it has
-        lasted one interval; else it goes on, and the next check is one interval away."""
+        lasted one interval; else it goes on, and the next check is one interval away. After a
+        row of fast failures (not quarantined yet): failing checks quarantine the node, passing
+        ones end the row (the failures were the tasks' own)."""
         with self._lock:
+            now = self._clock.monotonic()
+            if self._since is None and self._suspect:
+                if problems:
+                    self._since, self._why, self._problems = now, self._suspect, list(problems)
+                    self._next_check = now + self.check_seconds
+                    log.error(
+                        "quarantined: %s; this node's checks fail: %s",
+                        self._suspect,
+                        "; ".join(problems),
+                    )
+                else:
+                    log.info(
+                        "%s, but this node passes its own checks: the failures are the tasks'"
+                        " own; claiming on",
+                        self._suspect,
+                    )
+                    self._fails = 0
+                    self._fail_jobs.clear()
+                self._suspect = ""
+                return
             if self._since is None:
                 return
-            now = self._clock.monotonic()
             changed = problems != self._problems
             self._problems = list(problems)
             served = now - self._since >= self.check_seconds

@@ -1,9 +1,15 @@
 """Input archives unpacked into the attempt's ``inputs/`` with nothing allowed to escape.
 
 Members with absolute paths or ``..`` segments, links, devices and FIFOs, more than
-``MAX_MEMBERS`` members or more than the byte budget are refused with a reason (AttemptFailed), and
-a refused archive leaves nothing behind. Files are created with ``O_EXCL | O_NOFOLLOW``, so nothing
-is written through a link or over an earlier member.
+``MAX_MEMBERS`` members, more files and directories than ``max_entries`` (every directory made
+counts, the parents a member's path needs too) or more than the byte budget are refused with a
+reason (AttemptFailed), and a refused archive leaves nothing behind. One that would take the disk
+below ``min_free_bytes`` free (or its share of the inodes) is stopped there too (the agent unpacks
+as root, and a few KiB of archive may stand for many inodes); within the task's own caps, that is
+this node's room falling short: its lease lapses (AttemptLapsed, counted by the black-hole guard
+only across jobs), as for a task whose files outgrow the room the disk had for it. Files are
+created with ``O_EXCL | O_NOFOLLOW``, so nothing is written through a link or over an earlier
+member.
 """
 
 from __future__ import annotations
@@ -16,24 +22,35 @@ import zipfile
 from pathlib import Path
 from typing import IO
 
-from flashnode.errors import AttemptFailed, disk_full, disk_full_error
+from flashnode.errors import AttemptFailed, AttemptLapsed, disk_full, disk_full_error
+from flashnode.sandbox.diskuse import space
 from flashnode.sandbox.workspace import remove_tree
 
 MAX_MEMBERS = 100_000
 COPY_CHUNK = 1024 * 1024
 
 
-def unpack(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
-    """Extract a tar or zip archive into ``dest`` (made here) without letting anything escape."""
+def unpack(
+    archive: Path,
+    dest: Path,
+    name: str,
+    max_bytes: int,
+    max_entries: int = MAX_MEMBERS,
+    min_free_bytes: int | None = None,
+) -> None:
+    """Extract a tar or zip archive into ``dest`` (made here) without letting anything escape,
+    into at most ``max_bytes`` and ``max_entries`` files and directories, never taking the disk
+    below ``min_free_bytes`` free (None: not looked at)."""
     dest.mkdir(mode=0o755)
+    budget = _Budget(name, max_bytes, min(max_entries, MAX_MEMBERS), dest, min_free_bytes)
     try:
         if zipfile.is_zipfile(archive):
-            _unzip(archive, dest, name, max_bytes)
+            _unzip(archive, dest, budget)
         elif tarfile.is_tarfile(archive):
-            _untar(archive, dest, name, max_bytes)
+            _untar(archive, dest, budget)
         else:
             raise AttemptFailed(f"input {name!r} is not a tar or zip archive")
-    except AttemptFailed:
+    except (AttemptFailed, AttemptLapsed):
         remove_tree(dest)
         raise
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, RuntimeError) as exc:
@@ -58,22 +75,77 @@ def _member_path(dest: Path, raw: str, name: str) -> Path:
 
 
 class _Budget:
-    def __init__(self, name: str, max_bytes: int) -> None:
+    def __init__(
+        self, name: str, max_bytes: int, max_entries: int, dest: Path, floor: int | None
+    ) -> None:
         self.name, self.left, self.max, self.members = name, max_bytes, max_bytes, 0
+        self.entries, self.max_entries = 0, max_entries
+        self.dest, self.floor = dest, floor
+        self.dirs: set[Path] = {dest}  # directories known to exist
 
     def member(self) -> None:
         self.members += 1
         if self.members > MAX_MEMBERS:
             raise AttemptFailed(f"input {self.name!r} has more than {MAX_MEMBERS} members")
 
+    def entry(self) -> None:
+        """One more file or directory, about to be made."""
+        self.entries += 1
+        if self.entries > self.max_entries:
+            raise AttemptFailed(
+                f"input {self.name!r} unpacks to more than {self.max_entries} files and"
+                " directories (directories its members' paths need count too)"
+            )
+        self._room(0, 1)
+
     def spend(self, n: int) -> None:
         self.left -= n
         if self.left < 0:
             raise AttemptFailed(f"input {self.name!r} unpacks to more than {self.max} bytes")
+        self._room(n, 0)
+
+    def _room(self, n: int, inodes: int) -> None:
+        """Refuse the archive before ``n`` bytes and ``inodes`` more take the disk below the
+        floor the owner keeps free."""
+        if self.floor is None:
+            return
+        disk = space(self.dest)
+        if disk is None:
+            return
+        if disk.free_bytes - n < self.floor:
+            left = f"{disk.free_bytes >> 20} MiB free"
+        elif disk.total_inodes and disk.free_inodes - inodes < disk.inode_floor(self.floor):
+            left = f"{disk.free_inodes} inodes free, min_free_bytes' share of them"
+        else:
+            return
+        raise AttemptLapsed(
+            f"input {self.name!r} does not fit: unpacking it would take the state dir's disk"
+            f" below min_free_bytes ({left}; {self.entries} files and directories and"
+            f" {self.max - self.left} bytes unpacked by then)",
+            job_endpoint=True,  # within the task's own caps: this node's room is short
+        )
+
+    def make_dirs(self, path: Path, raw: str) -> None:
+        """Make ``path`` and its missing parents under ``dest``, each counted."""
+        missing: list[Path] = []
+        while path not in self.dirs:
+            missing.append(path)
+            path = path.parent
+        for d in reversed(missing):
+            self.entry()
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    raise AttemptFailed(
+                        f"input {self.name!r}: member {raw[:100]!r} crosses a non-directory"
+                    ) from None
+            self.dirs.add(d)
 
 
 def _write_member(src: IO[bytes], path: Path, executable: bool, budget: _Budget, raw: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    budget.make_dirs(path.parent, raw)
+    budget.entry()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o755 if executable else 0o644)
@@ -91,14 +163,14 @@ def _write_member(src: IO[bytes], path: Path, executable: bool, budget: _Budget,
             out.write(chunk)
 
 
-def _untar(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
-    budget = _Budget(name, max_bytes)
+def _untar(archive: Path, dest: Path, budget: _Budget) -> None:
+    name = budget.name
     with tarfile.open(archive, mode="r:*") as tar:
         for member in tar:
             budget.member()
             path = _member_path(dest, member.name, name)
             if member.isdir():
-                path.mkdir(parents=True, exist_ok=True, mode=0o755)
+                budget.make_dirs(path, member.name)
             elif member.isfile():
                 src = tar.extractfile(member)
                 if src is None:  # pragma: no cover - isfile() members always have data
@@ -116,8 +188,8 @@ def _untar(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
                 raise AttemptFailed(f"input {name!r}: member {member.name[:100]!r} is {kind}")
 
 
-def _unzip(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
-    budget = _Budget(name, max_bytes)
+def _unzip(archive: Path, dest: Path, budget: _Budget) -> None:
+    name = budget.name
     with zipfile.ZipFile(archive) as zf:
         for info in zf.infolist():
             budget.member()
@@ -128,7 +200,7 @@ def _unzip(archive: Path, dest: Path, name: str, max_bytes: int) -> None:
                     f"input {name!r}: member {info.filename[:100]!r} is not a regular file"
                 )
             if info.is_dir():
-                path.mkdir(parents=True, exist_ok=True, mode=0o755)
+                budget.make_dirs(path, info.filename)
                 continue
             with zf.open(info) as src:
                 _write_member(src, path, bool(unix_mode & 0o111), budget, info.filename)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -104,24 +106,39 @@ def test_a_disk_out_of_inodes_is_as_full_as_one_out_of_bytes(tmp_path: Path) -> 
     )
 
 
-def test_a_tasks_disk_cap_is_the_free_space_above_min_free_bytes_when_that_is_less(
+def test_a_task_past_the_free_space_above_min_free_bytes_is_stopped_and_its_lease_lapses(
     tmp_path: Path,
 ) -> None:
-    """With 10 MiB free above min_free_bytes, a task that writes 12 MiB is past its cap (the
-    task's fault, the reason says which cap), whatever task_disk_bytes allows; and no file of
-    the task may grow much past the cap (the runner's RLIMIT_FSIZE)."""
+    """With 10 MiB free above min_free_bytes, a task that writes 12 MiB is past its cap, the
+    free space, whatever task_disk_bytes allows; and no file of the task may grow much past the
+    cap (the runner's RLIMIT_FSIZE). The task stayed within what the node advertises: the node
+    was short of disk, so the lease lapses and the job's failure budget is not spent (this
+    used to fail the task)."""
     clock = FakeClock()
     coord = FakeCoordinator(clock)
     runner = Writer(12 << 20)
     ctx = context(tmp_path, clock, coord, runner, min_free_bytes=16 << 20)
     ctx.space = lambda: dataclasses.replace(AMPLE, free_bytes=26 << 20)
     attempt = Attempt(ctx, lease(0))
-    assert attempt.run().value == "failed"
-    assert attempt.ended is not None
+    assert attempt.run().value == "lapsed"
+    assert attempt.ended is not None and coord.names("fail") == []
     reason = attempt.ended[1]
-    assert "(what the state dir's disk had free above min_free_bytes when it" in reason, reason
+    assert "the state dir's disk had only 10.0 MiB free above min_free_bytes when" in reason, reason
+    assert attempt.node_fault and attempt.job_endpoint  # the guard counts it across jobs only
     [spec] = runner.started
     assert spec.max_file_bytes is not None and 10 << 20 < spec.max_file_bytes < 11 << 20
+
+
+def test_a_task_past_task_disk_bytes_itself_fails(tmp_path: Path) -> None:
+    """The disk has room; the task writes past the cap the owner set: its own fault."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = Writer(12 << 20)
+    ctx = context(tmp_path, clock, coord, runner, task_disk_bytes=8 << 20)
+    ctx.space = lambda: AMPLE
+    attempt = Attempt(ctx, lease(0))
+    assert attempt.run().value == "failed"
+    assert attempt.ended is not None and "(task_disk_bytes:" in attempt.ended[1], attempt.ended
 
 
 def test_a_task_with_no_room_above_min_free_bytes_does_not_start(tmp_path: Path) -> None:
@@ -244,15 +261,16 @@ def disk_hold(state_dir: Path) -> str | None:
     return next((h["reason"] for h in held or [] if h["rule"] == "disk"), None)
 
 
-def test_a_task_that_fills_the_disk_itself_is_stopped_at_the_free_space_and_fails(
+def test_a_task_that_fills_the_disk_itself_is_stopped_at_the_free_space_and_lapses(
     small_disk: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
 ) -> None:
     """``task_disk_bytes`` (16 GiB by default) is more than the disk has: with about 47 MiB free
     above ``min_free_bytes`` a task writes 100 MB into its tmp/ at full speed. Its cap is the
-    free space above the floor: it is stopped there and fails (its own fault, the reason says
-    which cap), and the owner's disk keeps what the floor keeps, however fast it wrote."""
+    free space above the floor: it is stopped there, and the owner's disk keeps what the floor
+    keeps, however fast it wrote. It stayed within task_disk_bytes: the node was short of disk,
+    so the lease lapses (it used to fail), and the reason says how much the disk had."""
     state_dir = small_disk / "state"
     filler = "head -c 100000000 /dev/zero > /work/tmp/big; sleep 300"
     job = coordinator.submit(argv_job(["sh", "-c", filler], lease_seconds=60, max_attempts=3))
@@ -273,10 +291,49 @@ def test_a_task_that_fills_the_disk_itself_is_stopped_at_the_free_space_and_fail
     finally:
         watcher.join(5)
         coordinator.cancel(job)
-    assert line["outcome"] == "failed", line
-    assert "above min_free_bytes when it started" in line["reason"], line["reason"]
+    assert line["outcome"] == "lapsed", line
+    assert "the state dir's disk had only" in line["reason"], line["reason"]
+    assert [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"] == []
     assert lowest[0] >= 8 << 20, f"the owner's disk went down to {lowest[0] >> 10} KiB free"
     assert "Traceback" not in agent.log
+
+
+def test_a_local_user_cannot_make_the_node_fail_the_pools_tasks_by_leaving_it_little_disk(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """A local unprivileged user leaves the disk 3 MiB above ``min_free_bytes``: each task's cap
+    is that free space, and tasks that write 6 MB are stopped there. That is the node's lack of
+    disk, not the job's doing: their leases lapse, no task fails, no job's budget is spent."""
+    scratch = small_disk / "scratch"
+    scratch.mkdir(mode=0o1777)
+    scratch.chmod(0o1777)
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    st = os.statvfs(small_disk)
+    fill = st.f_bavail * st.f_frsize - (16 << 20) - (3 << 20) - (1 << 20)  # state dir's own files
+    subprocess.run(
+        [
+            *("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"),
+            *("fallocate", "-l", str(fill), str(scratch / "mine")),
+        ],
+        check=True,
+    )
+    script = "head -c 6000000 /dev/zero > ../tmp/scratch"  # no braces: params format it
+    job = coordinator.submit(
+        argv_job(["sh", "-c", script], params=[{"n": i} for i in range(3)], max_attempts=2)
+    )
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--max-tasks", "3", env=env, state_dir=small_disk / "state"
+    )
+    try:
+        lines = agent.wait_ledger(3, timeout=120)
+    finally:
+        coordinator.cancel(job)
+    failed = [line["reason"] for line in lines if line["outcome"] == "failed"]
+    assert failed == [], f"the node's lack of disk was charged to the job: {failed}"
+    assert all("the state dir's disk had only" in line["reason"] for line in lines), lines
+    assert [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"] == []
 
 
 def test_a_disk_filled_by_something_else_ends_the_task_at_once_and_the_node_carries_on(
@@ -348,6 +405,112 @@ def test_a_disk_filled_by_something_else_ends_the_task_at_once_and_the_node_carr
     agent.signal(15)
     assert agent.wait(30) == 0
     assert time.monotonic() - t0 < 10  # a stop waits for no attempt that already ended
+
+
+def _inode_bomb(members: int, depth: int) -> bytes:
+    """A gzipped tar of ``members`` one-byte files, each at the end of its own chain of
+    ``depth`` directories (which the unpacker makes as the files' parents): a few KiB that
+    unpack to members * (depth + 1) inodes and a few hundred bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for m in range(members):
+            info = tarfile.TarInfo(f"m{m}/" + "/".join(["a"] * depth) + "/f")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def few_inodes() -> Iterator[Path]:
+    """A tmpfs of 64 MiB and 20,000 inodes standing in for the owner's disk."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = shared_dir("flashnode-few-inodes-")
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=20000,mode=0755", "tmpfs", str(mount)],
+        check=True,
+    )
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        mount.rmdir()
+
+
+def test_an_input_archive_cannot_take_the_owners_disk_below_its_floor_of_inodes(
+    few_inodes: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """A job ships a 5 KiB archive of 300 one-byte files, each 100 directories deep: 30,000
+    inodes, on a disk of 20,000. The agent (root) counts every directory it makes and stops
+    before the disk's free inodes go below min_free_bytes' share of them: the owner's disk keeps
+    its floor; within the task's own caps (task_disk_files) this node's room is what falls
+    short, so the lease lapses with a reason that says why (not the node's full disk), and one
+    job's lapses of this kind do not count toward quarantine."""
+    coordinator.put_artifact("review2/inodes.tar.gz", _inode_bomb(300, 100))
+    job = coordinator.submit(
+        argv_job(
+            ["true"],
+            max_attempts=1,
+            inputs={"bomb": "artifact://review2/inodes.tar.gz"},
+            unpack_inputs=["bomb"],
+        )
+    )
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}  # its share: 5,000 of the 20,000 inodes
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--max-tasks", "1", env=env, state_dir=few_inodes / "state"
+    )
+    lowest = [1 << 62]
+
+    def watch() -> None:
+        while agent.proc.poll() is None and not agent.ledger():
+            with contextlib.suppress(OSError):
+                lowest[0] = min(lowest[0], os.statvfs(few_inodes).f_favail)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        [line] = agent.wait_ledger(1, timeout=120)
+    finally:
+        watcher.join(5)
+        coordinator.cancel(job)
+    assert lowest[0] >= 5000, (
+        f"unpacking the job's input left the owner's disk {lowest[0]} free inodes"
+        f" ({line['outcome']}: {line['reason']})"
+    )
+    assert line["outcome"] == "lapsed", line["reason"]
+    assert "does not fit: unpacking it would take the state dir's disk" in line["reason"]
+
+
+def test_one_job_cannot_bench_a_node_with_input_archives_that_use_up_its_inodes(
+    few_inodes: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """The same archive as the input of five tasks of one job: each lapses for want of room
+    (never as the node's full disk), and one job's lapses never quarantine the node."""
+    coordinator.put_artifact("review2/inodes.tar.gz", _inode_bomb(300, 100))
+    job = coordinator.submit(
+        argv_job(
+            ["true"],
+            params=[{"n": i} for i in range(5)],
+            max_attempts=1,
+            inputs={"bomb": "artifact://review2/inodes.tar.gz"},
+            unpack_inputs=["bomb"],
+        )
+    )
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=few_inodes / "state")
+    try:
+        lines = agent.wait_ledger(5, timeout=180)
+    finally:
+        coordinator.cancel(job)
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    outcomes = [(line["outcome"], line["reason"]) for line in lines]
+    assert held == [], f"one job's inputs benched the node: {held}; its attempts: {outcomes}"
+    assert all(o == "lapsed" and "does not fit" in r for o, r in outcomes), outcomes
 
 
 def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:

@@ -340,7 +340,7 @@ def test_a_node_that_lapses_attempt_after_attempt_quarantines_itself_until_its_c
     assert any("quarantine ends" in r.message for r in caplog.records)
 
 
-def test_fast_failures_with_one_reason_across_jobs_quarantine_but_one_jobs_do_not(
+def test_fast_failures_across_jobs_quarantine_a_node_whose_checks_fail_but_one_jobs_do_not(
     tmp_path: Path,
 ) -> None:
     clock = FakeClock()
@@ -355,13 +355,39 @@ def test_fast_failures_with_one_reason_across_jobs_quarantine_but_one_jobs_do_no
 
     clock = FakeClock()
     jobs = FakeCoordinator(clock, claims=[lease(n, job=f"j{n % 2}") for n in range(4)])
-    agent = held_agent(tmp_path, jobs, clock, FakeRunner(code=1), quarantine_after=3)
+    agent = held_agent(
+        tmp_path, jobs, clock, FakeRunner(code=1), lambda s: ["python: broken"], quarantine_after=3
+    )
     stop_at(agent, clock, jobs, 1100)
     agent.run()
     assert len(jobs.names("claim")) == 3
     hold = agent.quarantine.hold()
     assert hold is not None and "3 attempts of 2 jobs in a row failed within 60 s" in hold.reason
-    assert "exit code 1" in hold.reason
+    assert "exit code 1" in hold.reason and "its checks fail: python: broken" in hold.reason
+
+
+def test_fast_failures_across_jobs_do_not_quarantine_a_node_whose_checks_pass(
+    tmp_path: Path,
+) -> None:
+    """Two jobs whose tasks fail at once (``exit 1``) are their authors' doing: the node runs
+    its checks, and as they pass, it claims on."""
+    clock = FakeClock()
+    checks: list[float] = []
+    jobs = FakeCoordinator(clock, claims=[lease(n, job=f"j{n % 2}") for n in range(7)])
+    agent = held_agent(
+        tmp_path,
+        jobs,
+        clock,
+        FakeRunner(code=1),
+        lambda s: checks.append(clock.now) or [],
+        quarantine_after=3,
+        max_tasks=7,
+    )
+    agent.run()
+    claims = jobs.names("claim")
+    assert len(claims) == 7 and agent.quarantine.hold() is None
+    assert claims[-1] - claims[0] < 1  # never held for a check interval
+    assert len(checks) == 2  # after the third failure in a row, and again after the sixth
 
 
 def test_one_success_resets_the_count(tmp_path: Path) -> None:

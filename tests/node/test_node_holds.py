@@ -199,3 +199,31 @@ def test_one_jobs_dead_data_origin_benches_no_node_but_every_jobs_failing_does(
         coordinator.cancel(second)
     finally:
         coordinator.cancel(first)
+
+
+def test_two_jobs_whose_tasks_fail_fast_do_not_bench_a_node_whose_checks_pass(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Tasks that fail at once are their authors' doing: one pool member's two jobs (``exit 1``,
+    ``exit 2``: one reason once numbers are taken out) have the node run its checks, which
+    pass, and it claims on; it is never quarantined, and the pool's next job is run at once."""
+    first = coordinator.submit(
+        argv_job(["sh", "-c", "exit 1"], params=[{"n": i} for i in range(3)], max_attempts=1)
+    )
+    second = coordinator.submit(
+        argv_job(["sh", "-c", "exit 2"], params=[{"n": i} for i in range(3)], max_attempts=1)
+    )
+    agent = start_agent(
+        coordinator.url, *TRUSTED, env={"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
+    )
+    try:
+        for job in (first, second):
+            coordinator.wait_state(job, {"FAILED", "SUCCEEDED"}, timeout=120)
+        honest = coordinator.submit(argv_job(["true"]))
+        state = coordinator.wait_state(honest, {"FAILED", "SUCCEEDED"}, timeout=60)
+    except AssertionError:
+        state = "not run within 60 s"
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    assert held == [], f"a healthy node benched by two jobs' own failures ({state}): {held}"
+    assert state != "not run within 60 s"
+    assert "this node passes its own checks: the failures are the tasks' own" in agent.log

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flashnode.errors import AttemptFailed, OutOfDescriptors
+from flashnode.errors import AttemptFailed, AttemptLapsed, OutOfDescriptors
 from flashnode.sandbox import archives, workspace
 from flashnode.sandbox.workspace import MAX_OPEN_DIRS, Workspace
 
@@ -118,6 +118,41 @@ def test_decompression_bomb_stops_at_the_cap(ws: Workspace, tmp_path: Path) -> N
     with pytest.raises(AttemptFailed, match="unpacks to more than"):
         unpack(ws, z, "data", 8 << 20)
     assert not (ws.inputs / "data").exists()
+
+
+def deep_files(path: Path, members: int, depth: int) -> Path:
+    """A gzipped tar of ``members`` one-byte files, each at the end of its own chain of
+    ``depth`` directories that only the members' paths name: a few KiB, many inodes."""
+    with tarfile.open(path, "w:gz") as tar:
+        for m in range(members):
+            info = tarfile.TarInfo(f"m{m}/" + "/".join(["a"] * depth) + "/f")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    return path
+
+
+def test_an_archive_stops_at_the_tasks_own_file_cap(ws: Workspace, tmp_path: Path) -> None:
+    """30 members, each 100 directories deep: 3,030 files and directories (those its members'
+    paths need count too), past a task_disk_files of 1,000."""
+    archive = deep_files(tmp_path / "deep.tar.gz", 30, 100)
+    with pytest.raises(AttemptFailed, match="more than 1000 files and directories"):
+        archives.unpack(archive, ws.inputs / "data", "data", 1 << 20, max_entries=1000)
+    archives.unpack(archive, ws.inputs / "ok", "ok", 1 << 20, max_entries=30 * 102)
+
+
+def test_an_archive_that_would_take_the_disk_below_min_free_bytes_stops_as_the_nodes_shortage(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    """Within its own caps, an archive the disk has no room for is this node's shortage (the
+    lease lapses, counted by the guard only across jobs), and leaves nothing behind."""
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    archive = deep_files(tmp_path / "few.tar.gz", 3, 2)
+    with pytest.raises(AttemptLapsed, match="would take the state dir's disk below min_free") as e:
+        archives.unpack(archive, ws.inputs / "data", "data", 1 << 20, min_free_bytes=free + 1)
+    assert e.value.job_endpoint
+    assert not (ws.inputs / "data").exists()
+    archives.unpack(archive, ws.inputs / "ok", "ok", 1 << 20, min_free_bytes=free >> 1)
 
 
 def test_not_an_archive(ws: Workspace, tmp_path: Path) -> None:
