@@ -578,7 +578,7 @@ class UvBuilder:
                 raise EnvUnavailable(
                     f"cannot make the build's cgroup ({exc.strerror or exc})"
                 ) from None
-        sandbox = procs.Sandbox(BUILD_TMP_BYTES)
+        sandbox = procs.Sandbox(BUILD_TMP_BYTES, keep_agent=True)
         return _Box(user, token, cgroup, sandbox, rlimits, _DiskWatch(work, room, self.clock))
 
     def _environment(self, work: Path, token: str, cache: str) -> dict[str, str]:

@@ -70,6 +70,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,27 @@ FAULT_BYTES = 4096  # what is kept of a fault channel
 # empty tmpfs in the task's mount namespace (those that exist), plus the POSIX message queues of
 # its own IPC namespace.
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+
+@functools.lru_cache(maxsize=1)
+def agent_kept() -> tuple[tuple[str, str, str], ...]:
+    """(private directory, staging directory, kept directory) for each private directory that
+    holds the agent's own install (its venv, its package: a checkout under /tmp), where the
+    sandboxes of its own helpers and builds would hide it: the top directory of it under the
+    private one is bound back there read-only. The staging directory (made once, the agent's,
+    0700) is where the private tmpfs is put together before it is moved into place, in the
+    sandbox's own mount namespace; one kept directory per private one (the first found)."""
+    found: dict[str, str] = {}
+    for path in (sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+        real = os.path.realpath(path)
+        for d in PRIVATE_DIRS:
+            if real.startswith(d + "/") and d not in found:
+                top = d + "/" + real[len(d) + 1 :].split("/", 1)[0]
+                if "\n" not in top:
+                    found[d] = top
+    return tuple(
+        (d, tempfile.mkdtemp(prefix=".flashnode-stage-", dir=d), k) for d, k in found.items()
+    )
 
 
 def new_token() -> str:
@@ -133,6 +155,10 @@ class Sandbox:
     # environment, the managed interpreters): shebangs and pyvenv.cfg keep working.
     envs: str = ""
     envs_kept: tuple[str, ...] = field(default=())
+    # The agent's own install (its interpreter, its package, uv), where it lies under a private
+    # directory (a checkout under /tmp): bound back read-only in the agent's own helpers' and
+    # builds' sandboxes, which run it (``agent_kept``).
+    keep_agent: bool = False
 
 
 def private_fstab(path: Path, tmp_bytes: int) -> str:
@@ -270,9 +296,22 @@ fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
 [ -z "$5" ] || mount -a -T "$5" || fail "cannot mount the private directories"
 for d in $PRIVATE; do
+  case "
+${11}
+" in *"
+$d
+"*) continue ;; esac  # put together below, with the agent's own install kept in it
   [ -n "$5" ] || [ ! -d "$d" ] || mount -t tmpfs -o "$2" flashnode-private "$d" \
     || fail "cannot mount $d"
 done
+[ -z "${11}" ] || printf '%s\n' "${11}" | while IFS= read -r d && IFS= read -r s \
+    && IFS= read -r kept; do
+  to="$s${kept#"$d"}"
+  mount -t tmpfs -o "$2" flashnode-private "$s" && mkdir "$to" \
+    && mount --no-canonicalize --bind "$kept" "$to" \
+    && mount --no-canonicalize -o remount,bind,ro,nosuid,nodev "$to" \
+    && mount --no-canonicalize --move "$s" "$d" || fail "cannot mount $d keeping $kept"
+done || exit 125
 for q in $6; do  # every mount of the host's message queues: this namespace's instead
   mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
 done
@@ -299,7 +338,7 @@ done || exit 125
     || fail "cannot cover the job environments"
 }
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 10
+shift 11
 exec "$@"
 """
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
@@ -378,7 +417,10 @@ def command(
     covers = sandbox.covers if sandbox else ""
     envs = sandbox.envs if sandbox else ""
     kept = "\n".join(sandbox.envs_kept) if sandbox else ""
-    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, kept]
+    agent = ""
+    if sandbox and sandbox.keep_agent and not sandbox.fstab:
+        agent = "\n".join("\n".join(k) for k in agent_kept())
+    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, kept, agent]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         net = ["--net"] if sandbox.no_network else []
@@ -888,7 +930,7 @@ def python_imports(python: str, modules: Sequence[str]) -> str | None:
             [python, "-I", "-c", code, *modules],
             {"PATH": SYSTEM_PATH},
             user,
-            Sandbox(64 * 1024 * 1024) if user is not None else None,
+            Sandbox(64 * 1024 * 1024, keep_agent=True) if user is not None else None,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -943,7 +985,9 @@ def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
             ],
             {"PATH": SYSTEM_PATH},
             None,
-            Sandbox(64 * 1024 * 1024, no_network=True) if user is not None else None,
+            Sandbox(64 * 1024 * 1024, no_network=True, keep_agent=True)
+            if user is not None
+            else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             pass_fds=(data,),

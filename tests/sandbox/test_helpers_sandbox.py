@@ -1,0 +1,53 @@
+"""The agent's own helpers (the module probe, the schema check, job environment builds) run in
+sandboxes whose /tmp, /var/tmp and /dev/shm are private: the agent's own install must stay
+within their reach wherever it lies, a checkout under /tmp included."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flashnode.sandbox import procs
+
+
+@pytest.fixture
+def venv_under_tmp() -> Iterator[Path]:
+    """A venv of the system interpreter under /tmp, readable by every user, as a clean clone
+    there makes one."""
+    top = Path(tempfile.mkdtemp(prefix="flashnode-clone-", dir="/tmp"))
+    top.chmod(0o755)
+    base = "/usr/bin/python3"  # as the package lays it out: an interpreter every user may run
+    subprocess.run([base, "-m", "venv", "--without-pip", str(top / ".venv")], check=True)
+    procs.agent_kept.cache_clear()
+    try:
+        yield top / ".venv"
+    finally:
+        procs.agent_kept.cache_clear()
+        shutil.rmtree(top)
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_helper_runs_the_agents_interpreter_from_a_checkout_under_tmp(
+    venv_under_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = str(venv_under_tmp / "bin" / "python")
+    monkeypatch.setattr(sys, "prefix", str(venv_under_tmp))
+    assert procs.python_imports(python, ["json"]) is None
+    kept = procs.agent_kept()
+    assert [(d, k) for d, _, k in kept] == [("/tmp", str(venv_under_tmp.parent))]
+    # Nothing else of the host's /tmp is in reach: the helper's /tmp holds the kept tree only.
+    probe = "import os, sys; sys.exit(sorted(os.listdir('/tmp')) != [sys.argv[1]])"
+    user = procs.helper_user()
+    proc = procs.popen_as(
+        [python, "-I", "-c", probe, venv_under_tmp.parent.name],
+        {"PATH": procs.SYSTEM_PATH},
+        user,
+        procs.Sandbox(1 << 20, keep_agent=True),
+    )
+    assert proc.wait(60) == 0, "the helper's /tmp holds more than the agent's own install"
