@@ -190,7 +190,8 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
     if records and not as_json:
         zone = time.strftime("%Z")
         click.echo(
-            f"{'ended (' + zone + ')':19}  job/task  outcome  took  cpu  gpu  [prepared]  reason"
+            f"{'ended (' + zone + ')':19}  lease  job/task  outcome  took  cpu  gpu"
+            "  [facts]  reason"
         )
     for r in records:
         if as_json:
@@ -209,7 +210,10 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
         )
         took = f"{wall:.1f}s" if _number(wall) else "-"
         job = f"{r.get('job_id') or '-'}/{r.get('task_id') or '-'}"
-        line = f"{ended}  {job}  {r.get('outcome') or '-'!s:9}  {took:>8}"
+        # The lease names the attempt for `flashnode logs LEASE`.
+        line = (
+            f"{ended}  {r.get('lease_id') or '-'}  {job}  {r.get('outcome') or '-'!s:9}  {took:>8}"
+        )
         line += f"  cpu {_figure(cpu, 100.0 * cores)}  gpu {_figure(gpu, 100.0)}"
         facts = status.describe_facts(r)
         if facts:

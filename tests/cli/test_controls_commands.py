@@ -188,6 +188,17 @@ def test_logs_of_an_attempt_that_is_not_on_the_node(
     assert code == 1 and "no output of attempt gone is on this node" in out
 
 
+def test_history_names_each_attempts_lease_which_logs_takes(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    """`logs` of an ended attempt needs its lease; `history` is where an owner finds it."""
+    line = {"lease_id": "ls-4c3324eda35e", "job_id": "j", "task_id": "t", "outcome": "failed"}
+    (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
+    code, out = flashnode("history", "--state-dir", str(tmp_path))
+    header, row = out.splitlines()
+    assert code == 0 and "lease" in header.split() and "ls-4c3324eda35e  j/t  failed" in row
+
+
 def test_tail_follows_a_replaced_file_and_copies_the_rest_after_the_directory_goes(
     tmp_path: Path,
 ) -> None:
