@@ -174,6 +174,11 @@ class Commands(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except BrokenPipeError:
+            # The reader went away (`flashnode history --json | head`): stop quietly, as a
+            # shell tool does, and leave nothing for the interpreter to flush at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + signal.SIGPIPE)
         except PermissionError as exc:
             common.needs_root(f"cannot use {exc.filename}" if exc.filename else "not allowed")
         except OSError as exc:

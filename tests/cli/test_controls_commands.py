@@ -199,6 +199,23 @@ def test_history_names_each_attempts_lease_which_logs_takes(
     assert code == 0 and "lease" in header.split() and "ls-4c3324eda35e  j/t  failed" in row
 
 
+def test_a_reader_that_goes_away_ends_history_quietly(tmp_path: Path) -> None:
+    """`flashnode history --json | head -c 100`: no traceback, no error line."""
+    line = json.dumps({"lease_id": "ls-1", "job_id": "j", "task_id": "t", "outcome": "failed"})
+    (tmp_path / "ledger.jsonl").write_text((line + "\n") * 5000)
+    argv = ["history", "--json", "-n", "5000", "--state-dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashnode", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(100)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(30) == 141 and err == "", err
+
+
 def test_tail_follows_a_replaced_file_and_copies_the_rest_after_the_directory_goes(
     tmp_path: Path,
 ) -> None:
