@@ -28,9 +28,12 @@ Privileges. No code of a job runs as root, as the agent, or as any user somethin
 
 uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
-redacted from every message and record. A job's lines may not make uv read a file of this host
-(``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused), nor, before the build, name
-a URL whose host has an address the owner does not allow (``check_endpoints``: the dataset
+redacted from every message and record. A job's lines are accepted only in a form judged in full
+(``_line_problem``): they may not make uv read a file of this host (``-r``, ``-c``, ``-e``, a
+``/`` outside a URL, a bare archive name and ``file:`` URLs are refused) or run a VCS (no scheme
+but http(s)), nor name a URL whose host Python and uv could read apart (a backslash, anything but
+a plain host after the last ``@``), nor, before the build, a URL whose host does not exist or has
+an address the owner does not allow (``check_endpoints``: the dataset
 origins' ``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
 DNS rebinding, a public index's redirects and the links its pages list are not checked here.
 
