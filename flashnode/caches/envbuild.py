@@ -386,11 +386,15 @@ HTTP_STATUS = re.compile(r"HTTP status (client|server) error \([^)]*\)")
 
 def summarize(output: str, hidden: Sequence[str] = ()) -> str:
     """The last meaningful lines of uv's output, redacted, bounded, one per line; without uv's
-    hints and without what a server answered (``HTTP_STATUS``)."""
+    hints and without what a server answered (``HTTP_STATUS``, git's stderr)."""
     lines = [
         HTTP_STATUS.sub(r"HTTP \1 error", redact(line.rstrip(), hidden))
         for line in output.splitlines()
     ]
+    if "Git operation failed" in output:  # git's stderr tells what a host answered: not shown
+        lines = lines[
+            : next((i for i, line in enumerate(lines) if line.strip() == "--- stderr"), None)
+        ]
     lines = [line for line in lines if line.strip() and not NOISE.match(line)]
     start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
     if start is not None:
@@ -636,6 +640,8 @@ class UvBuilder:
             UV_PYTHON_INSTALL_BIN="0",
             UV_PYTHON_DOWNLOADS="manual" if self.allow_python_downloads else "never",
             UV_KEYRING_PROVIDER="disabled",
+            # No line may name a VCS (check_lines); should uv run git anyway, it reaches nothing.
+            GIT_ALLOW_PROTOCOL="none",
         )
         env[procs.OWNER_ENV] = token
         return env

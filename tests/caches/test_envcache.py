@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
@@ -24,6 +25,7 @@ import pytest
 from harness import TASK_USER, free_port, shared_dir, wait_for
 from pkgindex import PackageIndex, build_sdist, build_wheel, package_index
 
+from flashnode.caches import envbuild
 from flashnode.caches.envbuild import (
     DiskRoom,
     EnvSpec,
@@ -424,6 +426,50 @@ def test_credentials_in_an_index_url_never_reach_a_message(root: Path, index: Pa
         [info] = cache.entries()
     assert not any("s3cr3t" in line for line in info.lines)
     assert "s3cr3t" not in (root / info.key / "meta.json").read_text()
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_vcs_line_past_the_checks_still_reaches_no_host(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second wall behind ``check_lines`` refusing VCS lines: git, should uv run it, may
+    use no transport (``GIT_ALLOW_PROTOCOL``), and a reason never quotes its stderr."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(envbuild, "check_lines", lambda lines: None)
+    cache, _ = make_cache(root)
+    try:
+        with pytest.raises(EnvBuildFailed) as failed:
+            acquire(cache, [f"git+http://127.0.0.1:{server.server_address[1]}/admin"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [], str(failed.value)
+    assert "fatal:" not in str(failed.value) + failed.value.tail, str(failed.value)
+
+
+def test_summaries_never_quote_gits_stderr() -> None:
+    output = (
+        "error: Git operation failed\n"
+        "  Caused by: process didn't exit successfully: `/usr/bin/git fetch --force"
+        " 'http://10.0.0.5/x'` (exit status: 128)\n"
+        "--- stderr\n"
+        "fatal: unable to access 'http://10.0.0.5/x/': The requested URL returned error: 401\n"
+    )
+    text = summarize(output)
+    assert "Git operation failed" in text and "401" not in text and "fatal" not in text, text
 
 
 # --- privileges ------------------------------------------------------------------------------
