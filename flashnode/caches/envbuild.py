@@ -198,11 +198,14 @@ def _line_problem(line: str) -> str | None:
 
 def _is_url(value: str) -> bool:
     """An http(s) URL whose host both Python and uv read alike: letters, digits, dots and
-    hyphens, or a bracketed IPv6 literal, after the last ``@`` (credentials before it)."""
+    hyphens, or a bracketed IPv6 literal, after at most one ``@`` (credentials before it; an
+    ``@`` in them is written ``%40``, else part of them would go unredacted)."""
     try:
         parts = urlsplit(value)
         _ = parts.port
     except ValueError:
+        return False
+    if parts.netloc.count("@") > 1:
         return False
     host = re.sub(r":[0-9]*$", "", parts.netloc.rpartition("@")[2])
     return parts.scheme in URL_SCHEMES and bool(parts.hostname) and bool(HOST.fullmatch(host))

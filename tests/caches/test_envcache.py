@@ -966,6 +966,7 @@ def test_ordinary_lines_are_accepted(line: str) -> None:
         "pkg @ http:/127.0.0.1/pkg-1.0-py3-none-any.whl",
         "pkg @ https://example.org/pkg-1.0-py3-none-any.whl;python_version>'3'",
         "-i http://example.org:port/simple",
+        "-i https://user:tok@en@example.org/simple",
     ],
 )
 def test_lines_whose_url_uv_could_read_otherwise_than_the_checks_are_refused(line: str) -> None:
@@ -976,12 +977,12 @@ def test_lines_whose_url_uv_could_read_otherwise_than_the_checks_are_refused(lin
 @pytest.mark.parametrize(
     ("line", "host"),
     [
-        ("-i https://user:tok@en@example.org/simple", "example.org"),
+        ("-i https://user:tok%40en@example.org/simple", "example.org"),
         ("pkg @ HTTPS://Example.org:8443/pkg-1.0-py3-none-any.whl", "example.org"),
         ("HTTP://[2001:db8::1]:8080/pkg-1.0-py3-none-any.whl", "2001:db8::1"),
     ],
 )
-def test_the_host_checked_is_the_one_after_the_last_at(line: str, host: str) -> None:
+def test_the_host_checked_is_the_one_uv_connects_to(line: str, host: str) -> None:
     check_lines([line])
     asked: list[str] = []
 
