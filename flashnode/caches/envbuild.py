@@ -32,9 +32,9 @@ redacted from every message and record. A job's lines are accepted only in a for
 (``_line_problem``): they may not make uv read a file of this host (``-r``, ``-c``, ``-e``, a
 ``/`` outside a URL, a bare archive name and ``file:`` URLs are refused) or run a VCS (no scheme
 but http(s)), nor name a URL whose host Python and uv could read apart (a backslash, anything but
-a plain host after the last ``@``), nor, before the build, a URL whose host does not exist or has
-an address the owner does not allow (``check_endpoints``: the dataset
-origins' ``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
+a plain host after at most one ``@``), nor, before the build, a URL whose host does not exist or
+has an address the owner does not allow (``check_endpoints``: the dataset origins'
+``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
 DNS rebinding, a public index's redirects and the links its pages list are not checked here.
 
 Why one module of this size: uv's invocation, the checks of a job's lines, the build's bounds and
