@@ -28,10 +28,13 @@ Privileges. No code of a job runs as root, as the agent, or as any user somethin
 
 uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
-redacted from every message and record. A job's lines may not make uv read a file of this host
-(``-r``, ``-c``, ``-e``, local paths and ``file:`` URLs are refused), nor, before the build, name
-a URL whose host has an address the owner does not allow (``check_endpoints``: the dataset
-origins' ``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
+redacted from every message and record. A job's lines are accepted only in a form judged in full
+(``_line_problem``): they may not make uv read a file of this host (``-r``, ``-c``, ``-e``, a
+``/`` outside a URL, a bare archive name and ``file:`` URLs are refused) or run a VCS (no scheme
+but http(s)), nor name a URL whose host Python and uv could read apart (a backslash, anything but
+a plain host after at most one ``@``), nor, before the build, a URL whose host does not exist or
+has an address the owner does not allow (``check_endpoints``: the dataset origins'
+``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
 DNS rebinding, a public index's redirects and the links its pages list are not checked here.
 
 Why one module of this size: uv's invocation, the checks of a job's lines, the build's bounds and
@@ -48,6 +51,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sysconfig
@@ -83,6 +87,15 @@ POLL_S = 0.05
 URL_OPTIONS = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links"}
 FLAG_OPTIONS = {"--no-index"}
 URL_SCHEMES = ("http", "https")
+SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # any, anywhere: git+http://, ftp://, ...
+# What the resolver answers for a name that does not exist (a job's), not for a failed lookup.
+NO_SUCH_HOST = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+URL_LINE = re.compile(r"https?://", re.IGNORECASE)
+# A URL's host as both Python's urlsplit and uv (WHATWG) read it, nothing they could read apart.
+HOST = re.compile(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]")
+# A requirement's name (PEP 508); a name with an archive's ending would be read as a local file.
+NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+ARCHIVES = (".whl", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar", ".zip", ".egg")
 
 # The agent's environment variables uv may see: how this host reaches the network.
 PASS_THROUGH = (
@@ -139,10 +152,15 @@ def _line_problem(line: str) -> str | None:
         return "too long"
     if any(ord(c) < 32 or ord(c) == 127 for c in line):
         return "control characters"
+    if "\\" in line:
+        return "backslashes are not allowed"
     if "${" in line:
         return "environment variables are not expanded"
     if "file:" in line.lower():
         return "local files are not allowed"
+    for scheme in SCHEME.finditer(line):
+        if scheme.group(1).lower() not in URL_SCHEMES:
+            return "only http(s) URLs are allowed (no VCS or other schemes)"
     words = line.split()
     if line.startswith("-"):
         option, _, value = words[0].partition("=")
@@ -154,14 +172,24 @@ def _line_problem(line: str) -> str | None:
         if len(rest) != 1 or len(words) > (1 if value else 2):
             return f"{option} takes exactly one URL"
         return None if _is_url(rest[0]) else f"{option} needs an http(s) URL"
-    if line.startswith(("http://", "https://")):
-        return None if len(words) == 1 else "a URL line takes nothing after the URL"
-    if not re.match(r"^[A-Za-z0-9]", line):
+    if URL_LINE.match(line):
+        if len(words) != 1:
+            return "a URL line takes nothing after the URL"
+        return None if _is_url(words[0]) else "not an http(s) URL with a plain host"
+    name = NAME.match(line)
+    if not name or not re.match(r"$|[\s\[(<>=!~;@]", line[name.end() :]):
         return "not a requirement (local paths are not allowed)"
+    if name.group().lower().endswith(ARCHIVES):
+        return "not a requirement (local files are not allowed)"
+    outside = line
     if "@" in line.split(";", 1)[0]:
-        target = line.split("@", 1)[1].split(";", 1)[0].strip()
-        if not _is_url(target.split()[0] if target else ""):
-            return "a direct reference must be an http(s) URL"
+        before, _, after = line.partition("@")
+        target = after.split()
+        if not target or ";" in target[0] or not _is_url(target[0]):
+            return "a direct reference must be an http(s) URL with a plain host"
+        outside = " ".join([before, *target[1:]])
+    if "/" in outside:
+        return "not a requirement (local paths are not allowed)"
     for word in words[1:]:
         if word.startswith("-") and not word.startswith("--hash"):
             return f"option {word.split('=')[0]} is not allowed after a requirement"
@@ -169,11 +197,18 @@ def _line_problem(line: str) -> str | None:
 
 
 def _is_url(value: str) -> bool:
+    """An http(s) URL whose host both Python and uv read alike: letters, digits, dots and
+    hyphens, or a bracketed IPv6 literal, after at most one ``@`` (credentials before it; an
+    ``@`` in them is written ``%40``, else part of them would go unredacted)."""
     try:
         parts = urlsplit(value)
+        _ = parts.port
     except ValueError:
         return False
-    return parts.scheme in URL_SCHEMES and bool(parts.hostname)
+    if parts.netloc.count("@") > 1:
+        return False
+    host = re.sub(r":[0-9]*$", "", parts.netloc.rpartition("@")[2])
+    return parts.scheme in URL_SCHEMES and bool(parts.hostname) and bool(HOST.fullmatch(host))
 
 
 def endpoints(lines: Sequence[str]) -> list[tuple[str, str]]:
@@ -186,7 +221,7 @@ def endpoints(lines: Sequence[str]) -> list[tuple[str, str]]:
             option, _, value = words[0].partition("=")
             if option in URL_OPTIONS:
                 found.append((line, value or words[1]))
-        elif line.startswith(("http://", "https://")):
+        elif URL_LINE.match(line):
             found.append((line, words[0]))
         elif "@" in line.split(";", 1)[0]:
             found.append((line, line.split("@", 1)[1].split(";", 1)[0].split()[0]))
@@ -199,7 +234,9 @@ def check_endpoints(
     """Refuse, with the job's fault, a line whose URL's host has an address the owner's
     ``env_allow_private_indexes`` does not allow (the dataset origins' rule, ``OriginPolicy``):
     by default loopback, private and link-local addresses. Every address the host resolves to
-    must pass. EnvUnavailable when a host does not resolve here (DNS is the node's)."""
+    must pass. A host the resolver says does not exist is the job's too (any job can name
+    one); EnvUnavailable when resolving fails otherwise (no network, a resolver that does not
+    answer: the node's)."""
     hidden = secrets_in(lines)
     for line, url in endpoints(lines):
         parts = urlsplit(url)
@@ -207,6 +244,12 @@ def check_endpoints(
         shown = redact(line, hidden)[:200]
         try:
             addresses = resolver(host, parts.port or (443 if parts.scheme == "https" else 80))
+        except socket.gaierror as exc:
+            if exc.errno in NO_SUCH_HOST:
+                raise EnvBuildFailed(
+                    f"dependency line {shown!r} is refused: its host does not exist"
+                ) from None
+            addresses = []
         except (OSError, ValueError, UnicodeError):
             addresses = []
         if not addresses:
@@ -283,7 +326,7 @@ class EnvSpec:
         """Whether the lines name where packages come from (an index, a page of links, a
         direct URL): an endpoint of the job's own."""
         return any(
-            line.startswith(("-", "http://", "https://")) or "@" in line.split(";", 1)[0]
+            line.startswith("-") or URL_LINE.match(line) or "@" in line.split(";", 1)[0]
             for line in self.lines
         )
 
@@ -346,11 +389,15 @@ HTTP_STATUS = re.compile(r"HTTP status (client|server) error \([^)]*\)")
 
 def summarize(output: str, hidden: Sequence[str] = ()) -> str:
     """The last meaningful lines of uv's output, redacted, bounded, one per line; without uv's
-    hints and without what a server answered (``HTTP_STATUS``)."""
+    hints and without what a server answered (``HTTP_STATUS``, git's stderr)."""
     lines = [
         HTTP_STATUS.sub(r"HTTP \1 error", redact(line.rstrip(), hidden))
         for line in output.splitlines()
     ]
+    if "Git operation failed" in output:  # git's stderr tells what a host answered: not shown
+        lines = lines[
+            : next((i for i, line in enumerate(lines) if line.strip() == "--- stderr"), None)
+        ]
     lines = [line for line in lines if line.strip() and not NOISE.match(line)]
     start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
     if start is not None:
@@ -596,6 +643,8 @@ class UvBuilder:
             UV_PYTHON_INSTALL_BIN="0",
             UV_PYTHON_DOWNLOADS="manual" if self.allow_python_downloads else "never",
             UV_KEYRING_PROVIDER="disabled",
+            # No line may name a VCS (check_lines); should uv run git anyway, it reaches nothing.
+            GIT_ALLOW_PROTOCOL="none",
         )
         env[procs.OWNER_ENV] = token
         return env

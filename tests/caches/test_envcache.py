@@ -8,6 +8,7 @@ import platform
 import pwd
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
@@ -23,6 +25,7 @@ import pytest
 from harness import TASK_USER, free_port, shared_dir, wait_for
 from pkgindex import PackageIndex, build_sdist, build_wheel, package_index
 
+from flashnode.caches import envbuild
 from flashnode.caches.envbuild import (
     DiskRoom,
     EnvSpec,
@@ -423,6 +426,50 @@ def test_credentials_in_an_index_url_never_reach_a_message(root: Path, index: Pa
         [info] = cache.entries()
     assert not any("s3cr3t" in line for line in info.lines)
     assert "s3cr3t" not in (root / info.key / "meta.json").read_text()
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_vcs_line_past_the_checks_still_reaches_no_host(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second wall behind ``check_lines`` refusing VCS lines: git, should uv run it, may
+    use no transport (``GIT_ALLOW_PROTOCOL``), and a reason never quotes its stderr."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(envbuild, "check_lines", lambda lines: None)
+    cache, _ = make_cache(root)
+    try:
+        with pytest.raises(EnvBuildFailed) as failed:
+            acquire(cache, [f"git+http://127.0.0.1:{server.server_address[1]}/admin"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [], str(failed.value)
+    assert "fatal:" not in str(failed.value) + failed.value.tail, str(failed.value)
+
+
+def test_summaries_never_quote_gits_stderr() -> None:
+    output = (
+        "error: Git operation failed\n"
+        "  Caused by: process didn't exit successfully: `/usr/bin/git fetch --force"
+        " 'http://10.0.0.5/x'` (exit status: 128)\n"
+        "--- stderr\n"
+        "fatal: unable to access 'http://10.0.0.5/x/': The requested URL returned error: 401\n"
+    )
+    text = summarize(output)
+    assert "Git operation failed" in text and "401" not in text and "fatal" not in text, text
 
 
 # --- privileges ------------------------------------------------------------------------------
@@ -864,6 +911,13 @@ def test_a_crash_mid_build_leaves_no_usable_entry(root: Path, index: PackageInde
         "--index-url https://${HOME}@example.org/simple",
         "pkg\x00==1",
         "pkg @ /etc/passwd",
+        "a/../../home/owner/private.whl",
+        "pkg/sub",
+        "private.whl",
+        "pkg-1.0.tar.gz",
+        "pkg.zip",
+        "pkg.egg",
+        "pkg==1.0; sys_platform == 'linux' and extra == '/etc/passwd'",
     ],
 )
 def test_lines_that_would_read_this_host_are_refused(line: str) -> None:
@@ -889,6 +943,55 @@ def test_lines_that_would_read_this_host_are_refused(line: str) -> None:
 )
 def test_ordinary_lines_are_accepted(line: str) -> None:
     check_lines([line])
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "git+http://127.0.0.1:8080/admin",
+        "GIT+HTTPS://example.org/x.git",
+        "pkg @ git+https://example.org/x.git",
+        "hg+http://127.0.0.1/x",
+        "svn+svn://127.0.0.1/x",
+        "bzr+ftp://127.0.0.1/x",
+        "https://example.org/go?to=gopher://127.0.0.1/x",
+        "--index-url ssh://example.org/simple",
+        "pkg @ http://127.0.0.1:8080\\@8.8.8.8/pkg-1.0-py3-none-any.whl",
+        "http://127.0.0.1\\@8.8.8.8/pkg-1.0-py3-none-any.whl",
+        "--index-url http://127.0.0.1\\@8.8.8.8/simple",
+        "pkg @ http://127.0.0.1%2f.example.org/pkg-1.0-py3-none-any.whl",
+        "pkg @ http://127%2e0.0.1/pkg-1.0-py3-none-any.whl",
+        "pkg @ https://[::1%25lo]/pkg-1.0-py3-none-any.whl",
+        "pkg @ http://exa_mple.org/pkg-1.0-py3-none-any.whl",
+        "pkg @ http:/127.0.0.1/pkg-1.0-py3-none-any.whl",
+        "pkg @ https://example.org/pkg-1.0-py3-none-any.whl;python_version>'3'",
+        "-i http://example.org:port/simple",
+        "-i https://user:tok@en@example.org/simple",
+    ],
+)
+def test_lines_whose_url_uv_could_read_otherwise_than_the_checks_are_refused(line: str) -> None:
+    with pytest.raises(EnvBuildFailed, match="refused"):
+        check_lines([line])
+
+
+@pytest.mark.parametrize(
+    ("line", "host"),
+    [
+        ("-i https://user:tok%40en@example.org/simple", "example.org"),
+        ("pkg @ HTTPS://Example.org:8443/pkg-1.0-py3-none-any.whl", "example.org"),
+        ("HTTP://[2001:db8::1]:8080/pkg-1.0-py3-none-any.whl", "2001:db8::1"),
+    ],
+)
+def test_the_host_checked_is_the_one_uv_connects_to(line: str, host: str) -> None:
+    check_lines([line])
+    asked: list[str] = []
+
+    def resolver(name: str, port: int) -> list[str]:
+        asked.append(name)
+        return ["8.8.8.8"]
+
+    check_endpoints([line], OriginPolicy(), resolver)
+    assert asked == [host]
 
 
 # Outputs of uv 0.13 (NO_COLOR), as the builds above print them.
@@ -992,9 +1095,26 @@ def test_the_owner_allows_private_indexes_by_network_but_never_link_local_by_tru
     check_endpoints(["--index-url https://8.8.8.8/simple", "x"], OriginPolicy(), resolver)
 
 
-def test_a_host_that_does_not_resolve_is_the_nodes_at_the_jobs_endpoint() -> None:
+def test_a_host_that_does_not_exist_is_the_jobs_fault_naming_its_line() -> None:
     def resolver(host: str, port: int) -> list[str]:
-        raise OSError("no such host")
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    line = "--index-url https://nowhere.invalid/simple"
+    with pytest.raises(EnvBuildFailed, match="does not exist") as caught:
+        check_endpoints([line, "x"], OriginPolicy(), resolver)
+    assert repr(line) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
+        OSError("Network is unreachable"),
+    ],
+)
+def test_a_resolver_that_fails_is_the_nodes_at_the_jobs_endpoint(error: OSError) -> None:
+    def resolver(host: str, port: int) -> list[str]:
+        raise error
 
     with pytest.raises(EnvUnavailable, match="does not resolve") as caught:
         check_endpoints(

@@ -618,3 +618,121 @@ def test_another_slots_task_cannot_read_a_jobs_private_environment(
             assert coordinator.job(job_a)["state"] == "RUNNING"  # its own environment works
         finally:
             coordinator.cancel(job_a)
+
+
+def _refused_build(
+    line: str, coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], state: Path
+) -> str:
+    """Run a job whose only line is ``line`` on an agent whose owner allows no private index;
+    the reason its attempt failed."""
+    job = coordinator.submit(
+        argv_job(["python", "-c", "pass"], dependencies=[line], python=PY, max_attempts=1)
+    )
+    owner_only = {k: v for k, v in FAST.items() if k != "FLASHNODE_ENV_ALLOW_PRIVATE_INDEXES"}
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--max-tasks", "1", env=owner_only, state_dir=state
+    )
+    assert agent.wait(180) == 0, agent.log
+    coordinator.wait_state(job, {"FAILED"})
+    [reason] = failures(coordinator, job)
+    return reason
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_jobs_vcs_requirement_cannot_reach_the_owners_loopback_services(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    owners_service: _OwnersService,
+    state: Path,
+) -> None:
+    """A VCS line names no index the checks see and would have uv run git, which GETs the
+    owner's loopback (no DNS, nothing checked): any scheme but http(s) is refused, the job's
+    fault, before uv runs."""
+    line = f"git+{owners_service.url}/admin/delete-everything"
+    reason = _refused_build(line, coordinator, start_agent, state)
+    assert owners_service.requests == [], reason
+    assert f"{line!r} is refused: only http(s) URLs" in reason, reason
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_jobs_direct_reference_cannot_hide_a_loopback_host_behind_a_backslash(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    owners_service: _OwnersService,
+    state: Path,
+) -> None:
+    """For ``http://127.0.0.1:PORT\\@8.8.8.8/x.whl`` Python's urlsplit reads the host
+    8.8.8.8 (public), uv (WHATWG: a backslash ends an http URL's authority) connects to
+    127.0.0.1:PORT: a line with a backslash is refused."""
+    line = f"pkg @ {owners_service.url}\\@8.8.8.8/pkg-1.0-py3-none-any.whl"
+    reason = _refused_build(line, coordinator, start_agent, state)
+    assert owners_service.requests == [], reason
+    assert "is refused: backslashes are not allowed" in reason, reason
+
+
+@pytest.fixture
+def owners_wheel() -> Iterator[Path]:
+    """A wheel of the owner's own, world-readable on this host (a project's dist/): no URL
+    points at it."""
+    where = shared_dir("flashnode-envs-owner-")
+    where.chmod(0o755)
+    wheel = build_wheel("ownerpriv", "1.0", source="SECRET = 'the-owners-own-code'\n")
+    path = where / wheel.filename
+    path.write_bytes(wheel.data)
+    path.chmod(0o644)
+    yield path
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_jobs_dependency_line_cannot_install_a_file_of_this_host(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    owners_wheel: Path,
+    state: Path,
+) -> None:
+    """``a/../../<...>/x.whl`` starts with a letter, yet uv takes it as a path relative to the
+    build's ``home`` and would install the owner's wheel into the job's environment: a line
+    with a ``/`` outside a URL is refused, the job's fault."""
+    home = state / "envs" / ".tmp" / "key.token" / "home"  # where uv runs
+    line = "a/" + "../" * len(home.parts) + str(owners_wheel).lstrip("/")
+    check = "import ownerpriv; open('metrics.json', 'w').write(ownerpriv.SECRET)"
+    job = coordinator.submit(
+        argv_job(["python", "-c", check], dependencies=[line], python=PY, max_attempts=1)
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "1", env=FAST, state_dir=state)
+    assert agent.wait(180) == 0, agent.log
+    state_ = coordinator.wait_state(job, {"SUCCEEDED", "FAILED"})
+    reasons = failures(coordinator, job)
+    assert state_ == "FAILED", f"the job's task imported the owner's wheel read by {line!r}"
+    assert any(f"{line!r} is refused: not a requirement" in r for r in reasons), reasons
+
+
+@pytest.mark.usefixtures("as_root")
+def test_two_jobs_naming_a_host_that_does_not_resolve_cannot_bench_a_healthy_node(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    state: Path,
+) -> None:
+    """Any job can name an index host that exists nowhere (``*.invalid``): the resolver's "no
+    such name" is the job's fault, its line named, not a lapse of the node's DNS that, across
+    two jobs, would quarantine the node at once."""
+    lines = ["--index-url http://flashnode-envs-test.invalid/simple", "anything"]
+    jobs = [
+        coordinator.submit(
+            argv_job(["true"], dependencies=lines, python=PY, params=[{"n": i} for i in range(n)])
+        )
+        for n in (3, 2)
+    ]
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST, state_dir=state)
+    try:
+        ledger = agent.wait_ledger(5, timeout=120)
+    finally:
+        for job in jobs:
+            coordinator.cancel(job)
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    outcomes = [(line["outcome"], line["reason"][:160]) for line in ledger]
+    assert held == [], f"two jobs' unresolvable index benched a healthy node: {held}; {outcomes}"
+    assert all(
+        outcome == "failed" and "its host does not exist" in reason for outcome, reason in outcomes
+    ), outcomes
