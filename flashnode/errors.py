@@ -102,6 +102,13 @@ class AttemptLapsed(FlashnodeError):
         self.job_endpoint = job_endpoint
 
 
+class NoRoom(AttemptLapsed):
+    """The state dir's disk leaves a task (next to) no room above ``min_free_bytes`` when it
+    would start: the node is short of disk, the task is not at fault. The disk hold answers it
+    (the node claims only while a task would have room), so the black-hole guard does not
+    count it: a task of any job holding the disk near the floor must not bench the node."""
+
+
 class DiskFull(AttemptLapsed):
     """A write of the agent's failed because the state dir's disk (or the agent's quota) is
     full: the node's fault. The attempt ends at once, its lease left to lapse, and its files are

@@ -47,6 +47,7 @@ from flashnode.errors import (
     Cancelled,
     CredentialsError,
     LeaseLost,
+    NoRoom,
     Stopped,
     disk_full,
     disk_full_error,
@@ -416,7 +417,8 @@ class Attempt:
     def _lapse(self, ending: AttemptLapsed) -> tuple[Outcome, str]:
         """Not the task's fault: the lease is left to lapse. ``node_fault`` says whether the
         node is to blame (not an owner's or a service manager's stop)."""
-        self.node_fault = not isinstance(ending, Stopped)
+        # A task the disk had no room for: the disk hold's business, not the guard's.
+        self.node_fault = not isinstance(ending, (Stopped, NoRoom))
         self.job_endpoint = ending.job_endpoint
         log.warning("lease %s: %s; letting the lease lapse", self.lease_id, ending)
         return Outcome.LAPSED, str(ending)

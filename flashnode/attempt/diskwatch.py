@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from flashnode.config.settings import Settings, format_size
-from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull
+from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, NoRoom
 from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
 from flashnode.sandbox.workspace import Usage
 
@@ -58,11 +58,11 @@ def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
     caps = DiskCaps(s.task_disk_bytes, s.task_disk_files)
     if space is None:
         return caps
+    short = no_room(space, s.min_free_bytes)
+    if short:
+        raise NoRoom(f"low disk: the state dir has {short}; the task cannot start")
     room = space.free_bytes - s.min_free_bytes
     files = space.free_inodes - space.inode_floor(s.min_free_bytes) if space.total_inodes else None
-    if room < MIN_ROOM_BYTES or (files is not None and files < MIN_ROOM_FILES):
-        short = space.short(s.min_free_bytes) or "next to no room above min_free_bytes"
-        raise AttemptLapsed(f"low disk: the state dir has {short}; the task cannot start")
     if use.disk_bytes + room < caps.bytes:
         by = "what the state dir's disk had free above min_free_bytes when it started"
         caps = dataclasses.replace(caps, bytes=use.disk_bytes + room, bytes_by=by)
@@ -70,6 +70,29 @@ def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
         by = "the inodes the state dir's disk had free above min_free_bytes' share when it started"
         caps = dataclasses.replace(caps, files=use.disk_files + files, files_by=by)
     return caps
+
+
+def no_room(space: Space, min_free_bytes: int) -> str | None:
+    """What leaves a task too little room to start (less than ``MIN_ROOM_BYTES`` above
+    ``min_free_bytes``, or fewer than ``MIN_ROOM_FILES`` inodes above their share), in the
+    owner's words; None when a task has room. The node claims nothing meanwhile."""
+    short = space.short(min_free_bytes)
+    if short:
+        return short
+    room = space.free_bytes - min_free_bytes
+    if room < MIN_ROOM_BYTES:
+        return (
+            f"{space.free_bytes >> 10} KiB free, less than {MIN_ROOM_BYTES >> 10} KiB above"
+            f" min_free_bytes ({min_free_bytes >> 20} MiB): no room for a task"
+        )
+    if space.total_inodes:
+        files = space.free_inodes - space.inode_floor(min_free_bytes)
+        if files < MIN_ROOM_FILES:
+            return (
+                f"{space.free_inodes} inodes free (files and directories), fewer than"
+                f" {MIN_ROOM_FILES} above min_free_bytes' share of them: no room for a task"
+            )
+    return None
 
 
 def over_caps(

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flashnode.attempt import Attempt, AttemptContext, Outcome
+from flashnode.attempt.diskwatch import no_room
 from flashnode.attempt.record import State
 from flashnode.clock import Clock, stamp
 from flashnode.config.settings import Settings
@@ -335,10 +336,11 @@ class Agent:
         self.ctx.start_thread(check, "quarantine-check")
 
     def _disk_hold(self) -> Hold | None:
-        """Below ``min_free_bytes`` free in the state dir (or its share of the inodes), claim
-        nothing; say so once."""
+        """Below ``min_free_bytes`` free in the state dir (or its share of the inodes), or with
+        too little above it for a task to start (``diskwatch.no_room``), claim nothing; say so
+        once."""
         space = self._space()
-        short = space.short(self.settings.min_free_bytes) if space is not None else None
+        short = no_room(space, self.settings.min_free_bytes) if space is not None else None
         if short and not self._low_disk:
             log.warning("not claiming: the state dir has %s", short)
         elif self._low_disk and not short:

@@ -153,6 +153,7 @@ def test_a_task_with_no_room_above_min_free_bytes_does_not_start(tmp_path: Path)
     assert attempt.run().value == "lapsed"
     assert attempt.ended is not None and attempt.ended[1].startswith("low disk:"), attempt.ended
     assert runner.started == [] and coord.names("fail") == []
+    assert not attempt.node_fault  # the disk hold's business: the guard does not count it
 
 
 def test_a_broken_archive_on_a_full_disk_is_the_disks_fault(tmp_path: Path) -> None:
@@ -511,6 +512,45 @@ def test_one_job_cannot_bench_a_node_with_input_archives_that_use_up_its_inodes(
     outcomes = [(line["outcome"], line["reason"]) for line in lines]
     assert held == [], f"one job's inputs benched the node: {held}; its attempts: {outcomes}"
     assert all(o == "lapsed" and "does not fit" in r for o, r in outcomes), outcomes
+
+
+def test_a_task_holding_the_disk_just_above_the_floor_cannot_bench_a_healthy_node(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """One task, within its own cap, writes until the disk is half a MiB above
+    ``min_free_bytes`` and sleeps: too little room for another task to start. The node claims
+    nothing more while that lasts (the disk hold), and a task that finds no room when it would
+    start lapses without counting toward the quarantine: the node whose checks pass is never
+    quarantined, and the other job's tasks run once the holder is gone."""
+    floor = 16 << 20
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    hold = (
+        "avail=$(df -B1 --output=avail /work | tail -n 1);"
+        f" head -c $((avail - {floor} - 524288)) /dev/zero > ../tmp/fill; sleep 60"
+    )
+    holder = coordinator.submit(argv_job(["sh", "-c", hold], max_attempts=1))
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--slots", "2", env=env, state_dir=small_disk / "state"
+    )
+
+    def near_floor() -> bool:
+        st = os.statvfs(small_disk)
+        return st.f_bavail * st.f_frsize < floor + (1 << 20)
+
+    try:
+        wait_for("the holder's writing", near_floor, 60)
+        victims = coordinator.submit(argv_job(["true"], params=[{"n": i} for i in range(5)]))
+        reason = wait_for("the disk hold", lambda: disk_hold(small_disk / "state"), 30)
+        lines = agent.wait_ledger(5, timeout=120)
+        coordinator.cancel(victims)
+    finally:
+        coordinator.cancel(holder)
+    assert "no room for a task" in reason, reason
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    outcomes = [(line["outcome"], line["reason"][:120]) for line in lines]
+    assert held == [], f"one task's disk use benched a healthy node: {held}; {outcomes}"
 
 
 def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:
