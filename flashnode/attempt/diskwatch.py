@@ -10,7 +10,8 @@ removed but keeps open); no single file of it may grow past the byte cap (the ru
 fault, the reason names the cap. A task past a cap that the disk's free space set (less than
 those) is stopped all the same, but its lease lapses: the node was short of disk, and a task
 within what the node advertises is not at fault (the black-hole guard counts such lapses only
-once they span two jobs, as for a job's own endpoints: ``job_endpoint``).
+once they span two jobs, as for a job's own endpoints: ``job_endpoint``; and a row of them has
+the node's checks run first: ``OutgrewRoom``).
 
 The watch between walks (``DiskWatch``): a walk of a big tree is slow, and a task may write
 fast. The disk's free space and inodes are cheap to read, so they are read every ``SPACE_S``,
@@ -30,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from flashnode.config.settings import Settings, format_size
-from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, NoRoom
+from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, NoRoom, OutgrewRoom
 from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
 from flashnode.sandbox.workspace import Usage
 
@@ -135,10 +136,9 @@ def over_caps(
 def _short(had: str, cap: str, then: str) -> AttemptLapsed:
     """A task stopped at a cap the disk's free space set: the node's lack of disk. It may as
     well be the job's doing (it writes much): counted like a job's endpoint, across jobs."""
-    return AttemptLapsed(
+    return OutgrewRoom(
         f"the state dir's disk had only {had} when the task started (less than {cap}), and"
-        f" the task's files grew past that{then}",
-        job_endpoint=True,
+        f" the task's files grew past that{then}"
     )
 
 

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
 SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
+CLEANUP_WAIT_S = 120.0  # the longest the quarantine's check waits for ended attempts' cleanup
 
 
 class AgentCoordinator(Protocol):
@@ -325,6 +326,11 @@ class Agent:
         health, settings = self._health, self.settings
 
         def check() -> None:
+            # What the ended attempts left to be done after them (their retired workspaces
+            # removed) first: the checks must see the disk as the node has it, not the task.
+            removed = self.ctx.later(lambda: None)
+            if isinstance(removed, threading.Event):
+                removed.wait(CLEANUP_WAIT_S)
             try:
                 problems = health(settings) if health is not None else []
             except Exception as exc:  # a check that cannot run is a failing one
@@ -671,6 +677,7 @@ class Agent:
             attempt.node_fault,
             seconds,
             job_endpoint=attempt.job_endpoint,
+            outgrew_room=attempt.outgrew_room,
         )
         self.quarantine.record(ending)
         self.revoked.record(ending, attempt.lease_id)

@@ -553,6 +553,38 @@ def test_a_task_holding_the_disk_just_above_the_floor_cannot_bench_a_healthy_nod
     assert held == [], f"one task's disk use benched a healthy node: {held}; {outcomes}"
 
 
+def test_two_jobs_that_outgrow_the_disks_room_cannot_bench_a_healthy_node(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """Two jobs whose tasks write a little more than the room above ``min_free_bytes`` (31 MiB
+    here: they write 40) are stopped there and lapse (the node was short of disk); five such
+    lapses across two jobs have the node run its checks once their files are removed, and the
+    disk, fine again, passes them: the node is never quarantined."""
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "32M"}
+    script = (
+        "head -c 20971520 /dev/zero > ../tmp/a; head -c 20971520 /dev/zero > ../tmp/b; sleep 10"
+    )
+    first = coordinator.submit(
+        argv_job(["sh", "-c", script], params=[{"n": i} for i in range(3)], max_attempts=1)
+    )
+    second = coordinator.submit(
+        argv_job(["sh", "-c", script], params=[{"n": i} for i in range(2)], max_attempts=1)
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=small_disk / "state")
+    try:
+        lines = agent.wait_ledger(5, timeout=180)
+        wait_for("the node's checks", lambda: "passes its own checks" in agent.log, 60)
+    finally:
+        coordinator.cancel(first)
+        coordinator.cancel(second)
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    outcomes = [(line["outcome"], line["reason"][:120]) for line in lines]
+    assert all("the state dir's disk had only" in r for _, r in outcomes), outcomes
+    assert held == [], f"two jobs' own writing benched a healthy node: {held}; {outcomes}"
+
+
 def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:
     text = status.render(
         {

@@ -462,6 +462,32 @@ def test_one_jobs_dead_endpoints_never_quarantine_a_node_but_two_jobs_do() -> No
     assert q.hold() is not None
 
 
+def test_lapses_past_the_disks_room_across_jobs_quarantine_only_when_the_checks_fail() -> None:
+    """Tasks of two jobs stopped past the room the disk had for them: the row has the node's
+    checks run first (claiming nothing meanwhile); passing, it claims on and the row is over;
+    failing (the disk is still short), the node is quarantined."""
+    from flashnode.attempt.record import Outcome
+    from flashnode.node.guard import Ending, Quarantine
+
+    def outgrew(job: str) -> Ending:
+        why = "the state dir's disk had only 31.0 MiB free above min_free_bytes when ..."
+        return Ending(Outcome.LAPSED, why, job, True, 5.0, job_endpoint=True, outgrew_room=True)
+
+    for problems in ([], ["state dir: 15 MiB free, below min_free_bytes (32 MiB)"]):
+        q = Quarantine(3, 60, FakeClock())
+        for job in ("j1", "j2", "j1"):
+            q.record(outgrew(job))
+        hold = q.hold()
+        assert hold is not None and hold.reason.startswith("checking this node"), hold
+        assert q.check_due()
+        q.checked(problems)
+        hold = q.hold()
+        if problems:
+            assert hold is not None and "quarantined" in hold.reason, hold
+        else:
+            assert hold is None and q.streak == 0
+
+
 def test_a_lease_revoked_by_the_watchdog_is_not_claimed_straight_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
