@@ -2,8 +2,9 @@
 
 The caps (``DiskCaps``): a task may hold ``task_disk_bytes`` and ``task_disk_files`` (files and
 directories), or what the state dir's disk has free above ``min_free_bytes`` (and the same share
-of its inodes) when it starts, if that is less: a task never takes the owner's disk below the
-floor the owner keeps. Everything it wrote counts: out/ and tmp/ as the workspace walk finds
+of its inodes) when it starts, less what the tasks running beside it may still write
+(``Reserved``), if that is less: tasks never take the owner's disk below the floor the owner
+keeps. Everything it wrote counts: out/ and tmp/ as the workspace walk finds
 them, plus what its handle measures beyond them (its private temporary directories, files it
 removed but keeps open); no single file of it may grow past the byte cap (the runner's
 ``RLIMIT_FSIZE``). A task past ``task_disk_bytes`` or ``task_disk_files`` has failed: its own
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 
 from flashnode.config.settings import Settings, format_size
@@ -71,6 +73,53 @@ def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
         by = "the inodes the state dir's disk had free above min_free_bytes' share when it started"
         caps = dataclasses.replace(caps, files=use.disk_files + files, files_by=by)
     return caps
+
+
+class Reserved:
+    """What the tasks running now may still write on the state dir's disk: each one's caps less
+    what it held at its last walk. A task that starts gets its caps from the room they leave
+    (``start``), and the node claims only while that room is enough for a task (the ``disk``
+    hold): tasks side by side never together take the disk below ``min_free_bytes``. One per
+    agent, shared by its attempts (``AttemptContext.reserved``), under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: dict[str, tuple[DiskCaps, int, int]] = {}  # caps, bytes and files held
+
+    def start(self, key: str, s: Settings, use: Usage, space: Space | None) -> DiskCaps:
+        """The caps of the task ``key`` starts with (``disk_caps`` on the room the running
+        tasks leave), reserved until ``end``."""
+        with self._lock:
+            caps = disk_caps(s, use, self._left(space))
+            self._tasks[key] = (caps, use.disk_bytes, use.disk_files)
+            return caps
+
+    def held(self, key: str, disk_bytes: int, disk_files: int) -> None:
+        """What the task ``key`` held at its latest walk."""
+        with self._lock:
+            if key in self._tasks:
+                self._tasks[key] = (self._tasks[key][0], disk_bytes, disk_files)
+
+    def end(self, key: str) -> None:
+        with self._lock:
+            self._tasks.pop(key, None)
+
+    def left(self, space: Space | None) -> Space | None:
+        """The disk as a task that starts now has it: what the running tasks may still write
+        taken off its free space and inodes."""
+        with self._lock:
+            return self._left(space)
+
+    def _left(self, space: Space | None) -> Space | None:
+        if space is None or not self._tasks:
+            return space
+        taken = sum(max(0, caps.bytes - b) for caps, b, _ in self._tasks.values())
+        files = sum(max(0, caps.files - f) for caps, _, f in self._tasks.values())
+        return dataclasses.replace(
+            space,
+            free_bytes=max(0, space.free_bytes - taken),
+            free_inodes=max(0, space.free_inodes - files) if space.total_inodes else 0,
+        )
 
 
 def no_room(space: Space, min_free_bytes: int) -> str | None:

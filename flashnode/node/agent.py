@@ -346,7 +346,13 @@ class Agent:
         too little above it for a task to start (``diskwatch.no_room``), claim nothing; say so
         once."""
         space = self._space()
-        short = no_room(space, self.settings.min_free_bytes) if space is not None else None
+        floor = self.settings.min_free_bytes
+        short = no_room(space, floor) if space is not None else None
+        left = self.ctx.reserved.left(space)
+        if space is not None and left is not None and not short:
+            taken = no_room(left, floor)
+            if taken:
+                short = f"{taken} (what the running tasks may still write set aside)"
         if short and not self._low_disk:
             log.warning("not claiming: the state dir has %s", short)
         elif self._low_disk and not short:

@@ -585,6 +585,58 @@ def test_two_jobs_that_outgrow_the_disks_room_cannot_bench_a_healthy_node(
     assert held == [], f"two jobs' own writing benched a healthy node: {held}; {outcomes}"
 
 
+def test_tasks_in_two_slots_cannot_together_take_the_disk_below_min_free_bytes(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """Two tasks of one job, claimed together in two slots, each write 25 MiB: each alone
+    within the room above the 16 MiB floor (about 47 MiB), together past it. A task's room is
+    what the running tasks leave (their caps less what they hold): the second waits, or finds
+    no room and lapses, and the owner's disk never goes below its floor; no task fails."""
+    floor = 16 << 20
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    script = (  # no braces: params format it
+        "sleep 3; head -c 26214400 /dev/zero > ../tmp/fill; sleep 3;"
+        " printf '\\173\\175' > metrics.json"
+    )
+    job = coordinator.submit(
+        argv_job(["sh", "-c", script], params=[{"n": i} for i in range(2)], max_attempts=1)
+    )
+    agent = start_agent(
+        coordinator.url,
+        *TRUSTED,
+        "--slots",
+        "2",
+        "--max-tasks",
+        "2",
+        env=env,
+        state_dir=small_disk / "state",
+    )
+    lowest = [1 << 62]
+
+    def watch() -> None:
+        while agent.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                st = os.statvfs(small_disk)
+                lowest[0] = min(lowest[0], st.f_bavail * st.f_frsize)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        lines = agent.wait_ledger(2, timeout=120)
+    finally:
+        coordinator.cancel(job)
+        agent.stop()
+        watcher.join(5)
+    outcomes = [(line["outcome"], line["reason"]) for line in lines]
+    assert lowest[0] >= floor, (
+        f"two tasks within their caps left the owner's disk {lowest[0] >> 20} MiB free, below"
+        f" min_free_bytes (16 MiB); their outcomes: {outcomes}"
+    )
+    assert all(o in ("committed", "lapsed") for o, _ in outcomes), outcomes
+
+
 def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:
     text = status.render(
         {
