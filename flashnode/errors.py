@@ -102,6 +102,24 @@ class AttemptLapsed(FlashnodeError):
         self.job_endpoint = job_endpoint
 
 
+class NoRoom(AttemptLapsed):
+    """The state dir's disk leaves a task (next to) no room above ``min_free_bytes`` when it
+    would start: the node is short of disk, the task is not at fault. The disk hold answers it
+    (the node claims only while a task would have room), so the black-hole guard does not
+    count it: a task of any job holding the disk near the floor must not bench the node."""
+
+
+class OutgrewRoom(AttemptLapsed):
+    """A task's files, or its input archive unpacked, outgrew the room the state dir's disk had
+    for it above ``min_free_bytes`` (less than the task's own caps): the node was short of disk,
+    but the job may as well be at fault (it writes much). Counted like a job's endpoint
+    (``job_endpoint``, across jobs), and a row of them has the node's checks run before it is
+    quarantined: once the task's files are gone, a healthy disk passes them."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args, job_endpoint=True)
+
+
 class DiskFull(AttemptLapsed):
     """A write of the agent's failed because the state dir's disk (or the agent's quota) is
     full: the node's fault. The attempt ends at once, its lease left to lapse, and its files are

@@ -47,6 +47,8 @@ from flashnode.errors import (
     Cancelled,
     CredentialsError,
     LeaseLost,
+    NoRoom,
+    OutgrewRoom,
     Stopped,
     disk_full,
     disk_full_error,
@@ -134,6 +136,7 @@ class Attempt:
         self.cancel_grace = 0.0
         self.node_fault = False  # it lapsed through the node's fault (the black-hole guard)
         self.job_endpoint = False  # ... at an endpoint the job named (AttemptLapsed)
+        self.outgrew_room = False  # ... past the room the disk had for it (OutgrewRoom)
         self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
@@ -416,8 +419,10 @@ class Attempt:
     def _lapse(self, ending: AttemptLapsed) -> tuple[Outcome, str]:
         """Not the task's fault: the lease is left to lapse. ``node_fault`` says whether the
         node is to blame (not an owner's or a service manager's stop)."""
-        self.node_fault = not isinstance(ending, Stopped)
+        # A task the disk had no room for: the disk hold's business, not the guard's.
+        self.node_fault = not isinstance(ending, (Stopped, NoRoom))
         self.job_endpoint = ending.job_endpoint
+        self.outgrew_room = isinstance(ending, OutgrewRoom)
         log.warning("lease %s: %s; letting the lease lapse", self.lease_id, ending)
         return Outcome.LAPSED, str(ending)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
+from flashnode.attempt.diskwatch import Reserved
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.validators import SchemaCheck
@@ -121,6 +122,8 @@ class AttemptContext:
     envs: EnvPort | None = None  # job environments, one cache per agent (trusted runner)
     data: DataPort[Any] | None = None  # dataset shards, one cache per agent
     space: Callable[[], Space | None] = lambda: None  # the state dir's disk now (None: unknown)
+    # What the running tasks may still write on it: a task starting gets only the rest.
+    reserved: Reserved = field(default_factory=Reserved)
     # A declared JSON Schema checked on the node (procs.json_schema_problem); None: left to the
     # coordinator.
     schema_check: SchemaCheck | None = None

@@ -2,15 +2,17 @@
 
 The caps (``DiskCaps``): a task may hold ``task_disk_bytes`` and ``task_disk_files`` (files and
 directories), or what the state dir's disk has free above ``min_free_bytes`` (and the same share
-of its inodes) when it starts, if that is less: a task never takes the owner's disk below the
-floor the owner keeps. Everything it wrote counts: out/ and tmp/ as the workspace walk finds
+of its inodes) when it starts, less what the tasks running beside it may still write
+(``Reserved``), if that is less: tasks never take the owner's disk below the floor the owner
+keeps. Everything it wrote counts: out/ and tmp/ as the workspace walk finds
 them, plus what its handle measures beyond them (its private temporary directories, files it
 removed but keeps open); no single file of it may grow past the byte cap (the runner's
 ``RLIMIT_FSIZE``). A task past ``task_disk_bytes`` or ``task_disk_files`` has failed: its own
 fault, the reason names the cap. A task past a cap that the disk's free space set (less than
 those) is stopped all the same, but its lease lapses: the node was short of disk, and a task
 within what the node advertises is not at fault (the black-hole guard counts such lapses only
-once they span two jobs, as for a job's own endpoints: ``job_endpoint``).
+once they span two jobs, as for a job's own endpoints: ``job_endpoint``; and a row of them has
+the node's checks run first: ``OutgrewRoom``).
 
 The watch between walks (``DiskWatch``): a walk of a big tree is slow, and a task may write
 fast. The disk's free space and inodes are cheap to read, so they are read every ``SPACE_S``,
@@ -27,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 
 from flashnode.config.settings import Settings, format_size
-from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull
+from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, NoRoom, OutgrewRoom
 from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
 from flashnode.sandbox.workspace import Usage
 
@@ -58,11 +61,11 @@ def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
     caps = DiskCaps(s.task_disk_bytes, s.task_disk_files)
     if space is None:
         return caps
+    short = no_room(space, s.min_free_bytes)
+    if short:
+        raise NoRoom(f"low disk: the state dir has {short}; the task cannot start")
     room = space.free_bytes - s.min_free_bytes
     files = space.free_inodes - space.inode_floor(s.min_free_bytes) if space.total_inodes else None
-    if room < MIN_ROOM_BYTES or (files is not None and files < MIN_ROOM_FILES):
-        short = space.short(s.min_free_bytes) or "next to no room above min_free_bytes"
-        raise AttemptLapsed(f"low disk: the state dir has {short}; the task cannot start")
     if use.disk_bytes + room < caps.bytes:
         by = "what the state dir's disk had free above min_free_bytes when it started"
         caps = dataclasses.replace(caps, bytes=use.disk_bytes + room, bytes_by=by)
@@ -70,6 +73,76 @@ def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
         by = "the inodes the state dir's disk had free above min_free_bytes' share when it started"
         caps = dataclasses.replace(caps, files=use.disk_files + files, files_by=by)
     return caps
+
+
+class Reserved:
+    """What the tasks running now may still write on the state dir's disk: each one's caps less
+    what it held at its last walk. A task that starts gets its caps from the room they leave
+    (``start``), and the node claims only while that room is enough for a task (the ``disk``
+    hold): tasks side by side never together take the disk below ``min_free_bytes``. One per
+    agent, shared by its attempts (``AttemptContext.reserved``), under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: dict[str, tuple[DiskCaps, int, int]] = {}  # caps, bytes and files held
+
+    def start(self, key: str, s: Settings, use: Usage, space: Space | None) -> DiskCaps:
+        """The caps of the task ``key`` starts with (``disk_caps`` on the room the running
+        tasks leave), reserved until ``end``."""
+        with self._lock:
+            caps = disk_caps(s, use, self._left(space))
+            self._tasks[key] = (caps, use.disk_bytes, use.disk_files)
+            return caps
+
+    def held(self, key: str, disk_bytes: int, disk_files: int) -> None:
+        """What the task ``key`` held at its latest walk."""
+        with self._lock:
+            if key in self._tasks:
+                self._tasks[key] = (self._tasks[key][0], disk_bytes, disk_files)
+
+    def end(self, key: str) -> None:
+        with self._lock:
+            self._tasks.pop(key, None)
+
+    def left(self, space: Space | None) -> Space | None:
+        """The disk as a task that starts now has it: what the running tasks may still write
+        taken off its free space and inodes."""
+        with self._lock:
+            return self._left(space)
+
+    def _left(self, space: Space | None) -> Space | None:
+        if space is None or not self._tasks:
+            return space
+        taken = sum(max(0, caps.bytes - b) for caps, b, _ in self._tasks.values())
+        files = sum(max(0, caps.files - f) for caps, _, f in self._tasks.values())
+        return dataclasses.replace(
+            space,
+            free_bytes=max(0, space.free_bytes - taken),
+            free_inodes=max(0, space.free_inodes - files) if space.total_inodes else 0,
+        )
+
+
+def no_room(space: Space, min_free_bytes: int) -> str | None:
+    """What leaves a task too little room to start (less than ``MIN_ROOM_BYTES`` above
+    ``min_free_bytes``, or fewer than ``MIN_ROOM_FILES`` inodes above their share), in the
+    owner's words; None when a task has room. The node claims nothing meanwhile."""
+    short = space.short(min_free_bytes)
+    if short:
+        return short
+    room = space.free_bytes - min_free_bytes
+    if room < MIN_ROOM_BYTES:
+        return (
+            f"{space.free_bytes >> 10} KiB free, less than {MIN_ROOM_BYTES >> 10} KiB above"
+            f" min_free_bytes ({min_free_bytes >> 20} MiB): no room for a task"
+        )
+    if space.total_inodes:
+        files = space.free_inodes - space.inode_floor(min_free_bytes)
+        if files < MIN_ROOM_FILES:
+            return (
+                f"{space.free_inodes} inodes free (files and directories), fewer than"
+                f" {MIN_ROOM_FILES} above min_free_bytes' share of them: no room for a task"
+            )
+    return None
 
 
 def over_caps(
@@ -112,10 +185,9 @@ def over_caps(
 def _short(had: str, cap: str, then: str) -> AttemptLapsed:
     """A task stopped at a cap the disk's free space set: the node's lack of disk. It may as
     well be the job's doing (it writes much): counted like a job's endpoint, across jobs."""
-    return AttemptLapsed(
+    return OutgrewRoom(
         f"the state dir's disk had only {had} when the task started (less than {cap}), and"
-        f" the task's files grew past that{then}",
-        job_endpoint=True,
+        f" the task's files grew past that{then}"
     )
 
 

@@ -29,7 +29,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from flashnode.attempt.diskwatch import DiskWatch, Look, disk_caps, full_disk, over_caps
+from flashnode.attempt.diskwatch import DiskWatch, Look, full_disk, over_caps
 from flashnode.attempt.record import State
 from flashnode.coordinator.wire import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
@@ -59,7 +59,7 @@ def run(a: Attempt) -> None:
         )
 
     space, use = ctx.space(), a.workspace.usage()
-    caps = disk_caps(s, use, space)
+    caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
     start = specs.build(
         a.task,
         a.lease.job_id,
@@ -245,6 +245,7 @@ class _Wait:
             self.disk.walked(
                 Look(space, usage.disk_bytes + held, usage.disk_files), now, now - started
             )
+        self.a.ctx.reserved.held(self.a.lease_id, usage.disk_bytes + held, usage.disk_files)
         self.next_watch = now + max(WATCH_S, (now - started) * WATCH_COST)
         return None
 
@@ -310,6 +311,7 @@ def release(a: Attempt) -> None:
             a.result = a.handle.result()
     finally:
         a.ctx.gpus.release(a.devices)
+        a.ctx.reserved.end(a.lease_id)
 
 
 def _last_lines(text: str, n: int = 5) -> str:

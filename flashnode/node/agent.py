@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flashnode.attempt import Attempt, AttemptContext, Outcome
+from flashnode.attempt.diskwatch import no_room
 from flashnode.attempt.record import State
 from flashnode.clock import Clock, stamp
 from flashnode.config.settings import Settings
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
 SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
+CLEANUP_WAIT_S = 120.0  # the longest the quarantine's check waits for ended attempts' cleanup
 
 
 class AgentCoordinator(Protocol):
@@ -324,6 +326,11 @@ class Agent:
         health, settings = self._health, self.settings
 
         def check() -> None:
+            # What the ended attempts left to be done after them (their retired workspaces
+            # removed) first: the checks must see the disk as the node has it, not the task.
+            removed = self.ctx.later(lambda: None)
+            if isinstance(removed, threading.Event):
+                removed.wait(CLEANUP_WAIT_S)
             try:
                 problems = health(settings) if health is not None else []
             except Exception as exc:  # a check that cannot run is a failing one
@@ -335,10 +342,17 @@ class Agent:
         self.ctx.start_thread(check, "quarantine-check")
 
     def _disk_hold(self) -> Hold | None:
-        """Below ``min_free_bytes`` free in the state dir (or its share of the inodes), claim
-        nothing; say so once."""
+        """Below ``min_free_bytes`` free in the state dir (or its share of the inodes), or with
+        too little above it for a task to start (``diskwatch.no_room``), claim nothing; say so
+        once."""
         space = self._space()
-        short = space.short(self.settings.min_free_bytes) if space is not None else None
+        floor = self.settings.min_free_bytes
+        short = no_room(space, floor) if space is not None else None
+        left = self.ctx.reserved.left(space)
+        if space is not None and left is not None and not short:
+            taken = no_room(left, floor)
+            if taken:
+                short = f"{taken} (what the running tasks may still write set aside)"
         if short and not self._low_disk:
             log.warning("not claiming: the state dir has %s", short)
         elif self._low_disk and not short:
@@ -669,6 +683,7 @@ class Agent:
             attempt.node_fault,
             seconds,
             job_endpoint=attempt.job_endpoint,
+            outgrew_room=attempt.outgrew_room,
         )
         self.quarantine.record(ending)
         self.revoked.record(ending, attempt.lease_id)

@@ -12,7 +12,10 @@
   (``job_endpoint``: at an endpoint the job itself named, its dataset origin or package index;
   or a task stopped at a disk cap that the disk's free space set) counts only once such lapses
   in the row span two jobs: one job's dead origin is no sign of this node's health, and must
-  not bench node after node; a node whose own network is down fails every job alike. Once
+  not bench node after node; a node whose own network is down fails every job alike. A row
+  that trips only with the lapses of tasks past the disk's room (``outgrew_room``) has the
+  node's checks run first, as for fast failures: once the tasks' files are gone, a healthy disk
+  passes them, and jobs that write much must not bench it. Once
   quarantined, it runs its own checks (the preflight ``flashnode work`` runs at start:
   ``health``) at once and every ``check_seconds``;
   once they pass, and no sooner than one interval after it stopped (a fault its checks cannot
@@ -62,6 +65,7 @@ class Ending:
     node_fault: bool = False  # lapsed through this node's fault
     seconds: float | None = None  # claim to end
     job_endpoint: bool = False  # ... at an endpoint the job named (a data origin, an index)
+    outgrew_room: bool = False  # ... past the room the disk had for it (job_endpoint too)
 
 
 def same_reason(reason: str) -> str:
@@ -80,6 +84,7 @@ class Quarantine:
         self._faults = 0  # node-fault endings in a row, but those at a job's endpoints
         self._endpoint_faults = 0  # those, in the same row
         self._endpoint_jobs: set[str] = set()  # ... and the jobs whose endpoints they were
+        self._room_faults = 0  # those of them past the disk's room
         self._fault_reason = ""
         self._fails = 0  # fast failures in a row with one reason
         self._fail_reason = ""
@@ -103,6 +108,7 @@ class Quarantine:
                 if e.job_endpoint:
                     self._endpoint_faults += 1
                     self._endpoint_jobs.add(e.job_id)
+                    self._room_faults += e.outgrew_room
                 else:
                     self._faults += 1
                 self._fault_reason = e.reason
@@ -127,24 +133,36 @@ class Quarantine:
                 self._trip()
 
     def _no_faults(self) -> None:
-        self._faults = self._endpoint_faults = 0
+        self._faults = self._endpoint_faults = self._room_faults = 0
         self._endpoint_jobs.clear()
 
-    def _counted_faults(self) -> int:
+    def _counted_faults(self, rooms: bool = True) -> int:
         """The node-fault endings in a row that count: those at a job's endpoints only once
-        they span two jobs."""
-        endpoints = self._endpoint_faults if len(self._endpoint_jobs) >= 2 else 0
-        return self._faults + endpoints
+        they span two jobs (``rooms``: those past the disk's room among them)."""
+        if len(self._endpoint_jobs) < 2:
+            return self._faults
+        return self._faults + self._endpoint_faults - (0 if rooms else self._room_faults)
 
     def _trip(self) -> None:
-        """Quarantine on a row of node faults; on a row of fast failures across two jobs, have
-        the node's checks run first (``checked`` decides)."""
-        faults = self._counted_faults()
+        """Quarantine on a row of node faults; on a row that counts only with the lapses past
+        the disk's room, or of fast failures across two jobs, have the node's checks run first
+        (``checked`` decides)."""
+        faults = self._counted_faults(rooms=False)
         if faults >= self.after:
             why = (
                 f"{faults} attempts in a row ended through this node's fault"
                 f" (the last: {self._fault_reason})"
             )
+        elif self._counted_faults() >= self.after:
+            if not self._suspect:
+                self._suspect = (
+                    f"{self._counted_faults()} attempts in a row ended through this node's"
+                    f" fault, {self._room_faults} of {len(self._endpoint_jobs)} jobs past the"
+                    f" room its disk had for them (the last: {self._fault_reason})"
+                )
+                self._next_check = self._clock.monotonic()
+                log.warning("%s; checking this node before claiming again", self._suspect)
+            return
         elif self._fails >= self.after and len(self._fail_jobs) >= 2:
             if not self._suspect:
                 self._suspect = (
@@ -232,6 +250,7 @@ class Quarantine:
                     )
                     self._fails = 0
                     self._fail_jobs.clear()
+                    self._no_faults()
                 self._suspect = ""
                 return
             if self._since is None:

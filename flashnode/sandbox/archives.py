@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 from typing import IO
 
-from flashnode.errors import AttemptFailed, AttemptLapsed, disk_full, disk_full_error
+from flashnode.errors import AttemptFailed, AttemptLapsed, OutgrewRoom, disk_full, disk_full_error
 from flashnode.sandbox.diskuse import space
 from flashnode.sandbox.workspace import remove_tree
 
@@ -118,11 +118,10 @@ class _Budget:
             left = f"{disk.free_inodes} inodes free, min_free_bytes' share of them"
         else:
             return
-        raise AttemptLapsed(
+        raise OutgrewRoom(  # within the task's own caps: this node's room is short
             f"input {self.name!r} does not fit: unpacking it would take the state dir's disk"
             f" below min_free_bytes ({left}; {self.entries} files and directories and"
-            f" {self.max - self.left} bytes unpacked by then)",
-            job_endpoint=True,  # within the task's own caps: this node's room is short
+            f" {self.max - self.left} bytes unpacked by then)"
         )
 
     def make_dirs(self, path: Path, raw: str) -> None:

@@ -153,6 +153,7 @@ def test_a_task_with_no_room_above_min_free_bytes_does_not_start(tmp_path: Path)
     assert attempt.run().value == "lapsed"
     assert attempt.ended is not None and attempt.ended[1].startswith("low disk:"), attempt.ended
     assert runner.started == [] and coord.names("fail") == []
+    assert not attempt.node_fault  # the disk hold's business: the guard does not count it
 
 
 def test_a_broken_archive_on_a_full_disk_is_the_disks_fault(tmp_path: Path) -> None:
@@ -511,6 +512,129 @@ def test_one_job_cannot_bench_a_node_with_input_archives_that_use_up_its_inodes(
     outcomes = [(line["outcome"], line["reason"]) for line in lines]
     assert held == [], f"one job's inputs benched the node: {held}; its attempts: {outcomes}"
     assert all(o == "lapsed" and "does not fit" in r for o, r in outcomes), outcomes
+
+
+def test_a_task_holding_the_disk_just_above_the_floor_cannot_bench_a_healthy_node(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """One task, within its own cap, writes until the disk is half a MiB above
+    ``min_free_bytes`` and sleeps: too little room for another task to start. The node claims
+    nothing more while that lasts (the disk hold), and a task that finds no room when it would
+    start lapses without counting toward the quarantine: the node whose checks pass is never
+    quarantined, and the other job's tasks run once the holder is gone."""
+    floor = 16 << 20
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    hold = (
+        "avail=$(df -B1 --output=avail /work | tail -n 1);"
+        f" head -c $((avail - {floor} - 524288)) /dev/zero > ../tmp/fill; sleep 60"
+    )
+    holder = coordinator.submit(argv_job(["sh", "-c", hold], max_attempts=1))
+    agent = start_agent(
+        coordinator.url, *TRUSTED, "--slots", "2", env=env, state_dir=small_disk / "state"
+    )
+
+    def near_floor() -> bool:
+        st = os.statvfs(small_disk)
+        return st.f_bavail * st.f_frsize < floor + (1 << 20)
+
+    try:
+        wait_for("the holder's writing", near_floor, 60)
+        victims = coordinator.submit(argv_job(["true"], params=[{"n": i} for i in range(5)]))
+        reason = wait_for("the disk hold", lambda: disk_hold(small_disk / "state"), 30)
+        lines = agent.wait_ledger(5, timeout=120)
+        coordinator.cancel(victims)
+    finally:
+        coordinator.cancel(holder)
+    assert "no room for a task" in reason, reason
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    outcomes = [(line["outcome"], line["reason"][:120]) for line in lines]
+    assert held == [], f"one task's disk use benched a healthy node: {held}; {outcomes}"
+
+
+def test_two_jobs_that_outgrow_the_disks_room_cannot_bench_a_healthy_node(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """Two jobs whose tasks write a little more than the room above ``min_free_bytes`` (31 MiB
+    here: they write 40) are stopped there and lapse (the node was short of disk); five such
+    lapses across two jobs have the node run its checks once their files are removed, and the
+    disk, fine again, passes them: the node is never quarantined."""
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "32M"}
+    script = (
+        "head -c 20971520 /dev/zero > ../tmp/a; head -c 20971520 /dev/zero > ../tmp/b; sleep 10"
+    )
+    first = coordinator.submit(
+        argv_job(["sh", "-c", script], params=[{"n": i} for i in range(3)], max_attempts=1)
+    )
+    second = coordinator.submit(
+        argv_job(["sh", "-c", script], params=[{"n": i} for i in range(2)], max_attempts=1)
+    )
+    agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=small_disk / "state")
+    try:
+        lines = agent.wait_ledger(5, timeout=180)
+        wait_for("the node's checks", lambda: "passes its own checks" in agent.log, 60)
+    finally:
+        coordinator.cancel(first)
+        coordinator.cancel(second)
+    held = [line for line in agent.log.splitlines() if "quarantined" in line]
+    outcomes = [(line["outcome"], line["reason"][:120]) for line in lines]
+    assert all("the state dir's disk had only" in r for _, r in outcomes), outcomes
+    assert held == [], f"two jobs' own writing benched a healthy node: {held}; {outcomes}"
+
+
+def test_tasks_in_two_slots_cannot_together_take_the_disk_below_min_free_bytes(
+    small_disk: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """Two tasks of one job, claimed together in two slots, each write 25 MiB: each alone
+    within the room above the 16 MiB floor (about 47 MiB), together past it. A task's room is
+    what the running tasks leave (their caps less what they hold): the second waits, or finds
+    no room and lapses, and the owner's disk never goes below its floor; no task fails."""
+    floor = 16 << 20
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    script = (  # no braces: params format it
+        "sleep 3; head -c 26214400 /dev/zero > ../tmp/fill; sleep 3;"
+        " printf '\\173\\175' > metrics.json"
+    )
+    job = coordinator.submit(
+        argv_job(["sh", "-c", script], params=[{"n": i} for i in range(2)], max_attempts=1)
+    )
+    agent = start_agent(
+        coordinator.url,
+        *TRUSTED,
+        "--slots",
+        "2",
+        "--max-tasks",
+        "2",
+        env=env,
+        state_dir=small_disk / "state",
+    )
+    lowest = [1 << 62]
+
+    def watch() -> None:
+        while agent.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                st = os.statvfs(small_disk)
+                lowest[0] = min(lowest[0], st.f_bavail * st.f_frsize)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        lines = agent.wait_ledger(2, timeout=120)
+    finally:
+        coordinator.cancel(job)
+        agent.stop()
+        watcher.join(5)
+    outcomes = [(line["outcome"], line["reason"]) for line in lines]
+    assert lowest[0] >= floor, (
+        f"two tasks within their caps left the owner's disk {lowest[0] >> 20} MiB free, below"
+        f" min_free_bytes (16 MiB); their outcomes: {outcomes}"
+    )
+    assert all(o in ("committed", "lapsed") for o, _ in outcomes), outcomes
 
 
 def test_status_says_what_ended_the_last_attempt_and_what_holds_claiming() -> None:

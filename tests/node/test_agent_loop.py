@@ -462,6 +462,58 @@ def test_one_jobs_dead_endpoints_never_quarantine_a_node_but_two_jobs_do() -> No
     assert q.hold() is not None
 
 
+def test_lapses_past_the_disks_room_across_jobs_quarantine_only_when_the_checks_fail() -> None:
+    """Tasks of two jobs stopped past the room the disk had for them: the row has the node's
+    checks run first (claiming nothing meanwhile); passing, it claims on and the row is over;
+    failing (the disk is still short), the node is quarantined."""
+    from flashnode.attempt.record import Outcome
+    from flashnode.node.guard import Ending, Quarantine
+
+    def outgrew(job: str) -> Ending:
+        why = "the state dir's disk had only 31.0 MiB free above min_free_bytes when ..."
+        return Ending(Outcome.LAPSED, why, job, True, 5.0, job_endpoint=True, outgrew_room=True)
+
+    for problems in ([], ["state dir: 15 MiB free, below min_free_bytes (32 MiB)"]):
+        q = Quarantine(3, 60, FakeClock())
+        for job in ("j1", "j2", "j1"):
+            q.record(outgrew(job))
+        hold = q.hold()
+        assert hold is not None and hold.reason.startswith("checking this node"), hold
+        assert q.check_due()
+        q.checked(problems)
+        hold = q.hold()
+        if problems:
+            assert hold is not None and "quarantined" in hold.reason, hold
+        else:
+            assert hold is None and q.streak == 0
+
+
+def test_a_task_starting_beside_running_ones_gets_only_the_room_they_leave(tmp_path: Path) -> None:
+    """Each running task's caps less what it holds are set aside: the next task's cap is the
+    rest of the room above min_free_bytes, and none once they take it all (it does not start,
+    and the node's disk hold claims nothing meanwhile)."""
+    from flashnode.attempt.diskwatch import Reserved, no_room
+    from flashnode.config.settings import Settings
+    from flashnode.errors import NoRoom
+    from flashnode.sandbox.workspace import Usage
+
+    s = Settings(coordinator="http://127.0.0.1:1", state_dir=tmp_path, min_free_bytes=16 << 20)
+    space = Space(64 << 20, 64 << 20, 0, 0)
+    empty = Usage(0, 0, 0, 0)
+    reserved = Reserved()
+    assert reserved.start("a", s, empty, space).bytes == 48 << 20
+    reserved.held("a", 40 << 20, 10)  # 40 MiB written, 8 MiB more it may write
+    now = Space(24 << 20, 64 << 20, 0, 0)
+    left = reserved.left(now)
+    assert left is not None and no_room(left, s.min_free_bytes), left
+    with pytest.raises(NoRoom):
+        reserved.start("b", s, empty, now)
+    assert reserved.start("b", s, empty, Space(34 << 20, 64 << 20, 0, 0)).bytes == 10 << 20
+    reserved.end("a")
+    reserved.end("b")
+    assert reserved.left(space) == space
+
+
 def test_a_lease_revoked_by_the_watchdog_is_not_claimed_straight_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
