@@ -14,11 +14,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 
 T = TypeVar("T")
 API = "/v1alpha1"
@@ -36,6 +37,24 @@ def shared_dir(prefix: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=prefix))
     SHARED_ROOT.mkdir(mode=0o755, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=SHARED_ROOT))
+
+
+@contextlib.contextmanager
+def tmpfs_disk(prefix: str, options: str) -> Iterator[Path]:
+    """A tmpfs (``options``: its size and inodes) standing in for the owner's disk, in a
+    ``shared_dir``; unmounted and removed at the end whatever happened. Needs root (skips)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = shared_dir(prefix)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"{options},mode=0755", "tmpfs", str(mount)], check=True
+    )
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        mount.rmdir()
 
 
 def free_port() -> int:

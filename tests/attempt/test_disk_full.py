@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
-from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
+from harness import AgentProcess, CoordinatorServer, argv_job, tmpfs_disk, wait_for
 
 from flashnode import statefile
 from flashnode.attempt import Attempt
@@ -224,18 +224,8 @@ def test_status_is_written_in_place_when_the_disk_is_full(
 @pytest.fixture
 def small_disk() -> Iterator[Path]:
     """A 64 MiB tmpfs, unmounted and removed at the end whatever happened."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = shared_dir("flashnode-small-disk-")
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(mount)], check=True
-    )
-    try:
+    with tmpfs_disk("flashnode-small-disk-", "size=64m") as mount:
         yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-        mount.rmdir()
 
 
 def _flashnode(*args: str) -> subprocess.CompletedProcess[str]:
@@ -424,19 +414,8 @@ def _inode_bomb(members: int, depth: int) -> bytes:
 @pytest.fixture
 def few_inodes() -> Iterator[Path]:
     """A tmpfs of 64 MiB and 20,000 inodes standing in for the owner's disk."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = shared_dir("flashnode-few-inodes-")
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=20000,mode=0755", "tmpfs", str(mount)],
-        check=True,
-    )
-    try:
+    with tmpfs_disk("flashnode-few-inodes-", "size=64m,nr_inodes=20000") as mount:
         yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-        mount.rmdir()
 
 
 def test_an_input_archive_cannot_take_the_owners_disk_below_its_floor_of_inodes(

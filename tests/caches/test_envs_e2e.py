@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from badcoord import BadCoordinator, lease_answer
-from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
+from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, tmpfs_disk, wait_for
 from pkgindex import PackageIndex, Wheel, _record_hash, build_wheel, package_index
 
 from flashnode.caches.envcache import EnvCache
@@ -393,18 +393,8 @@ def test_a_jobs_binary_wheel_never_runs_code_as_root_while_its_environment_is_bu
 @pytest.fixture
 def small_disk() -> Iterator[Path]:
     """A 64 MiB tmpfs standing in for the owner's disk (the state dir is on it)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = shared_dir("flashnode-envs-disk-")
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(mount)], check=True
-    )
-    try:
+    with tmpfs_disk("flashnode-envs-disk-", "size=64m") as mount:
         yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-        mount.rmdir()
 
 
 def _bomb_wheel(name: str, size: int) -> Wheel:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir
+from harness import AgentProcess, CoordinatorServer, argv_job, tmpfs_disk
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -209,19 +208,8 @@ def test_a_wide_tree_neither_hides_from_task_disk_bytes_nor_starves_the_agent(
 @pytest.fixture
 def few_inodes() -> Iterator[Path]:
     """A tmpfs standing in for the owner's disk: plenty of bytes, 30,000 inodes."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = shared_dir("flashnode-few-inodes-")
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256m,nr_inodes=30000,mode=0755", "tmpfs", str(mount)],
-        check=True,
-    )
-    try:
+    with tmpfs_disk("flashnode-few-inodes-", "size=256m,nr_inodes=30000") as mount:
         yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-        mount.rmdir()
 
 
 INODES = r"""
