@@ -674,8 +674,10 @@ def _run_agent(
         later=janitor.submit,
     )
 
-    def on_settings(new: Settings) -> None:
-        ctx.limits = task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
+    def limits_of(new: Settings) -> Limits:
+        return task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
+
+    def on_settings(new: Settings, limits: Limits) -> None:
         data.budget_bytes = new.dataset_cache_bytes
         data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)
         data.prune()
@@ -683,7 +685,7 @@ def _run_agent(
             envs.reconfigure(
                 new.env_cache_bytes,
                 new.min_free_bytes,
-                ctx.limits,
+                limits,
                 OriginPolicy.of(new.env_allow_private_indexes),
             )
 
@@ -721,6 +723,7 @@ def _run_agent(
         reload=reload,
         sink=Sinks(Notifier(), *([line] if line else []), *([ring] if ring else [])),
         on_settings=on_settings,
+        limits=limits_of,
         controls=controls,
         health=health,
         status_extra={"signals": {k: int(v) for k, v in pausefile.SIGNALS.items()}},

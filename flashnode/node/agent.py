@@ -1,4 +1,4 @@
-"""The main loop: register, node heartbeat, claim, hand attempts to slots, drain.
+"""The node loop: register, node heartbeat, claim, hand attempts to slots, drain.
 
 ``run`` has three phases, as uvicorn's server does: ``startup`` (reap what an earlier run left,
 resume the outbox), the loop, and ``shutdown``, which runs in every case (a drain, a second
@@ -14,24 +14,25 @@ rule holds; ``flashnode pause --now`` stops running attempts as an ending that i
 fault; a rule named in ``suspend_when`` suspends running tasks until it clears. Heartbeats go on
 throughout: a paused node is online and says why it takes no work.
 
-Why one module of this size: the loop, its three phases, the owner controls it applies and what it
-publishes share one state.
+Its parts: ``reload.py`` keeps the configuration (each attempt gets the one it was claimed
+under), ``publisher.py`` says what the node does from a frozen ``NodeView`` of it each turn,
+``guard.py`` and ``diskhold.py`` hold claiming for the node's own reasons, ``pacing.py`` says
+when to talk to the coordinator next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flashnode.attempt import Attempt, AttemptContext, Outcome
-from flashnode.attempt.diskwatch import no_room
 from flashnode.attempt.record import State
-from flashnode.clock import Clock, stamp
+from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import SAFE_ID, NodeHeartbeat, NodeRegistration
 from flashnode.errors import (
@@ -39,17 +40,19 @@ from flashnode.errors import (
     AttemptLapsed,
     CoordinatorError,
     CredentialsError,
-    FlashnodeError,
     Stopped,
     Unregistered,
 )
 from flashnode.evidence.gpupool import Device
-from flashnode.node.controls import Controls, Decision, Hold, Rules
+from flashnode.node.controls import Controls, Decision, Rules
+from flashnode.node.diskhold import DiskHold
 from flashnode.node.guard import Ending, Quarantine, RevokedBackoff
 from flashnode.node.pacing import Pacing
-from flashnode.owner import status
+from flashnode.node.publisher import NodeView, Problem, Publisher, task_cpu
+from flashnode.node.reload import Config, Reloader
 from flashnode.owner.status import StatusSink
 from flashnode.sandbox.diskuse import Space
+from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.workspace import remove_stale_workspaces
 
 log = logging.getLogger(__name__)
@@ -63,19 +66,6 @@ class AgentCoordinator(Protocol):
     def register(self, registration: NodeRegistration) -> str: ...
     def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None: ...
     def claim(self, node_id: str) -> dict[str, Any] | None: ...
-
-
-class _Quiet:
-    """No systemd, no terminal: status goes nowhere."""
-
-    def status(self, text: str) -> None:
-        pass
-
-    def send(self, **fields: str | int) -> None:
-        pass
-
-    def tick(self) -> None:
-        pass
 
 
 @dataclass
@@ -97,13 +87,18 @@ class Agent:
         reload: Callable[[], Settings] | None = None,
         space: Callable[[], Space | None] | None = None,
         sink: StatusSink | None = None,
-        on_settings: Callable[[Settings], None] | None = None,
+        on_settings: Callable[[Settings, Limits], None] | None = None,
         controls: Controls | None = None,
         health: Callable[[Settings], list[str]] | None = None,
         status_extra: dict[str, Any] | None = None,
         totals: Callable[[], dict[str, Any]] | None = None,
+        limits: Callable[[Settings], Limits] | None = None,
     ) -> None:
-        """``controls``: the owner's rules (None: none). ``space``: the state dir's disk now
+        """``ctx``: the edges every attempt is given, and the configuration the agent starts
+        with (``settings``, ``limits``). ``reload``: the configuration as it is now (for
+        ``request_reload``); ``limits``: the per-task limits of reloaded settings (None: they
+        stay); ``on_settings``: what else follows a reload (the caches' budgets).
+        ``controls``: the owner's rules (None: none). ``space``: the state dir's disk now
         (default: ``ctx.space``). ``health``: this node's own checks for the given
         settings, as one line per problem (the preflight; none: always healthy).
         ``status_extra``: more for status.json (what owners' commands may use to reach it).
@@ -113,41 +108,39 @@ class Agent:
         self.controls = controls
         self.metrics = ctx.metrics
         self.decision = Decision()  # the owner controls' latest word
-        self.sink: StatusSink = sink or _Quiet()
-        self._pid = os.getpid()
-        self._published = ""
-        self._published_beats = -1
-        self._beats = 0
-        self._last_beat_wall: float | None = None
-        self.settings = ctx.settings
         self.coordinator = coordinator
         self.registration = registration
-        self._reload_settings = reload
-        self._on_settings = on_settings
-        self._space = space or ctx.space
-        self._health = health
-        self._status_extra = dict(status_extra or {})
-        self._totals = totals
-        self._reload_requested = False
-        self._reloading = False
-        self._reload_refused: dict[str, Any] | None = None  # the last refused reload: at, reason
-        self._low_disk = False
         self.clock = clock or ctx.clock
-        rng, s = ctx.rng, self.settings
+        self._wake = threading.Event()
+        self.reloader = Reloader(
+            Config(ctx.settings, ctx.limits),
+            self.clock,
+            ctx.start_thread,
+            read=reload,
+            limits=limits,
+            prepare=ctx.runner.reconfigure,
+            applied=self._reloaded,
+            wake=self._wake.set,
+        )
+        self._on_settings = on_settings
+        self.publisher = Publisher(self.clock, sink, status_extra, totals)
+        self.sink = self.publisher.sink
+        self._health = health
+        rng, s = ctx.rng, ctx.settings
         self.pacing = Pacing(s, rng)  # when to talk to the coordinator next (a fleet's pace)
-        # The node's own holds: the black-hole guard and the backoff after a revoked lease.
+        # The node's own holds: the black-hole guard, the backoff after a revoked lease, the disk.
         self.quarantine = Quarantine(s.quarantine_after, s.quarantine_check_seconds, self.clock)
         self.revoked = RevokedBackoff(self.clock, rng)
-        self._status_failing = False
-        self._last_ended: dict[str, Any] | None = None  # the latest attempt's end, for status
+        self.disk = DiskHold(space or ctx.space, ctx.reserved)
         self.node_id = ""
         self.stats = Stats()
         self.running: dict[int, Attempt] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._registered = False
-        self._problems: dict[str, float] = {}  # conversation -> since when it fails
-        self._problem_errors: dict[str, str] = {}  # conversation -> its latest error
+        self._problems: dict[str, Problem] = {}  # the failing conversations with the coordinator
+        self._beats = 0
+        self._last_beat_wall: float | None = None
+        self._last_ended: dict[str, Any] | None = None  # the latest attempt's end, for status
         self._started_wall = self.clock.wall()
         self._next_heartbeat = 0.0
         self._next_claim = 0.0
@@ -157,6 +150,11 @@ class Agent:
         self._drain_deadline = 0.0
         self._extend_at = 0.0
         self._stop_now = False
+
+    @property
+    def settings(self) -> Settings:
+        """The settings the next claim runs under (a reload swaps them)."""
+        return self.reloader.current.settings
 
     # --- control (safe to call from a signal handler: sets flags only) ------------------------
 
@@ -168,7 +166,7 @@ class Agent:
 
     def request_reload(self) -> None:
         """Re-read the configuration (pools, limits) and register again."""
-        self._reload_requested = True
+        self.reloader.request()
 
     # --- the three phases ---------------------------------------------------------------------
 
@@ -219,7 +217,7 @@ class Agent:
             return
         if record.process:
             self.ctx.runner.reap(record.process)
-        attempt = Attempt(self.ctx, record.lease, record.slot, record=record)
+        attempt = Attempt(self._context(), record.lease, record.slot, record=record)
         if record.state is State.FINISHED:
             outcome = attempt.resume()
         else:
@@ -251,9 +249,7 @@ class Agent:
                 self._cancel_all(Stopped("node draining"), self.settings.kill_grace_seconds)
             if not self.running and (self._draining or self._quota_spent()):
                 return
-            if self._reload_requested and not self._reloading:
-                self._reload_requested = False
-                self._reload()
+            self.reloader.tick()
             if not self._registered:
                 if now >= self._next_register:
                     self._register()
@@ -275,8 +271,7 @@ class Agent:
         """Stop every running attempt (left to lapse: not the tasks' fault), wait for each to
         end and be recorded, say goodbye to the coordinator, publish the final status."""
         s = self.settings
-        with self._lock:
-            left = list(self.running.values())
+        left = self._attempts()
         if left:
             log.info("stopping %d running attempt(s)", len(left))
             self._cancel_all(Stopped("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds)
@@ -299,7 +294,7 @@ class Agent:
         self._publish(final=True)
         log.info("agent stopped: %s", self.stats.outcomes)
 
-    # --- the owner's controls ------------------------------------------------------------------
+    # --- the owner's controls and the node's own holds -----------------------------------------
 
     def _owner_controls(self) -> None:
         """Evaluate the owner's rules; stop or suspend running attempts as they say. Add the
@@ -308,9 +303,9 @@ class Agent:
         d = self.controls.evaluate() if self.controls else Decision()
         if self.quarantine.check_due():
             self._check_health()
-        self.decision = d.holding(self._disk_hold(), self.quarantine.hold(), self.revoked.hold())
-        with self._lock:
-            attempts = list(self.running.values())
+        disk = self.disk.hold(self.settings)
+        self.decision = d.holding(disk, self.quarantine.hold(), self.revoked.hold())
+        attempts = self._attempts()
         for attempt in attempts:
             # Not the task's fault: the lease is given back, no `fail`. A finished result (its
             # task ran, its outputs are spooled) is still committed: the pause stops tasks.
@@ -341,46 +336,33 @@ class Agent:
 
         self.ctx.start_thread(check, "quarantine-check")
 
-    def _disk_hold(self) -> Hold | None:
-        """Below ``min_free_bytes`` free in the state dir (or its share of the inodes), or with
-        too little above it for a task to start (``diskwatch.no_room``), claim nothing; say so
-        once."""
-        space = self._space()
-        floor = self.settings.min_free_bytes
-        short = no_room(space, floor) if space is not None else None
-        left = self.ctx.reserved.left(space)
-        if space is not None and left is not None and not short:
-            taken = no_room(left, floor)
-            if taken:
-                short = f"{taken} (what the running tasks may still write set aside)"
-        if short and not self._low_disk:
-            log.warning("not claiming: the state dir has %s", short)
-        elif self._low_disk and not short:
-            log.info("free space is back above the floor; claiming again")
-        self._low_disk = bool(short)
-        if space is None or not short:
-            return None
-        what = "the state dir's disk is full" if space.full() else "low disk"
-        return Hold(
-            "disk",
-            f"{what}: {short}; claims resume above it",
-            fix=f"free space on the disk of {self.settings.state_dir} (`flashnode envs prune`"
-            " evicts unused job environments), or lower min_free_bytes",
-        )
-
     def task_cpu(self) -> dict[str, float] | None:
-        """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule);
-        None when one of them cannot be measured, so that the rule never mistakes this node's
-        own tasks for other programs."""
+        """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule)."""
         with self._lock:
             attempts = list(self.running.items())
-        found: dict[str, float] = {}
-        for key, attempt in attempts:
-            seconds = attempt.cpu_seconds()
-            if seconds is None:
-                return None
-            found[str(key)] = seconds
-        return found
+        return task_cpu(attempts)
+
+    # --- reload -------------------------------------------------------------------------------
+
+    def _reloaded(self, config: Config) -> None:
+        """A reload applied (on the reload's thread): the node's parts take the new settings,
+        and the node registers again (its pools may have changed)."""
+        new = config.settings
+        self.quarantine.after = new.quarantine_after
+        self.quarantine.check_seconds = new.quarantine_check_seconds
+        if self.controls is not None:
+            self.controls.reconfigure(Rules.from_settings(new))
+        if self._on_settings is not None:
+            self._on_settings(new, config.limits)
+        log.info("configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-")
+        self._registered = False
+        self._next_register = self._next_claim = 0.0
+
+    def _context(self) -> AttemptContext:
+        """What an attempt is given: the agent's edges and the configuration current now, which
+        it keeps whatever reload comes while it runs."""
+        config = self.reloader.current
+        return dataclasses.replace(self.ctx, settings=config.settings, limits=config.limits)
 
     # --- draining -----------------------------------------------------------------------------
 
@@ -399,94 +381,36 @@ class Agent:
             self.sink.send(EXTEND_TIMEOUT_USEC=int(left * 1e6))
             self._extend_at = now + 5
 
-    # --- what the agent is doing: systemd STATUS, the terminal line, status.json ---------------
-
-    def _status_text(self, running: list[dict[str, Any]]) -> str:
-        if self._draining:
-            text = f"draining: {len(running)} attempt(s) running"
-            if running and self._drain_started:
-                by = self._wall_of(self._drain_deadline)
-                text += f", stopped by {stamp(by)} at the latest (drain_seconds)"
-            return text
-        if self._problems:
-            since = min(self._problems.values())
-            what = ", ".join(sorted(self._problems))
-            return f"coordinator unreachable since {stamp(self._wall_of(since))} ({what})"
-        held = self.decision.hold_reason
-        wall = self.clock.wall()
-        text = "; ".join(status.attempt_line(a, wall) for a in running) or "idle"
-        if running:
-            text = "running " + text
-        return f"{text} | not claiming: {held}" if held else text
-
-    def _wall_of(self, monotonic: float) -> float:
-        """A moment on the monotonic clock, on the wall clock."""
-        return self.clock.wall() - (self.clock.monotonic() - monotonic)
-
-    def _coordinator_problems(self) -> list[dict[str, Any]]:
-        """Each failing conversation with the coordinator: since when, its latest error."""
-        offset = self.clock.wall() - self.clock.monotonic()
-        return [
-            {
-                "conversation": what,
-                "since": since + offset,
-                "error": self._problem_errors.get(what, ""),
-                "fix": "check that the coordinator runs and that this machine reaches"
-                f" {self.settings.coordinator} (`flashnode doctor` checks it); the agent keeps"
-                " trying",
-            }
-            for what, since in sorted(self._problems.items())
-        ]
+    # --- what the agent is doing ---------------------------------------------------------------
 
     def _publish(self, final: bool = False) -> None:
-        with self._lock:
-            attempts = list(self.running.values())
-        running = [a.snapshot() for a in attempts if a.lease is not None]
-        text = "stopped" if final else self._status_text(running)
-        self.sink.status(text)
-        if text == self._published and self._beats == self._published_beats and not final:
-            return
-        self._published, self._published_beats = text, self._beats
-        snapshot = {
-            "pid": None if final else self._pid,
-            "node_id": self.node_id,
-            "coordinator": self.settings.coordinator,
-            "runner": self.settings.runner,
-            "pools": list(self.settings.pools),
-            "state": text,
-            "draining": self._draining,
-            "registered": self._registered,
-            "started_at": self._started_wall,
-            "last_heartbeat_at": self._last_beat_wall,
-            "coordinator_problems": self._coordinator_problems(),
-            "counters": dict(self.stats.outcomes),
-            "totals": self._read_totals(),
-            "running": running,
-            "controls": self.decision.snapshot(),
-            "last_ended": self._last_ended,
-            "reload_refused": self._reload_refused,
-            "updated_at": self.clock.wall(),
-            **self._status_extra,
-        }
-        try:
-            status.write(self.settings.state_dir, snapshot)
-        except OSError as exc:
-            if not self._status_failing:
-                log.error("cannot write status.json (%s): `flashnode status` lags", exc.strerror)
-            self._status_failing = True
-            return
-        if self._status_failing:
-            self._status_failing = False
-            log.info("status.json is written again")
+        self.publisher.publish(self._view(), final)
 
-    def _read_totals(self) -> dict[str, Any] | None:
-        if self._totals is None:
-            return None
-        try:
-            return self._totals()
-        except Exception:  # the totals are for the owner's eyes: never the loop's end
-            log.exception("cannot read the totals from the ledger")
-            return None
+    def _view(self) -> NodeView:
+        """The node now, frozen for the publisher."""
+        running = tuple(a.snapshot() for a in self._attempts() if a.lease is not None)
+        return NodeView(
+            settings=self.settings,
+            node_id=self.node_id,
+            registered=self._registered,
+            draining=self._draining,
+            drain_deadline=self._drain_deadline if self._drain_started else None,
+            started_at=self._started_wall,
+            beats=self._beats,
+            last_heartbeat_at=self._last_beat_wall,
+            problems=tuple(self._problems.values()),
+            counters=dict(self.stats.outcomes),
+            running=running,
+            decision=self.decision,
+            last_ended=self._last_ended,
+            reload_refused=self.reloader.refused,
+        )
+
+    # --- claiming -----------------------------------------------------------------------------
+
+    def _attempts(self) -> list[Attempt]:
+        with self._lock:
+            return list(self.running.values())
 
     def _quota_spent(self) -> bool:
         m = self.settings.max_tasks
@@ -498,13 +422,12 @@ class Agent:
         return effective_slots(self.settings, len(self.ctx.gpus.devices))
 
     def _free_slot(self) -> int | None:
-        with self._lock:
-            used = {a.record.slot for a in self.running.values()}
+        used = {a.record.slot for a in self._attempts()}
         return next((i for i in range(self.slots) if i not in used), None)
 
     def _may_claim(self) -> bool:
         """Claim only with a free slot that could serve a task: on a GPU node, a free GPU."""
-        if not self._registered or self._draining or self._quota_spent() or self._reloading:
+        if not self._registered or self._draining or self._quota_spent() or self.reloader.busy:
             return False
         if not self.decision.may_claim:
             return False
@@ -555,59 +478,6 @@ class Agent:
         self._beats += 1
         self._last_beat_wall = self.clock.wall()
 
-    def _reload(self) -> None:
-        """Re-read the configuration now; the runner's slow part (probes, import checks) runs
-        on its own thread while the loop, its heartbeats and the watchdog go on."""
-        if self._reload_settings is None:
-            return
-        try:
-            new = self._reload_settings()
-        except FlashnodeError as exc:
-            log.error("reload refused, keeping the running configuration: %s", exc)
-            self._refused(str(exc))
-            return
-        fixed = ("coordinator", "runner", "state_dir", "node_id", "token", "join_code", "task_user")
-        changed = [k for k in fixed if getattr(new, k) != getattr(self.settings, k)]
-        if changed:
-            log.error("reload refused: changing %s needs a restart", ", ".join(changed))
-            self._refused(f"changing {', '.join(changed)} needs a restart")
-            return
-        self._reloading = True
-
-        def reconfigure() -> None:
-            try:
-                self.ctx.runner.reconfigure(new)
-            except Exception as exc:  # a reload must never take the agent down
-                log.error("reload failed, keeping the running configuration: %s", exc)
-                self._refused(str(exc))
-                self._reloading = False
-                return
-            for key in ("metrics_listen", "ui_listen"):
-                if getattr(new, key) != getattr(self.settings, key):
-                    log.warning("%s changes at the next start of the agent", key)
-            self.settings = self.ctx.settings = new
-            self.quarantine.after = new.quarantine_after
-            self.quarantine.check_seconds = new.quarantine_check_seconds
-            if self.controls is not None:
-                self.controls.reconfigure(Rules.from_settings(new))
-            if self._on_settings is not None:
-                self._on_settings(new)
-            log.info(
-                "configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-"
-            )
-            self._reload_refused = None
-            self._registered = False
-            self._next_register = self._next_claim = 0.0
-            self._reloading = False
-            self._wake.set()
-
-        self.ctx.start_thread(reconfigure, "reload")
-
-    def _refused(self, reason: str) -> None:
-        """A reload that kept the running configuration: published until one succeeds."""
-        self._reload_refused = {"at": self.clock.wall(), "reason": reason}
-        self._published = ""  # publish it now, not at the next heartbeat
-
     def _claim(self) -> None:
         now = self.clock.monotonic()
         try:
@@ -630,8 +500,7 @@ class Agent:
         if lease is None:
             return
         lease_id = lease.get("lease_id")
-        with self._lock:
-            held = {a.record.lease_id for a in self.running.values()}
+        held = {a.record.lease_id for a in self._attempts()}
         if isinstance(lease_id, str) and lease_id in held:
             # The same lease again (a replayed or hostile answer): it is running here already,
             # and a second attempt would share its workspace and cgroup.
@@ -640,7 +509,7 @@ class Agent:
             return
         self.stats.started += 1
         slot = self._free_slot() or 0
-        attempt = Attempt(self.ctx, lease, slot, self._reserve_gpus(lease))
+        attempt = Attempt(self._context(), lease, slot, self._reserve_gpus(lease))
         key = self.stats.started
         with self._lock:
             self.running[key] = attempt
@@ -697,25 +566,23 @@ class Agent:
         }
 
     def _cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
-        with self._lock:
-            attempts = list(self.running.values())
-        for attempt in attempts:
+        for attempt in self._attempts():
             attempt.cancel(ending, grace)
 
     # --- one log line per state change -------------------------------------------------------
 
     def _failing(self, what: str, exc: Exception) -> None:
         self.metrics.coordinator_error(what)
-        self._problem_errors[what] = str(exc)
-        if what not in self._problems:
-            self._problems[what] = self.clock.monotonic()
+        known = self._problems.get(what)
+        if known is None:
             log.warning("%s failing, retrying with backoff: %s", what, exc)
+        since = known.since if known is not None else self.clock.monotonic()
+        self._problems[what] = Problem(what, since, str(exc))
 
     def _working(self, what: str) -> None:
-        since = self._problems.pop(what, None)
-        self._problem_errors.pop(what, None)
-        if since is not None:
-            log.info("%s works again after %.0f s", what, self.clock.monotonic() - since)
+        known = self._problems.pop(what, None)
+        if known is not None:
+            log.info("%s works again after %.0f s", what, self.clock.monotonic() - known.since)
 
 
 def effective_slots(settings: Settings, gpus: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from flashnode.errors import CoordinatorUnavailable, CredentialsError, Unregiste
 from flashnode.evidence.inventory import registration
 from flashnode.node.agent import Agent
 from flashnode.sandbox.diskuse import Space
+from flashnode.sandbox.limits import Limits
 
 
 def make_agent(
@@ -251,7 +253,7 @@ def test_an_attempt_keeps_the_settings_it_was_claimed_under_across_a_reload(
         if deferred and agent.settings is lowered:
             deferred.pop(0)()  # type: ignore[operator]  # the reload came while it ran
             return True
-        if deferred and not agent._reload_requested:
+        if deferred and not agent.reloader.requested:
             agent.request_reload()  # SIGHUP: lower the output cap under the running attempt
         return original_wait(event, timeout)
 
@@ -261,6 +263,62 @@ def test_an_attempt_keeps_the_settings_it_was_claimed_under_across_a_reload(
     outcomes = [(r["task_id"], r["outcome"], r["reason"]) for r in ctx.ledger.records()]
     assert outcomes[0] == ("task-000", "committed", "")
     assert outcomes[1][:2] == ("task-001", "failed") and "past 1 bytes" in outcomes[1][2]
+
+
+def test_a_running_attempt_keeps_the_settings_and_limits_it_was_claimed_under_across_a_reload(
+    tmp_path: Path,
+) -> None:
+    """A reload swaps the settings and the per-task limits as one: the attempt running through
+    it starts its task with the limits it was claimed under, and reads its settings from the
+    same snapshot; the next claim gets both new ones."""
+    import threading as th
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0), lease(1)])
+    runner = FakeRunner()
+    ctx = context(tmp_path, clock, coord, runner, max_tasks=2)
+    before = Limits(memory_bytes=1 << 30, cpus=2.0, pids=100)
+    after = Limits(memory_bytes=1 << 29, cpus=1.0, pids=50)
+    ctx.limits = before
+    grace = ctx.settings.kill_grace_seconds
+    reloaded = ctx.settings.model_copy(update={"kill_grace_seconds": grace + 3})
+    seen: list[tuple[float, Limits]] = []
+    deferred: list[Callable[[], None]] = []
+
+    def start(fn: Callable[[], None], name: str) -> None:
+        if name.startswith("attempt-"):
+            deferred.append(fn)
+        elif name == "reload":
+            fn()
+
+    ctx.start_thread = start  # type: ignore[method-assign]
+    agent = Agent(
+        ctx,
+        coord,
+        lambda current: registration(current, "node-1"),
+        reload=lambda: reloaded,
+        limits=lambda new: after if new is reloaded else before,
+    )
+    original_wait = clock.wait
+
+    def wait(event: th.Event, timeout: float) -> bool:
+        if deferred and agent.settings is reloaded:
+            attempt = next(iter(agent.running.values()))
+            seen.append((attempt.ctx.settings.kill_grace_seconds, attempt.ctx.limits))
+            deferred.pop(0)()  # the attempt runs on, after the reload came
+            return True
+        if deferred and not agent.reloader.requested:
+            agent.request_reload()  # SIGHUP while the first attempt runs
+        return original_wait(event, timeout)
+
+    clock.wait = wait  # type: ignore[method-assign]
+    agent.run()
+    assert len(runner.started) == 2
+    assert seen[0] == (grace, before)
+    assert runner.started[0].limits == before
+    assert seen[1] == (grace + 3, after)
+    assert runner.started[1].limits == after
+    assert agent.stats.outcomes == {"committed": 2}
 
 
 # --- the node's own holds: the black-hole guard, the backoff after a revoked lease -----------

@@ -1,0 +1,193 @@
+"""What the agent is doing, for its owner: systemd's STATUS, the terminal line, status.json.
+
+The loop hands ``Publisher.publish`` a ``NodeView``: a frozen copy of what it knows this turn.
+The publisher reads nothing else of the loop, so what it writes is one consistent moment, and
+the status text and snapshot are built (and tested) apart from the loop that changes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flashnode.clock import Clock, stamp
+from flashnode.config.settings import Settings
+from flashnode.node.controls import Decision
+from flashnode.owner import status
+from flashnode.owner.status import StatusSink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A conversation with the coordinator that fails: since when (monotonic), its latest error."""
+
+    conversation: str
+    since: float
+    error: str
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The node as the loop sees it at one moment. ``running``: each running attempt's status
+    snapshot; ``drain_deadline``: when a drain started, the moment (monotonic) it stops the
+    attempts left; ``beats``: node heartbeats answered so far."""
+
+    settings: Settings
+    node_id: str
+    registered: bool
+    draining: bool
+    drain_deadline: float | None
+    started_at: float
+    beats: int
+    last_heartbeat_at: float | None
+    problems: tuple[Problem, ...]
+    counters: Mapping[str, int]
+    running: tuple[dict[str, Any], ...]
+    decision: Decision
+    last_ended: Mapping[str, Any] | None
+    reload_refused: Mapping[str, Any] | None
+
+
+class _Quiet:
+    """No systemd, no terminal: status goes nowhere."""
+
+    def status(self, text: str) -> None:
+        pass
+
+    def send(self, **fields: str | int) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+class Publisher:
+    def __init__(
+        self,
+        clock: Clock,
+        sink: StatusSink | None = None,
+        extra: dict[str, Any] | None = None,
+        totals: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """``sink``: systemd and the terminal line (None: nowhere). ``extra``: more for
+        status.json (what owners' commands may use to reach the agent). ``totals``: what this
+        node gave, today and all time (from the ledger: it survives restarts)."""
+        self.clock = clock
+        self.sink: StatusSink = sink or _Quiet()
+        self._extra = dict(extra or {})
+        self._totals = totals
+        self._pid = os.getpid()
+        self._published: tuple[str, int, object] | None = None
+        self._failing = False
+
+    def publish(self, view: NodeView, final: bool = False) -> None:
+        """Say what the node does: the status text at every call; status.json when it
+        changed (the text, a heartbeat, a refused reload) or at the ``final`` call."""
+        text = "stopped" if final else self.text(view)
+        self.sink.status(text)
+        key = (text, view.beats, view.reload_refused)
+        if key == self._published and not final:
+            return
+        self._published = key
+        snapshot = {
+            "pid": None if final else self._pid,
+            "node_id": view.node_id,
+            "coordinator": view.settings.coordinator,
+            "runner": view.settings.runner,
+            "pools": list(view.settings.pools),
+            "state": text,
+            "draining": view.draining,
+            "registered": view.registered,
+            "started_at": view.started_at,
+            "last_heartbeat_at": view.last_heartbeat_at,
+            "coordinator_problems": self.coordinator_problems(view),
+            "counters": dict(view.counters),
+            "totals": self._read_totals(),
+            "running": list(view.running),
+            "controls": view.decision.snapshot(),
+            "last_ended": None if view.last_ended is None else dict(view.last_ended),
+            "reload_refused": None if view.reload_refused is None else dict(view.reload_refused),
+            "updated_at": self.clock.wall(),
+            **self._extra,
+        }
+        try:
+            status.write(view.settings.state_dir, snapshot)
+        except OSError as exc:
+            if not self._failing:
+                log.error("cannot write status.json (%s): `flashnode status` lags", exc.strerror)
+            self._failing = True
+            return
+        if self._failing:
+            self._failing = False
+            log.info("status.json is written again")
+
+    def text(self, view: NodeView) -> str:
+        """The one line: draining, the coordinator unreachable, or the running attempts and
+        what holds claiming."""
+        running = view.running
+        if view.draining:
+            text = f"draining: {len(running)} attempt(s) running"
+            if running and view.drain_deadline is not None:
+                by = self._wall_of(view.drain_deadline)
+                text += f", stopped by {stamp(by)} at the latest (drain_seconds)"
+            return text
+        if view.problems:
+            since = min(p.since for p in view.problems)
+            what = ", ".join(sorted(p.conversation for p in view.problems))
+            return f"coordinator unreachable since {stamp(self._wall_of(since))} ({what})"
+        held = view.decision.hold_reason
+        wall = self.clock.wall()
+        text = "; ".join(status.attempt_line(a, wall) for a in running) or "idle"
+        if running:
+            text = "running " + text
+        return f"{text} | not claiming: {held}" if held else text
+
+    def coordinator_problems(self, view: NodeView) -> list[dict[str, Any]]:
+        """Each failing conversation with the coordinator: since when, its latest error."""
+        offset = self.clock.wall() - self.clock.monotonic()
+        return [
+            {
+                "conversation": p.conversation,
+                "since": p.since + offset,
+                "error": p.error,
+                "fix": "check that the coordinator runs and that this machine reaches"
+                f" {view.settings.coordinator} (`flashnode doctor` checks it); the agent keeps"
+                " trying",
+            }
+            for p in sorted(view.problems, key=lambda p: p.conversation)
+        ]
+
+    def _wall_of(self, monotonic: float) -> float:
+        """A moment on the monotonic clock, on the wall clock."""
+        return self.clock.wall() - (self.clock.monotonic() - monotonic)
+
+    def _read_totals(self) -> dict[str, Any] | None:
+        if self._totals is None:
+            return None
+        try:
+            return self._totals()
+        except Exception:  # the totals are for the owner's eyes: never the loop's end
+            log.exception("cannot read the totals from the ledger")
+            return None
+
+
+class Measured(Protocol):
+    def cpu_seconds(self) -> float | None: ...
+
+
+def task_cpu(attempts: Iterable[tuple[int, Measured]]) -> dict[str, float] | None:
+    """Cumulative CPU seconds of each running attempt's task, by its key (for the ``load``
+    rule); None when one of them cannot be measured, so that the rule never mistakes this
+    node's own tasks for other programs."""
+    found: dict[str, float] = {}
+    for key, attempt in attempts:
+        seconds = attempt.cpu_seconds()
+        if seconds is None:
+            return None
+        found[str(key)] = seconds
+    return found
