@@ -1,0 +1,171 @@
+"""The status publisher: the status text and status.json from a frozen view of the node."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeClock
+
+from flashnode.clock import stamp
+from flashnode.config.settings import Settings
+from flashnode.node.controls import Decision, Hold
+from flashnode.node.publisher import NodeView, Problem, Publisher, task_cpu
+from flashnode.owner import status
+
+
+def written(state_dir: Path) -> dict[str, Any]:
+    """status.json as the publisher wrote it (``status.read`` wants a live agent's pid)."""
+    found: dict[str, Any] = json.loads((state_dir / status.STATUS_FILE).read_text())
+    return found
+
+
+class Lines:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def status(self, text: str) -> None:
+        self.lines.append(text)
+
+    def send(self, **fields: str | int) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+def view(tmp_path: Path, **changes: Any) -> NodeView:
+    s = Settings(
+        coordinator="http://127.0.0.1:1", runner="trusted", pools=("team-a",), state_dir=tmp_path
+    )
+    base = NodeView(
+        settings=s,
+        node_id="node-1",
+        registered=True,
+        draining=False,
+        drain_deadline=None,
+        started_at=1_000.0,
+        beats=3,
+        last_heartbeat_at=1_000.0,
+        problems=(),
+        counters={"committed": 2},
+        running=(),
+        decision=Decision(),
+        last_ended=None,
+        reload_refused=None,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_the_text_says_what_holds_claiming_and_when_a_drain_stops_the_attempts(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    publisher = Publisher(clock)
+    held = Decision(holds=(Hold("disk", "low disk: 1 GB free; claims resume above it"),))
+    assert publisher.text(view(tmp_path)) == "idle"
+    assert publisher.text(view(tmp_path, decision=held)) == (
+        "idle | not claiming: low disk: 1 GB free; claims resume above it"
+    )
+    attempt = {"lease_id": "ls-1", "job_id": "j1", "task_id": "t1"}
+    draining = view(
+        tmp_path, draining=True, drain_deadline=clock.monotonic() + 60, running=(attempt,)
+    )
+    by = stamp(clock.wall() + 60)
+    assert publisher.text(draining) == (
+        f"draining: 1 attempt(s) running, stopped by {by} at the latest (drain_seconds)"
+    )
+
+
+def test_failing_coordinator_conversations_are_shown_with_their_first_failure_and_last_error(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    publisher = Publisher(clock)
+    since = clock.monotonic()
+    clock.sleep(30)
+    problems = (
+        Problem("node heartbeat", since + 10, "timed out"),
+        Problem("claim", since, "connection refused"),
+    )
+    failing = view(tmp_path, problems=problems)
+    assert publisher.text(failing) == (
+        f"coordinator unreachable since {stamp(clock.wall() - 30)} (claim, node heartbeat)"
+    )
+    publisher.publish(failing)
+    problems_shown = written(tmp_path)["coordinator_problems"]
+    shown = [(p["conversation"], p["since"], p["error"]) for p in problems_shown]
+    assert shown == [
+        ("claim", clock.wall() - 30, "connection refused"),
+        ("node heartbeat", clock.wall() - 20, "timed out"),
+    ]
+
+
+def test_status_json_is_written_when_something_changes_and_a_refused_reload_at_once(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    lines = Lines()
+    publisher = Publisher(clock, lines, extra={"signals": {"pause": 10}}, totals=lambda: {"n": 1})
+    publisher.publish(view(tmp_path))
+    first = written(tmp_path)
+    assert first["pid"] == os.getpid() and first["counters"] == {"committed": 2}
+    assert first["signals"] == {"pause": 10} and first["totals"] == {"n": 1}
+    clock.sleep(5)
+    publisher.publish(view(tmp_path))  # nothing changed: the text line only
+    same = written(tmp_path)
+    assert same["updated_at"] == first["updated_at"]
+    refused = {"at": clock.wall(), "reason": "changing runner needs a restart"}
+    publisher.publish(view(tmp_path, reload_refused=refused))
+    shown = written(tmp_path)
+    assert shown["reload_refused"] == refused
+    clock.sleep(5)
+    publisher.publish(view(tmp_path, reload_refused=refused, beats=4))  # a heartbeat answered
+    beat = written(tmp_path)
+    assert beat["updated_at"] == clock.wall()
+    publisher.publish(view(tmp_path, reload_refused=refused, beats=4), final=True)
+    final = written(tmp_path)
+    assert final["pid"] is None and final["state"] == "stopped"
+    assert lines.lines == ["idle"] * 4 + ["stopped"]
+
+
+def test_an_unwritable_status_file_is_said_once_and_its_recovery_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    publisher = Publisher(clock)
+    real = status.write
+
+    def full(state_dir: Path, snapshot: dict[str, Any]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(status, "write", full)
+    with caplog.at_level(logging.INFO, logger="flashnode.node.publisher"):
+        for beats in range(3):
+            publisher.publish(view(tmp_path, beats=beats))
+        monkeypatch.setattr(status, "write", real)
+        publisher.publish(view(tmp_path, beats=9))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "cannot write status.json (No space left on device): `flashnode status` lags",
+        "status.json is written again",
+    ]
+
+
+class Task:
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def cpu_seconds(self) -> float | None:
+        return self.seconds
+
+
+def test_task_cpu_is_none_when_one_running_task_cannot_be_measured() -> None:
+    assert task_cpu([(1, Task(2.5)), (2, Task(0.5))]) == {"1": 2.5, "2": 0.5}
+    assert task_cpu([(1, Task(2.5)), (2, Task(None))]) is None
+    assert task_cpu([]) == {}

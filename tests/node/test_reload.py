@@ -1,0 +1,138 @@
+"""The reloader: a reload swaps one immutable Config, or is refused and keeps the running one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from fakes import FakeClock
+
+from flashnode.config.settings import Settings
+from flashnode.errors import ConfigError
+from flashnode.node.reload import Config, Reloader
+from flashnode.sandbox.limits import Limits
+
+
+def settings(tmp_path: Path, **more: object) -> Settings:
+    fields: dict[str, object] = {"pools": ("team-a",), **more}
+    return Settings(
+        coordinator="http://127.0.0.1:1",
+        runner="trusted",
+        state_dir=tmp_path,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+class Threads:
+    """Threads the test runs when it chooses."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Callable[[], None]] = []
+
+    def start(self, fn: Callable[[], None], name: str) -> None:
+        assert name == "reload"
+        self.waiting.append(fn)
+
+    def run(self) -> None:
+        while self.waiting:
+            self.waiting.pop(0)()
+
+
+def test_a_reload_swaps_the_settings_and_the_limits_derived_from_them_as_one(
+    tmp_path: Path,
+) -> None:
+    old = settings(tmp_path)
+    new = settings(tmp_path, pools=("team-b",), task_memory_bytes=1 << 30)
+    threads, applied = Threads(), []
+    reloader = Reloader(
+        Config(old, Limits()),
+        FakeClock(),
+        threads.start,
+        read=lambda: new,
+        limits=lambda s: Limits(memory_bytes=s.task_memory_bytes),
+        applied=applied.append,
+    )
+    reloader.request()
+    assert reloader.requested and reloader.current.settings is old
+    reloader.tick()
+    # Until the slow part is done the running Config stays whole, and claims wait.
+    assert reloader.busy and not reloader.requested
+    assert reloader.current == Config(old, Limits())
+    threads.run()
+    assert reloader.current == Config(new, Limits(memory_bytes=1 << 30))
+    assert applied == [reloader.current]
+    assert not reloader.busy and reloader.refused is None
+
+
+def test_a_reload_that_changes_what_needs_a_restart_is_refused_and_keeps_the_config(
+    tmp_path: Path,
+) -> None:
+    old = settings(tmp_path)
+    moved = settings(tmp_path / "elsewhere")
+    clock, threads = FakeClock(), Threads()
+    reloader = Reloader(Config(old, Limits()), clock, threads.start, read=lambda: moved)
+    reloader.request()
+    reloader.tick()
+    assert threads.waiting == [] and not reloader.busy
+    assert reloader.current.settings is old
+    assert reloader.refused == {"at": clock.wall(), "reason": "changing state_dir needs a restart"}
+
+
+def test_a_bad_configuration_file_is_refused_with_its_error(tmp_path: Path) -> None:
+    def read() -> Settings:
+        raise ConfigError("slots: must be a positive integer or 'auto'")
+
+    old = settings(tmp_path)
+    reloader = Reloader(Config(old, Limits()), FakeClock(), Threads().start, read=read)
+    reloader.request()
+    reloader.tick()
+    assert reloader.current.settings is old
+    assert reloader.refused is not None
+    assert reloader.refused["reason"] == "slots: must be a positive integer or 'auto'"
+
+
+def test_a_reload_the_runner_refuses_keeps_the_config_and_a_later_one_clears_the_refusal(
+    tmp_path: Path,
+) -> None:
+    old = settings(tmp_path)
+    new = settings(tmp_path, pools=("team-b",))
+    threads, refuse = Threads(), [True]
+
+    def prepare(s: Settings) -> None:
+        if refuse.pop(0):
+            raise RuntimeError("pool team-b: interpreter missing")
+
+    reloader = Reloader(
+        Config(old, Limits()), FakeClock(), threads.start, read=lambda: new, prepare=prepare
+    )
+    reloader.request()
+    reloader.tick()
+    threads.run()
+    assert reloader.current.settings is old and not reloader.busy
+    assert reloader.refused is not None
+    assert reloader.refused["reason"] == "pool team-b: interpreter missing"
+    refuse.append(False)
+    reloader.request()
+    reloader.tick()
+    threads.run()
+    assert reloader.current.settings is new and reloader.refused is None
+
+
+def test_a_reload_asked_for_while_one_is_applied_waits_for_it(tmp_path: Path) -> None:
+    old = settings(tmp_path)
+    new = settings(tmp_path, pools=("team-b",))
+    threads, reads = Threads(), []
+
+    def read() -> Settings:
+        reads.append(1)
+        return new
+
+    reloader = Reloader(Config(old, Limits()), FakeClock(), threads.start, read=read)
+    reloader.request()
+    reloader.tick()
+    reloader.request()  # a second SIGHUP while the first is being applied
+    reloader.tick()
+    assert len(reads) == 1 and reloader.requested
+    threads.run()
+    reloader.tick()
+    assert len(reads) == 2
