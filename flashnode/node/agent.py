@@ -95,11 +95,12 @@ class Agent:
         limits: Callable[[Settings], Limits] | None = None,
     ) -> None:
         """``ctx``: the edges every attempt is given, and the configuration the agent starts
-        with (``settings``, ``limits``). ``reload``: the configuration as it is now (for
-        ``request_reload``); ``limits``: the per-task limits of reloaded settings (None: they
-        stay); ``on_settings``: what else follows a reload (the caches' budgets).
-        ``controls``: the owner's rules (None: none). ``space``: the state dir's disk now
-        (default: ``ctx.space``). ``health``: this node's own checks for the given
+        with (``settings``, ``limits``; after a reload the current one is ``reloader.current``,
+        and each attempt is given a copy of ``ctx`` with it). ``reload``: the configuration as
+        it is now (for ``request_reload``); ``limits``: the per-task limits of reloaded
+        settings (None: they stay); ``on_settings``: what else follows a reload (the caches'
+        budgets). ``controls``: the owner's rules (None: none). ``space``: the state dir's
+        disk now (default: ``ctx.space``). ``health``: this node's own checks for the given
         settings, as one line per problem (the preflight; none: always healthy).
         ``status_extra``: more for status.json (what owners' commands may use to reach it).
         ``totals``: what this node gave, today and all time (from the ledger: it survives
