@@ -16,8 +16,8 @@ throughout: a paused node is online and says why it takes no work.
 
 Its parts: ``reload.py`` keeps the configuration (each attempt gets the one it was claimed
 under), ``publisher.py`` says what the node does from a frozen ``NodeView`` of it each turn,
-``guard.py`` and ``diskhold.py`` hold claiming for the node's own reasons, ``pacing.py`` says
-when to talk to the coordinator next.
+``holds.py`` holds claiming for the node's own reasons, ``pacing.py`` says when to talk to the
+coordinator next.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from flashnode.errors import (
 )
 from flashnode.evidence.gpupool import Device
 from flashnode.node.controls import Controls, Decision, Rules
-from flashnode.node.diskhold import DiskHold
-from flashnode.node.guard import Ending, Quarantine, RevokedBackoff
+from flashnode.node.guard import Ending
+from flashnode.node.holds import NodeHolds
 from flashnode.node.pacing import Pacing
 from flashnode.node.publisher import NodeView, Problem, Publisher, task_cpu
 from flashnode.node.reload import Config, Reloader
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
 SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
-CLEANUP_WAIT_S = 120.0  # the longest the quarantine's check waits for ended attempts' cleanup
 
 
 class AgentCoordinator(Protocol):
@@ -126,13 +125,19 @@ class Agent:
         self._on_settings = on_settings
         self.publisher = Publisher(self.clock, sink, status_extra, totals)
         self.sink = self.publisher.sink
-        self._health = health
-        rng, s = ctx.rng, ctx.settings
-        self.pacing = Pacing(s, rng)  # when to talk to the coordinator next (a fleet's pace)
+        self.pacing = Pacing(ctx.settings, ctx.rng)  # when to talk to the coordinator next
         # The node's own holds: the black-hole guard, the backoff after a revoked lease, the disk.
-        self.quarantine = Quarantine(s.quarantine_after, s.quarantine_check_seconds, self.clock)
-        self.revoked = RevokedBackoff(self.clock, rng)
-        self.disk = DiskHold(space or ctx.space, ctx.reserved)
+        self.holds = NodeHolds(
+            ctx.settings,
+            self.clock,
+            ctx.rng,
+            space or ctx.space,
+            ctx.reserved,
+            health,
+            ctx.start_thread,
+            ctx.later,
+            self._wake.set,
+        )
         self.node_id = ""
         self.stats = Stats()
         self.running: dict[int, Attempt] = {}
@@ -302,10 +307,7 @@ class Agent:
         node's own holds (a full disk, the quarantine, the backoff after a revoked lease): they
         hold claiming and say why, but stop or suspend nothing."""
         d = self.controls.evaluate() if self.controls else Decision()
-        if self.quarantine.check_due():
-            self._check_health()
-        disk = self.disk.hold(self.settings)
-        self.decision = d.holding(disk, self.quarantine.hold(), self.revoked.hold())
+        self.decision = d.holding(*self.holds.holds(self.settings))
         attempts = self._attempts()
         for attempt in attempts:
             # Not the task's fault: the lease is given back, no `fail`. A finished result (its
@@ -316,26 +318,6 @@ class Agent:
         suspended = sum(a.suspended_since is not None for a in attempts)
         self.metrics.set_running(len(attempts), suspended)
         self.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
-
-    def _check_health(self) -> None:
-        """The quarantine's check, on a thread of its own (the preflight takes seconds)."""
-        health, settings = self._health, self.settings
-
-        def check() -> None:
-            # What the ended attempts left to be done after them (their retired workspaces
-            # removed) first: the checks must see the disk as the node has it, not the task.
-            removed = self.ctx.later(lambda: None)
-            if isinstance(removed, threading.Event):
-                removed.wait(CLEANUP_WAIT_S)
-            try:
-                problems = health(settings) if health is not None else []
-            except Exception as exc:  # a check that cannot run is a failing one
-                log.exception("the quarantine's check failed to run")
-                problems = [f"the checks could not run ({type(exc).__name__})"]
-            self.quarantine.checked(problems)
-            self._wake.set()
-
-        self.ctx.start_thread(check, "quarantine-check")
 
     def task_cpu(self) -> dict[str, float] | None:
         """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule)."""
@@ -349,8 +331,7 @@ class Agent:
         """A reload applied (on the reload's thread): the node's parts take the new settings,
         and the node registers again (its pools may have changed)."""
         new = config.settings
-        self.quarantine.after = new.quarantine_after
-        self.quarantine.check_seconds = new.quarantine_check_seconds
+        self.holds.reconfigure(new)
         if self.controls is not None:
             self.controls.reconfigure(Rules.from_settings(new))
         if self._on_settings is not None:
@@ -555,8 +536,7 @@ class Agent:
             job_endpoint=attempt.job_endpoint,
             outgrew_room=attempt.outgrew_room,
         )
-        self.quarantine.record(ending)
-        self.revoked.record(ending, attempt.lease_id)
+        self.holds.ended(ending, attempt.lease_id)
         self._last_ended = {
             "lease_id": attempt.lease_id,
             "job_id": ending.job_id,

@@ -409,7 +409,7 @@ def test_fast_failures_across_jobs_quarantine_a_node_whose_checks_fail_but_one_j
     )
     agent.run()
     assert len(one_job.names("claim")) == 4  # a broken job fails on every node: not our fault
-    assert agent.quarantine.hold() is None
+    assert agent.holds.quarantine.hold() is None
 
     clock = FakeClock()
     jobs = FakeCoordinator(clock, claims=[lease(n, job=f"j{n % 2}") for n in range(4)])
@@ -419,7 +419,7 @@ def test_fast_failures_across_jobs_quarantine_a_node_whose_checks_fail_but_one_j
     stop_at(agent, clock, jobs, 1100)
     agent.run()
     assert len(jobs.names("claim")) == 3
-    hold = agent.quarantine.hold()
+    hold = agent.holds.quarantine.hold()
     assert hold is not None and "3 attempts of 2 jobs in a row failed within 60 s" in hold.reason
     assert "exit code 1" in hold.reason and "its checks fail: python: broken" in hold.reason
 
@@ -443,7 +443,7 @@ def test_fast_failures_across_jobs_do_not_quarantine_a_node_whose_checks_pass(
     )
     agent.run()
     claims = jobs.names("claim")
-    assert len(claims) == 7 and agent.quarantine.hold() is None
+    assert len(claims) == 7 and agent.holds.quarantine.hold() is None
     assert claims[-1] - claims[0] < 1  # never held for a check interval
     assert len(checks) == 2  # after the third failure in a row, and again after the sixth
 
@@ -462,7 +462,7 @@ def test_one_success_resets_the_count(tmp_path: Path) -> None:
     runner.check = check  # type: ignore[method-assign]
     agent = held_agent(tmp_path, coord, clock, runner, quarantine_after=3, max_tasks=5)
     agent.run()
-    assert len(coord.names("claim")) == 5 and agent.quarantine.hold() is None
+    assert len(coord.names("claim")) == 5 and agent.holds.quarantine.hold() is None
 
 
 def test_endings_that_are_not_the_nodes_fault_neither_count_nor_reset() -> None:
