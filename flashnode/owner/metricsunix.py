@@ -1,6 +1,6 @@
-"""The metrics on a unix socket (``metrics_listen = "unix:PATH"``): a small HTTP server, made
-only when metrics are on (``metrics.py`` imports this module then, so that an agent without
-metrics does not load ``http.server`` and ``socketserver``)."""
+"""The metrics on a unix socket (``metrics_listen = "unix:PATH"``): a small HTTP server.
+``metrics.py`` imports this module only when it serves there, so that an agent without metrics
+does not load ``http.server`` and ``socketserver``."""
 
 from __future__ import annotations
 
