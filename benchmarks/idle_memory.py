@@ -4,10 +4,12 @@ has imported once idle; then, in fresh interpreters of the same venv, the reside
 importing those modules, with and without each group an idle ``flashnode work --runner trusted``
 need not import. A group's saving counts only the modules nothing else at idle imports.
 
-    .venv/bin/python benchmarks/idle_memory.py [--settle 12]
+    .venv/bin/python benchmarks/idle_memory.py [--settle 12] [--rounds 3]
 
 Uses benchmarks/.venv-ours and benchmarks/.venv-041 (``benchmarks/venvs`` makes them); writes
-benchmarks/idle_memory.json and prints a table. Each import figure is the least of three runs.
+benchmarks/idle_memory.json and prints a table. The three agents run in turn, ``--rounds`` times:
+each agent's figures are its median round's (by RSS), with every round's RSS beside them (the
+machine's noise); the breakdown is of that round. Each import figure is the least of three runs.
 """
 
 from __future__ import annotations
@@ -67,11 +69,7 @@ OURS_GROUPS = {
     "httpx and click (0.4.1: urllib, argparse)": [
         *("httpx", "httpcore", "h11", "anyio", "sniffio", "idna", "certifi", "click")
     ],
-    "http.server (metrics.py: only with metrics on)": ["http.server"],
-    "ctypes (procs.py, gpu.py: from the first task, or an NVML library)": ["ctypes"],
-    "ijson (checks.py: a module task's delta check)": ["ijson"],
-    "tarfile (archives.py: an archive input)": ["tarfile"],
-    "difflib and tomllib (settings.py: a settings error, a config file)": ["difflib", "tomllib"],
+    "ctypes (procs.py, gpu.py: a root agent's session keyring, the NVML probe)": ["ctypes"],
     "psutil (both agents)": ["psutil"],
     "pydantic (both agents)": ["pydantic", "pydantic_core"],
 }
@@ -183,16 +181,23 @@ def savings(py: str, modules: list[str]) -> dict[str, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--settle", type=float, default=12.0)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=HERE / "idle_memory.json")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="flashnode-idle-memory-"))
     server = CoordinatorServer(root)
     server.start()
     try:
+        kinds = {"ours, console off": "off", "ours, console on": "on", "0.4.1": ""}
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in kinds}
+        for _ in range(args.rounds):
+            for name, console in kinds.items():
+                kind = "old" if name == "0.4.1" else "ours"
+                listen = f"127.0.0.1:{free_port()}" if console == "on" else console
+                rounds[name].append(idle_agent(server, kind, listen, args.settle))
         agents = {
-            "ours, console off": idle_agent(server, "ours", "off", args.settle),
-            "ours, console on": idle_agent(server, "ours", f"127.0.0.1:{free_port()}", args.settle),
-            "0.4.1": idle_agent(server, "old", "", args.settle),
+            name: sorted(runs, key=lambda a: float(a["rss_mb"]))[(len(runs) - 1) // 2]
+            for name, runs in rounds.items()
         }
     finally:
         server.close()
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         py = OLD_PY if name == "0.4.1" else OURS_PY
         result["agents"][name] = (
             {k: agent[k] for k in ("rss_mb", "pss_mb", "uss_mb")}
+            | {"rounds_rss_mb": [a["rss_mb"] for a in rounds[name]]}
             | {"modules": len(agent["modules"])}
             | split(py, agent)
         )
@@ -210,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         set(agents["ours, console on"]["modules"]) - set(agents["ours, console off"]["modules"])
     )
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print("| agent | RSS | USS | modules | interpreter | libraries | own code | beyond imports |")
+    print(
+        "| agent | RSS (rounds) | USS | modules | interpreter | libraries | own code | beyond imports |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, a in result["agents"].items():
+        each = ", ".join(f"{x:.1f}" for x in a["rounds_rss_mb"])
         print(
-            f"| {name} | {a['rss_mb']:.1f} | {a['uss_mb']:.1f} | {a['modules']}"
+            f"| {name} | {a['rss_mb']:.1f} ({each}) | {a['uss_mb']:.1f} | {a['modules']}"
             f" | {a['interpreter_mb']:.1f} | {a['libraries_mb']:.1f} | {a['own_code_mb']:.1f}"
             f" | {a['beyond_imports_mb']:.1f} |"
         )

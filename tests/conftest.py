@@ -97,12 +97,41 @@ def packages() -> list[Path]:
     return sorted((ROOT / "dist").glob("flashnode*"))
 
 
+class _Ahead:
+    """Coordinators started one ahead: the next test's starts while this one runs (importing
+    flashruntime's service takes seconds, and most integration tests want a fresh one)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.next: CoordinatorServer | None = None
+
+    def _launch(self) -> CoordinatorServer:
+        server = CoordinatorServer(Path(tempfile.mkdtemp(prefix="coordinator-", dir=self.base)))
+        server.launch()
+        return server
+
+    def take(self) -> CoordinatorServer:
+        server = self.next or self._launch()
+        self.next = self._launch()
+        server.wait_ready()
+        return server
+
+    def close(self) -> None:
+        if self.next is not None:
+            self.next.close()
+
+
+@pytest.fixture(scope="session")
+def _coordinators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Ahead]:
+    ahead = _Ahead(tmp_path_factory.mktemp("coordinators"))
+    yield ahead
+    ahead.close()
+
+
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[CoordinatorServer]:
+def coordinator(_coordinators: _Ahead) -> Iterator[CoordinatorServer]:
     """A fresh real coordinator in open mode, with its own data dirs."""
-    server = CoordinatorServer(tmp_path / "coordinator")
-    server.root.mkdir()
-    server.start()
+    server = _coordinators.take()
     yield server
     server.close()
 

@@ -100,6 +100,11 @@ class CoordinatorServer:
         self.http = httpx.Client(base_url=self.url + API, timeout=10.0)
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the server's process; ``wait_ready`` waits until it answers."""
         data = self.root / "data"
         env = {
             **os.environ,
@@ -134,6 +139,8 @@ class CoordinatorServer:
             stdin=subprocess.DEVNULL,
         )
         log.close()
+
+    def wait_ready(self) -> None:
         wait_for("the coordinator to answer", self._healthy, timeout=30)
 
     def _healthy(self) -> bool:

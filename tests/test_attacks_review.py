@@ -573,7 +573,10 @@ SQUAT = r"""
 import json, os, socket, sys, time
 port, drop = int(sys.argv[1]), sys.argv[2]
 open(drop + '/ready', 'w').close()
-deadline = time.time() + 10
+start = time.time()  # the test says go as it stops the coordinator, however slow the agent was
+while not os.path.exists(drop + '/go') and time.time() < start + 120:
+    time.sleep(0.02)
+deadline = time.time() + 15
 got = []
 while time.time() < deadline and not got:
     s = socket.socket()
@@ -585,9 +588,9 @@ while time.time() < deadline and not got:
         time.sleep(0.02)
         continue
     s.listen(8)
-    s.settimeout(20)
     try:
         while not got:
+            s.settimeout(max(0.1, deadline - time.time()))  # the port is held until the deadline
             c, _ = s.accept()
             data = c.recv(65536)
             for line in data.split(b'\r\n'):
@@ -637,6 +640,7 @@ def test_nobody_on_the_host_can_catch_the_agents_token_on_a_loopback_coordinator
     try:
         wait_for("the squatter to be ready", lambda: (drop_dir / "ready").exists(), timeout=60)
         agent.wait_log("registered as node")
+        (drop_dir / "go").touch()
         tc.server.stop()  # a restart of the coordinator (or of the tunnel in front of it)
         try:
             agent.wait_log("no credentials are sent there", timeout=30)

@@ -11,7 +11,6 @@ the owner.
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import math
 import os
@@ -41,11 +40,6 @@ from flashnode.config.lent import lent_problem
 from flashnode.config.listen import parse_listen
 from flashnode.config.schedule import parse_window
 from flashnode.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 DEFAULT_CONFIG_FILE = Path("/etc/flashnode/flashnode.toml")
 ENV_PREFIX = "FLASHNODE_"
@@ -685,6 +679,8 @@ def _misspelt_env(env: Mapping[str, str]) -> None:
     names = [ENV_PREFIX + k.upper() for k in (*SETTABLE, "token", "join_code")]
     for name in env:
         if name.startswith(ENV_PREFIX) and name not in names:
+            import difflib  # here, not at the top: only a misspelt name needs it
+
             close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
             if close:
                 raise ConfigError(f"{name} is not a setting (did you mean {close[0]}?)")
@@ -716,6 +712,12 @@ def key_lines(path: Path) -> dict[str, int]:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
+    # here, not at the top: an agent without a config file need not load a TOML parser
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+
     try:
         with path.open("rb") as fh:
             data = tomllib.load(fh)
@@ -726,6 +728,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(SETTABLE))
     if unknown:
         key = unknown[0]
+        import difflib  # here, not at the top: only a misspelt key needs it
+
         close = difflib.get_close_matches(key, SETTABLE, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else " (see README: Configuration)"
         more = f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
-import ijson
-
 from flashnode.errors import AttemptFailed
 
 DELTA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -71,6 +69,8 @@ def check_delta(fh: BinaryIO, name: str) -> None:
     shape: list[int] | None = None
     count = 0
     seen_data = False
+    import ijson  # here, not at the top: only a module task's delta is read with it
+
     try:
         for event, value in ijson.basic_parse(fh, use_float=True, buf_size=1 << 16):
             if event in ("start_map", "start_array"):

@@ -25,29 +25,19 @@ The series (all prefixed ``flashnode_``):
 =================================  =========  ===================================================
 
 Why one module of this size: the metrics and their no-op twin mirror each other method for method;
-the unix-socket server is the rest.
+the unix-socket server is ``metricsunix.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
-import socket
-import socketserver
-import stat
-import threading
 from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
 from flashnode import __version__
 from flashnode.config.listen import Listen, parse_listen
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -239,10 +229,13 @@ class Metrics:
     def serve(self, listen: Listen) -> str:
         """Start serving on a daemon thread; return the address actually bound."""
         if listen.path is not None:
+            # here, not at the top: an agent without metrics never loads http.server
+            from flashnode.owner.metricsunix import close_unix, serve_unix
+
             path = listen.path
-            server = _serve_unix(path, self.registry)
+            server = serve_unix(path, self.registry)
             self.address = f"unix:{path}"
-            self._close.append(lambda: _close_unix(server, path))
+            self._close.append(lambda: close_unix(server, path))
         else:
             from prometheus_client import start_http_server
 
@@ -284,85 +277,3 @@ def create(listen: str | None, allow_remote: bool = False) -> Metrics | NullMetr
         metrics.close()
         raise
     return metrics
-
-
-# --- a small HTTP server on a unix socket ---------------------------------------------------
-
-
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-    registry: CollectorRegistry
-    inode = 0  # of the socket file in the file system, to remove only our own at close
-
-
-class _UnixHandler(BaseHTTPRequestHandler):
-    server: _UnixServer
-    timeout = 10  # a client that stalls does not hold its thread forever
-
-    def do_GET(self) -> None:
-        from prometheus_client.exposition import choose_encoder
-
-        if self.path.split("?", 1)[0] not in ("/", "/metrics"):
-            self.send_error(404)
-            return
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-        body = encoder(self.server.registry)
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def address_string(self) -> str:
-        return "unix"  # client_address is '' on a unix socket
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def _serve_unix(path: Path, registry: CollectorRegistry) -> _UnixServer:
-    """Bind ``path`` (mode 0660: the agent's user and group may scrape), replacing only a stale
-    socket: a live one or anything that is not a socket is an error, never removed."""
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise OSError(f"{path} exists and is not a socket; not replacing it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1)
-            probe.connect(str(path))
-        except OSError:
-            pass  # stale: nobody listens
-        else:
-            raise OSError(f"{path} is in use by another process")
-        finally:
-            probe.close()
-    # Bound under a private name, given its mode, then renamed into place: no moment where the
-    # socket exists with the process umask's mode.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    server = _UnixServer(str(tmp), _UnixHandler, bind_and_activate=True)
-    try:
-        os.chmod(tmp, 0o660)
-        os.replace(tmp, path)
-        server.inode = path.lstat().st_ino
-    except BaseException:
-        server.server_close()
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    server.registry = registry
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    return server
-
-
-def _close_unix(server: _UnixServer, path: Path) -> None:
-    server.shutdown()
-    server.server_close()
-    with contextlib.suppress(OSError):
-        if path.lstat().st_ino == server.inode:
-            path.unlink()

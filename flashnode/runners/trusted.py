@@ -23,6 +23,10 @@ the GPUs it holds and the ownership token.
 Lent directories are covered at their host paths in every task's namespace (``procs.cover_fstab``,
 rewritten on a reload), so that a task reaches lent data only at the labels it asked for.
 
+What lies between a slot's tasks (the turnover after a task, the chain kept ahead for the next)
+is the slot pool's (slots.py): ``start`` takes the slot's chain from it, and the handle hands the
+slot back once the task's processes are gone.
+
 Why one module of this size: the runner, its preflight (users, sandbox, task interpreter) and its
 handle: all the trusted runner needs of the host.
 """
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import pwd
@@ -53,7 +56,6 @@ from flashnode.errors import (
     PrerequisiteError,
 )
 from flashnode.owner.unitview import SERVICE_UNIT
-from flashnode.runners.background import Background
 from flashnode.runners.base import (
     Handle,
     Runner,
@@ -63,6 +65,7 @@ from flashnode.runners.base import (
     SuspendFailed,
 )
 from flashnode.runners.findings import Finding, Ok, Problem
+from flashnode.runners.slots import SlotPool
 from flashnode.runners.spec import (
     WORK,
     cuda_visible,
@@ -220,26 +223,15 @@ class TrustedRunner(Runner):
             for old in settings.state_dir.glob("covers-*.fstab"):
                 if str(old) != self._covers:
                     old.unlink(missing_ok=True)
-        # Each slot's next chain, started ahead once its last task is gone (``_turn_over``), so
-        # that a task starts with one exec: only where every task gets the same chain (its own
-        # user, a cgroup, the sandbox, a state dir outside the private directories).
-        self._ahead_ok = (
-            sandbox
-            and users is not None
-            and hierarchy is not None
-            and under_private_dir(settings.state_dir) is None
+        # Each slot's turnover after its task, and its next chain kept ahead: only where every
+        # task gets the same chain (its own user, a cgroup, the sandbox, a state dir outside the
+        # private directories).
+        self.slots = SlotPool(
+            settings.state_dir,
+            hierarchy,
+            self._blank_sandbox,
+            ahead=sandbox and users is not None and under_private_dir(settings.state_dir) is None,
         )
-        # Cgroups made ahead are named for this state dir, so that the next start of this agent
-        # removes the ones a crash left (``reconcile``), and no other agent's.
-        digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()
-        self._ahead_prefix = f"ahead-{digest[:12]}-"
-        self._slots_lock = threading.Lock()
-        # slot -> its chain started ahead, and the directory it has bound at /work (the next
-        # task's workspace is moved into it)
-        self._ahead: dict[int, tuple[procs.Launch, Path]] = {}
-        self._turnovers: dict[int, threading.Event] = {}  # slot -> its turnover done
-        self._worker = Background("turnovers")
-        self._closed = False
 
     # --- construction -----------------------------------------------------------------------
 
@@ -330,6 +322,13 @@ class TrustedRunner(Runner):
             return ""
         return procs.cover_fstab(settings.state_dir, settings.local_data.values())
 
+    def _blank_sandbox(self) -> procs.Sandbox:
+        """The sandbox of a task with nothing of its own (no read-only views, no hidden GPUs, no
+        job environment): a chain kept ahead's."""
+        return procs.Sandbox(
+            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers, **self._envs(None)
+        )
+
     def _envs(self, environment: str | None) -> dict[str, Any]:
         """The sandbox's cover over the job environments: a task sees only its own (``None``:
         none) and the managed interpreters, never another job's (whose files are world-readable
@@ -416,98 +415,16 @@ class TrustedRunner(Runner):
         name: str,
         cgroup: cgroups.AttemptCgroup | None,
     ) -> None:
-        """Once the task's processes are all gone: the rest of the slot's turnover on the
-        runner's worker thread, off the attempt's way (the slot's next start waits for it)."""
+        """Once the task's processes are all gone: the slot's turnover, off the attempt's way
+        (the slot's next start waits for it)."""
         self._forget(name)
-        done = self._worker.submit(lambda: self._turn_over(slot, user, cgroup))
-        with self._slots_lock:
-            self._turnovers[slot] = done
-
-    def _turn_over(
-        self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
-    ) -> None:
-        """Remove the last task's cgroup, clear what the slot's user keeps between tasks (its
-        keyrings), then start the slot's next chain. In this order: no process of the slot's
-        user may live beside a chain waiting for the next task (it could rewrite it)."""
-        try:
-            gone = cgroup.remove() if cgroup is not None else True
-            if user is not None:
-                why = procs.clear_user_keyrings(user)
-                if why:  # a task may lock its user's keyrings open: only a reboot resets them
-                    log.error(
-                        "cannot reset the keyrings of %s (%s): keys may pass between tasks;"
-                        " run under the packaged unit, which denies keyring calls, or reboot",
-                        user.name,
-                        why,
-                    )
-            if gone and user is not None and self._ahead_ok and not self._closed:
-                self._launch_ahead(slot, user)
-        except Exception:  # the next start takes the plain way
-            log.exception("slot %d: the turnover after its task failed", slot)
-
-    def _launch_ahead(self, slot: int, user: procs.TaskUser) -> None:
-        """Start the slot's next chain: its cgroup, namespaces and private directories, and an
-        empty directory of the agent's bound at /work, into which the next task's workspace is
-        moved (``Workspace.move_into``), so that the task starts with no mount of its own."""
-        assert self.hierarchy is not None
-        token = procs.new_token()[:8]
-        try:
-            cgroup = self.hierarchy.create(f"{self._ahead_prefix}{slot}-{token}", Limits())
-        except OSError as exc:
-            log.debug("slot %d: no cgroup ahead: %s", slot, exc)
-            return
-        work = self.settings.state_dir / "attempts" / f".ahead-{slot}-{token}"
-        sandbox = procs.Sandbox(
-            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers, **self._envs(None)
-        )
-        try:
-            work.mkdir(mode=0o700)
-            launch = procs.Launch(work, cgroup, user, sandbox)
-        except OSError as exc:
-            log.debug("slot %d: no chain ahead: %s", slot, exc)
-            cgroup.remove()
-            with contextlib.suppress(OSError):
-                work.rmdir()
-            return
-        with self._slots_lock:
-            old, self._ahead[slot] = self._ahead.get(slot), (launch, work)
-        if old is not None:
-            _discard(*old)
-
-    def _settle(self, slot: int) -> None:
-        with self._slots_lock:
-            done = self._turnovers.pop(slot, None)
-        if done is not None:
-            done.wait()
-
-    def _take_ahead(
-        self, slot: int, sandbox: procs.Sandbox | None
-    ) -> tuple[procs.Launch, Path] | None:
-        """The slot's chain started ahead, if this task can use it (the same sandbox: no
-        read-only views, no hidden GPUs, the lent directories covered now); one it cannot use
-        is ended first (nothing of the slot's user runs beside a task of another chain)."""
-        with self._slots_lock:
-            ahead = self._ahead.pop(slot, None)
-        if ahead is None:
-            return None
-        if ahead[0].sandbox == sandbox and ahead[0].alive():
-            return ahead
-        _discard(*ahead)
-        return None
+        self.slots.turn_over(slot, user, cgroup)
 
     def reconcile(self) -> None:
-        if self.hierarchy is not None:
-            swept = self.hierarchy.sweep(self._ahead_prefix)
-            if swept:
-                log.info("removed %d cgroup(s) an earlier run made ahead", swept)
+        self.slots.reconcile()
 
     def close(self) -> None:
-        self._closed = True
-        self._worker.drain()
-        with self._slots_lock:
-            left, self._ahead = list(self._ahead.values()), {}
-        for launch, work in left:
-            _discard(launch, work)
+        self.slots.close()
 
     def start(self, spec: StartSpec) -> Handle:
         ws = spec.workspace
@@ -517,7 +434,6 @@ class TrustedRunner(Runner):
         user = self.users[spec.slot] if self.users else None
         if user is not None:
             passable(self.settings.state_dir)
-        self._settle(spec.slot)
         python = None
         if spec.module_name is not None:
             python = spec.python or self.task_python
@@ -547,14 +463,14 @@ class TrustedRunner(Runner):
         launch = None
         name = ws.root.name
         try:
-            ahead = self._take_ahead(spec.slot, sandbox)
+            ahead = self.slots.take(spec.slot, sandbox)  # once the slot's turnover is done
             if ahead is not None:
-                launch = ahead[0]
+                launch = ahead.launch
                 try:
-                    ws.move_into(ahead[1])  # where the chain has bound /work
+                    ws.move_into(ahead.work)  # where the chain has bound /work
                 except OSError as exc:
                     log.warning("cannot use the chain started ahead (%s)", exc.strerror or exc)
-                    _discard(*ahead)
+                    ahead.discard()
                     launch = None
             if user is not None:
                 ws.hand_over(user.uid, user.gid, inputs_for="group")
@@ -668,14 +584,6 @@ class TrustedRunner(Runner):
         procs.reap(identity, self.env.clock)
         if cgroup is not None:
             cgroup.remove()
-
-
-def _discard(launch: procs.Launch, work: Path) -> None:
-    """End a chain started ahead that no task took, and remove the directory it had bound at
-    /work (gone already when a workspace was moved into it)."""
-    launch.discard()
-    with contextlib.suppress(OSError):
-        work.rmdir()
 
 
 def under_private_dir(path: Path) -> str | None:

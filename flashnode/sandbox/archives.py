@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import tarfile
 import zipfile
 from pathlib import Path
 from typing import IO
@@ -41,6 +40,8 @@ def unpack(
     """Extract a tar or zip archive into ``dest`` (made here) without letting anything escape,
     into at most ``max_bytes`` and ``max_entries`` files and directories, never taking the disk
     below ``min_free_bytes`` free (None: not looked at)."""
+    import tarfile  # here, not at the top: an idle agent need not load it
+
     dest.mkdir(mode=0o755)
     budget = _Budget(name, max_bytes, min(max_entries, MAX_MEMBERS), dest, min_free_bytes)
     try:
@@ -163,6 +164,8 @@ def _write_member(src: IO[bytes], path: Path, executable: bool, budget: _Budget,
 
 
 def _untar(archive: Path, dest: Path, budget: _Budget) -> None:
+    import tarfile  # here, not at the top: an idle agent need not load it
+
     name = budget.name
     with tarfile.open(archive, mode="r:*") as tar:
         for member in tar:

@@ -81,7 +81,7 @@ class Hierarchy:
 
     def sweep(self, prefix: str) -> int:
         """Remove the attempt cgroups whose names start with ``prefix`` (what an earlier run of
-        this agent made ahead and never used: see the trusted runner); how many."""
+        this agent made ahead and never used: see runners/slots.py); how many."""
         names: set[str] = set()
         for base in self.bases.values():
             with contextlib.suppress(OSError):

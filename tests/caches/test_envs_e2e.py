@@ -536,7 +536,7 @@ def test_a_jobs_package_index_cannot_reach_the_owners_loopback_services(
         coordinator.wait_state(job, {"FAILED"})
         [reason] = failures(coordinator, job)
         assert f"{lines[0]!r} is refused: its host is a loopback address" in reason, reason
-        assert "401" not in reason, reason
+        assert "401" not in reason.replace(url, "<url>"), reason  # never what answered
 
 
 # Another slot's task: find a job environment from the command lines every user can read in

@@ -33,6 +33,12 @@ HOSTILE = (
 )
 
 
+def wait_page(page: Any, expression: str, timeout: float = 30) -> None:
+    """Poll a JavaScript expression from here (Playwright's own ``wait_for_function`` polls by
+    ``eval`` in the page, which the console's Content-Security-Policy rightly refuses)."""
+    wait_for(expression, lambda: page.evaluate(expression), timeout)
+
+
 @pytest.fixture
 def browser() -> Iterator[Any]:
     sync_api = pytest.importorskip(
@@ -92,9 +98,10 @@ def test_the_page_shows_the_node_a_running_task_its_output_as_text_and_draws_cha
     page.goto(console.link())
     assert page.url == console.base + "/"
     row = page.wait_for_selector(f"#slots tbody tr:has-text('{job}')", timeout=30_000)
-    page.wait_for_function(
+    wait_page(
+        page,
         "document.querySelector('#slots td.output pre').textContent.includes('step 2 of 9')",
-        timeout=30_000,
+        30,
     )
     node = page.inner_text("#node-facts")
     assert "trusted" in node and "team-a" in node and "registered" in node
@@ -114,16 +121,13 @@ def test_the_page_shows_the_node_a_running_task_its_output_as_text_and_draws_cha
     page.wait_for_selector("#history-table tbody tr[data-outcome='committed']", timeout=30_000)
     totals = page.inner_text("#totals-body")
     assert "all time\t1" in totals or "all time 1" in totals
-    page.wait_for_function(
-        "document.querySelector('#coordinator-facts').textContent.includes('unproven')",
-        timeout=40_000,
+    wait_page(
+        page, "document.querySelector('#coordinator-facts').textContent.includes('unproven')", 40
     )
     shot(page, tmp_path, "console-running")
 
     page.click("[data-span=day]")
-    page.wait_for_function(
-        "document.querySelector('#tasks-caption').textContent.includes('per hour')"
-    )
+    wait_page(page, "document.querySelector('#tasks-caption').textContent.includes('per hour')")
     shot(page, tmp_path, "console-day")
     assert all(u.startswith(console.base) for u in page.requests), page.requests
 
@@ -133,7 +137,7 @@ def test_the_pause_and_resume_buttons_stop_and_restart_claiming(
 ) -> None:
     page.goto(console.link())
     page.wait_for_selector("#btn-pause")
-    page.wait_for_function("document.querySelector('#node-id').textContent.length > 0")
+    wait_page(page, "document.querySelector('#node-id').textContent.length > 0")
     page.click("#btn-pause")
     page.wait_for_selector("#why:not([hidden]) li[data-rule=pause]", timeout=10_000)
     assert "paused by the owner" in page.inner_text("#why")

@@ -368,7 +368,9 @@ def ahead_cgroups(agent: AgentProcess) -> set[Path]:
 def waiting_chain(agent: AgentProcess) -> int | None:
     """The pid of the chain ``agent`` keeps ahead once it waits for its script: alone in its
     cgroup, the slot's user (while it sets up, its steps run as root beside it)."""
-    pids = [int(p) for cg in ahead_cgroups(agent) for p in (cg / "cgroup.procs").read_text().split()]
+    pids = [
+        int(p) for cg in ahead_cgroups(agent) for p in (cg / "cgroup.procs").read_text().split()
+    ]
     if len(pids) != 1:
         return None
     try:

@@ -1,0 +1,185 @@
+"""The trusted runner's slots between their tasks.
+
+A ``SlotPool`` owns, for each slot, what lies between one task of the slot and the next:
+
+* the **turnover** after a task (``turn_over``), on the pool's worker thread, off the attempt's
+  way: the task's cgroup removed, the keyrings of the slot's user cleared, then the slot's next
+  chain started. In this order: no process of the slot's user may live beside a chain waiting for
+  the next task (same user: it could trace it, or write a script of its own into its pipe);
+* the **chain kept ahead** for the slot's next task (``procs.Launch``: its cgroup, namespaces
+  and private directories, and an empty directory of the agent's bound at ``/work``, into which
+  the next task's workspace is moved), so that a task starts with one exec. ``take`` waits for
+  the slot's turnover, then gives the chain to a task that can use it, or ends it;
+* the **cgroups of chains kept ahead**, named for the state dir, so that the next start of this
+  agent removes the ones a crash left (``reconcile``), and no other agent's;
+* their end: ``close`` ends every chain still kept.
+
+What it does not own: which user a slot runs as, the sandbox a task gets (the runner builds it;
+the pool compares it with its chain's), the CPU cap, and the task's own start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashnode.runners.background import Background
+from flashnode.sandbox import cgroups, procs
+from flashnode.sandbox.limits import Limits
+
+log = logging.getLogger(__name__)
+
+# Starts a chain: (its working directory, bound at /work; its cgroup; its user; its sandbox).
+Launcher = Callable[
+    [Path, cgroups.AttemptCgroup | None, procs.TaskUser | None, procs.Sandbox | None],
+    procs.Launch,
+]
+
+
+@dataclass(frozen=True)
+class ChainAhead:
+    """A slot's chain kept ahead, waiting for its script, and the directory it has bound at
+    /work (the next task's workspace is moved into it: ``Workspace.move_into``)."""
+
+    launch: procs.Launch
+    work: Path
+
+    def discard(self) -> None:
+        """End the chain (no task took it), and remove the directory it had bound at /work
+        (gone already when a workspace was moved into it)."""
+        self.launch.discard()
+        with contextlib.suppress(OSError):
+            self.work.rmdir()
+
+
+class SlotPool:
+    """The slots of one trusted runner (see the module docstring).
+
+    ``state_dir``: the agent's (its chains' directories lie in ``attempts/``; their cgroups are
+    named for it). ``hierarchy``: where their cgroups are made (None: no chain is kept ahead).
+    ``blank``: the sandbox of a chain kept ahead (a task with nothing of its own: no read-only
+    views, no hidden GPUs, the lent directories covered as they are now), asked at each start.
+    ``ahead``: whether chains are kept ahead at all (every task of a slot gets the same chain:
+    its own user, a cgroup, the sandbox). ``launcher`` and ``clear_keyrings``: the edges
+    (``procs.Launch``, ``procs.clear_user_keyrings``), replaceable for tests.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        hierarchy: cgroups.Hierarchy | None,
+        blank: Callable[[], procs.Sandbox],
+        *,
+        ahead: bool,
+        launcher: Launcher = procs.Launch,
+        clear_keyrings: Callable[[procs.TaskUser], str | None] = procs.clear_user_keyrings,
+    ) -> None:
+        self._attempts = state_dir / "attempts"
+        self._hierarchy = hierarchy
+        self._blank = blank
+        self._ahead_ok = ahead and hierarchy is not None
+        self._launcher = launcher
+        self._clear_keyrings = clear_keyrings
+        digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()
+        self.prefix = f"ahead-{digest[:12]}-"  # the cgroups of its chains (``reconcile``)
+        self._lock = threading.Lock()
+        self._ahead: dict[int, ChainAhead] = {}  # slot -> its chain kept ahead
+        self._turnovers: dict[int, threading.Event] = {}  # slot -> its turnover done
+        self._worker = Background("turnovers")
+        self._closed = False
+
+    def take(self, slot: int, sandbox: procs.Sandbox | None) -> ChainAhead | None:
+        """Once the slot's turnover is done: its chain kept ahead, if a task with ``sandbox``
+        can use it (the same sandbox, and still waiting); else None, the chain ended first
+        (nothing of the slot's user runs beside a task of another chain). The chain is the
+        caller's from here on: to start the task in, or to ``discard``."""
+        with self._lock:
+            done = self._turnovers.pop(slot, None)
+        if done is not None:
+            done.wait()
+        with self._lock:
+            ahead = self._ahead.pop(slot, None)
+        if ahead is None:
+            return None
+        if ahead.launch.sandbox == sandbox and ahead.launch.alive():
+            return ahead
+        ahead.discard()
+        return None
+
+    def turn_over(
+        self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
+    ) -> None:
+        """The slot's task has ended and its processes are gone: the slot's turnover (the
+        module docstring), queued on the pool's worker thread; the slot's next ``take`` waits
+        for it. ``user``: the slot's (None: the agent's own, the same-user mode); ``cgroup``:
+        the task's."""
+        with self._lock:
+            self._turnovers[slot] = self._worker.submit(lambda: self._turn_over(slot, user, cgroup))
+
+    def _turn_over(
+        self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
+    ) -> None:
+        try:
+            gone = cgroup.remove() if cgroup is not None else True
+            if user is not None:
+                why = self._clear_keyrings(user)
+                if why:  # a task may lock its user's keyrings open: only a reboot resets them
+                    log.error(
+                        "cannot reset the keyrings of %s (%s): keys may pass between tasks;"
+                        " run under the packaged unit, which denies keyring calls, or reboot",
+                        user.name,
+                        why,
+                    )
+            # A cgroup that kept a process (one that would not die) keeps the slot's user
+            # alive: no chain waits beside it.
+            if gone and user is not None and self._ahead_ok and not self._closed:
+                self._launch_ahead(slot, user)
+        except Exception:  # the next start takes the plain way
+            log.exception("slot %d: the turnover after its task failed", slot)
+
+    def _launch_ahead(self, slot: int, user: procs.TaskUser) -> None:
+        assert self._hierarchy is not None
+        token = procs.new_token()[:8]
+        sandbox = self._blank()
+        try:
+            cgroup = self._hierarchy.create(f"{self.prefix}{slot}-{token}", Limits())
+        except OSError as exc:
+            log.debug("slot %d: no cgroup ahead: %s", slot, exc)
+            return
+        work = self._attempts / f".ahead-{slot}-{token}"
+        try:
+            work.mkdir(mode=0o700)
+            launch = self._launcher(work, cgroup, user, sandbox)
+        except OSError as exc:
+            log.debug("slot %d: no chain ahead: %s", slot, exc)
+            cgroup.remove()
+            with contextlib.suppress(OSError):
+                work.rmdir()
+            return
+        with self._lock:
+            old, self._ahead[slot] = self._ahead.get(slot), ChainAhead(launch, work)
+        if old is not None:
+            old.discard()
+
+    def reconcile(self) -> None:
+        """Remove the cgroups of the chains an earlier run of this agent kept ahead (a crash
+        left them; the chains themselves exit with their pipe)."""
+        if self._hierarchy is not None:
+            swept = self._hierarchy.sweep(self.prefix)
+            if swept:
+                log.info("removed %d cgroup(s) an earlier run made ahead", swept)
+
+    def close(self) -> None:
+        """Wait for the turnovers queued so far (none starts a chain from here on), then end
+        every chain still kept."""
+        self._closed = True
+        self._worker.drain()
+        with self._lock:
+            left, self._ahead = list(self._ahead.values()), {}
+        for ahead in left:
+            ahead.discard()

@@ -1,0 +1,109 @@
+"""An idle agent does not load what only a feature needs (issue 31's idle memory): a real
+``flashnode work`` against a real coordinator, idle (registered, heartbeating, claiming nothing),
+reports the modules it holds, and none of the deferred ones is among them.
+
+The report comes from the test's own ``sitecustomize`` (on PYTHONPATH for the agent's process only,
+the product has no such hook): a thread that, once the test says the agent is idle, writes the
+process's ``sys.modules``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import AgentProcess, CoordinatorServer, free_port, wait_for
+
+# Each is imported where the feature runs, never on the idle path.
+NOT_AT_IDLE = {
+    "http.server": "metrics on (owner/metricsunix.py, prometheus_client), or the console",
+    "socketserver": "metrics on (owner/metricsunix.py, prometheus_client), or the console",
+    "tarfile": "an archive input (sandbox/archives.py)",
+    "ijson": "a module task's delta check (coordinator/checks.py)",
+    "difflib": "a misspelt setting (config/settings.py)",
+    "tomllib": "a config file (config/settings.py)",
+    "prometheus_client": "metrics on (owner/metrics.py)",
+    "docker": "the container runner (runners/container.py)",
+    "pynvml": "an NVML library (evidence/gpu.py)",
+    "tomlkit": "flashnode pools, the console's settings (config/configedit.py)",
+    "flashnode.console": "the console on (ui_listen)",
+}
+CONSOLE = {"http.server", "socketserver", "flashnode.console"}  # what the console itself needs
+
+SITECUSTOMIZE = """
+import json, os, sys, threading, time
+
+def _report():
+    trigger = os.environ["IDLE_IMPORTS_TRIGGER"]
+    while not os.path.exists(trigger):
+        time.sleep(0.05)
+    out = os.path.join(os.environ["IDLE_IMPORTS_DIR"], f"{os.getpid()}.json")
+    with open(out + ".tmp", "w") as fh:
+        json.dump(sorted(sys.modules), fh)
+    os.rename(out + ".tmp", out)
+
+if "IDLE_IMPORTS_TRIGGER" in os.environ:
+    threading.Thread(target=_report, daemon=True).start()
+"""
+
+
+def _idle_modules(
+    tmp_path: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    env: dict[str, str],
+) -> set[str]:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    trigger = tmp_path / "idle-now"
+    env = env | {
+        "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+        "IDLE_IMPORTS_TRIGGER": str(trigger),
+        "IDLE_IMPORTS_DIR": str(hook),
+        "FLASHNODE_HEARTBEAT_SECONDS": "1",
+    }
+    agent = start_agent(coordinator.url, "--runner", "trusted", "--pool", "idle", env=env)
+    status = agent.state_dir / "status.json"
+    beats: set[float] = set()
+
+    def idle() -> bool:
+        # Two heartbeats apart: the loop has registered and gone round, claiming between them.
+        try:
+            snapshot = json.loads(status.read_text())
+        except (OSError, ValueError):
+            return False
+        assert agent.proc.poll() is None, agent.log
+        if snapshot.get("registered") and snapshot.get("last_heartbeat_at"):
+            beats.add(snapshot["last_heartbeat_at"])
+        return len(beats) >= 3
+
+    wait_for("the agent to idle", idle, timeout=60)
+    assert "running" not in json.loads(status.read_text()).get("state", "")
+    trigger.touch()
+    report = hook / f"{agent.proc.pid}.json"
+    wait_for("the agent's module report", report.exists, timeout=30)
+    return set(json.loads(report.read_text()))
+
+
+def _loaded(modules: set[str], name: str) -> bool:
+    return any(m == name or m.startswith(name + ".") for m in modules)
+
+
+@pytest.mark.parametrize("console", ["off", "on"])
+def test_an_idle_agent_has_not_imported_what_only_a_feature_needs(
+    tmp_path: Path,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    console: str,
+) -> None:
+    listen = "off" if console == "off" else f"127.0.0.1:{free_port()}"
+    modules = _idle_modules(tmp_path, coordinator, start_agent, {"FLASHNODE_UI_LISTEN": listen})
+    assert "flashnode.node.agent" in modules  # the report is the agent's own
+    expected = {k: v for k, v in NOT_AT_IDLE.items() if console == "off" or k not in CONSOLE}
+    loaded = {name: why for name, why in expected.items() if _loaded(modules, name)}
+    assert not loaded, f"an idle agent imported what only a feature needs: {loaded}"
+    if console == "on":
+        assert "flashnode.console" in modules  # the console did start
