@@ -12,6 +12,7 @@ config/test_settings.py.
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
 import os
@@ -29,6 +30,7 @@ from typing import Any
 import click
 import pytest
 from conftest import TokenCoordinator
+from consoleharness import start_console_agent
 from harness import TASK_USER, AgentProcess, CoordinatorServer, argv_job, wait_for
 
 from flashnode.cli.main import main
@@ -468,6 +470,47 @@ def test_a_url_that_is_not_a_coordinator_is_one_line_without_html(
         stdin="t\nj\n",
     )
     assert login.returncode == 78 and "<" not in login.stderr, login.stderr
+
+
+@pytest.fixture
+def file_server(tmp_path: Path) -> Iterator[str]:
+    """A plain static web server (`python3 -m http.server`): 404 to GETs it has no file for,
+    501 to every POST."""
+    served = tmp_path / "site"
+    served.mkdir()
+    (served / "index.html").write_text("<html><body>hello</body></html>\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *args: None  # type: ignore[method-assign]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_login_to_a_web_server_or_the_console_says_it_is_no_coordinator_and_names_it(
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    file_server: str,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
+) -> None:
+    console = start_console_agent(start_agent, coordinator.url, tmp_path)
+    creds = private_dir(tmp_path / "creds")
+    env = {"FLASHNODE_STATE_DIR": str(tmp_path / "login-state")}
+    for url, answered in (
+        (console.base, "Server: flashnode (a flashnode agent's console)"),
+        (file_server, "Server: SimpleHTTP"),
+    ):
+        done = flashnode(
+            "login", "--coordinator", url, "--credentials-dir", str(creds), env=env, stdin="t\nj\n"
+        )
+        assert done.returncode == 78, done.stderr
+        assert "is not a flashruntime coordinator" in done.stderr, done.stderr
+        assert answered in done.stderr and "nothing stored" in done.stderr, done.stderr
+        assert "refused" not in done.stderr and "did not answer" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "<" not in done.stderr
+    assert list(creds.iterdir()) == []
 
 
 # --- row: docker runner that can run nothing ---------------------------------------------------
