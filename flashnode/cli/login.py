@@ -23,7 +23,6 @@ from flashnode.cli.common import (
     needs_root,
     roots_config,
     stop,
-    tell_agent,
 )
 from flashnode.config.settings import (
     Settings,
@@ -43,6 +42,7 @@ from flashnode.errors import (
 )
 from flashnode.evidence import inventory
 from flashnode.evidence.gpu import Nvml
+from flashnode.owner import statelock, status
 
 MAX_SECRET = 4096
 
@@ -260,9 +260,24 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
     click.echo(f"stored in {' and '.join(stored)}")
     if os.environ.get("FLASHNODE_TOKEN") or s.token_file or s.join_code_file:
         click.echo("note: token_file, join_code_file or FLASHNODE_TOKEN take precedence over these")
-    if os.geteuid() == 0:
-        click.echo("the service reads them when it starts: systemctl restart flashnode")
-    tell_agent(s.state_dir, "register again")
+    click.echo(_when_used(s.state_dir))
+
+
+def _when_used(state_dir: Path) -> str:
+    """When the agent uses what was stored: at its next start. A running one keeps the
+    credentials it started with (a reload refuses new ones, and the unit handed it a copy), so
+    it is not told anything: it is to be restarted."""
+    snapshot = status.read(state_dir)
+    if snapshot is None:
+        how = "sudo systemctl enable --now flashnode" if os.geteuid() == 0 else "flashnode work"
+        return f"the agent reads them when it starts ({how})"
+    pid = int(snapshot["pid"])
+    unit = statelock.systemd_unit(pid)
+    how = f"sudo systemctl restart {unit}" if unit else "stop it and start it again"
+    return (
+        f"the running agent (pid {pid}) keeps the credentials it started with until it"
+        f" restarts: {how}"
+    )
 
 
 @click.command()

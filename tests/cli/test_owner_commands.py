@@ -371,6 +371,36 @@ def test_login_never_replaces_good_credentials_with_refused_ones(
     assert {p.name: p.read_text() for p in creds.iterdir()} == before
 
 
+def test_login_beside_a_running_agent_says_it_keeps_its_credentials_until_restarted(
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
+) -> None:
+    creds = private_dir(tmp_path / "creds")
+    agent = start_agent(
+        coordinator.url,
+        "--runner",
+        "trusted",
+        "--pool",
+        "team-a",
+        env={"FLASHNODE_CREDENTIALS_DIR": str(creds)},
+    )
+    wait_for("the agent's status", lambda: (agent.state_dir / "status.json").exists())
+    args = ("login", "--coordinator", coordinator.url, "--credentials-dir", str(creds))
+    env = {"FLASHNODE_STATE_DIR": str(agent.state_dir)}
+    done = flashnode(*args, env=env, stdin="tok\ncode\n")
+    assert done.returncode == 0, done.stderr
+    assert agent.proc is not None
+    said = f"the running agent (pid {agent.proc.pid}) keeps the credentials it started with"
+    assert said in done.stdout and "restart" in done.stdout, done.stdout
+    # One thing, and true: the agent is not told to reload (it would refuse new credentials).
+    assert "told the running agent" not in done.stdout, done.stdout
+    alone = flashnode(*args, env={"FLASHNODE_STATE_DIR": str(tmp_path / "idle")}, stdin="t\nc\n")
+    assert alone.returncode == 0, alone.stderr
+    assert "the agent reads them when it starts" in alone.stdout, alone.stdout
+
+
 def test_login_refuses_a_directory_others_can_use_and_secrets_as_flags(
     flashnode: Callable[..., Any], coordinator: CoordinatorServer, tmp_path: Path
 ) -> None:
