@@ -475,7 +475,7 @@ class Settings(BaseModel):
     metrics_allow_remote: bool = False
     # task_cpu_percent: all tasks together use at most this share of the machine's CPUs
     #   (trusted: the quota of the tasks' parent cgroup, live on reload; docker: each container
-    #   its slot's share). max_suspend_seconds: a task suspended longer gives its lease back
+    #   its slot's share). max_suspend_seconds: a task suspended longer lets its lease lapse
     #   (not the task's fault); None: the lease's own window (lease_seconds).
     task_cpu_percent: float | None = Field(default=None, gt=0, le=100)
     max_suspend_seconds: float | None = Field(default=None, gt=0, le=7 * 86400)

@@ -30,7 +30,7 @@ MAX_BYTES = 4096
 def pause(state_dir: Path, duration: str | None, drain: bool, now: float) -> Pause:
     """The owner's pause (``flashnode pause`` and the console's buttons): until ``resume``, or
     for ``duration`` (``30m``, ``2h``, ``1d``: ValueError otherwise); ``drain`` lets running
-    tasks finish, else they are stopped and their leases given back. Written before it returns
+    tasks finish, else they are stopped and their leases left to lapse. Written before it returns
     (OSError when it cannot be)."""
     until = None if duration is None else now + parse_duration(duration)
     mode: PauseMode = "drain" if drain else "now"
@@ -49,7 +49,7 @@ def describe(pause: Pause) -> str:
     how = (
         "running tasks finish"
         if pause.mode == "drain"
-        else "running tasks are stopped and their leases given back"
+        else "running tasks are stopped and their leases left to lapse (not their failure)"
     )
     return f"paused {when}; {how}"
 
