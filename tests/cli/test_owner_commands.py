@@ -423,6 +423,29 @@ def test_login_refuses_a_directory_others_can_use_and_secrets_as_flags(
     assert flag.returncode == 2  # no such option: secrets are never flags
 
 
+def test_a_bad_command_line_is_one_line_naming_what_and_the_fix_with_exit_2(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    state = ("--state-dir", str(tmp_path))
+    for args, named in [
+        (("pause", "--for", "2x", *state), "--for"),
+        (("logs", "bad!id", *state), "LEASE"),
+        (("login", "--token", "s3cret"), "--token"),
+        (("pause", "--no", *state), "--now"),
+        (("nosuch",), "nosuch"),
+    ]:
+        done = flashnode(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        [line] = done.stderr.splitlines()
+        assert line.startswith("flashnode: ") and named in line, line
+        assert f"see flashnode {args[0] if args[0] != 'nosuch' else ''}".strip() in line, line
+        assert line.endswith("--help") and "Error" not in line and "Usage" not in line, line
+    # Click's other errors too: one line of ours, their own exit code.
+    gone = flashnode("logs", "ls-none", *state)
+    assert gone.returncode == 1 and gone.stderr.startswith("flashnode: no output of attempt")
+    assert "Error" not in gone.stderr
+
+
 def test_logout_of_nothing_fails_and_logout_forgets_both(
     flashnode: Callable[..., Any], coordinator: CoordinatorServer, tmp_path: Path
 ) -> None:
