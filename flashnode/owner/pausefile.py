@@ -18,9 +18,9 @@ import contextlib
 import json
 import os
 import signal
-from datetime import datetime
 from pathlib import Path
 
+from flashnode.clock import moment
 from flashnode.config.schedule import Pause, PauseMode, parse_duration
 
 PAUSE_FILE = "pause.json"
@@ -40,11 +40,12 @@ def pause(state_dir: Path, duration: str | None, drain: bool, now: float) -> Pau
 
 
 def describe(pause: Pause) -> str:
-    """``paused until `flashnode resume`; running tasks finish``: what a pause does, in a line."""
+    """``paused until `flashnode resume`; running tasks finish``, ``paused until 16:30 CEST (in
+    2h00m); …``: what a pause does, in a line (the end as ``clock.moment`` shows a moment)."""
     when = (
         "until `flashnode resume`"
         if pause.until is None
-        else f"until {datetime.fromtimestamp(pause.until):%Y-%m-%d %H:%M}"
+        else f"until {moment(pause.until, pause.since or None, seconds=False)}"
     )
     how = (
         "running tasks finish"
