@@ -646,7 +646,7 @@ def load(
         settings = Settings.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, merged, origin)) from None
-    _check_consistency(settings)
+    _check_consistency(settings, origin)
     return settings
 
 
@@ -774,10 +774,18 @@ def read_secret_file(path: Path, what: str) -> str:
     return value
 
 
-def _check_consistency(settings: Settings) -> None:
+def _check_consistency(settings: Settings, origin: Mapping[str, str]) -> None:
+    """Settings that are refused together; each is named as it was set, with where (the file
+    and line, the variable or the flag), never as a flag it did not come from."""
+
+    def named(key: str) -> str:
+        where = f" ({origin[key]})" if key in origin else ""
+        return f"{key} = {getattr(settings, key)!r}{where}"
+
     if settings.runner == "trusted" and not settings.pools:
         raise ConfigError(
-            "--runner trusted needs at least one --pool: arbitrary code on this host is pool-only"
+            f"{named('runner')} needs at least one pool: set pools (in the config file,"
+            " FLASHNODE_POOLS or --pool); arbitrary code on this host is pool-only"
         )
     if (
         urlsplit(settings.coordinator).scheme == "http"
@@ -785,17 +793,20 @@ def _check_consistency(settings: Settings) -> None:
         and not settings.allow_insecure_http
     ):
         raise ConfigError(
-            f"refusing plain http to {settings.coordinator}: use https, or set allow_insecure_http"
+            f"{named('coordinator')}: refusing plain http to a host that is not this one:"
+            " use https, or set allow_insecure_http = true"
         )
     if settings.container_user is not None and not re.match(
         r"^[1-9][0-9]*:[0-9]+$", settings.container_user
     ):
         raise ConfigError(
-            f"container_user = {settings.container_user!r}: must be uid:gid of a non-root user,"
-            " e.g. 65534:65534"
+            f"{named('container_user')}: must be uid:gid of a non-root user, e.g. 65534:65534"
         )
     if settings.claim_backoff_min_seconds > settings.claim_backoff_max_seconds:
-        raise ConfigError("claim_backoff_min_seconds is larger than claim_backoff_max_seconds")
+        raise ConfigError(
+            f"{named('claim_backoff_min_seconds')} is larger than"
+            f" {named('claim_backoff_max_seconds')}"
+        )
 
 
 # --- errors in the owner's words ---------------------------------------------------------------
