@@ -299,14 +299,23 @@ class Settings(BaseModel):
     @field_validator("allowed_images")
     @classmethod
     def _pinned_images(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """Every image that is not pinned, at once (fixed in one go, not one per start)."""
+        unpinned: list[str] = []
+        example = ""
         for image in value:
             if "@sha256:" in image:
                 continue
             name, _, tag = image.rpartition(":")
             if not name or "/" in tag:
-                raise ValueError(f"{image!r} has no tag: pin a tag or a digest, e.g. {image}:1.2")
-            if tag == "latest":
-                raise ValueError(f"{image!r} is not pinned: name a fixed tag or a digest")
+                unpinned.append(f"{image!r} has no tag")
+                example = example or image
+            elif tag == "latest":
+                unpinned.append(f"{image!r} is not pinned")
+                example = example or name
+        if unpinned:
+            raise ValueError(
+                f"{', '.join(unpinned)}: pin a tag or a digest for each, e.g. {example}:1.2"
+            )
         return value
 
     @field_validator("pools", "allowed_images", mode="before")

@@ -320,6 +320,34 @@ def test_doctor_and_work_agree(
     assert not (tmp_path / "state").exists()  # neither made anything
 
 
+def test_doctor_shows_every_problem_of_the_docker_runner_at_once_each_with_its_fix(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    env = {
+        "FLASHNODE_COORDINATOR": "http://127.0.0.1:9",
+        "FLASHNODE_STATE_DIR": str(tmp_path / "state"),
+        "FLASHNODE_RUNNER": "docker",
+        "FLASHNODE_ALLOWED_IMAGES": "busybox,alpine:latest,busybox:1.36",
+    }
+    # Every image that is not pinned, in the one line of the refused setting.
+    doctor = flashnode("doctor", env=env)
+    assert doctor.returncode == 1, doctor.stdout
+    said = next(x for x in doctor.stdout.splitlines() if x.startswith("FAIL  configuration"))
+    assert "'busybox' has no tag, 'alpine:latest' is not pinned" in said, said
+    # No image allowed and no engine: both, each with its fix (was: the first, then the next).
+    env.update(FLASHNODE_ALLOWED_IMAGES="", FLASHNODE_DOCKER_HOST="unix:///nonexistent/d.sock")
+    doctor = flashnode("doctor", env=env)
+    assert doctor.returncode == 1, doctor.stdout
+    out = doctor.stdout.splitlines()
+    failed = {line.split(":")[0]: out[i + 1] for i, line in enumerate(out) if "FAIL  " in line}
+    assert {"FAIL  allowed images", "FAIL  docker engine"} <= set(failed), doctor.stdout
+    assert failed["FAIL  allowed images"].startswith("      fix: list the images"), doctor.stdout
+    assert failed["FAIL  docker engine"].startswith("      fix: start Docker"), doctor.stdout
+    # work stops at the first, as before: doctor lists it first.
+    work = flashnode("work", env=env)
+    assert work.returncode == 78 and "allowed_images is empty" in work.stderr, work.stderr
+
+
 # --- row: login -----------------------------------------------------------------------------
 
 
