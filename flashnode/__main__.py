@@ -1,3 +1,3 @@
 from flashnode.cli.main import main
 
-main()
+main(prog_name="flashnode")  # the command an owner types, also when run as python -m flashnode

@@ -42,8 +42,8 @@ def register(main: click.Group) -> None:
     "--drain/--now",
     "drain",
     default=True,
-    help="Let running tasks finish (default), or stop them now (their leases are given back,"
-    " not failed).",
+    help="Let running tasks finish (default), or stop them now (their leases lapse: not counted"
+    " as the tasks' failure).",
 )
 def pause(
     config_file: Path | None, state_dir: Path | None, duration: str | None, drain: bool

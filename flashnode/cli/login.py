@@ -23,7 +23,6 @@ from flashnode.cli.common import (
     needs_root,
     roots_config,
     stop,
-    tell_agent,
 )
 from flashnode.config.settings import (
     Settings,
@@ -43,6 +42,7 @@ from flashnode.errors import (
 )
 from flashnode.evidence import inventory
 from flashnode.evidence.gpu import Nvml
+from flashnode.owner import statelock, status
 
 MAX_SECRET = 4096
 
@@ -92,10 +92,17 @@ def probe_node_id(s: Settings, persist: bool) -> str:
     return f"{host}-{secrets.token_hex(4)}"
 
 
+class NotACoordinator(CoordinatorError):
+    """What answered at the coordinator's URL is not a flashruntime coordinator (the message
+    names what it is)."""
+
+
 def register_dry_run(s: Settings, node: str) -> str:
     """Register ``node`` with the coordinator as ``work`` would (its pools, runner opt-ins and
     GPUs), and return the id the coordinator answers with. Registering is idempotent, and a
-    running agent registers again when told to (SIGHUP). Raises CoordinatorError."""
+    running agent registers again when told to (SIGHUP). Raises CoordinatorError (refused or
+    unanswered: NotACoordinator when what answered is no flashruntime coordinator) or
+    CredentialsError."""
     nvml = Nvml.open(s.nvml_library)
     gpus = [d.info for d in nvml.refresh()] if nvml is not None else []
     if nvml is not None:
@@ -109,6 +116,17 @@ def register_dry_run(s: Settings, node: str) -> str:
     )
     try:
         return client.register(inventory.registration(s, node, gpus))
+    except (CredentialsError, CoordinatorError) as exc:
+        if isinstance(exc, CoordinatorUnavailable) and exc.status is None:
+            raise  # nothing answered: that says nothing about what the URL is
+        # Something answered, but refused or made no sense: is it a coordinator at all?
+        try:
+            stranger = client.stranger()
+        except CoordinatorError:
+            raise exc from None
+        if stranger is not None:
+            raise NotACoordinator(stranger) from None
+        raise
     finally:
         client.close()
 
@@ -178,7 +196,7 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
     after the coordinator accepted a registration of this node with them (registering again is
     harmless); refused credentials never replace stored ones. Files are 0600 in a 0700
     directory. Exit 77: refused; 69: the coordinator did not answer; 78: a bad URL or
-    directory.
+    directory, or what answers there is not a flashruntime coordinator (it is named).
     """
     service = roots_config(config_file)
     if service is not None and credentials_dir is None:
@@ -210,6 +228,12 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
     node = probe_node_id(s, persist=True)
     try:
         registered = register_dry_run(s, node)
+    except NotACoordinator as exc:
+        stop(
+            ExitCode.CONFIG,
+            f"{url} is not a flashruntime coordinator: {exc}; check the URL (scheme, host,"
+            " port, path); nothing stored",
+        )
     except CredentialsError as exc:
         stop(ExitCode.CREDENTIALS, f"{url} refused them: {exc}; nothing stored")
     except CoordinatorUnavailable as exc:
@@ -236,9 +260,24 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
     click.echo(f"stored in {' and '.join(stored)}")
     if os.environ.get("FLASHNODE_TOKEN") or s.token_file or s.join_code_file:
         click.echo("note: token_file, join_code_file or FLASHNODE_TOKEN take precedence over these")
-    if os.geteuid() == 0:
-        click.echo("the service reads them when it starts: systemctl restart flashnode")
-    tell_agent(s.state_dir, "register again")
+    click.echo(_when_used(s.state_dir))
+
+
+def _when_used(state_dir: Path) -> str:
+    """When the agent uses what was stored: at its next start. A running one keeps the
+    credentials it started with (a reload refuses new ones, and the unit handed it a copy), so
+    it is not told anything: it is to be restarted."""
+    snapshot = status.read(state_dir)
+    if snapshot is None:
+        how = "sudo systemctl enable --now flashnode" if os.geteuid() == 0 else "flashnode work"
+        return f"the agent reads them when it starts ({how})"
+    pid = int(snapshot["pid"])
+    unit = statelock.systemd_unit(pid)
+    how = f"sudo systemctl restart {unit}" if unit else "stop it and start it again"
+    return (
+        f"the running agent (pid {pid}) keeps the credentials it started with until it"
+        f" restarts: {how}"
+    )
 
 
 @click.command()

@@ -7,6 +7,7 @@ so that no other module builds edges.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -160,6 +161,12 @@ def setup_logging(log_json: bool, line: TerminalLine | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _lower(message: str) -> str:
+    """Click's ``No such option '--x'.`` as one of our lines reads: ``no such option '--x'``."""
+    message = message.strip().removesuffix(".")
+    return message[:1].lower() + message[1:] if message[1:2].islower() else message
+
+
 def _fail(code: ExitCode, message: str) -> NoReturn:
     click.echo(f"flashnode: {sanitise(message)}", err=True)
     sys.exit(int(code))
@@ -167,7 +174,38 @@ def _fail(code: ExitCode, message: str) -> NoReturn:
 
 class Commands(click.Group):
     """No traceback reaches a user from any command: what this user may not do is one line
-    that says to run it with sudo, any other error one line that names it."""
+    that says to run it with sudo, any other error one line that names it. Click's own errors
+    read like ours too: ``flashnode: <what failed>; <the fix>`` (a bad command line: exit 2)."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        run = functools.partial(
+            super().main, args, prog_name, complete_var, False, windows_expand_args, **extra
+        )
+        if not standalone_mode:
+            return run()
+        try:
+            code: object = run()  # an Exit's code (--help, --version), else the command's value
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # the help, as asked for by giving nothing
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx is not None else "flashnode"
+            _fail(ExitCode.USAGE, f"{_lower(exc.format_message())}; see {command} --help")
+        except click.ClickException as exc:
+            click.echo(f"flashnode: {sanitise(exc.format_message())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("flashnode: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

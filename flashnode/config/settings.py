@@ -293,14 +293,23 @@ class Settings(BaseModel):
     @field_validator("allowed_images")
     @classmethod
     def _pinned_images(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """Every image that is not pinned, at once (fixed in one go, not one per start)."""
+        unpinned: list[str] = []
+        example = ""
         for image in value:
             if "@sha256:" in image:
                 continue
             name, _, tag = image.rpartition(":")
             if not name or "/" in tag:
-                raise ValueError(f"{image!r} has no tag: pin a tag or a digest, e.g. {image}:1.2")
-            if tag == "latest":
-                raise ValueError(f"{image!r} is not pinned: name a fixed tag or a digest")
+                unpinned.append(f"{image!r} has no tag")
+                example = example or image
+            elif tag == "latest":
+                unpinned.append(f"{image!r} is not pinned")
+                example = example or name
+        if unpinned:
+            raise ValueError(
+                f"{', '.join(unpinned)}: pin a tag or a digest for each, e.g. {example}:1.2"
+            )
         return value
 
     @field_validator("pools", "allowed_images", mode="before")
@@ -469,7 +478,7 @@ class Settings(BaseModel):
     metrics_allow_remote: bool = False
     # task_cpu_percent: all tasks together use at most this share of the machine's CPUs
     #   (trusted: the quota of the tasks' parent cgroup, live on reload; docker: each container
-    #   its slot's share). max_suspend_seconds: a task suspended longer gives its lease back
+    #   its slot's share). max_suspend_seconds: a task suspended longer lets its lease lapse
     #   (not the task's fault); None: the lease's own window (lease_seconds).
     task_cpu_percent: float | None = Field(default=None, gt=0, le=100)
     max_suspend_seconds: float | None = Field(default=None, gt=0, le=7 * 86400)
@@ -640,7 +649,7 @@ def load(
         settings = Settings.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, merged, origin)) from None
-    _check_consistency(settings)
+    _check_consistency(settings, origin)
     return settings
 
 
@@ -778,10 +787,18 @@ def read_secret_file(path: Path, what: str) -> str:
     return value
 
 
-def _check_consistency(settings: Settings) -> None:
+def _check_consistency(settings: Settings, origin: Mapping[str, str]) -> None:
+    """Settings that are refused together; each is named as it was set, with where (the file
+    and line, the variable or the flag), never as a flag it did not come from."""
+
+    def named(key: str) -> str:
+        where = f" ({origin[key]})" if key in origin else ""
+        return f"{key} = {getattr(settings, key)!r}{where}"
+
     if settings.runner == "trusted" and not settings.pools:
         raise ConfigError(
-            "--runner trusted needs at least one --pool: arbitrary code on this host is pool-only"
+            f"{named('runner')} needs at least one pool: set pools (in the config file,"
+            " FLASHNODE_POOLS or --pool); arbitrary code on this host is pool-only"
         )
     if (
         urlsplit(settings.coordinator).scheme == "http"
@@ -789,17 +806,20 @@ def _check_consistency(settings: Settings) -> None:
         and not settings.allow_insecure_http
     ):
         raise ConfigError(
-            f"refusing plain http to {settings.coordinator}: use https, or set allow_insecure_http"
+            f"{named('coordinator')}: refusing plain http to a host that is not this one:"
+            " use https, or set allow_insecure_http = true"
         )
     if settings.container_user is not None and not re.match(
         r"^[1-9][0-9]*:[0-9]+$", settings.container_user
     ):
         raise ConfigError(
-            f"container_user = {settings.container_user!r}: must be uid:gid of a non-root user,"
-            " e.g. 65534:65534"
+            f"{named('container_user')}: must be uid:gid of a non-root user, e.g. 65534:65534"
         )
     if settings.claim_backoff_min_seconds > settings.claim_backoff_max_seconds:
-        raise ConfigError("claim_backoff_min_seconds is larger than claim_backoff_max_seconds")
+        raise ConfigError(
+            f"{named('claim_backoff_min_seconds')} is larger than"
+            f" {named('claim_backoff_max_seconds')}"
+        )
 
 
 # --- errors in the owner's words ---------------------------------------------------------------

@@ -13,6 +13,7 @@ behind this boundary.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,6 +52,7 @@ from flashnode.errors import (
     disk_full,
     disk_full_error,
 )
+from flashnode.sanitise import sanitise
 
 API = "/v1alpha1"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
@@ -146,6 +148,32 @@ class Coordinator:
     def health(self) -> None:
         """GET /healthz: raises CoordinatorError unless the coordinator answers 200."""
         self._call("health", "GET", self._root + "/healthz")
+
+    def stranger(self) -> str | None:
+        """What answers at this URL, when it is not a flashruntime coordinator; None when it is
+        one (``GET /healthz`` answers 200 ``{"status": "ok", …}``, docs/protocol.md §1). Names
+        the answer: its status, its type and the ``Server`` that sent it (escaped). Raises
+        CoordinatorUnavailable when nothing answers (a transport error, a 5xx): that says
+        nothing about what the URL is."""
+        try:
+            with self._client.stream("GET", self._root + "/healthz") as resp:
+                body = _read_capped(resp, "GET", "/healthz", self._answer_deadline)
+                status, headers = resp.status_code, resp.headers
+        except FlashnodeError:
+            raise
+        except Exception as exc:
+            raise _mapped(exc, "GET /healthz") from None
+        if status >= 500:
+            raise CoordinatorUnavailable(f"GET /healthz: {status} {_detail(body)}", status)
+        with contextlib.suppress(ValueError, RecursionError):
+            value = json.loads(body)
+            if status == 200 and isinstance(value, dict) and value.get("status") == "ok":
+                return None
+        kind = headers.get("content-type", "").split(";")[0].strip() or "no content type"
+        server = headers.get("server", "").strip()
+        sent = f"from Server: {sanitise(server, limit=80)}" if server else "with no Server header"
+        console = " (a flashnode agent's console)" if server.startswith("flashnode") else ""
+        return f"GET /healthz answered {status} ({sanitise(kind, limit=60)}) {sent}{console}"
 
     # --- nodes --------------------------------------------------------------------------------
 

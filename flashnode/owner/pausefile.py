@@ -18,9 +18,9 @@ import contextlib
 import json
 import os
 import signal
-from datetime import datetime
 from pathlib import Path
 
+from flashnode.clock import moment
 from flashnode.config.schedule import Pause, PauseMode, parse_duration
 
 PAUSE_FILE = "pause.json"
@@ -30,7 +30,7 @@ MAX_BYTES = 4096
 def pause(state_dir: Path, duration: str | None, drain: bool, now: float) -> Pause:
     """The owner's pause (``flashnode pause`` and the console's buttons): until ``resume``, or
     for ``duration`` (``30m``, ``2h``, ``1d``: ValueError otherwise); ``drain`` lets running
-    tasks finish, else they are stopped and their leases given back. Written before it returns
+    tasks finish, else they are stopped and their leases left to lapse. Written before it returns
     (OSError when it cannot be)."""
     until = None if duration is None else now + parse_duration(duration)
     mode: PauseMode = "drain" if drain else "now"
@@ -40,16 +40,17 @@ def pause(state_dir: Path, duration: str | None, drain: bool, now: float) -> Pau
 
 
 def describe(pause: Pause) -> str:
-    """``paused until `flashnode resume`; running tasks finish``: what a pause does, in a line."""
+    """``paused until `flashnode resume`; running tasks finish``, ``paused until 16:30 CEST (in
+    2h00m); …``: what a pause does, in a line (the end as ``clock.moment`` shows a moment)."""
     when = (
         "until `flashnode resume`"
         if pause.until is None
-        else f"until {datetime.fromtimestamp(pause.until):%Y-%m-%d %H:%M}"
+        else f"until {moment(pause.until, pause.since or None, seconds=False)}"
     )
     how = (
         "running tasks finish"
         if pause.mode == "drain"
-        else "running tasks are stopped and their leases given back"
+        else "running tasks are stopped and their leases left to lapse (not their failure)"
     )
     return f"paused {when}; {how}"
 

@@ -494,20 +494,22 @@ class ContainerRunner(Runner):
 
 
 def _engine_and_images(s: Settings) -> Iterator[Finding]:
-    """The engine answers, and at least one allowed (pinned) image can run."""
+    """The engine answers, and at least one allowed (pinned) image can run. Every problem at
+    once, each with its fix: an owner fixes them in one go, not one per run of doctor."""
+    pinned = []
     for image in s.allowed_images:
         why = pin_problem(image)
         if why:
             fix = f"list it as a pinned tag or digest in allowed_images (not {image!r})"
             yield Problem("allowed images", why, fix)
-            return
+        else:
+            pinned.append(image)
     if not s.allowed_images:
         yield Problem(
             "allowed images",
             "allowed_images is empty: this node would refuse every container task",
             'list the images you allow, pinned, e.g. allowed_images = ["python:3.11-slim"]',
         )
-        return
     try:
         client = _client(s, timeout=10)
         client.ping()
@@ -521,8 +523,8 @@ def _engine_and_images(s: Settings) -> Iterator[Finding]:
         return
     try:
         yield Ok("docker engine", s.docker_host)
-        present = [i for i in s.allowed_images if _present(client, i)]
-        absent = [i for i in s.allowed_images if i not in present]
+        present = [i for i in pinned if _present(client, i)]
+        absent = [i for i in pinned if i not in present]
         if absent and not present and not s.pull_images:
             yield Problem(
                 "allowed images",

@@ -57,12 +57,32 @@ def test_pause_for_a_duration_then_resume(flashnode: Callable[..., Any], tmp_pat
     assert flashnode("resume", "--state-dir", str(state)) == (0, "not paused\n")
 
 
+def test_pause_for_says_when_it_ends_with_its_zone_and_how_far(
+    flashnode: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        code, out = flashnode("pause", "--for", "2h", "--state-dir", str(tmp_path))
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert code == 0, out
+    pause = pausefile.read(tmp_path)
+    assert pause is not None and pause.until is not None
+    minutes = time.strftime("%M", time.gmtime(pause.until))  # New York is whole hours off UTC
+    first = out.splitlines()[0]
+    assert (" EST " in first or " EDT " in first) and "(in 2h00m)" in first, first
+    assert first.startswith("paused until ") and f":{minutes} " in first, first
+
+
 def test_pause_now_is_seen_by_an_agent_started_later(
     flashnode: Callable[..., Any], tmp_path: Path
 ) -> None:
     """The pause lives in the state dir: a (re)started agent's controls read it from there."""
     code, out = flashnode("pause", "--now", "--state-dir", str(tmp_path))
-    assert code == 0 and "stopped and their leases given back" in out
+    assert code == 0 and "stopped and their leases left to lapse" in out, out
+    assert "given back" not in out  # status, history and the ledger call it lapsed
     restarted = Controls(Rules(), Readers(pause=pausefile.PauseReader(tmp_path)), _Clock())
     d = restarted.evaluate()
     assert not d.may_claim and d.stop_reason is not None and "flashnode resume" in d.stop_reason

@@ -12,6 +12,7 @@ config/test_settings.py.
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
 import os
@@ -29,6 +30,7 @@ from typing import Any
 import click
 import pytest
 from conftest import TokenCoordinator
+from consoleharness import start_console_agent
 from harness import TASK_USER, AgentProcess, CoordinatorServer, argv_job, wait_for
 
 from flashnode.cli.main import main
@@ -318,6 +320,34 @@ def test_doctor_and_work_agree(
     assert not (tmp_path / "state").exists()  # neither made anything
 
 
+def test_doctor_shows_every_problem_of_the_docker_runner_at_once_each_with_its_fix(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    env = {
+        "FLASHNODE_COORDINATOR": "http://127.0.0.1:9",
+        "FLASHNODE_STATE_DIR": str(tmp_path / "state"),
+        "FLASHNODE_RUNNER": "docker",
+        "FLASHNODE_ALLOWED_IMAGES": "busybox,alpine:latest,busybox:1.36",
+    }
+    # Every image that is not pinned, in the one line of the refused setting.
+    doctor = flashnode("doctor", env=env)
+    assert doctor.returncode == 1, doctor.stdout
+    said = next(x for x in doctor.stdout.splitlines() if x.startswith("FAIL  configuration"))
+    assert "'busybox' has no tag, 'alpine:latest' is not pinned" in said, said
+    # No image allowed and no engine: both, each with its fix (was: the first, then the next).
+    env.update(FLASHNODE_ALLOWED_IMAGES="", FLASHNODE_DOCKER_HOST="unix:///nonexistent/d.sock")
+    doctor = flashnode("doctor", env=env)
+    assert doctor.returncode == 1, doctor.stdout
+    out = doctor.stdout.splitlines()
+    failed = {line.split(":")[0]: out[i + 1] for i, line in enumerate(out) if "FAIL  " in line}
+    assert {"FAIL  allowed images", "FAIL  docker engine"} <= set(failed), doctor.stdout
+    assert failed["FAIL  allowed images"].startswith("      fix: list the images"), doctor.stdout
+    assert failed["FAIL  docker engine"].startswith("      fix: start Docker"), doctor.stdout
+    # work stops at the first, as before: doctor lists it first.
+    work = flashnode("work", env=env)
+    assert work.returncode == 78 and "allowed_images is empty" in work.stderr, work.stderr
+
+
 # --- row: login -----------------------------------------------------------------------------
 
 
@@ -369,6 +399,36 @@ def test_login_never_replaces_good_credentials_with_refused_ones(
     assert {p.name: p.read_text() for p in creds.iterdir()} == before
 
 
+def test_login_beside_a_running_agent_says_it_keeps_its_credentials_until_restarted(
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
+) -> None:
+    creds = private_dir(tmp_path / "creds")
+    agent = start_agent(
+        coordinator.url,
+        "--runner",
+        "trusted",
+        "--pool",
+        "team-a",
+        env={"FLASHNODE_CREDENTIALS_DIR": str(creds)},
+    )
+    wait_for("the agent's status", lambda: (agent.state_dir / "status.json").exists())
+    args = ("login", "--coordinator", coordinator.url, "--credentials-dir", str(creds))
+    env = {"FLASHNODE_STATE_DIR": str(agent.state_dir)}
+    done = flashnode(*args, env=env, stdin="tok\ncode\n")
+    assert done.returncode == 0, done.stderr
+    assert agent.proc is not None
+    said = f"the running agent (pid {agent.proc.pid}) keeps the credentials it started with"
+    assert said in done.stdout and "restart" in done.stdout, done.stdout
+    # One thing, and true: the agent is not told to reload (it would refuse new credentials).
+    assert "told the running agent" not in done.stdout, done.stdout
+    alone = flashnode(*args, env={"FLASHNODE_STATE_DIR": str(tmp_path / "idle")}, stdin="t\nc\n")
+    assert alone.returncode == 0, alone.stderr
+    assert "the agent reads them when it starts" in alone.stdout, alone.stdout
+
+
 def test_login_refuses_a_directory_others_can_use_and_secrets_as_flags(
     flashnode: Callable[..., Any], coordinator: CoordinatorServer, tmp_path: Path
 ) -> None:
@@ -389,6 +449,29 @@ def test_login_refuses_a_directory_others_can_use_and_secrets_as_flags(
     assert list(creds.iterdir()) == []
     flag = flashnode("login", "--coordinator", coordinator.url, "--token", "s3cret")
     assert flag.returncode == 2  # no such option: secrets are never flags
+
+
+def test_a_bad_command_line_is_one_line_naming_what_and_the_fix_with_exit_2(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    state = ("--state-dir", str(tmp_path))
+    for args, named in [
+        (("pause", "--for", "2x", *state), "--for"),
+        (("logs", "bad!id", *state), "LEASE"),
+        (("login", "--token", "s3cret"), "--token"),
+        (("pause", "--no", *state), "--now"),
+        (("nosuch",), "nosuch"),
+    ]:
+        done = flashnode(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        [line] = done.stderr.splitlines()
+        assert line.startswith("flashnode: ") and named in line, line
+        assert f"see flashnode {args[0] if args[0] != 'nosuch' else ''}".strip() in line, line
+        assert line.endswith("--help") and "Error" not in line and "Usage" not in line, line
+    # Click's other errors too: one line of ours, their own exit code.
+    gone = flashnode("logs", "ls-none", *state)
+    assert gone.returncode == 1 and gone.stderr.startswith("flashnode: no output of attempt")
+    assert "Error" not in gone.stderr
 
 
 def test_logout_of_nothing_fails_and_logout_forgets_both(
@@ -468,6 +551,47 @@ def test_a_url_that_is_not_a_coordinator_is_one_line_without_html(
         stdin="t\nj\n",
     )
     assert login.returncode == 78 and "<" not in login.stderr, login.stderr
+
+
+@pytest.fixture
+def file_server(tmp_path: Path) -> Iterator[str]:
+    """A plain static web server (`python3 -m http.server`): 404 to GETs it has no file for,
+    501 to every POST."""
+    served = tmp_path / "site"
+    served.mkdir()
+    (served / "index.html").write_text("<html><body>hello</body></html>\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *args: None  # type: ignore[method-assign]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_login_to_a_web_server_or_the_console_says_it_is_no_coordinator_and_names_it(
+    flashnode: Callable[..., Any],
+    coordinator: CoordinatorServer,
+    file_server: str,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
+) -> None:
+    console = start_console_agent(start_agent, coordinator.url, tmp_path)
+    creds = private_dir(tmp_path / "creds")
+    env = {"FLASHNODE_STATE_DIR": str(tmp_path / "login-state")}
+    for url, answered in (
+        (console.base, "Server: flashnode (a flashnode agent's console)"),
+        (file_server, "Server: SimpleHTTP"),
+    ):
+        done = flashnode(
+            "login", "--coordinator", url, "--credentials-dir", str(creds), env=env, stdin="t\nj\n"
+        )
+        assert done.returncode == 78, done.stderr
+        assert "is not a flashruntime coordinator" in done.stderr, done.stderr
+        assert answered in done.stderr and "nothing stored" in done.stderr, done.stderr
+        assert "refused" not in done.stderr and "did not answer" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "<" not in done.stderr
+    assert list(creds.iterdir()) == []
 
 
 # --- row: docker runner that can run nothing ---------------------------------------------------

@@ -53,7 +53,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     ("flags", "env", "message"),
     [
         ({}, {}, "no coordinator"),
-        ({"coordinator": URL, "runner": "trusted"}, {}, "needs at least one --pool"),
+        ({"coordinator": URL, "runner": "trusted"}, {}, "needs at least one pool"),
         ({"coordinator": "ftp://x"}, {}, "not an http(s) URL"),
         ({"coordinator": "http://example.com"}, {}, "refusing plain http"),
         ({"coordinator": URL, "pools": ("bad pool",)}, {}, "not a valid pool id"),
@@ -288,6 +288,29 @@ def test_cli_refused_settings_exit_78_in_one_line(
         )
         assert r.returncode == 78, (args, r.stderr)
         assert text in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_setting_refused_with_another_names_where_each_came_from_not_a_flag(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    cfg = write(tmp_path / "flashnode.toml", '# mine\nrunner = "trusted"\n', 0o600)
+    far = write(tmp_path / "far.toml", 'coordinator = "http://example.com"\n', 0o600)
+    state = ("--state-dir", str(tmp_path / "s"))
+    for args, env, text in [
+        (
+            ("--coordinator", URL, "--config", str(cfg)),
+            {},
+            f"runner = 'trusted' (in {cfg}, line 2)",
+        ),
+        (("--coordinator", URL), {"FLASHNODE_RUNNER": "trusted"}, "(from FLASHNODE_RUNNER)"),
+        (("--coordinator", URL, "--runner", "trusted"), {}, "runner = 'trusted' (from --runner)"),
+        (("--config", str(far)), {}, f"coordinator = 'http://example.com:80' (in {far}, line 1)"),
+    ]:
+        r = flashnode("work", *state, *args, env=env)
+        assert r.returncode == 78, (args, r.stderr)
+        assert text in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        if "--runner" not in args:
+            assert "--runner" not in r.stderr, r.stderr
 
 
 def test_an_unreadable_token_file_exits_78_like_a_missing_one(tmp_path: Path) -> None:

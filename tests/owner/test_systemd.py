@@ -170,6 +170,10 @@ def test_the_owners_path_from_the_package_under_systemd(
         " slot), the agent's own users (flashnode-build, flashnode-helper), the mount point /work"
     ], installed
     assert "Creating" not in installed
+    # The README installed with it says first which of its parts apply on this node.
+    readme = booted.ok("head -1 /usr/share/doc/flashnode/README.md")
+    assert readme.startswith("> Installed with the flashnode package: on this node"), readme
+    assert "Log in" in readme and "./scripts/demo" not in readme, readme
 
     # login: both secrets on standard input; a refused pair stores nothing.
     refused = booted.sh(
@@ -287,9 +291,15 @@ def test_the_owners_path_from_the_package_under_systemd(
     again = booted.ok("dpkg -i /tmp/flashnode.deb")
     assert "the service is disabled" in again and "systemctl enable --now flashnode" in again
     assert booted.sh("systemctl is-enabled flashnode").stdout.strip() == "disabled"
+    # The upgrades and the removal above kept the users and the group; a purge removes them.
+    ours = "getent passwd | grep -c '^flashnode-'; getent group | grep -c '^flashnode' || true"
+    assert booted.ok(ours).split() == ["18", "19"], booted.ok(ours)
+    assert "flashnode: made" not in again  # nothing was missing
 
     purged = booted.ok("dpkg -P flashnode")
     assert "flashnode: removing its state" in purged, purged
+    assert "flashnode: removed the group flashnode and 18 of its users" in purged, purged
+    assert booted.sh(ours).stdout.split() == ["0", "0"], purged
     left = sorted(
         p for p in booted.files() - before if not p.startswith(CHURN) and not p.endswith("-")
     )

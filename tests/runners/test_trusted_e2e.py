@@ -97,7 +97,7 @@ def test_pool_member_without_the_trusted_opt_in_is_refused(
     # And the trusted runner with no pool cannot start at all: a configuration error.
     agent = start_agent(coordinator.url, "--runner", "trusted")
     assert agent.wait() == 78
-    assert "trusted needs at least one --pool" in agent.log
+    assert "runner = 'trusted' (from --runner) needs at least one pool" in agent.log
 
 
 def test_failing_task_ends_failed_with_its_reason_in_the_events(

@@ -283,7 +283,7 @@ async function act(path, body, messageId) {
 function bind() {
   $("btn-pause").addEventListener("click", () => act("/api/pause", { mode: "drain" }, "message"));
   $("btn-pause-now").addEventListener("click", () => {
-    if (confirm("Stop the running tasks now? Their leases are given back (not counted as their failure).")) act("/api/pause", { mode: "now" }, "message");
+    if (confirm("Stop the running tasks now? Their leases lapse (not counted as their failure).")) act("/api/pause", { mode: "now" }, "message");
   });
   $("btn-pause-for").addEventListener("click", () => act("/api/pause", { mode: "drain", for: $("pause-for").value }, "message"));
   $("btn-resume").addEventListener("click", () => act("/api/resume", {}, "message"));
