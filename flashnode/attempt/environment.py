@@ -21,14 +21,14 @@ from flashnode.errors import AttemptLapsed
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
+    from flashnode.coordinator.wire import Task
 
 # A task that names no ``python``: the version of the interpreter the agent runs under.
 DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def run(a: Attempt) -> None:
-    assert a.task is not None
-    task, ctx = a.task, a.ctx
+def run(a: Attempt, task: Task) -> None:
+    ctx = a.ctx
     if not task.dependencies or not ctx.runner.installs_dependencies:
         return
     if ctx.envs is None:

@@ -21,6 +21,7 @@ from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, truste
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
 
 from flashnode.attempt import Attempt, LeaseKeeper, relay, restore
+from flashnode.attempt.record import Staged
 from flashnode.coordinator.wire import CheckpointManifest, CheckpointPart, parse_lease, parse_task
 from flashnode.errors import CheckpointRefused, CoordinatorUnavailable, LeaseLost
 from flashnode.runners.base import Runner
@@ -484,15 +485,15 @@ class Setup:
         data = lease(**{"checkpoint": {"watchdog_seconds": 60}, **(payload or {})})
         self.a = a = Attempt(ctx, data)
         a.lease = parse_lease(data)
-        a.task = parse_task(a.lease)
         a.keeper = LeaseKeeper(self.coord, a.lease, self.clock, a._lost)
-        a.workspace = self.ws = Workspace.create(tmp_path / "attempts", a.lease.lease_id)
-        a.workspace.task_uid = os.geteuid()
-        restore.run(a)
+        self.ws = Workspace.create(tmp_path / "attempts", a.lease.lease_id)
+        self.ws.task_uid = os.geteuid()
+        a.staged = Staged(a.lease, parse_task(a.lease), self.ws)
+        restore.run(a, a.staged)
         [r] = a.during_run
         assert isinstance(r, relay.Relay)
         self.relay = r
-        self.ckpt = a.workspace.out / "ckpt"
+        self.ckpt = self.ws.out / "ckpt"
 
     def write(self, name: str, data: bytes = b"x") -> None:
         path = self.ckpt / name
