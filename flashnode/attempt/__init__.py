@@ -115,7 +115,6 @@ class Attempt:
         self.usage: dict[str, float | None] | None = None  # the task's use now, while it runs
         self.result: RunResult | None = None  # how the task ended, once it has
         self.output_sha256 = ""  # metrics.json's, as the coordinator acknowledged it
-        self.prepared = Preparation()  # what phases before the run add to its start
         self.during_run: list[Watcher] = []  # started with the task, finished after it exits
         self.cleanups: list[Callable[[], None]] = []  # run once the attempt ends, in any case
         # What phases report about themselves (env built or reused, bytes fetched, labels lent):
@@ -305,10 +304,11 @@ class Attempt:
         with self._in("stage"):
             self.staged = staged = stage.make(self, lease, task)
             stage.run(self, staged)
-        self._phase("restore", restore.run, self, staged)
-        self._phase("environment", environment.run, self, task)
-        self._phase("data", data.run, self, staged)
-        evidence = self._phase("execute", execute.run, self, staged)
+        ckpt = self._phase("restore", restore.run, self, staged)
+        venv = self._phase("environment", environment.run, self, task)
+        lent = self._phase("data", data.run, self, staged)
+        prepared = _fold(ckpt, venv, lent)
+        evidence = self._phase("execute", execute.run, self, staged, prepared)
         finished = self._phase("check", commit.check, self, staged, evidence)
         return self._phase("commit", commit.commit, self, staged, finished)
 
@@ -503,3 +503,17 @@ class Attempt:
             usage.get("cpu_percent_mean"),
             usage.get("gpu_util_percent_mean"),
         )
+
+
+def _fold(*parts: Preparation) -> Preparation:
+    """What the phases before the run each prepared for its start, as one (no two of them set
+    the same thing: the checkpoint's variables, the job environment's, the lent views)."""
+    whole = Preparation()
+    for part in parts:
+        whole.agent_env.update(part.agent_env)
+        whole.python = part.python or whole.python
+        whole.path_prefix.extend(part.path_prefix)
+        whole.environment = part.environment or whole.environment
+        whole.read_only_binds.extend(part.read_only_binds)
+        whole.module_inputs.update(part.module_inputs)
+    return whole

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from flashnode.caches import localdata
 from flashnode.errors import AttemptLapsed, DataUnavailable
-from flashnode.runners.spec import WORK
+from flashnode.runners.spec import WORK, Preparation
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -29,21 +29,25 @@ if TYPE_CHECKING:
     from flashnode.config.settings import Settings
 
 
-def run(a: Attempt, staged: Staged) -> None:
-    _lend(a, staged)
+def run(a: Attempt, staged: Staged) -> Preparation:
+    """What the task's start gets for its data: the views of the lent directories it asked for
+    (dataset slices are laid out in its workspace)."""
+    prepared = _lend(a, staged)
     _fetch(a, staged)
+    return prepared
 
 
-def _lend(a: Attempt, staged: Staged) -> None:
-    task, ws = staged.task, staged.workspace
+def _lend(a: Attempt, staged: Staged) -> Preparation:
+    task, ws, prepared = staged.task, staged.workspace, Preparation()
     if not task.local_inputs:
-        return
+        return prepared
     inputs = {i.dest for i in task.inputs}
     lent = localdata.mounts(list(task.local_inputs), a.ctx.settings.local_data, WORK, inputs)
     for mount in lent:
         (ws.inputs / mount.label).mkdir(mode=0o700)
-        a.prepared.read_only_binds.append((str(mount.source), str(mount.target)))
+        prepared.read_only_binds.append((str(mount.source), str(mount.target)))
     a.facts["local_inputs"] = [m.label for m in lent]
+    return prepared
 
 
 def _fetch(a: Attempt, staged: Staged) -> None:

@@ -40,6 +40,7 @@ from flashnode.runners.base import Handle, RunResult, SuspendFailed
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
     from flashnode.attempt.record import Staged
+    from flashnode.runners.spec import Preparation
     from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
 
 
-def run(a: Attempt, staged: Staged) -> ExecutionEvidence:
-    """The task run to its end; the evidence of a run that ended well (also in the record)."""
+def run(a: Attempt, staged: Staged, prepared: Preparation) -> ExecutionEvidence:
+    """The task run to its end, started with what the phases before prepared for it; the
+    evidence of a run that ended well (also in the record)."""
     lease, task, ws = staged.lease, staged.task, staged.workspace
     ctx, s = a.ctx, a.ctx.settings
     timeout = min(task.timeout_seconds or s.max_task_seconds, s.max_task_seconds)
@@ -73,7 +75,7 @@ def run(a: Attempt, staged: Staged) -> ExecutionEvidence:
         ctx.limits,
         a.wake.set,
         record,
-        a.prepared,
+        prepared,
         max_file_bytes=caps.bytes + 1,  # a file that size is past the cap already
     )
     a.check()

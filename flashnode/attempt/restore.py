@@ -41,7 +41,7 @@ from flashnode.coordinator.wire import (
     safe_key,
 )
 from flashnode.errors import AttemptLapsed
-from flashnode.runners.spec import WORK
+from flashnode.runners.spec import WORK, Preparation
 from flashnode.sandbox.workspace import CKPT, remove_tree
 
 if TYPE_CHECKING:
@@ -61,11 +61,13 @@ class Unusable(Exception):
     """The latest manifest cannot be resumed from; the message says why."""
 
 
-def run(a: Attempt, staged: Staged) -> None:
-    task = staged.task
+def run(a: Attempt, staged: Staged) -> Preparation:
+    """What the task's start gets for its checkpoints: the checkpoint directory, and the
+    checkpoint restored for it, if any. The relay is set to watch the run."""
+    task, prepared = staged.task, Preparation()
     if task.checkpoint is None:
-        return
-    a.prepared.agent_env["FLASHML_CHECKPOINT_DIR"] = f"{WORK}/out/{CKPT}"
+        return prepared
+    prepared.agent_env["FLASHML_CHECKPOINT_DIR"] = f"{WORK}/out/{CKPT}"
     manifest = _latest(a, staged.lease)
     restored = None
     if manifest is None:
@@ -82,9 +84,9 @@ def run(a: Attempt, staged: Staged) -> None:
                 exc,
             )
         else:
-            a.prepared.agent_env["FLASHML_RESUME"] = path
+            prepared.agent_env["FLASHML_RESUME"] = path
             if task.module is not None:
-                a.prepared.module_inputs[RESUME_INPUT] = path
+                prepared.module_inputs[RESUME_INPUT] = path
             a.record.resumed_from_step = manifest.step
             log.info(
                 "lease %s: resuming from step %d (%d file(s), %d bytes)",
@@ -94,6 +96,7 @@ def run(a: Attempt, staged: Staged) -> None:
                 sum(p.size_bytes for p, _ in files),
             )
     a.during_run.append(Relay(a, staged, restored))
+    return prepared
 
 
 def _latest(a: Attempt, lease: Lease) -> CheckpointManifest | None:
