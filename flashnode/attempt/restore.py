@@ -154,18 +154,18 @@ def _restore(
 ) -> tuple[str, tuple[str, int] | None]:
     """Fetch the checkpoint and put it in place for the task: the ``/work`` path it has there,
     and, for flashruntime's layout, its (name, step) under out/ckpt/."""
-    staged = _fetch(a, ws, files)
+    fetched = _fetch(a, ws, files)
     name = files[0][1].split("/", 1)[0]
     try:
         if _flashruntime_layout(name, [rel for _, rel in files]):
-            _retarget(a, ws, staged / name, manifest, files)
-            os.rename(staged / name, ws.out / CKPT / name)
-            remove_tree(staged)
+            _retarget(a, ws, fetched / name, manifest, files)
+            os.rename(fetched / name, ws.out / CKPT / name)
+            remove_tree(fetched)
             return f"{WORK}/out/{CKPT}/{name}", (name, manifest.step)
     except BaseException:
-        remove_tree(staged)
+        remove_tree(fetched)
         raise
-    os.rename(staged, ws.inputs / RESUME_INPUT)
+    os.rename(fetched, ws.inputs / RESUME_INPUT)
     return f"{WORK}/inputs/{RESUME_INPUT}/{name}", None
 
 
@@ -181,14 +181,14 @@ def _flashruntime_layout(name: str, rels: list[str]) -> bool:
 def _retarget(
     a: Attempt,
     ws: Workspace,
-    staged: Path,
+    directory: Path,
     manifest: CheckpointManifest,
     files: list[tuple[CheckpointPart, str]],
 ) -> None:
     """Check the fetched manifest.json against what was fetched (its step, and the sha256 of
     every part it lists), then make its ``storage_prefix`` name the directory as the task will
     see it (out/ckpt/<name>), the way flashruntime's pickers read it."""
-    path = staged / manifests.MANIFEST_NAME
+    path = directory / manifests.MANIFEST_NAME
     data = path.read_bytes()  # fetched by the agent into its own .stage/
     try:
         local = manifests.parse(data)
@@ -200,7 +200,7 @@ def _retarget(
     for part in local.parts:
         if fetched.get(part.name) != part.sha256:
             raise Unusable(f"its part {part.name!r} does not match its manifest")
-    where = a.ctx.runner.task_path(ws, f"{WORK}/out/{CKPT}/{staged.name}")
+    where = a.ctx.runner.task_path(ws, f"{WORK}/out/{CKPT}/{directory.name}")
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "wb") as fh:
         fh.write(manifests.retarget(data, where))
@@ -208,11 +208,11 @@ def _retarget(
 
 def _fetch(a: Attempt, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -> Path:
     """Download and check every part into .stage/resume/; that directory."""
-    staged = ws.stage / RESUME_INPUT
+    fetched = ws.stage / RESUME_INPUT
     try:
         for part, rel in files:
             a.check()
-            dest = staged / rel
+            dest = fetched / rel
             dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             size = _download(a, part, dest)
             if size != part.size_bytes:
@@ -220,9 +220,9 @@ def _fetch(a: Attempt, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -
             if _sha256(dest) != part.sha256:
                 raise Unusable(f"part {rel} does not match its sha256")
     except BaseException:
-        remove_tree(staged)
+        remove_tree(fetched)
         raise
-    return staged
+    return fetched
 
 
 def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:
