@@ -314,17 +314,23 @@ def test_the_ledger_and_workspace_stay_consistent_whatever_a_phase_raises(
 ) -> None:
     from flashnode.attempt import PHASES
 
-    for name, _ in PHASES:
+    # Each phase's function (the stage phase's downloads: its workspace exists by then).
+    functions = {name: f"flashnode.attempt.{name}.run" for name in PHASES}
+    functions.update(
+        check="flashnode.attempt.commit.check", commit="flashnode.attempt.commit.commit"
+    )
+    assert tuple(functions) == PHASES
+    for name, function in functions.items():
         clock = FakeClock()
         coord = FakeCoordinator(clock)
         (tmp_path / name).mkdir()
         ctx = context(tmp_path / name, clock, coord, FakeRunner())
 
-        def boom(a: Attempt, name: str = name) -> None:
+        def boom(*_: Any, name: str = name) -> None:
             raise RuntimeError(f"injected in {name}")
 
-        phases = tuple((n, boom if n == name else f) for n, f in PHASES)
-        monkeypatch.setattr("flashnode.attempt.PHASES", phases)
+        monkeypatch.undo()
+        monkeypatch.setattr(function, boom)
         outcome = Attempt(ctx, lease()).run()
         assert outcome is Outcome.FAILED, name
         [(_, reason)] = [c[2] for c in coord.calls if c[1] == "fail"]

@@ -4,9 +4,11 @@ The orchestrator only sequences phases and turns how they end into one outcome:
 
     prepare → stage → restore → environment → data → execute → check → commit
 
-Each phase is a function of the running ``Attempt`` in its own module; a new capability arrives
-as a new phase, not as a branch in an old one. Between phases, and inside every wait, the attempt
-checks whether it must stop (a lost lease, a cancel): cancellation is a state every phase sees.
+Each phase is a function in its own module, of the running ``Attempt`` (its hooks) and of what
+the phases before it made, which it is handed as arguments (``record.Staged``, the run's evidence,
+``record.Finished``); what it makes, it returns. A new capability arrives as a new phase, not as a
+branch in an old one. Between phases, and inside every wait, the attempt checks whether it must
+stop (a lost lease, a cancel): cancellation is a state every phase sees.
 
 How an attempt ends (docs/design.md §5, whose fault):
 
@@ -34,13 +36,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from flashnode.attempt import commit, data, environment, execute, prepare, restore, stage
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
-from flashnode.attempt.record import AttemptRecord, Outcome, State
-from flashnode.coordinator.wire import ExecutionEvidence, Lease, Task, parse_lease
+from flashnode.attempt.record import AttemptRecord, Outcome, Staged, State, workspace_of
+from flashnode.coordinator.wire import ExecutionEvidence, Lease, parse_lease
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -57,13 +59,14 @@ from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.spec import Preparation
 from flashnode.sandbox import logcap
-from flashnode.sandbox.workspace import OutputFile, Workspace, remove_tree
+from flashnode.sandbox.workspace import remove_tree
 
 __all__ = ["PHASES", "Attempt", "AttemptContext", "CoordinatorPort", "LeaseKeeper", "Outcome"]
 
 log = logging.getLogger(__name__)
 
-Phase = Callable[["Attempt"], None]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Watcher(Protocol):
@@ -74,20 +77,9 @@ class Watcher(Protocol):
     def finish(self, a: Attempt) -> None: ...
 
 
-PHASES: tuple[tuple[str, Phase], ...] = (
-    ("prepare", prepare.run),
-    ("stage", stage.run),
-    ("restore", restore.run),
-    ("environment", environment.run),
-    ("data", data.run),
-    ("execute", execute.run),
-    ("check", commit.check),
-    ("commit", commit.commit),
-)
-RESUME: tuple[tuple[str, Phase], ...] = (
-    ("check", commit.recheck),
-    ("commit", commit.commit),
-)
+# The phases of a claimed lease, in order (``Attempt._phases``), by the names the live view
+# and the ledger's timings give them; a result resumed from the outbox goes through the last two.
+PHASES = ("prepare", "stage", "restore", "environment", "data", "execute", "check", "commit")
 
 
 class Attempt:
@@ -113,18 +105,16 @@ class Attempt:
             slot=slot,
             claimed_at=ctx.clock.wall(),
         )
+        # None until the claim answer's envelope is read (and where it cannot be: ``_drop``).
         self.lease: Lease | None = None
-        self.task: Task | None = None
-        self.workspace: Workspace | None = None
-        self.keeper: LeaseKeeper | None = None
+        # The workspace once staged (or read back): the attempt's end seals or retires it.
+        self.staged: Staged | None = None
+        self.keeper: LeaseKeeper | None = None  # renews the lease while the phases run
         self.devices: list[Device] = list(reserved or [])
-        self.handle: Handle | None = None
+        self.handle: Handle | None = None  # the task, once started
         self.usage: dict[str, float | None] | None = None  # the task's use now, while it runs
-        self.result: RunResult | None = None
-        self.files: list[OutputFile] = []
-        self.output_sha256 = ""
-        self.outcome: tuple[Outcome, str] | None = None  # set by the commit phase
-        self.prepared = Preparation()  # what phases before the run add to its start
+        self.result: RunResult | None = None  # how the task ended, once it has
+        self.output_sha256 = ""  # metrics.json's, as the coordinator acknowledged it
         self.during_run: list[Watcher] = []  # started with the task, finished after it exits
         self.cleanups: list[Callable[[], None]] = []  # run once the attempt ends, in any case
         # What phases report about themselves (env built or reused, bytes fetched, labels lent):
@@ -158,9 +148,10 @@ class Attempt:
 
     def snapshot(self) -> dict[str, Any]:
         """For status.json (``flashnode status``): times are wall clock, so that a reader can
-        say how long ago or how long from now."""
+        say how long ago or how long from now. Empty for an attempt whose lease is not read."""
         lease = self.lease
-        assert lease is not None
+        if lease is None:
+            return {}
         clock = self.ctx.clock
         now, wall = clock.monotonic(), clock.wall()
         keeper, since = self.keeper, self.suspended_since
@@ -248,12 +239,10 @@ class Attempt:
     def cancelled(self) -> AttemptFailed | AttemptLapsed | None:
         return self._ending
 
-    def save(self, state: State | None = None, durable: bool = False, **fields: Any) -> None:
-        """Update the record and write it to the outbox."""
-        if state is not None:
-            self.record.state = state
-        for key, value in fields.items():
-            setattr(self.record, key, value)
+    def save(self, state: State, durable: bool = False) -> None:
+        """Move the record to ``state`` and write it to the outbox (what a phase changed in
+        ``record`` with it)."""
+        self.record.state = state
         self.ctx.outbox.write(self.record, durable=durable)
 
     @contextlib.contextmanager
@@ -274,10 +263,9 @@ class Attempt:
 
     def run(self) -> Outcome:
         """Claim to commit, for a freshly claimed lease."""
-        if not self._parse():
+        lease = self._parse()
+        if lease is None:
             return self._drop()
-        lease = self.lease
-        assert lease is not None
         log.info(
             "lease %s: claimed %s/%s (attempt %d)",
             lease.lease_id,
@@ -285,53 +273,81 @@ class Attempt:
             lease.task_id,
             lease.attempt_number,
         )
-        return self._guarded(PHASES)
+        return self._guarded(lease, self._phases)
 
     def resume(self) -> Outcome:
         """Upload and commit an attempt that finished before the agent restarted (the outbox).
         The outputs are checked again; if the lease died meanwhile, the result is lost."""
-        if not self._parse():
+        lease = self._parse()
+        if lease is None:
             return self._drop()
         log.info("lease %s: resuming the commit of a finished attempt", self.lease_id)
-        return self._guarded(RESUME)
+        return self._guarded(lease, self._resumed)
 
     def abandon(self, reason: str) -> Outcome:
         """End an attempt a previous run of the agent left unfinished (its processes were
         reaped): not the task's fault, so its lease is left to lapse; nothing is run."""
-        if not self._parse():
+        lease = self._parse()
+        if lease is None:
             return self._drop()
-        assert self.lease is not None
-        log.warning("lease %s: %s; letting its lease lapse", self.lease_id, reason)
-        Workspace(self.ctx.settings.state_dir / "attempts" / self.lease.lease_id).remove()
-        self.ctx.outbox.remove(self.lease.lease_id)
+        log.warning("lease %s: %s; letting its lease lapse", lease.lease_id, reason)
+        workspace_of(self.ctx.settings.state_dir, lease.lease_id).remove()
+        self.ctx.outbox.remove(lease.lease_id)
         self._record(Outcome.LAPSED, reason)
         return Outcome.LAPSED
 
+    # --- the phases ---------------------------------------------------------------------------
+
+    def _phases(self, lease: Lease) -> tuple[Outcome, str]:
+        """Claim to commit: each phase is handed what the phases before it made."""
+        task = self._phase("prepare", prepare.run, self, lease)
+        with self._in("stage"):
+            self.staged = staged = stage.make(self, lease, task)
+            stage.run(self, staged)
+        ckpt = self._phase("restore", restore.run, self, staged)
+        venv = self._phase("environment", environment.run, self, task)
+        lent = self._phase("data", data.run, self, staged)
+        prepared = _fold(ckpt, venv, lent)
+        evidence = self._phase("execute", execute.run, self, staged, prepared)
+        finished = self._phase("check", commit.check, self, staged, evidence)
+        return self._phase("commit", commit.commit, self, staged, finished)
+
+    def _resumed(self, lease: Lease) -> tuple[Outcome, str]:
+        """A finished result from the outbox: what the first path staged and spooled is read
+        back from its record, checked again, and committed."""
+        with self._in("check"):
+            self.staged = staged = Staged.read_back(lease, self.record, self.ctx.settings.state_dir)
+            finished = commit.recheck(self, staged)
+        return self._phase("commit", commit.commit, self, staged, finished)
+
+    def _phase(self, name: str, phase: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._in(name):
+            return phase(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _in(self, name: str) -> Iterator[None]:
+        """One phase: entered only while the attempt goes on, and timed."""
+        self.check()
+        with self.timed(name):
+            yield
+
     # --- the guard ----------------------------------------------------------------------------
 
-    def _parse(self) -> bool:
+    def _parse(self) -> Lease | None:
         try:
             self.lease = parse_lease(self.data)
         except ValueError as exc:
             self._drop_reason = str(exc)
-            return False
-        return True
+        return self.lease
 
-    def _guarded(self, phases: tuple[tuple[str, Phase], ...]) -> Outcome:
-        assert self.lease is not None
-        lease = self.lease
-        self.keeper = LeaseKeeper(
+    def _guarded(self, lease: Lease, phases: Callable[[Lease], tuple[Outcome, str]]) -> Outcome:
+        self.keeper = keeper = LeaseKeeper(
             self.ctx.coordinator, lease, self.ctx.clock, self._lost, self.ctx.rng
         )
-        self.ctx.start_thread(self.keeper.run, f"keeper-{lease.lease_id}")
+        self.ctx.start_thread(keeper.run, f"keeper-{lease.lease_id}")
         outcome, reason = Outcome.FAILED, ""
         try:
-            for name, phase in phases:
-                self.check()
-                with self.timed(name):
-                    phase(self)
-            assert self.outcome is not None
-            outcome, reason = self.outcome
+            outcome, reason = phases(lease)
         except (LeaseLost, CredentialsError) as exc:
             outcome, reason = self._lost_reason(exc)
         except Cancelled:
@@ -349,7 +365,7 @@ class Attempt:
                 outcome, reason = commit.report_failure(self, f"agent error ({type(exc).__name__})")
         finally:
             ended = time.monotonic()
-            self.keeper.stop()
+            keeper.stop()
             execute.release(self)
             for cleanup in reversed(self.cleanups):
                 try:
@@ -360,14 +376,14 @@ class Attempt:
         if keep:
             log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)
             try:
-                if self.workspace is not None:
-                    self.workspace.seal()
+                if self.staged is not None:
+                    self.staged.workspace.seal()
             except OSError as exc:  # the result stays: it is checked again when committed
                 log.error("lease %s: cannot seal its workspace: %s", lease.lease_id, exc)
         else:
             try:
-                if self.workspace is not None:
-                    retired = self.workspace.retire()
+                if self.staged is not None:
+                    retired = self.staged.workspace.retire()
                     if retired is not None:
                         self._keep_logs(retired / "logs")
                         self.ctx.later(lambda: remove_tree(retired))
@@ -392,8 +408,7 @@ class Attempt:
         self.wake.set()
 
     def _lost_reason(self, exc: Exception) -> tuple[Outcome, str]:
-        assert self.keeper is not None
-        reason = self.keeper.reason or str(exc) or "lease lost"
+        reason = (self.keeper.reason if self.keeper else "") or str(exc) or "lease lost"
         log.warning("lease %s: lost, nothing more is reported: %s", self.lease_id, reason)
         return Outcome.LOST, reason
 
@@ -488,3 +503,17 @@ class Attempt:
             usage.get("cpu_percent_mean"),
             usage.get("gpu_util_percent_mean"),
         )
+
+
+def _fold(*parts: Preparation) -> Preparation:
+    """What the phases before the run each prepared for its start, as one (no two of them set
+    the same thing: the checkpoint's variables, the job environment's, the lent views)."""
+    whole = Preparation()
+    for part in parts:
+        whole.agent_env.update(part.agent_env)
+        whole.python = part.python or whole.python
+        whole.path_prefix.extend(part.path_prefix)
+        whole.environment = part.environment or whole.environment
+        whole.read_only_binds.extend(part.read_only_binds)
+        whole.module_inputs.update(part.module_inputs)
+    return whole

@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from flashnode.attempt.record import Outcome, State
+from flashnode.attempt.record import Finished, Outcome, State
 from flashnode.attempt.transfer import transfer
 from flashnode.coordinator import retry, validators
 from flashnode.coordinator.checks import check_fedavg
-from flashnode.coordinator.wire import SAFE_ID, parse_task
+from flashnode.coordinator.wire import SAFE_ID
 from flashnode.errors import (
     AttemptFailed,
     Cancelled,
@@ -41,6 +41,8 @@ from flashnode.sanitise import sanitise
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
     from flashnode.attempt.context import AttemptContext
+    from flashnode.attempt.record import Staged
+    from flashnode.coordinator.wire import ExecutionEvidence, Task
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +55,12 @@ T = TypeVar("T")
 # --- check ---------------------------------------------------------------------------------
 
 
-def check(a: Attempt) -> None:
+def check(a: Attempt, staged: Staged, evidence: ExecutionEvidence) -> Finished:
     """The outputs of a run that ended well, checked, then the result spooled durably."""
-    assert a.workspace is not None
-    a.files = files = _checked_outputs(a, a.workspace)
+    finished = _finished(a, staged, evidence)
+    finished.spool(a.record)
     try:
-        a.save(
-            State.FINISHED,
-            durable=True,
-            outputs={f.rel: f.size for f in files},
-            metrics_sha256=_sha256(a.workspace, files[-1]),
-        )
+        a.save(State.FINISHED, durable=True)
     except OSError as exc:
         if disk_full(exc) is None:
             raise
@@ -75,24 +72,29 @@ def check(a: Attempt) -> None:
             " durable record",
             a.lease_id,
         )
+    return finished
 
 
-def recheck(a: Attempt) -> None:
-    """For a result found in the outbox after a restart: the outputs must be the ones spooled."""
-    assert a.lease is not None
-    a.task = parse_task(a.lease)
-    a.workspace = ws = Workspace(
-        a.ctx.settings.state_dir / "attempts" / a.lease.lease_id, a.record.task_uid
-    )
-    a.files = files = _checked_outputs(a, ws)
-    if {f.rel: f.size for f in files} != a.record.outputs or _sha256(
-        ws, files[-1]
-    ) != a.record.metrics_sha256:
+def recheck(a: Attempt, staged: Staged) -> Finished:
+    """For a result found in the outbox after a restart (``staged`` read back from its record):
+    the outputs, checked again, must be the ones spooled."""
+    evidence = a.record.evidence
+    if evidence is None:  # spooled with the outputs (execute, then check): the record is broken
+        raise AttemptFailed("the spooled result has no evidence of its run")
+    finished = _finished(a, staged, evidence)
+    if not finished.spooled(a.record):
         raise AttemptFailed("outputs changed on disk after the attempt finished")
+    return finished
 
 
-def _checked_outputs(a: Attempt, ws: Workspace) -> list[OutputFile]:
-    assert a.task is not None
+def _finished(a: Attempt, staged: Staged, evidence: ExecutionEvidence) -> Finished:
+    """The outputs walked and checked, and the sha256 of metrics.json (the last of them)."""
+    ws = staged.workspace
+    files = _checked_outputs(a, staged.task, ws)
+    return Finished(evidence, files, _sha256(ws, files[-1]))
+
+
+def _checked_outputs(a: Attempt, task: Task, ws: Workspace) -> list[OutputFile]:
     s = a.ctx.settings
     files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes, s.max_output_files)
     by_name = {f.rel: f for f in files}
@@ -105,9 +107,7 @@ def _checked_outputs(a: Attempt, ws: Workspace) -> list[OutputFile]:
     with ws.open_output(metrics_file) as fh:
         data = fh.read()
     try:
-        refused = validators.problem(
-            data, a.task.workload_type, a.task.validators, a.ctx.schema_check
-        )
+        refused = validators.problem(data, task.workload_type, task.validators, a.ctx.schema_check)
     except validators.Unchecked as exc:
         log.warning(
             "lease %s: the declared json_schema is left to the coordinator: %s", a.lease_id, exc
@@ -147,28 +147,27 @@ def _sha256(ws: Workspace, f: OutputFile) -> str:
 # --- commit --------------------------------------------------------------------------------
 
 
-def commit(a: Attempt) -> None:
-    """Upload the logs and every output (metrics.json last), then complete."""
-    assert a.task is not None and a.workspace is not None and a.record.evidence is not None
-    ws, prefix = a.workspace, a.task.output_prefix
+def commit(a: Attempt, staged: Staged, finished: Finished) -> tuple[Outcome, str]:
+    """Upload the logs and every output (metrics.json last), then complete: the attempt's
+    outcome and its reason."""
+    ws, prefix = staged.workspace, staged.task.output_prefix
     with a.timed("commit.upload", phase=False):
         for name in LOGS:
             _upload(a, f"{prefix}logs/{name}", lambda n=name: _log_file(ws, n))  # type: ignore[misc]
-        for f in a.files:
+        for f in finished.files:
             sha = _upload(a, prefix + f.rel, lambda f=f: _output(ws, f))  # type: ignore[misc]
             if f.rel == "metrics.json" and sha is not None:
                 a.output_sha256 = sha
-    evidence, sha = a.record.evidence, a.output_sha256
+    evidence, sha = finished.evidence, a.output_sha256
     with a.timed("commit.complete", phase=False):
         accepted, detail = _retrying(
             a, "complete", lambda: a.ctx.coordinator.complete(a.lease_id, sha, evidence)
         )
     if accepted:
         log.info("lease %s: committed, accepted", a.lease_id)
-        a.outcome = (Outcome.COMMITTED, "")
-    else:
-        log.warning("lease %s: commit not accepted (final): %s", a.lease_id, detail or "-")
-        a.outcome = (Outcome.REJECTED, detail)
+        return Outcome.COMMITTED, ""
+    log.warning("lease %s: commit not accepted (final): %s", a.lease_id, detail or "-")
+    return Outcome.REJECTED, detail
 
 
 Opened = AbstractContextManager["tuple[BinaryIO, int] | None"]
@@ -219,8 +218,9 @@ def report_failure(a: Attempt, reason: str) -> tuple[Outcome, str]:
     if a.keeper is not None and a.keeper.lost.is_set():
         return Outcome.LOST, a.keeper.reason
     log.warning("lease %s: failed: %s", a.lease_id, reason)
-    if a.handle is not None and a.task is not None and a.workspace is not None:
-        _upload_logs_best_effort(a, a.task.output_prefix, a.workspace)
+    staged = a.staged
+    if a.handle is not None and staged is not None:
+        _upload_logs_best_effort(a, staged.task.output_prefix, staged.workspace)
     stop = a.keeper.lost if a.keeper is not None else threading.Event()
     try:
         transfer(a, "fail", lambda: a.ctx.coordinator.fail(a.lease_id, reason), stop=stop)

@@ -21,44 +21,46 @@ from typing import TYPE_CHECKING
 
 from flashnode.caches import localdata
 from flashnode.errors import AttemptLapsed, DataUnavailable
-from flashnode.runners.spec import WORK
+from flashnode.runners.spec import WORK, Preparation
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
+    from flashnode.attempt.record import Staged
     from flashnode.config.settings import Settings
 
 
-def run(a: Attempt) -> None:
-    _lend(a)
-    _fetch(a)
+def run(a: Attempt, staged: Staged) -> Preparation:
+    """What the task's start gets for its data: the views of the lent directories it asked for
+    (dataset slices are laid out in its workspace)."""
+    prepared = _lend(a, staged)
+    _fetch(a, staged)
+    return prepared
 
 
-def _lend(a: Attempt) -> None:
-    assert a.task is not None and a.workspace is not None
-    task, ws = a.task, a.workspace
+def _lend(a: Attempt, staged: Staged) -> Preparation:
+    task, ws, prepared = staged.task, staged.workspace, Preparation()
     if not task.local_inputs:
-        return
-    staged = {i.dest for i in task.inputs}
-    lent = localdata.mounts(list(task.local_inputs), a.ctx.settings.local_data, WORK, staged)
+        return prepared
+    inputs = {i.dest for i in task.inputs}
+    lent = localdata.mounts(list(task.local_inputs), a.ctx.settings.local_data, WORK, inputs)
     for mount in lent:
         (ws.inputs / mount.label).mkdir(mode=0o700)
-        a.prepared.read_only_binds.append((str(mount.source), str(mount.target)))
+        prepared.read_only_binds.append((str(mount.source), str(mount.target)))
     a.facts["local_inputs"] = [m.label for m in lent]
+    return prepared
 
 
-def _fetch(a: Attempt) -> None:
-    assert a.task is not None and a.workspace is not None
-    entries, cache = a.task.datasets, a.ctx.data
+def _fetch(a: Attempt, staged: Staged) -> None:
+    entries, cache = staged.task.datasets, a.ctx.data
     if not entries:
         return
     needed = sum(e.size for e in entries)
-    budget = cache.budget_bytes if cache is not None else 0
-    if needed > budget:
+    if cache is None or needed > cache.budget_bytes:
         # The coordinator placed it by the budget this node advertised: smaller now (reloaded).
+        budget = cache.budget_bytes if cache is not None else 0
         raise AttemptLapsed(
             f"dataset slices need {needed} bytes; this node's dataset cache holds {budget}"
         )
-    assert cache is not None
     started = a.ctx.clock.monotonic()
     try:
         handles = cache.acquire_all(entries, stop=a.stop)
@@ -68,7 +70,7 @@ def _fetch(a: Attempt) -> None:
     for handle in handles:
         a.cleanups.append(handle.release)
     a.check()
-    cache.layout(handles, a.workspace.data, task_uid=_task_uid(a.ctx.settings))
+    cache.layout(handles, staged.workspace.data, task_uid=_task_uid(a.ctx.settings))
     fetched = [h for h in handles if h.fetched]
     a.facts["data"] = {
         "entries": len(handles),

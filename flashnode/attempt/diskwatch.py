@@ -241,16 +241,17 @@ class DiskWatch:
             )
         if space.full():
             return True
-        lost, room = _lost(last.space, space), self._room(space)
+        lost, room = _lost(last.space, space), self._room(last, space)
         return any(gone * 2 > whole for gone, whole in zip(lost, room, strict=True))
 
     def next_in(self, space: Space | None) -> float:
         """Seconds until the next reading: ``SPACE_S``, or sooner while the disk loses what
         the task may still write fast (half of it by then, at the present rate)."""
-        if space is None or self.last is None:
+        last = self.last
+        if space is None or last is None:
             return SPACE_S
         soon = SPACE_S
-        for left, rate in zip(self._left(space), self._rate, strict=True):
+        for left, rate in zip(self._left(last, space), self._rate, strict=True):
             if rate > 0:
                 soon = min(soon, max(SPACE_MIN_S, left / rate / 2))
         return soon
@@ -258,25 +259,24 @@ class DiskWatch:
     def risky(self, space: Space | None) -> bool:
         """Whether a walk as long as the last one would give the task, at the rate the disk
         loses space, the time to write half of what it may still write: then it is frozen."""
-        if space is None or self.last is None:
+        last = self.last
+        if space is None or last is None:
             return False
-        left = self._left(space)
+        left = self._left(last, space)
         return any(
             rate * self._walk_s * 2 > room for rate, room in zip(self._rate, left, strict=True)
         )
 
-    def _room(self, space: Space) -> tuple[float, float]:
-        """What the task could still write at the last walk (inodes: unlimited where the disk
-        has no fixed number of them)."""
-        assert self.last is not None
-        files = self.caps.files - self.last.files if space.total_inodes else math.inf
-        return self.caps.bytes - self.last.bytes, files
+    def _room(self, last: Look, space: Space) -> tuple[float, float]:
+        """What the task could still write at the ``last`` walk (inodes: unlimited where the
+        disk has no fixed number of them)."""
+        files = self.caps.files - last.files if space.total_inodes else math.inf
+        return self.caps.bytes - last.bytes, files
 
-    def _left(self, space: Space) -> tuple[float, float]:
-        """What the task may still write now, were everything the disk lost since the last
+    def _left(self, last: Look, space: Space) -> tuple[float, float]:
+        """What the task may still write now, were everything the disk lost since the ``last``
         walk its own."""
-        assert self.last is not None
-        room, lost = self._room(space), _lost(self.last.space, space)
+        room, lost = self._room(last, space), _lost(last.space, space)
         return room[0] - lost[0], room[1] - lost[1]
 
 

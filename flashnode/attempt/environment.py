@@ -18,19 +18,21 @@ import sys
 from typing import TYPE_CHECKING
 
 from flashnode.errors import AttemptLapsed
+from flashnode.runners.spec import Preparation
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
+    from flashnode.coordinator.wire import Task
 
 # A task that names no ``python``: the version of the interpreter the agent runs under.
 DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def run(a: Attempt) -> None:
-    assert a.task is not None
-    task, ctx = a.task, a.ctx
+def run(a: Attempt, task: Task) -> Preparation:
+    """What the task's start gets for its job environment (nothing, where it has none)."""
+    ctx, prepared = a.ctx, Preparation()
     if not task.dependencies or not ctx.runner.installs_dependencies:
-        return
+        return prepared
     if ctx.envs is None:
         raise AttemptLapsed("this node builds no job environments")
     python = task.python or DEFAULT_PYTHON
@@ -47,9 +49,10 @@ def run(a: Attempt) -> None:
         "built": env.built,
         "build_seconds": round(env.build_seconds, 3),
     }
-    a.prepared.environment = str(env.path)
+    prepared.environment = str(env.path)
     if task.module is not None:
-        a.prepared.python = str(env.python)
+        prepared.python = str(env.python)
     else:
-        a.prepared.path_prefix.insert(0, str(env.path / "bin"))
-        a.prepared.agent_env["VIRTUAL_ENV"] = str(env.path)
+        prepared.path_prefix.append(str(env.path / "bin"))
+        prepared.agent_env["VIRTUAL_ENV"] = str(env.path)
+    return prepared

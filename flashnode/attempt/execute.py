@@ -35,10 +35,13 @@ from flashnode.coordinator.wire import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
 from flashnode.runners import spec as specs
-from flashnode.runners.base import RunResult, SuspendFailed
+from flashnode.runners.base import Handle, RunResult, SuspendFailed
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
+    from flashnode.attempt.record import Staged
+    from flashnode.runners.spec import Preparation
+    from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -47,31 +50,32 @@ WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
 
 
-def run(a: Attempt) -> None:
-    assert a.lease is not None and a.task is not None and a.workspace is not None
+def run(a: Attempt, staged: Staged, prepared: Preparation) -> ExecutionEvidence:
+    """The task run to its end, started with what the phases before prepared for it; the
+    evidence of a run that ended well (also in the record)."""
+    lease, task, ws = staged.lease, staged.task, staged.workspace
     ctx, s = a.ctx, a.ctx.settings
-    timeout = min(a.task.timeout_seconds or s.max_task_seconds, s.max_task_seconds)
+    timeout = min(task.timeout_seconds or s.max_task_seconds, s.max_task_seconds)
     cpu = ctx.cpu_window()
 
     def record(identity: dict[str, Any]) -> None:
-        a.save(
-            State.RUNNING, process=identity, task_uid=a.workspace.task_uid if a.workspace else None
-        )
+        a.record.process, a.record.task_uid = identity, ws.task_uid
+        a.save(State.RUNNING)
 
-    space, use = ctx.space(), a.workspace.usage()
+    space, use = ctx.space(), ws.usage()
     caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
     start = specs.build(
-        a.task,
-        a.lease.job_id,
-        a.lease.lease_id,
+        task,
+        lease.job_id,
+        lease.lease_id,
         a.record.slot,
-        a.workspace,
+        ws,
         a.devices,
         bool(ctx.gpus.devices),
         ctx.limits,
         a.wake.set,
         record,
-        a.prepared,
+        prepared,
         max_file_bytes=caps.bytes + 1,  # a file that size is past the cap already
     )
     a.check()
@@ -97,7 +101,8 @@ def run(a: Attempt) -> None:
     t0, cpu0 = sampler.cpu_start
     stopped: Exception | None = None
     first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
-    waited = _Wait(a, timeout, t0, DiskWatch(caps, first))
+    max_suspend = s.max_suspend_seconds or lease.window
+    waited = _Wait(a, handle, ws, timeout, max_suspend, t0, DiskWatch(caps, first))
     try:
         with a.timed("execute.wait", phase=False):
             stopped = waited.run()
@@ -124,7 +129,7 @@ def run(a: Attempt) -> None:
         ),
         "gpu_util_percent_mean": task_gpu,
     }
-    a.record.evidence = ExecutionEvidence(
+    a.record.evidence = evidence = ExecutionEvidence(
         wall_seconds=round(wall, 4),
         cpu_percent_mean=cpu.stop(),
         gpu_util_percent_mean=host_gpu,
@@ -135,7 +140,7 @@ def run(a: Attempt) -> None:
     if stopped is not None:
         raise stopped
     # What it left, with nothing of it running any more: written faster than a watch.
-    over = over_caps(a.workspace.usage(), 0, s, caps)
+    over = over_caps(ws.usage(), 0, s, caps)
     if over is not None:
         raise over
     if result.status != 0 or result.cause or result.oom:
@@ -143,20 +148,28 @@ def run(a: Attempt) -> None:
         if full is not None:
             raise full
     _verdict(result)
+    return evidence
 
 
 class _Wait:
     """Until the main process exits; stops it (and says why) on a lost lease, a cancel, the
     timeout, files past their caps, a full disk, or a suspension that lasts too long."""
 
-    def __init__(self, a: Attempt, timeout: float, t0: float, disk: DiskWatch) -> None:
-        assert a.lease is not None
-        self.a, self.timeout, self.disk = a, timeout, disk
+    def __init__(
+        self,
+        a: Attempt,
+        handle: Handle,
+        ws: Workspace,
+        timeout: float,
+        max_suspend: float,
+        t0: float,
+        disk: DiskWatch,
+    ) -> None:
+        self.a, self.handle, self.ws, self.timeout, self.disk = a, handle, ws, timeout, disk
         self.deadline = t0 + timeout
         self.next_watch = t0 + WATCH_S
         self.next_space = t0
-        s = a.ctx.settings
-        self.max_suspend = s.max_suspend_seconds or a.lease.window
+        self.max_suspend = max_suspend
         self.suspended_at: float | None = None
         self._suspended = 0.0  # seconds suspended before the present suspension
 
@@ -165,9 +178,8 @@ class _Wait:
         return self._suspended + ongoing
 
     def run(self) -> Exception | None:
-        a = self.a
-        assert a.handle is not None and a.workspace is not None
-        ctx, s, handle = a.ctx, a.ctx.settings, a.handle
+        a, handle = self.a, self.handle
+        ctx, s = a.ctx, a.ctx.settings
         while not handle.exited():
             now = ctx.clock.monotonic()
             if a.keeper is not None and a.keeper.lost.is_set():
@@ -208,9 +220,8 @@ class _Wait:
         """Walk the task's files (frozen meanwhile, where it can be and is not suspended
         already) and read the disk; the ending when a cap is passed (the task is killed: it
         must not write on) or the disk is full and the task's files do not explain it."""
-        a = self.a
-        assert a.handle is not None and a.workspace is not None
-        handle, clock, s = a.handle, a.ctx.clock, a.ctx.settings
+        a, handle = self.a, self.handle
+        clock, s = a.ctx.clock, a.ctx.settings
         started = clock.monotonic()
         froze = False
         if frozen and self.suspended_at is None:
@@ -221,7 +232,7 @@ class _Wait:
                 log.warning("lease %s: %s, to measure its files", a.lease_id, exc)
         try:
             space = a.ctx.space()  # first: what the task writes during the walk counts twice
-            usage, held = a.workspace.usage(), handle.disk_bytes()
+            usage, held = self.ws.usage(), handle.disk_bytes()
         except (AttemptFailed, AttemptLapsed) as exc:
             handle.terminate(0.0)
             return exc
@@ -252,8 +263,7 @@ class _Wait:
     def _suspension(self, now: float) -> AttemptLapsed | None:
         """Suspend or resume as the owner's controls ask; the ending of a suspension that
         lasted too long or could not be done."""
-        a, handle = self.a, self.a.handle
-        assert handle is not None
+        a, handle = self.a, self.handle
         reason = a.suspend_reason
         if reason is not None and self.suspended_at is None:
             try:

@@ -15,11 +15,12 @@ from flashnode.errors import AttemptFailed, AttemptLapsed
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
+    from flashnode.coordinator.wire import Lease, Task
 
 
-def run(a: Attempt) -> None:
-    assert a.lease is not None
-    a.task = task = parse_task(a.lease)
+def run(a: Attempt, lease: Lease) -> Task:
+    """The lease's task, checked by the runner, its GPUs held (in ``a.devices``)."""
+    task = parse_task(lease)
     a.ctx.runner.check(task)
     if len(a.devices) != task.gpus:
         a.ctx.gpus.release(a.devices)
@@ -32,3 +33,4 @@ def run(a: Attempt) -> None:
             if task.gpus <= len(a.ctx.gpus.devices):
                 raise AttemptLapsed(str(exc)) from None
             raise
+    return task

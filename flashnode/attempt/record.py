@@ -1,19 +1,31 @@
-"""The typed record of one attempt: what the outbox stores and every phase reads.
+"""The typed record of one attempt: what the outbox stores and every phase reads; and the typed
+values the phases hand each other.
 
 An attempt moves through ``State`` while it lives (each change written to the outbox), and ends in
 exactly one ``Outcome`` (one ledger line). After an agent restart, the state says what to do:
 ``finished`` results are committed (their outputs were checked and spooled); anything earlier is
 reaped and left to lapse, since that ending is not the task's fault.
+
+Between phases (``attempt/__init__.py``), what one phase made is the next one's argument:
+the stage phase makes a ``Staged`` (the lease, its task, the workspace), the check phase a
+``Finished`` (the run's evidence and its checked outputs) that the commit uploads. A result
+resumed from the outbox reads both back from its record (``Staged.read_back``,
+``Finished.spooled``), through what the first path wrote, never rebuilt by hand.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashnode.coordinator.wire import ExecutionEvidence
+from flashnode.coordinator.wire import ExecutionEvidence, Lease, Task, parse_task
+from flashnode.sandbox.workspace import OutputFile, Workspace
+
+ATTEMPTS = "attempts"  # the state dir's folder of workspaces, one per lease
 
 
 class State(str, enum.Enum):
@@ -56,3 +68,55 @@ class AttemptRecord(BaseModel):
     def lease_id(self) -> str:
         value = self.lease.get("lease_id")
         return value if isinstance(value, str) else ""
+
+
+def workspace_of(state_dir: Path, lease_id: str, task_uid: int | None = None) -> Workspace:
+    """The workspace the stage phase made for ``lease_id`` (``Staged.make``): to read a result
+    back from, or to remove what an earlier run of the agent left."""
+    return Workspace(state_dir / ATTEMPTS / lease_id, task_uid)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What every phase after staging works on: the lease, its task, and its workspace."""
+
+    lease: Lease
+    task: Task
+    workspace: Workspace
+
+    @classmethod
+    def make(cls, lease: Lease, task: Task, state_dir: Path) -> Staged:
+        """A fresh, empty workspace for a claimed lease (the stage phase)."""
+        return cls(lease, task, Workspace.create(state_dir / ATTEMPTS, lease.lease_id))
+
+    @classmethod
+    def read_back(cls, lease: Lease, record: AttemptRecord, state_dir: Path) -> Staged:
+        """What the first path staged, from a record read back from the outbox: the task the
+        prepare phase parsed (``parse_task``, the same function), the workspace the stage phase
+        made, and who the execute phase recorded as the writer of its ``out/``."""
+        return cls(
+            lease, parse_task(lease), workspace_of(state_dir, lease.lease_id, record.task_uid)
+        )
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The run's result, checked (the check phase): its evidence and its outputs, what the
+    commit uploads (``metrics.json``, the commit anchor, last) and completes with."""
+
+    evidence: ExecutionEvidence
+    files: list[OutputFile]
+    metrics_sha256: str
+
+    @property
+    def outputs(self) -> dict[str, int]:
+        """Each output's path under ``out/`` and size, as spooled in the record."""
+        return {f.rel: f.size for f in self.files}
+
+    def spool(self, record: AttemptRecord) -> None:
+        """Write into ``record`` what a restarted agent checks the outputs against again."""
+        record.outputs, record.metrics_sha256 = self.outputs, self.metrics_sha256
+
+    def spooled(self, record: AttemptRecord) -> bool:
+        """Whether these are the outputs ``spool`` wrote into ``record``."""
+        return record.outputs == self.outputs and record.metrics_sha256 == self.metrics_sha256

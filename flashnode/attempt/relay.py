@@ -56,6 +56,7 @@ from flashnode.sandbox.workspace import CKPT, Checkpoint, OutputFile
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
+    from flashnode.attempt.record import Staged
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,10 +81,9 @@ class Relay:
     ``restored``: the (name, step) of the checkpoint restored into out/ckpt/ for the task, in
     flashruntime's layout: only newer ones are shipped."""
 
-    def __init__(self, a: Attempt, restored: tuple[str, int] | None = None) -> None:
-        assert a.lease is not None and a.task is not None and a.workspace is not None
+    def __init__(self, a: Attempt, staged: Staged, restored: tuple[str, int] | None = None) -> None:
         self._a = a
-        self._lease, self._task, self._ws = a.lease, a.task, a.workspace
+        self._lease, self._task, self._ws = staged.lease, staged.task, staged.workspace
         self._lost = a.keeper.lost if a.keeper is not None else threading.Event()
         self._lock = threading.Lock()
         self._wake = threading.Event()

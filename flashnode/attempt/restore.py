@@ -41,13 +41,16 @@ from flashnode.coordinator.wire import (
     safe_key,
 )
 from flashnode.errors import AttemptLapsed
-from flashnode.runners.spec import WORK
+from flashnode.runners.spec import WORK, Preparation
 from flashnode.sandbox.workspace import CKPT, remove_tree
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from flashnode.attempt import Attempt
+    from flashnode.attempt.record import Staged
+    from flashnode.coordinator.wire import Lease
+    from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +61,21 @@ class Unusable(Exception):
     """The latest manifest cannot be resumed from; the message says why."""
 
 
-def run(a: Attempt) -> None:
-    assert a.lease is not None and a.task is not None and a.workspace is not None
-    if a.task.checkpoint is None:
-        return
-    a.prepared.agent_env["FLASHML_CHECKPOINT_DIR"] = f"{WORK}/out/{CKPT}"
-    manifest = _latest(a)
+def run(a: Attempt, staged: Staged) -> Preparation:
+    """What the task's start gets for its checkpoints: the checkpoint directory, and the
+    checkpoint restored for it, if any. The relay is set to watch the run."""
+    task, prepared = staged.task, Preparation()
+    if task.checkpoint is None:
+        return prepared
+    prepared.agent_env["FLASHML_CHECKPOINT_DIR"] = f"{WORK}/out/{CKPT}"
+    manifest = _latest(a, staged.lease)
     restored = None
     if manifest is None:
         log.info("lease %s: no checkpoint yet; starting from the beginning", a.lease_id)
     else:
         try:
-            files = _layout(manifest, a.task.output_prefix, a.ctx.settings.max_checkpoint_bytes)
-            path, restored = _restore(a, manifest, files)
+            files = _layout(manifest, task.output_prefix, a.ctx.settings.max_checkpoint_bytes)
+            path, restored = _restore(a, staged.workspace, manifest, files)
         except Unusable as exc:
             log.warning(
                 "lease %s: checkpoint step %d is not usable (%s); starting from scratch",
@@ -79,9 +84,9 @@ def run(a: Attempt) -> None:
                 exc,
             )
         else:
-            a.prepared.agent_env["FLASHML_RESUME"] = path
-            if a.task.module is not None:
-                a.prepared.module_inputs[RESUME_INPUT] = path
+            prepared.agent_env["FLASHML_RESUME"] = path
+            if task.module is not None:
+                prepared.module_inputs[RESUME_INPUT] = path
             a.record.resumed_from_step = manifest.step
             log.info(
                 "lease %s: resuming from step %d (%d file(s), %d bytes)",
@@ -90,12 +95,11 @@ def run(a: Attempt) -> None:
                 len(files),
                 sum(p.size_bytes for p, _ in files),
             )
-    a.during_run.append(Relay(a, restored))
+    a.during_run.append(Relay(a, staged, restored))
+    return prepared
 
 
-def _latest(a: Attempt) -> CheckpointManifest | None:
-    assert a.lease is not None
-    lease = a.lease
+def _latest(a: Attempt, lease: Lease) -> CheckpointManifest | None:
     ladder = Ladder(
         gave_up=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
         refused=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
@@ -143,24 +147,25 @@ def _layout(
 
 
 def _restore(
-    a: Attempt, manifest: CheckpointManifest, files: list[tuple[CheckpointPart, str]]
+    a: Attempt,
+    ws: Workspace,
+    manifest: CheckpointManifest,
+    files: list[tuple[CheckpointPart, str]],
 ) -> tuple[str, tuple[str, int] | None]:
     """Fetch the checkpoint and put it in place for the task: the ``/work`` path it has there,
     and, for flashruntime's layout, its (name, step) under out/ckpt/."""
-    assert a.workspace is not None
-    ws = a.workspace
-    staged = _fetch(a, files)
+    fetched = _fetch(a, ws, files)
     name = files[0][1].split("/", 1)[0]
     try:
         if _flashruntime_layout(name, [rel for _, rel in files]):
-            _retarget(a, staged / name, manifest, files)
-            os.rename(staged / name, ws.out / CKPT / name)
-            remove_tree(staged)
+            _retarget(a, ws, fetched / name, manifest, files)
+            os.rename(fetched / name, ws.out / CKPT / name)
+            remove_tree(fetched)
             return f"{WORK}/out/{CKPT}/{name}", (name, manifest.step)
     except BaseException:
-        remove_tree(staged)
+        remove_tree(fetched)
         raise
-    os.rename(staged, ws.inputs / RESUME_INPUT)
+    os.rename(fetched, ws.inputs / RESUME_INPUT)
     return f"{WORK}/inputs/{RESUME_INPUT}/{name}", None
 
 
@@ -174,13 +179,16 @@ def _flashruntime_layout(name: str, rels: list[str]) -> bool:
 
 
 def _retarget(
-    a: Attempt, staged: Path, manifest: CheckpointManifest, files: list[tuple[CheckpointPart, str]]
+    a: Attempt,
+    ws: Workspace,
+    directory: Path,
+    manifest: CheckpointManifest,
+    files: list[tuple[CheckpointPart, str]],
 ) -> None:
     """Check the fetched manifest.json against what was fetched (its step, and the sha256 of
     every part it lists), then make its ``storage_prefix`` name the directory as the task will
     see it (out/ckpt/<name>), the way flashruntime's pickers read it."""
-    assert a.workspace is not None
-    path = staged / manifests.MANIFEST_NAME
+    path = directory / manifests.MANIFEST_NAME
     data = path.read_bytes()  # fetched by the agent into its own .stage/
     try:
         local = manifests.parse(data)
@@ -192,20 +200,19 @@ def _retarget(
     for part in local.parts:
         if fetched.get(part.name) != part.sha256:
             raise Unusable(f"its part {part.name!r} does not match its manifest")
-    where = a.ctx.runner.task_path(a.workspace, f"{WORK}/out/{CKPT}/{staged.name}")
+    where = a.ctx.runner.task_path(ws, f"{WORK}/out/{CKPT}/{directory.name}")
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "wb") as fh:
         fh.write(manifests.retarget(data, where))
 
 
-def _fetch(a: Attempt, files: list[tuple[CheckpointPart, str]]) -> Path:
+def _fetch(a: Attempt, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -> Path:
     """Download and check every part into .stage/resume/; that directory."""
-    assert a.workspace is not None
-    staged = a.workspace.stage / RESUME_INPUT
+    fetched = ws.stage / RESUME_INPUT
     try:
         for part, rel in files:
             a.check()
-            dest = staged / rel
+            dest = fetched / rel
             dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             size = _download(a, part, dest)
             if size != part.size_bytes:
@@ -213,9 +220,9 @@ def _fetch(a: Attempt, files: list[tuple[CheckpointPart, str]]) -> Path:
             if _sha256(dest) != part.sha256:
                 raise Unusable(f"part {rel} does not match its sha256")
     except BaseException:
-        remove_tree(staged)
+        remove_tree(fetched)
         raise
-    return staged
+    return fetched
 
 
 def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:

@@ -7,25 +7,30 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from flashnode.attempt.record import State
+from flashnode.attempt.record import Staged, State
 from flashnode.attempt.transfer import Ladder, transfer
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.sandbox import archives
-from flashnode.sandbox.workspace import Workspace
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from flashnode.attempt import Attempt
+    from flashnode.coordinator.wire import Lease, Task
 
 
-def run(a: Attempt) -> None:
-    assert a.lease is not None and a.task is not None
+def make(a: Attempt, lease: Lease, task: Task) -> Staged:
+    """The attempt's workspace, new and empty: the orchestrator holds it before anything is
+    downloaded into it, so that it is retired however the attempt ends."""
     a.record.state = State.STAGING  # in memory: no process exists yet (prepare.py)
-    a.workspace = ws = Workspace.create(a.ctx.settings.state_dir / "attempts", a.lease.lease_id)
-    s = a.ctx.settings
+    return Staged.make(lease, task, a.ctx.settings.state_dir)
+
+
+def run(a: Attempt, staged: Staged) -> None:
+    """The task's inputs, downloaded into the workspace (archives unpacked)."""
+    ws, s = staged.workspace, a.ctx.settings
     budget = s.max_input_bytes
-    for inp in a.task.inputs:
+    for inp in staged.task.inputs:
         a.check()
         dest = ws.stage / inp.name if inp.unpack else ws.inputs / inp.dest
         size = _download(a, inp.name, inp.key, dest, budget)

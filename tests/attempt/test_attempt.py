@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -223,3 +224,59 @@ def test_keeper_retries_transport_errors_until_the_deadline_would_pass() -> None
     assert len(hb.times) > 3
     assert hb.times[-1] < 40
     assert "deadline" in keeper.reason
+
+
+def kept_in_the_outbox(tmp_path: Path) -> tuple[Any, FakeCoordinator]:
+    """An attempt stopped while it committed its finished result: the result is kept in the
+    outbox (its workspace sealed) for the next start; the context a next start would use."""
+    from flashnode.errors import Stopped
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    ctx = context(tmp_path, clock, coord, FakeRunner(metrics={"loss": 0.5}))
+    first = Attempt(ctx, lease(0))
+
+    def upload(key: str, fh: BinaryIO, size: int) -> str:  # the agent stops during the commit
+        first.cancel(Stopped("agent stopping"), 0.0)
+        return FakeCoordinator.upload(coord, key, fh, size)
+
+    coord.upload = upload  # type: ignore[method-assign]
+    assert first.run() is Outcome.LAPSED
+    coord.upload = FakeCoordinator.upload.__get__(coord)  # type: ignore[method-assign]
+    coord.calls.clear()
+    return ctx, coord
+
+
+def test_a_result_kept_in_the_outbox_is_read_back_checked_again_and_committed(
+    tmp_path: Path,
+) -> None:
+    import hashlib
+
+    ctx, coord = kept_in_the_outbox(tmp_path)
+    record = ctx.outbox.read("ls-000000000000")
+    assert record is not None and record.state.value == "finished" and record.evidence
+    resumed = Attempt(ctx, record.lease, record.slot, record=record)
+    assert resumed.resume() is Outcome.COMMITTED
+    [(lease_id, sha, evidence)] = [c[2] for c in coord.calls if c[1] == "complete"]
+    metrics = json.dumps({"loss": 0.5}).encode()
+    assert (lease_id, sha) == ("ls-000000000000", hashlib.sha256(metrics).hexdigest())
+    assert evidence == record.evidence  # the run's, as spooled: the run is not repeated
+    assert coord.uploads["jobs/j1/task-000/metrics.json"] == metrics
+    assert ctx.outbox.read("ls-000000000000") is None
+    assert not (tmp_path / "attempts" / "ls-000000000000").exists()
+
+
+def test_outputs_changed_after_they_were_spooled_fail_the_resumed_commit(
+    tmp_path: Path,
+) -> None:
+    ctx, coord = kept_in_the_outbox(tmp_path)
+    record = ctx.outbox.read("ls-000000000000")
+    assert record is not None
+    metrics = tmp_path / "attempts" / "ls-000000000000" / "out" / "metrics.json"
+    metrics.write_text('{"loss": 0.0}')  # the same size, other bytes
+    assert Attempt(ctx, record.lease, record.slot, record=record).resume() is Outcome.FAILED
+    assert [c[2] for c in coord.calls if c[1] == "fail"] == [
+        ("ls-000000000000", "outputs changed on disk after the attempt finished")
+    ]
+    assert not [c for c in coord.calls if c[1] in ("upload", "complete")]
+    assert ctx.outbox.read("ls-000000000000") is None

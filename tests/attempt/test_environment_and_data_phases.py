@@ -260,6 +260,20 @@ def test_only_the_labels_asked_for_are_lent_each_with_its_mount_point(
     assert a.ctx.ledger.records()[0]["local_inputs"] == ["scans"]
 
 
+def test_what_each_phase_prepared_reaches_the_one_start_together(
+    tmp_path: Path, lent: dict[str, Path]
+) -> None:
+    runner, envs = InstallingRunner(), FakeEnvs(tmp_path)
+    payload = {"dependencies": DEPS, "local_inputs": ["scans"], "checkpoint": {}}
+    outcome, _, _ = attempt(tmp_path, runner, payload, envs, local_data=lent)
+    assert outcome is Outcome.COMMITTED
+    [spec] = runner.started
+    assert spec.agent_env["FLASHML_CHECKPOINT_DIR"] == "/work/out/ckpt"  # restore's
+    assert spec.agent_env["VIRTUAL_ENV"] == str(tmp_path / "env")  # the environment's
+    assert spec.path_prefix == (str(tmp_path / "env" / "bin"),)
+    assert spec.read_only_binds == ((str(lent["scans"]), "/work/inputs/scans"),)  # data's
+
+
 def test_a_label_this_node_does_not_lend_fails_naming_it(
     tmp_path: Path, lent: dict[str, Path]
 ) -> None:
