@@ -289,7 +289,7 @@ class _Wait:
         if self.suspended_at is not None and now - self.suspended_at >= self.max_suspend:
             return Stopped(
                 f"suspended by an owner control for longer than {self.max_suspend:g} s"
-                f" ({a.suspend_reason or 'released just now'}); the lease is given back"
+                f" ({a.suspend_reason or 'released just now'}); the lease lapses"
             )
         return None
 

@@ -310,7 +310,7 @@ class Agent:
         self.decision = d.holding(*self.holds.holds(self.settings))
         attempts = self._attempts()
         for attempt in attempts:
-            # Not the task's fault: the lease is given back, no `fail`. A finished result (its
+            # Not the task's fault: the lease lapses, no `fail`. A finished result (its
             # task ran, its outputs are spooled) is still committed: the pause stops tasks.
             if d.stop_reason and attempt.record.state is not State.FINISHED:
                 attempt.cancel(Stopped(d.stop_reason), self.settings.kill_grace_seconds)
