@@ -4,7 +4,7 @@ small interfaces, so the phases run against fakes in tests."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
@@ -103,8 +103,9 @@ class DataPort(Protocol[H]):
 
 @dataclass
 class AttemptContext:
-    """The agent's edges and configuration. The agent swaps ``settings`` and ``limits`` on a
-    reload; each Attempt works on the copy it took when it was claimed."""
+    """The agent's edges and configuration. Each Attempt is handed a copy with the ``settings``
+    and ``limits`` current when it was claimed, and keeps them across a reload (``lent_now``
+    alone reads the running configuration: what the owner stopped lending is never mounted)."""
 
     coordinator: CoordinatorPort
     runner: Runner
@@ -130,3 +131,7 @@ class AttemptContext:
     # What may run after an attempt's outcome (removing its retired workspace): at once by
     # default; the agent hands it to a thread off the next claim's way (background.py).
     later: Callable[[Callable[[], None]], object] = field(default=lambda job: job())
+    # The directories the owner lends now (``local_data`` of the running configuration; None:
+    # the claimed settings'): a reload that stops lending one takes it from attempts not yet
+    # started too.
+    lent_now: Callable[[], Mapping[str, Path]] | None = None

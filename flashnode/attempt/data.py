@@ -43,6 +43,13 @@ def _lend(a: Attempt, staged: Staged) -> Preparation:
         return prepared
     inputs = {i.dest for i in task.inputs}
     lent = localdata.mounts(list(task.local_inputs), a.ctx.settings.local_data, WORK, inputs)
+    if a.ctx.lent_now is not None:
+        now = a.ctx.lent_now()
+        gone = [m.label for m in lent if now.get(m.label) != m.source]
+        if gone:  # the owner stopped lending it since the claim: never mounted again
+            raise AttemptLapsed(
+                f"local input {gone[0]!r} is no longer lent by this node (the owner reloaded)"
+            )
     for mount in lent:
         (ws.inputs / mount.label).mkdir(mode=0o700)
         prepared.read_only_binds.append((str(mount.source), str(mount.target)))

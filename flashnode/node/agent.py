@@ -139,6 +139,7 @@ class Agent:
             self._wake.set,
         )
         self.node_id = ""
+        self._slots_made = effective_slots(ctx.settings, len(ctx.gpus.devices))
         self.stats = Stats()
         self.running: dict[int, Attempt] = {}
         self._lock = threading.Lock()
@@ -344,7 +345,12 @@ class Agent:
         """What an attempt is given: the agent's edges and the configuration current now, which
         it keeps whatever reload comes while it runs."""
         config = self.reloader.current
-        return dataclasses.replace(self.ctx, settings=config.settings, limits=config.limits)
+        return dataclasses.replace(
+            self.ctx,
+            settings=config.settings,
+            limits=config.limits,
+            lent_now=lambda: self.reloader.current.settings.local_data,
+        )
 
     # --- draining -----------------------------------------------------------------------------
 
@@ -400,8 +406,9 @@ class Agent:
 
     @property
     def slots(self) -> int:
-        """Attempts run at once: ``slots``, or with ``auto`` one per GPU (1 without GPUs)."""
-        return effective_slots(self.settings, len(self.ctx.gpus.devices))
+        """Attempts run at once: ``slots``, or with ``auto`` one per GPU (1 without GPUs); never
+        more than at the start, for which the runner made its slots (GPUs found later add none)."""
+        return min(effective_slots(self.settings, len(self.ctx.gpus.devices)), self._slots_made)
 
     def _free_slot(self) -> int | None:
         used = {a.record.slot for a in self._attempts()}

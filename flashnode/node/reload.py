@@ -5,7 +5,8 @@ from them, swapped as one under a lock. The loop hands each attempt the ``Config
 it claimed it, so an attempt never sees a reload, let alone half of one; the next claim gets the
 new one. A reload that cannot be applied (a bad file, a setting only a restart may change, a
 runner that refuses it) keeps the running ``Config`` and is shown (``refused``) until one
-succeeds.
+succeeds; one that fails after the swap, half applied, holds claims until one succeeds (fail
+closed: the new origin policies may not be in force).
 """
 
 from __future__ import annotations
@@ -23,8 +24,18 @@ from flashnode.sandbox.limits import Limits
 
 log = logging.getLogger(__name__)
 
-# What a running agent cannot change: it names the node, its coordinator and its state.
-FIXED = ("coordinator", "runner", "state_dir", "node_id", "token", "join_code", "task_user")
+# What a running agent cannot change: it names the node, its coordinator and its state, and the
+# runner made its slots' users and sandboxes at the start.
+FIXED = (
+    "coordinator",
+    "runner",
+    "state_dir",
+    "node_id",
+    "token",
+    "join_code",
+    "task_user",
+    "slots",
+)
 # What changes only at the next start (the listeners are bound once).
 AT_RESTART = ("metrics_listen", "ui_listen")
 
@@ -66,6 +77,7 @@ class Reloader:
         self._lock = threading.Lock()
         self._requested = False
         self._busy = False
+        self._broken = False  # a reload failed half applied: claims wait for one that succeeds
         self._refused: dict[str, Any] | None = None
 
     @property
@@ -80,8 +92,9 @@ class Reloader:
 
     @property
     def busy(self) -> bool:
-        """A reload is being applied: claim nothing until it ends."""
-        return self._busy
+        """A reload is being applied, or the last one failed half applied: claim nothing until
+        it ends, or until a reload succeeds."""
+        return self._busy or self._broken
 
     @property
     def refused(self) -> dict[str, Any] | None:
@@ -131,11 +144,21 @@ class Reloader:
         for key in AT_RESTART:
             if getattr(new, key) != getattr(old, key):
                 log.warning("%s changes at the next start of the agent", key)
-        self._refused = None
         try:
             self._applied(config)
-        except Exception:  # the new configuration is current: the agent goes on with it
-            log.exception("applying the reloaded configuration failed")
+        except Exception as exc:  # half applied (an origin policy may be the old one): fail closed
+            log.exception(
+                "applying the reloaded configuration failed; claiming nothing until a"
+                " reload succeeds or the agent restarts"
+            )
+            self._broken = True
+            self._refuse(
+                f"applying it failed half way ({exc}); no claims until a reload succeeds:"
+                " fix the cause and reload, or restart the agent"
+            )
+        else:
+            self._broken = False
+            self._refused = None
         self._busy = False
         self._wake()
 

@@ -246,7 +246,7 @@ class ContainerRunner(Runner):
         except ENGINE_ERRORS as exc:
             raise PrerequisiteError(
                 f"no container engine answers at {settings.docker_host} ({_brief(exc)}):"
-                " start Docker, or run the trusted runner for pool work (runner = "trusted")"
+                " start Docker, or run the trusted runner for pool work (runner = 'trusted')"
             ) from None
         runner = cls(settings, env, client)
         runner.remove_labelled(LABEL_PROBE)
@@ -517,7 +517,8 @@ def _engine_and_images(s: Settings) -> Iterator[Finding]:
         yield Problem(
             "docker engine",
             f"no container engine answers at {s.docker_host} ({_brief(exc)})",
-            "start Docker (systemctl start docker), or run the trusted runner for pool work (runner = "trusted")",
+            "start Docker (systemctl start docker), or run the trusted runner for pool work"
+            " (runner = 'trusted')",
             code=ExitCode.UNAVAILABLE,
         )
         return

@@ -283,6 +283,23 @@ def test_a_label_this_node_does_not_lend_fails_naming_it(
     assert "'xrays'" in fail_reasons(coord)[0]
 
 
+def test_a_directory_the_owner_stopped_lending_after_the_claim_is_never_mounted(
+    tmp_path: Path, lent: dict[str, Path]
+) -> None:
+    """The owner un-lends a directory (it holds secrets after all) and reloads while an attempt
+    claimed before is still staging: the attempt keeps its other settings, but the directory is
+    not mounted; the lease lapses (the node changed, not the task)."""
+    runner = InstallingRunner()
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    ctx = context(tmp_path, clock, coord, runner, local_data=lent)
+    ctx.lent_now = lambda: {"other": lent["other"]}  # the running configuration, reloaded
+    a = Attempt(ctx, lease(local_inputs=["scans"]))
+    assert a.run() is Outcome.LAPSED
+    assert runner.started == [] and fail_reasons(coord) == []
+    assert "'scans' is no longer lent" in a.ctx.ledger.records()[0]["reason"]
+
+
 def test_slices_are_fetched_laid_out_and_released_and_counted(tmp_path: Path) -> None:
     data = FakeData(budget=100)
     outcome, _, a = attempt(tmp_path, InstallingRunner(), {"datasets": slice_of(30, 20)}, data=data)

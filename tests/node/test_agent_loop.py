@@ -608,3 +608,18 @@ def test_a_lease_revoked_by_the_watchdog_is_not_claimed_straight_back(
         "committed",
         "committed",
     ]
+
+
+def test_gpus_found_after_the_start_add_no_slot_the_runner_never_made(tmp_path: Path) -> None:
+    """With ``slots = "auto"`` a slot per GPU, but only as many as at the start: the runner made
+    users and sandboxes for those, and a slot past them would fail its task as the node's bug."""
+    from flashnode.coordinator.wire import GpuInfo
+    from flashnode.evidence.gpupool import Device, GpuPool
+
+    clock = FakeClock()
+    ctx = context(tmp_path, clock, FakeCoordinator(clock), FakeRunner(), slots="auto")
+    ctx.gpus = GpuPool([Device(GpuInfo(index=0), "0")])
+    agent = Agent(ctx, FakeCoordinator(clock), lambda current: registration(current, "node-1"))
+    assert agent.slots == 1
+    ctx.gpus.set_devices([Device(GpuInfo(index=i), str(i)) for i in range(3)])  # hot-plugged
+    assert agent.slots == 1

@@ -136,3 +136,41 @@ def test_a_reload_asked_for_while_one_is_applied_waits_for_it(tmp_path: Path) ->
     threads.run()
     reloader.tick()
     assert len(reads) == 2
+
+
+def test_a_change_of_slots_needs_a_restart(tmp_path: Path) -> None:
+    """The runner made its slots' users and sandboxes at the start: a reload cannot add one."""
+    old = settings(tmp_path, slots=1)
+    clock, threads = FakeClock(), Threads()
+    more = settings(tmp_path, slots=4)
+    reloader = Reloader(Config(old, Limits()), clock, threads.start, read=lambda: more)
+    reloader.request()
+    reloader.tick()
+    assert threads.waiting == [] and reloader.current.settings is old
+    assert reloader.refused == {"at": clock.wall(), "reason": "changing slots needs a restart"}
+
+
+def test_a_reload_that_fails_half_applied_holds_claims_until_one_succeeds(tmp_path: Path) -> None:
+    old = settings(tmp_path)
+    new = settings(tmp_path, pools=("team-b",))
+    threads, fail = Threads(), [True]
+
+    def applied(config: Config) -> None:
+        if fail.pop(0):
+            raise OSError("no space left on device")
+
+    reloader = Reloader(
+        Config(old, Limits()), FakeClock(), threads.start, read=lambda: new, applied=applied
+    )
+    reloader.request()
+    reloader.tick()
+    threads.run()
+    assert reloader.busy  # the loop claims nothing
+    assert reloader.refused is not None
+    assert "no space left on device" in reloader.refused["reason"]
+    assert "no claims until a reload succeeds" in reloader.refused["reason"]
+    fail.append(False)
+    reloader.request()
+    reloader.tick()  # a held node still takes the owner's next reload
+    threads.run()
+    assert not reloader.busy and reloader.refused is None
