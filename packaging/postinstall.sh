@@ -11,16 +11,21 @@ case "$1" in
   2) upgrade=1 ;;
 esac
 made=
-getent group flashnode >/dev/null 2>&1 || made="the group flashnode"
+# The accounts this package makes, by name, so that a purge removes those and no other: an
+# owner's own account of the same name (./scripts/task-users makes them too) is never ours.
+record=/var/lib/flashnode/.package-accounts
+new_users=
+new_group=
+getent group flashnode >/dev/null 2>&1 || { made="the group flashnode"; new_group=1; }
 missing=0
 i=0
 while [ "$i" -lt 16 ]; do
-  id "flashnode-task-$i" >/dev/null 2>&1 || missing=$((missing + 1))
+  id "flashnode-task-$i" >/dev/null 2>&1 || { missing=$((missing + 1)); new_users="$new_users flashnode-task-$i"; }
   i=$((i + 1))
 done
 own=
 for user in flashnode-build flashnode-helper; do
-  id "$user" >/dev/null 2>&1 || own="${own:+$own, }$user"
+  id "$user" >/dev/null 2>&1 || { own="${own:+$own, }$user"; new_users="$new_users $user"; }
 done
 if command -v systemd-sysusers >/dev/null 2>&1; then
   systemd-sysusers /usr/lib/sysusers.d/flashnode.conf >/dev/null 2>&1
@@ -40,6 +45,14 @@ else
       || useradd --system --user-group --no-create-home --home-dir / --shell "$nologin" \
            --comment "flashnode's own ${user#flashnode-} user" "$user" >/dev/null
   done
+fi
+if [ -n "$new_users$new_group" ]; then
+  [ -d /var/lib/flashnode ] || mkdir -m 0711 /var/lib/flashnode
+  for user in $new_users; do
+    ! id "$user" >/dev/null 2>&1 || echo "user $user" >>"$record"
+  done
+  [ -z "$new_group" ] || ! getent group flashnode >/dev/null 2>&1 || echo "group flashnode" >>"$record"
+  chmod 0600 "$record"
 fi
 if [ "$missing" -gt 0 ]; then
   made="${made:+$made, }$missing task users (flashnode-task-0 to -15, one per slot)"

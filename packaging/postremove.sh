@@ -9,20 +9,26 @@ case "$1" in
     if [ -d /var/lib/flashnode ] || [ -d /etc/flashnode/credentials ]; then
       echo "flashnode: removing its state (/var/lib/flashnode) and stored credentials"
     fi
+    # The accounts this package made (postinstall's record), read before the state goes: an
+    # account of the same name that was there before (the owner's) is kept.
+    record=/var/lib/flashnode/.package-accounts
+    users=
+    group=
+    if [ -f "$record" ]; then
+      users=$(sed -n 's/^user \(flashnode-[a-z0-9-]*\)$/\1/p' "$record" | sort -u)
+      ! grep -qx "group flashnode" "$record" || group=flashnode
+    fi
     rm -rf /var/lib/flashnode /etc/flashnode/credentials
     rmdir /etc/flashnode 2>/dev/null || true
     rmdir /work 2>/dev/null || true  # the mount point, if nothing was put there
     # The agent is stopped (preremove): no process of these users is left to keep them. Each
     # user's own group goes with it; the group flashnode last (its members lose it).
-    users="flashnode-build flashnode-helper"
-    i=0
-    while [ "$i" -lt 16 ]; do
-      users="$users flashnode-task-$i"
-      i=$((i + 1))
-    done
     removed=0
     kept=
-    command -v userdel >/dev/null 2>&1 || users=  # said below: none can be removed here
+    if ! command -v userdel >/dev/null 2>&1; then
+      [ -z "$users" ] || echo "flashnode: no userdel here: the users it made are left: $(echo $users)"
+      users=
+    fi
     for user in $users; do
       id "$user" >/dev/null 2>&1 || continue
       if userdel "$user" >/dev/null 2>&1; then
@@ -34,15 +40,12 @@ case "$1" in
         groupdel "$user" >/dev/null 2>&1 || true
       fi
     done
-    group=
-    if getent group flashnode >/dev/null 2>&1 && groupdel flashnode >/dev/null 2>&1; then
-      group="the group flashnode and "
+    said=
+    if [ -n "$group" ] && getent group flashnode >/dev/null 2>&1 && groupdel flashnode >/dev/null 2>&1; then
+      said="the group flashnode and "
     fi
-    if [ "$removed" -gt 0 ] || [ -n "$group" ]; then
-      echo "flashnode: removed ${group}$removed of its users (task users, flashnode-build, flashnode-helper)"
-    fi
-    if ! command -v userdel >/dev/null 2>&1 && id flashnode-task-0 >/dev/null 2>&1; then
-      echo "flashnode: no userdel here: its users (flashnode-task-0 to -15, flashnode-build, flashnode-helper) are left"
+    if [ "$removed" -gt 0 ] || [ -n "$said" ]; then
+      echo "flashnode: removed ${said}$removed of the users it made (task users, flashnode-build, flashnode-helper)"
     fi
     [ -z "$kept" ] || echo "flashnode: could not remove the users $kept (is a process still running as one?): userdel them by hand"
     ;;

@@ -178,6 +178,9 @@ def installed_deb(packages: list[Path]) -> Iterator[set[str]]:
     may hold leftovers of older packages, which are not this package's to remove)."""
     [deb] = [p for p in packages if p.suffix == ".deb"]
     before = files_under(OWNED)
+    # Accounts of the package's names that were here before it (the developer's, made by
+    # scripts/task-users): not the package's to remove.
+    subprocess.run([str(ROOT / "scripts" / "task-users")], check=True)
     done = subprocess.run(["dpkg", "-i", str(deb)], capture_output=True, text=True)
     try:
         assert done.returncode == 0, done.stdout + done.stderr
@@ -228,6 +231,12 @@ def test_deb_installs_runs_from_the_path_and_purges_to_nothing(
         assert subprocess.run(["id", f"flashnode-task-{i}"], capture_output=True).returncode == 0
     done = subprocess.run(["dpkg", "--purge", "flashnode"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    # The accounts that were here before the package are still here: a purge removes only the
+    # ones it made.
+    for name in ("flashnode-task-0", "flashnode-task-15", "flashnode-build", "flashnode-helper"):
+        assert subprocess.run(["id", name], capture_output=True).returncode == 0, done.stdout
+    assert subprocess.run(["getent", "group", "flashnode"], capture_output=True).returncode == 0
+    assert "flashnode: removed" not in done.stdout, done.stdout
     left = files_under(OWNED) - installed_deb
     assert not left, sorted(left)[:20]  # no bytecode written at run time, no state, no config
     assert not Path("/usr/bin/flashnode").exists()

@@ -298,7 +298,7 @@ def test_the_owners_path_from_the_package_under_systemd(
 
     purged = booted.ok("dpkg -P flashnode")
     assert "flashnode: removing its state" in purged, purged
-    assert "flashnode: removed the group flashnode and 18 of its users" in purged, purged
+    assert "flashnode: removed the group flashnode and 18 of the users it made" in purged, purged
     assert booted.sh(ours).stdout.split() == ["0", "0"], purged
     left = sorted(
         p for p in booted.files() - before if not p.startswith(CHURN) and not p.endswith("-")
