@@ -8,10 +8,11 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from fakes import lease
+from localhttp import LocalHTTPServer
 
 Responder = Callable[[BaseHTTPRequestHandler], None]
 
@@ -104,18 +105,15 @@ class BadCoordinator:
 
             do_GET = do_POST = do_PUT = _handle
 
-        class Server(ThreadingHTTPServer):
+        class Server(LocalHTTPServer):
             def handle_error(self, request: object, client_address: object) -> None:
                 pass  # the agent hanging up on a hostile answer is the point, not an error
 
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = Server(("127.0.0.1", 0), Handler).start()
+        self.url = self.server.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
     def count(self, path_part: str) -> int:
         return sum(1 for r in self.requests if path_part in r[2])

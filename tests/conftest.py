@@ -55,6 +55,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(marker)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each failure also goes to ``failures.log`` in the run's base temp dir (kept after the run,
+    with every agent's and coordinator's log beside it): what a run cut short by its limit,
+    whose report never printed, had already found."""
+    if report.failed and _BASETEMP:
+        with (_BASETEMP[0] / "failures.log").open("a") as log:
+            log.write(f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n")
+            log.write(report.longreprtext + "\n")
+
+
+_BASETEMP: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _failures_log(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _BASETEMP.append(tmp_path_factory.getbasetemp())
+
+
 # --- the gates: a test that needs what this host lacks is skipped, saying what it needs ----------
 
 

@@ -57,6 +57,39 @@ def tmpfs_disk(prefix: str, options: str) -> Iterator[Path]:
         mount.rmdir()
 
 
+class Lowest:
+    """The least free space and inodes a file system was seen with."""
+
+    def __init__(self) -> None:
+        self.bytes = 1 << 62
+        self.inodes = 1 << 62
+
+
+@contextlib.contextmanager
+def lowest_free(path: Path, done: Callable[[], bool]) -> Iterator[Lowest]:
+    """Samples ``path``'s file system about every millisecond, on a thread, until ``done()`` or
+    the block ends: how low a task or a build took the owner's disk. Sampling without a pause
+    would hold the GIL from the test's own servers (a package index, the coordinator's client)."""
+    lowest = Lowest()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set() and not done():
+            with contextlib.suppress(OSError):
+                st = os.statvfs(path)
+                lowest.bytes = min(lowest.bytes, st.f_bavail * st.f_frsize)
+                lowest.inodes = min(lowest.inodes, st.f_favail)
+            stop.wait(0.001)
+
+    watcher = threading.Thread(target=watch, name="lowest-free", daemon=True)
+    watcher.start()
+    try:
+        yield lowest
+    finally:
+        stop.set()
+        watcher.join(5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -339,6 +372,10 @@ class AgentProcess:
             lambda: len(self.ledger()) >= count and self.ledger(),
             timeout,
         )
+
+    def done(self) -> bool:
+        """The agent has exited, or written its first ledger line."""
+        return self.proc.poll() is not None or bool(self.ledger())
 
     def ledger(self) -> list[dict[str, Any]]:
         path = self.state_dir / "ledger.jsonl"

@@ -20,7 +20,7 @@ import ssl
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from localhttp import LocalHTTPServer
 
 BLOCK = 1024 * 1024
 
@@ -224,8 +225,7 @@ class Origin:
             def do_GET(self) -> None:
                 origin._serve(self)
 
-        self.server = ThreadingHTTPServer((host, 0), Handler)
-        self.server.daemon_threads = True
+        self.server = LocalHTTPServer((host, 0), Handler)
         self.host = host
         self.server.socket = ca.server_context(self.server_names).wrap_socket(
             self.server.socket, server_side=True, do_handshake_on_connect=False
@@ -241,8 +241,7 @@ class Origin:
         for route in self.routes.values():
             if route.hold is not None:
                 route.hold.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
     def url(self, path: str, host: str | None = None) -> str:
         return f"https://{host or self.host}:{self.port}{path}"

@@ -15,7 +15,9 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from localhttp import LocalHTTPServer
 
 
 def normalize(name: str) -> str:
@@ -227,11 +229,9 @@ class PackageIndex:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = LocalHTTPServer(("127.0.0.1", 0), Handler).start()
         self.port = int(self._server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}/simple/"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
 
     def add(self, *dists: Wheel) -> None:
         with self._lock:
@@ -240,8 +240,7 @@ class PackageIndex:
 
     def close(self) -> None:
         self.files_gate.set()
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
 
     def _serve(self, request: BaseHTTPRequestHandler, body: bool) -> None:
         path = request.path.split("?", 1)[0]

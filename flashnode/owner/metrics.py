@@ -25,7 +25,7 @@ The series (all prefixed ``flashnode_``):
 =================================  =========  ===================================================
 
 Why one module of this size: the metrics and their no-op twin mirror each other method for method;
-the unix-socket server is ``metricsunix.py``.
+the HTTP server is ``metricsserver.py``.
 """
 
 from __future__ import annotations
@@ -228,26 +228,18 @@ class Metrics:
 
     def serve(self, listen: Listen) -> str:
         """Start serving on a daemon thread; return the address actually bound."""
+        # here, not at the top: an agent without metrics never loads http.server
+        from flashnode.owner import metricsserver
+
         if listen.path is not None:
-            # here, not at the top: an agent without metrics never loads http.server
-            from flashnode.owner.metricsunix import close_unix, serve_unix
-
             path = listen.path
-            server = serve_unix(path, self.registry)
+            unix = metricsserver.serve_unix(path, self.registry)
             self.address = f"unix:{path}"
-            self._close.append(lambda: close_unix(server, path))
+            self._close.append(lambda: metricsserver.close_unix(unix, path))
         else:
-            from prometheus_client import start_http_server
-
-            httpd, _ = start_http_server(listen.port, listen.host, registry=self.registry)
-            port = httpd.server_port
-            self.address = str(Listen(host=listen.host, port=port))
-
-            def stop() -> None:
-                httpd.shutdown()
-                httpd.server_close()
-
-            self._close.append(stop)
+            tcp = metricsserver.serve_tcp(listen.host, listen.port, self.registry)
+            self.address = str(Listen(host=listen.host, port=tcp.server_address[1]))
+            self._close.append(lambda: metricsserver.close_tcp(tcp))
         log.info("metrics served at %s", self.address)
         return self.address
 

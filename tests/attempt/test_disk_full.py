@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
-from harness import AgentProcess, CoordinatorServer, argv_job, tmpfs_disk, wait_for
+from harness import AgentProcess, CoordinatorServer, argv_job, lowest_free, tmpfs_disk, wait_for
 
 from flashnode import statefile
 from flashnode.attempt import Attempt
@@ -267,25 +266,15 @@ def test_a_task_that_fills_the_disk_itself_is_stopped_at_the_free_space_and_laps
     job = coordinator.submit(argv_job(["sh", "-c", filler], lease_seconds=60, max_attempts=3))
     env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
     agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=state_dir)
-    lowest = [1 << 62]
-
-    def watch() -> None:
-        while agent.proc.poll() is None and not agent.ledger():
-            with contextlib.suppress(OSError):
-                st = os.statvfs(small_disk)
-                lowest[0] = min(lowest[0], st.f_bavail * st.f_frsize)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     try:
-        [line] = agent.wait_ledger(1, timeout=90)
+        with lowest_free(small_disk, agent.done) as lowest:
+            [line] = agent.wait_ledger(1, timeout=90)
     finally:
-        watcher.join(5)
         coordinator.cancel(job)
     assert line["outcome"] == "lapsed", line
     assert "the state dir's disk had only" in line["reason"], line["reason"]
     assert [e for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"] == []
-    assert lowest[0] >= 8 << 20, f"the owner's disk went down to {lowest[0] >> 10} KiB free"
+    assert lowest.bytes >= 8 << 20, f"the owner's disk went down to {lowest.bytes >> 10} KiB free"
     assert "Traceback" not in agent.log
 
 
@@ -442,22 +431,13 @@ def test_an_input_archive_cannot_take_the_owners_disk_below_its_floor_of_inodes(
     agent = start_agent(
         coordinator.url, *TRUSTED, "--max-tasks", "1", env=env, state_dir=few_inodes / "state"
     )
-    lowest = [1 << 62]
-
-    def watch() -> None:
-        while agent.proc.poll() is None and not agent.ledger():
-            with contextlib.suppress(OSError):
-                lowest[0] = min(lowest[0], os.statvfs(few_inodes).f_favail)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     try:
-        [line] = agent.wait_ledger(1, timeout=120)
+        with lowest_free(few_inodes, agent.done) as lowest:
+            [line] = agent.wait_ledger(1, timeout=120)
     finally:
-        watcher.join(5)
         coordinator.cancel(job)
-    assert lowest[0] >= 5000, (
-        f"unpacking the job's input left the owner's disk {lowest[0]} free inodes"
+    assert lowest.inodes >= 5000, (
+        f"unpacking the job's input left the owner's disk {lowest.inodes} free inodes"
         f" ({line['outcome']}: {line['reason']})"
     )
     assert line["outcome"] == "lapsed", line["reason"]
@@ -592,25 +572,15 @@ def test_tasks_in_two_slots_cannot_together_take_the_disk_below_min_free_bytes(
         env=env,
         state_dir=small_disk / "state",
     )
-    lowest = [1 << 62]
-
-    def watch() -> None:
-        while agent.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                st = os.statvfs(small_disk)
-                lowest[0] = min(lowest[0], st.f_bavail * st.f_frsize)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        lines = agent.wait_ledger(2, timeout=120)
-    finally:
-        coordinator.cancel(job)
-        agent.stop()
-        watcher.join(5)
+    with lowest_free(small_disk, lambda: agent.proc.poll() is not None) as lowest:
+        try:
+            lines = agent.wait_ledger(2, timeout=120)
+        finally:
+            coordinator.cancel(job)
+            agent.stop()
     outcomes = [(line["outcome"], line["reason"]) for line in lines]
-    assert lowest[0] >= floor, (
-        f"two tasks within their caps left the owner's disk {lowest[0] >> 20} MiB free, below"
+    assert lowest.bytes >= floor, (
+        f"two tasks within their caps left the owner's disk {lowest.bytes >> 20} MiB free, below"
         f" min_free_bytes (16 MiB); their outcomes: {outcomes}"
     )
     assert all(o in ("committed", "lapsed") for o, _ in outcomes), outcomes

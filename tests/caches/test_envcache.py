@@ -17,12 +17,13 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import psutil
 import pytest
 from harness import TASK_USER, free_port, shared_dir, wait_for
+from localhttp import LocalHTTPServer
 from pkgindex import PackageIndex, build_sdist, build_wheel, package_index
 
 from flashnode.caches import envbuild
@@ -446,16 +447,14 @@ def test_a_vcs_line_past_the_checks_still_reaches_no_host(
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = LocalHTTPServer(("127.0.0.1", 0), Handler).start()
     monkeypatch.setattr(envbuild, "check_lines", lambda lines: None)
     cache, _ = make_cache(root)
     try:
         with pytest.raises(EnvBuildFailed) as failed:
             acquire(cache, [f"git+http://127.0.0.1:{server.server_address[1]}/admin"])
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
     assert seen == [], str(failed.value)
     assert "fatal:" not in str(failed.value) + failed.value.tail, str(failed.value)
 

@@ -14,13 +14,22 @@ import sys
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 from badcoord import BadCoordinator, lease_answer
-from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, tmpfs_disk, wait_for
+from harness import (
+    AgentProcess,
+    CoordinatorServer,
+    argv_job,
+    lowest_free,
+    shared_dir,
+    tmpfs_disk,
+    wait_for,
+)
+from localhttp import LocalHTTPServer
 from pkgindex import PackageIndex, Wheel, _record_hash, build_wheel, package_index
 
 from flashnode.caches.envcache import EnvCache
@@ -85,7 +94,8 @@ def index() -> Iterator[PackageIndex]:
 @pytest.fixture
 def state() -> Iterator[Path]:
     """A state dir outside /tmp: a root agent's tasks get a private /tmp, which would hide the
-    job environments under it from them (the agent refuses such tasks)."""
+    job environments under it from them (the agent refuses such tasks). Tests ask for it before
+    ``start_agent``, so that it is removed after their agents have stopped."""
     path = shared_dir("flashnode-envs-state-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -122,10 +132,10 @@ def failures(coordinator: CoordinatorServer, job: str) -> list[str]:
 
 
 def test_an_environment_is_built_once_shared_by_slots_reused_and_read_only_to_tasks(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     index: PackageIndex,
-    state: Path,
 ) -> None:
     # Two slots need the same new lines at once (downloads are held
     # until both attempts have been claimed): one build; a later job with the same lines reuses it.
@@ -196,10 +206,10 @@ def test_an_environment_is_built_once_shared_by_slots_reused_and_read_only_to_ta
 
 
 def test_the_budget_evicts_the_least_recently_used_environment_never_one_in_use(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     index: PackageIndex,
-    state: Path,
     drop_dir: Path,
 ) -> None:
     # How big one such environment is here, to give the agent room for two.
@@ -248,10 +258,10 @@ def test_the_budget_evicts_the_least_recently_used_environment_never_one_in_use(
 
 
 def test_a_bad_pin_fails_with_the_resolvers_message_and_is_not_rebuilt_at_once(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     index: PackageIndex,
-    state: Path,
 ) -> None:
     # Both attempts land on this node; the second is answered by the negative
     # cache without asking the index again.
@@ -270,10 +280,10 @@ def test_a_bad_pin_fails_with_the_resolvers_message_and_is_not_rebuilt_at_once(
 
 
 def test_a_python_this_node_lacks_is_refused_naming_the_version(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     index: PackageIndex,
-    state: Path,
 ) -> None:
     # Python downloads are off by default.
     spec = env_job(index, A, max_attempts=1)
@@ -358,10 +368,10 @@ def test_the_docker_runner_runs_dependencies_in_its_image_and_never_installs_ext
 
 @pytest.mark.usefixtures("as_root")
 def test_a_jobs_binary_wheel_never_runs_code_as_root_while_its_environment_is_built(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     index: PackageIndex,
-    state: Path,
     drop_dir: Path,
 ) -> None:
     """A pool job names a dependency from its own index whose wheel installs a ``.pth`` file
@@ -440,22 +450,12 @@ def test_a_jobs_environment_cannot_fill_the_owners_disk_past_env_cache_bytes(
     )
     env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M", "FLASHNODE_ENV_CACHE_BYTES": str(8 << 20)}
     agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=small_disk / "state")
-    lowest = [1 << 62]
-
-    def watch() -> None:
-        while agent.proc.poll() is None and not agent.ledger():
-            with contextlib.suppress(OSError):
-                st = os.statvfs(small_disk)
-                lowest[0] = min(lowest[0], st.f_bavail * st.f_frsize)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     try:
-        [line] = agent.wait_ledger(1, timeout=120)
+        with lowest_free(small_disk, agent.done) as lowest:
+            [line] = agent.wait_ledger(1, timeout=120)
     finally:
-        watcher.join(5)
         coordinator.cancel(job)
-    assert lowest[0] >= 8 << 20, f"the build took the disk down to {lowest[0] >> 10} KiB free"
+    assert lowest.bytes >= 8 << 20, f"the build took the disk down to {lowest.bytes >> 10} KiB free"
     assert line["outcome"] == "failed", line["reason"]
     assert "the environment grew past 8.0 MiB (env_cache_bytes)" in line["reason"]
 
@@ -480,14 +480,11 @@ class _OwnersService:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = LocalHTTPServer(("127.0.0.1", 0), Handler).start()
+        self.url = self.server.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 @pytest.fixture
@@ -499,10 +496,10 @@ def owners_service() -> Iterator[_OwnersService]:
 
 @pytest.mark.usefixtures("as_root")
 def test_a_jobs_package_index_cannot_reach_the_owners_loopback_services(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     owners_service: _OwnersService,
-    state: Path,
 ) -> None:
     """A job's lines that name an index, a page of links or a direct reference on the owner's
     loopback make no request there (blind SSRF, a port scan through the reason): the build is
@@ -570,9 +567,9 @@ def _cmdline_with(word: str) -> str:
 
 @pytest.mark.usefixtures("as_root")
 def test_another_slots_task_cannot_read_a_jobs_private_environment(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
-    state: Path,
     drop_dir: Path,
 ) -> None:
     """Job A installs its own package from its private index and runs its console script: the
@@ -630,10 +627,10 @@ def _refused_build(
 
 @pytest.mark.usefixtures("as_root")
 def test_a_jobs_vcs_requirement_cannot_reach_the_owners_loopback_services(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     owners_service: _OwnersService,
-    state: Path,
 ) -> None:
     """A VCS line names no index the checks see and would have uv run git, which GETs the
     owner's loopback (no DNS, nothing checked): any scheme but http(s) is refused, the job's
@@ -646,10 +643,10 @@ def test_a_jobs_vcs_requirement_cannot_reach_the_owners_loopback_services(
 
 @pytest.mark.usefixtures("as_root")
 def test_a_jobs_direct_reference_cannot_hide_a_loopback_host_behind_a_backslash(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     owners_service: _OwnersService,
-    state: Path,
 ) -> None:
     """For ``http://127.0.0.1:PORT\\@8.8.8.8/x.whl`` Python's urlsplit reads the host
     8.8.8.8 (public), uv (WHATWG: a backslash ends an http URL's authority) connects to
@@ -676,10 +673,10 @@ def owners_wheel() -> Iterator[Path]:
 
 @pytest.mark.usefixtures("as_root")
 def test_a_jobs_dependency_line_cannot_install_a_file_of_this_host(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     owners_wheel: Path,
-    state: Path,
 ) -> None:
     """``a/../../<...>/x.whl`` starts with a letter, yet uv takes it as a path relative to the
     build's ``home`` and would install the owner's wheel into the job's environment: a line
@@ -700,9 +697,9 @@ def test_a_jobs_dependency_line_cannot_install_a_file_of_this_host(
 
 @pytest.mark.usefixtures("as_root")
 def test_two_jobs_naming_a_host_that_does_not_resolve_cannot_bench_a_healthy_node(
+    state: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
-    state: Path,
 ) -> None:
     """Any job can name an index host that exists nowhere (``*.invalid``): the resolver's "no
     such name" is the job's fault, its line named, not a lapse of the node's DNS that, across

@@ -18,8 +18,8 @@ from harness import AgentProcess, CoordinatorServer, free_port, wait_for
 
 # Each is imported where the feature runs, never on the idle path.
 NOT_AT_IDLE = {
-    "http.server": "metrics on (owner/metricsunix.py, prometheus_client), or the console",
-    "socketserver": "metrics on (owner/metricsunix.py, prometheus_client), or the console",
+    "http.server": "metrics on (owner/metricsserver.py, prometheus_client), or the console",
+    "socketserver": "metrics on (owner/metricsserver.py, prometheus_client), or the console",
     "tarfile": "an archive input (sandbox/archives.py)",
     "ijson": "a module task's delta check (coordinator/checks.py)",
     "difflib": "a misspelt setting (config/settings.py)",

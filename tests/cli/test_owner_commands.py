@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import pytest
 from conftest import TokenCoordinator
 from consoleharness import start_console_agent
 from harness import TASK_USER, AgentProcess, CoordinatorServer, argv_job, wait_for
+from localhttp import LocalHTTPServer
 
 from flashnode.cli.main import main
 from flashnode.config.settings import load
@@ -514,11 +514,9 @@ def html_server() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    server = LocalHTTPServer(("127.0.0.1", 0), Handler).start()
+    yield server.url
+    server.close()
 
 
 def test_a_url_that_is_not_a_coordinator_is_one_line_without_html(
@@ -562,11 +560,9 @@ def file_server(tmp_path: Path) -> Iterator[str]:
     (served / "index.html").write_text("<html><body>hello</body></html>\n")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
     handler.log_message = lambda *args: None  # type: ignore[method-assign]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    server = LocalHTTPServer(("127.0.0.1", 0), handler).start()
+    yield server.url
+    server.close()
 
 
 def test_login_to_a_web_server_or_the_console_says_it_is_no_coordinator_and_names_it(

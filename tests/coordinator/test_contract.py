@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
+from localhttp import LocalHTTPServer
 
 from flashnode.coordinator import validators
 from flashnode.sandbox import procs
@@ -454,14 +455,11 @@ def private_service() -> Iterator[tuple[str, list[str]]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = LocalHTTPServer(("127.0.0.1", 0), Handler).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+        yield server.url, seen
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 @pytest.mark.usefixtures("as_root")

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flashnode.config.listen import parse_listen
 from flashnode.owner.metrics import Metrics, NullMetrics, create
+from flashnode.owner.metricsserver import STALL_S
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -119,6 +120,32 @@ def test_a_unix_socket_serves_the_same_exposition(tmp_path: Path) -> None:
     finally:
         m.close()
     assert not path.exists()
+
+
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_a_scraper_that_stalls_is_dropped(where: str, tmp_path: Path) -> None:
+    """A client connects, sends half a request line and waits: after ``STALL_S`` the agent
+    hangs up on it (it holds one of the agent's threads while it waits), and scrapes go on."""
+    path = tmp_path / "metrics.sock"
+    m = create("127.0.0.1:0" if where == "tcp" else f"unix:{path}")
+    assert isinstance(m, Metrics) and m.address is not None
+    if where == "tcp":
+        host, port = m.address.rsplit(":", 1)
+        stalled = socket.create_connection((host, int(port)), timeout=STALL_S * 3)
+    else:
+        stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stalled.settimeout(STALL_S * 3)
+        stalled.connect(str(path))
+    try:
+        stalled.sendall(b"GET /metr")
+        assert stalled.recv(1) == b"", "the agent kept waiting on a scraper that stalled"
+        if where == "tcp":
+            assert "flashnode_paused" in scrape_tcp(m.address)
+        else:
+            assert scrape_unix(path)[0] == 200
+    finally:
+        stalled.close()
+        m.close()
 
 
 def test_a_stale_socket_is_replaced_but_a_live_one_or_a_file_is_not(tmp_path: Path) -> None:

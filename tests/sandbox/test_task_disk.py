@@ -9,15 +9,13 @@ coordinator, real tasks as the slot's user."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import AgentProcess, CoordinatorServer, argv_job, tmpfs_disk
+from harness import AgentProcess, CoordinatorServer, argv_job, lowest_free, tmpfs_disk
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -242,23 +240,14 @@ def test_a_task_cannot_use_up_the_owners_inodes(
     job = coordinator.submit(argv_job(["python3", "-c", INODES], max_attempts=1))
     env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
     agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=few_inodes / "state")
-    least = [1 << 62]
-
-    def watch() -> None:
-        while agent.proc.poll() is None and not agent.ledger():
-            with contextlib.suppress(OSError):
-                least[0] = min(least[0], os.statvfs(few_inodes).f_favail)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     try:
-        [line] = agent.wait_ledger(1, timeout=120)
+        with lowest_free(few_inodes, agent.done) as lowest:
+            [line] = agent.wait_ledger(1, timeout=120)
     finally:
-        watcher.join(5)
         coordinator.cancel(job)
     assert line["outcome"] == "lapsed", line
     assert "inodes free above min_free_bytes' share when the task" in line["reason"], line
-    assert least[0] > 1000, least[0]
+    assert lowest.inodes > 1000, lowest.inodes
 
 
 def test_no_single_file_of_a_task_grows_past_its_disk_cap_however_fast(

@@ -1,10 +1,14 @@
-"""The metrics on a unix socket (``metrics_listen = "unix:PATH"``): a small HTTP server.
-``metrics.py`` imports this module only when it serves there, so that an agent without metrics
-does not load ``http.server`` and ``socketserver``."""
+"""The metrics' HTTP server, on TCP (``metrics_listen = "HOST:PORT"``) or a unix socket
+(``"unix:PATH"``). ``metrics.py`` imports this module only when metrics are on, so that an agent
+without them does not load ``http.server`` and ``socketserver``.
+
+A scraper that stalls is dropped after ``STALL_S``: a client that connects and says nothing
+holds one of the agent's threads no longer than that."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import socketserver
@@ -18,15 +22,30 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+log = logging.getLogger(__name__)
+STALL_S = 10
+
+
+class _Serving:
     daemon_threads = True
     registry: CollectorRegistry
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Not to stderr (the journal): a scraper that hung up or stalled is not the agent's error.
+        log.debug("metrics: a scrape ended early", exc_info=True)
+
+
+class _TCPServer(_Serving, socketserver.ThreadingMixIn, socketserver.TCPServer):
+    allow_reuse_address = True
+
+
+class _UnixServer(_Serving, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     inode = 0  # of the socket file in the file system, to remove only our own at close
 
 
-class _UnixHandler(BaseHTTPRequestHandler):
-    server: _UnixServer
-    timeout = 10  # a client that stalls does not hold its thread forever
+class _Handler(BaseHTTPRequestHandler):
+    server: _TCPServer | _UnixServer
+    timeout = STALL_S
 
     def do_GET(self) -> None:
         from prometheus_client.exposition import choose_encoder
@@ -43,10 +62,25 @@ class _UnixHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def address_string(self) -> str:
-        return "unix"  # client_address is '' on a unix socket
+        return "unix" if isinstance(self.server, _UnixServer) else super().address_string()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+def serve_tcp(host: str, port: int, registry: CollectorRegistry) -> _TCPServer:
+    """Bind ``host``:``port`` (0: any free port) and serve on a daemon thread."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("_Bound", (_TCPServer,), {"address_family": family})
+    server: _TCPServer = server_class((host, port), _Handler)
+    server.registry = registry
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
+def close_tcp(server: _TCPServer) -> None:
+    server.shutdown()
+    server.server_close()
 
 
 def serve_unix(path: Path, registry: CollectorRegistry) -> _UnixServer:
@@ -74,7 +108,7 @@ def serve_unix(path: Path, registry: CollectorRegistry) -> _UnixServer:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
-    server = _UnixServer(str(tmp), _UnixHandler, bind_and_activate=True)
+    server = _UnixServer(str(tmp), _Handler, bind_and_activate=True)
     try:
         os.chmod(tmp, 0o660)
         os.replace(tmp, path)
