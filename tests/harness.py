@@ -194,7 +194,7 @@ class CoordinatorServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+                self.proc.wait(30)
 
     def close(self) -> None:
         self.stop()
@@ -361,7 +361,7 @@ class AgentProcess:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+                self.proc.wait(30)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def wait_ledger(self, count: int = 1, timeout: float = 30.0) -> list[dict[str, Any]]:

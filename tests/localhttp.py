@@ -4,6 +4,7 @@ coordinators, the owner's private services)."""
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -15,16 +16,28 @@ class LocalHTTPServer(ThreadingHTTPServer):
     The standard one joins every handler thread when closed, daemon or not: one handler waiting
     on a client that stays connected (a build stopped mid-download, a keep-alive pool) would
     hold the test's teardown, and the whole run, forever. Here handler threads are left to die
-    with the process, and a client that stalls is dropped after ``stall_s``."""
+    with the process, and a client that stalls is dropped after ``stall_s``. Its accepting
+    waits a second at most, so that ``shutdown`` is seen even should a connection that made the
+    socket readable be gone before it was taken."""
 
     daemon_threads = True
     block_on_close = False
     stall_s = 60.0
 
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.socket.settimeout(1.0)
+
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, address = super().get_request()
         sock.settimeout(self.stall_s)
         return sock, address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hung up, stalled or refused the certificate is what many tests do on
+        # purpose; anything else is the test server's own bug, printed.
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
     def start(self) -> LocalHTTPServer:
         """Serve on a daemon thread; returns the server."""
