@@ -39,13 +39,17 @@ class LocalHTTPServer(ThreadingHTTPServer):
         if not isinstance(sys.exc_info()[1], OSError):
             super().handle_error(request, client_address)
 
+    serving = False
+
     def start(self) -> LocalHTTPServer:
         """Serve on a daemon thread; returns the server."""
         threading.Thread(target=self.serve_forever, name="test-http", daemon=True).start()
+        self.serving = True
         return self
 
     def close(self) -> None:
-        self.shutdown()
+        if self.serving:  # shutdown() waits for a serve_forever that never started, for ever
+            self.shutdown()
         self.server_close()
 
     @property

@@ -231,10 +231,9 @@ class Origin:
             self.server.socket, server_side=True, do_handshake_on_connect=False
         )
         self.port = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> Origin:
-        self._thread.start()
+        self.server.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
