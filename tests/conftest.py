@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import AgentProcess, CoordinatorServer, shared_dir
+from harness import AgentProcess, CoordinatorServer, run_flashnode, shared_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
@@ -179,18 +179,9 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 
 @pytest.fixture
 def flashnode() -> Callable[..., subprocess.CompletedProcess[str]]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-
-    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "flashnode", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
-
-    return run
+    """The flashnode program, run as a process (``harness.run_flashnode``; a test that uses it is
+    an integration test)."""
+    return run_flashnode
 
 
 @pytest.fixture

@@ -90,6 +90,26 @@ def lowest_free(path: Path, done: Callable[[], bool]) -> Iterator[Lowest]:
         watcher.join(5)
 
 
+def run_flashnode(
+    *args: str, env: dict[str, str] | None = None, stdin: str = "", timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """The flashnode program, run as a process with ``env`` over this one's, less the settings
+    and systemd's directories this environment may hold (a test's own must be explicit)."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLASHNODE_", "STATE_DIRECTORY", "CREDENTIALS_DIRECTORY"))
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "flashnode", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=stdin,
+        env={**base, **(env or {})},
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -37,23 +36,6 @@ RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\u2066", "\u2028", "\n", "\r")
 
 def clean(text: str) -> bool:
     return not any(c in text for c in RAW)
-
-
-def _flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**base, **(env or {})},
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _flashnode
 
 
 @pytest.fixture

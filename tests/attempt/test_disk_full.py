@@ -13,7 +13,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +21,15 @@ from typing import Any
 
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
-from harness import AgentProcess, CoordinatorServer, argv_job, lowest_free, tmpfs_disk, wait_for
+from harness import (
+    AgentProcess,
+    CoordinatorServer,
+    argv_job,
+    lowest_free,
+    run_flashnode,
+    tmpfs_disk,
+    wait_for,
+)
 
 from flashnode import statefile
 from flashnode.attempt import Attempt
@@ -227,20 +234,8 @@ def small_disk() -> Iterator[Path]:
         yield mount
 
 
-def _flashnode(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args], capture_output=True, text=True, timeout=60
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _flashnode
-
-
 def status_of(state_dir: Path) -> dict[str, object] | None:
-    done = _flashnode("status", "--json", "--state-dir", str(state_dir))
+    done = run_flashnode("status", "--json", "--state-dir", str(state_dir))
     return json.loads(done.stdout) if done.returncode == 0 else None
 
 

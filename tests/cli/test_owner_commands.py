@@ -41,30 +41,6 @@ FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 IS_ROOT = os.geteuid() == 0
 
 
-def _flashnode(
-    *args: str, env: dict[str, str] | None = None, stdin: str = ""
-) -> subprocess.CompletedProcess[str]:
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FLASHNODE_", "STATE_DIRECTORY", "CREDENTIALS_DIRECTORY"))
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        input=stdin,
-        env={**base, **(env or {})},
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _flashnode
-
-
 def private_dir(path: Path) -> Path:
     path.mkdir(mode=0o700)
     return path

@@ -107,23 +107,6 @@ def test_token_file_must_be_private(tmp_path: Path) -> None:
     assert s.join_code is not None and s.join_code.get_secret_value() == "jc"
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args],
-        capture_output=True,
-        text=True,
-        env={**base, **(env or {})},
-        timeout=60,
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _cli
-
-
 def test_cli_exit_codes(flashnode: Callable[..., Any], tmp_path: Path) -> None:
     assert flashnode("--version").stdout.startswith("flashnode, version")
     r = flashnode("work", "--coordinator", URL, "--runner", "trusted", "--state-dir", str(tmp_path))

@@ -5,43 +5,16 @@ none apply, doctor says which are stored and why they do not."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from conftest import TokenCoordinator
 from harness import AgentProcess, argv_job
 
 from flashnode.config.settings import credentials_names, load, stored_credential
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
-
-
-def _flashnode(
-    *args: str, env: dict[str, str] | None = None, stdin: str = ""
-) -> subprocess.CompletedProcess[str]:
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FLASHNODE_", "STATE_DIRECTORY", "CREDENTIALS_DIRECTORY"))
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        input=stdin,
-        env={**base, **(env or {})},
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _flashnode
 
 
 def test_localhost_and_127_0_0_1_and_a_default_port_are_one_coordinator(tmp_path: Path) -> None:

@@ -11,30 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-from harness import AgentProcess, CoordinatorServer, argv_job, wait_for
+from harness import AgentProcess, CoordinatorServer, argv_job, run_flashnode, wait_for
 
 from flashnode.sandbox import logcap
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
-
-
-def _flashnode(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _flashnode
 
 
 def test_logs_without_a_lease_follows_the_only_running_task_to_its_end(
@@ -80,7 +62,7 @@ def test_logs_without_a_lease_follows_the_only_running_task_to_its_end(
 
 
 def _running(agent: AgentProcess) -> str:
-    done = _flashnode("status", "--json", "--state-dir", str(agent.state_dir))
+    done = run_flashnode("status", "--json", "--state-dir", str(agent.state_dir))
     if done.returncode != 0:
         return "-"
     import json

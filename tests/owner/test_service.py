@@ -25,23 +25,6 @@ FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 
 
-def _flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**base, **(env or {})},
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _flashnode
-
-
 @pytest.fixture
 def notify(tmp_path: Path) -> Iterator[NotifySocket]:
     n = NotifySocket(tmp_path / "notify.sock")

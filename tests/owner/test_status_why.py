@@ -6,11 +6,8 @@ node gave across restarts, times with their zone. Real agents against the real c
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +16,15 @@ from typing import Any
 import pytest
 from conftest import TokenCoordinator
 from consoleharness import ConsoleAgent
-from harness import AgentProcess, CoordinatorServer, argv_job, free_port, shared_dir, wait_for
+from harness import (
+    AgentProcess,
+    CoordinatorServer,
+    argv_job,
+    free_port,
+    run_flashnode,
+    shared_dir,
+    wait_for,
+)
 
 from flashnode.clock import moment
 from flashnode.owner import status
@@ -30,25 +35,8 @@ TRUSTED = ("--runner", "trusted", "--pool", "team-a")
 ZONE = time.strftime("%Z")
 
 
-def _flashnode(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "flashnode", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**base, **(env or {})},
-    )
-
-
-@pytest.fixture
-def flashnode() -> Callable[..., Any]:
-    """The flashnode program, run as a process (a test that uses it is an integration test)."""
-    return _flashnode
-
-
 def status_text(state_dir: Path) -> str:
-    done = _flashnode("status", "--state-dir", str(state_dir))
+    done = run_flashnode("status", "--state-dir", str(state_dir))
     assert "Traceback" not in done.stdout + done.stderr
     return done.stdout
 
