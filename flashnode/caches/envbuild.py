@@ -69,6 +69,9 @@ from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.procs.helpers import popen_as
+from flashnode.sandbox.procs.keyrings import clear_user_keyrings
+from flashnode.sandbox.procs.mounts import PRIVATE_DIRS, Sandbox
 from flashnode.sandbox.workspace import remove_tree
 
 log = logging.getLogger(__name__)
@@ -603,7 +606,7 @@ class UvBuilder:
         if user is None:
             return _Box(None, token, None, None, rlimits, _DiskWatch(work, room, self.clock))
         real = work.resolve()
-        for private in procs.PRIVATE_DIRS:
+        for private in PRIVATE_DIRS:
             if real.is_relative_to(Path(private).resolve()):
                 raise EnvUnavailable(
                     f"the environment cache lies under {private}, of which builds get a private"
@@ -625,7 +628,7 @@ class UvBuilder:
                 raise EnvUnavailable(
                     f"cannot make the build's cgroup ({exc.strerror or exc})"
                 ) from None
-        sandbox = procs.Sandbox(BUILD_TMP_BYTES, keep_agent=True)
+        sandbox = Sandbox(BUILD_TMP_BYTES, keep_agent=True)
         return _Box(user, token, cgroup, sandbox, rlimits, _DiskWatch(work, room, self.clock))
 
     def _environment(self, work: Path, token: str, cache: str) -> dict[str, str]:
@@ -696,7 +699,7 @@ class _Box:
         user: procs.TaskUser | None,
         token: str,
         cgroup: cgroups.AttemptCgroup | None,
-        sandbox: procs.Sandbox | None,
+        sandbox: Sandbox | None,
         rlimits: list[str],
         watch: _DiskWatch,
     ) -> None:
@@ -716,7 +719,7 @@ class _Box:
         left = procs.end_processes_of(self.user)
         if left:
             raise EnvUnavailable(f"{len(left)} process(es) of {self.user.name} outlived the build")
-        why = procs.clear_user_keyrings(self.user)
+        why = clear_user_keyrings(self.user)
         if why:
             log.error("cannot clear the keyrings of %s: %s", self.user.name, why)
 
@@ -824,7 +827,7 @@ class _Runner:
         if self.stop.is_set():
             raise Cancelled(f"stopped before {step}")
         try:
-            proc = procs.popen_as(
+            proc = popen_as(
                 [str(a) for a in argv],
                 env,
                 box.user if box else None,

@@ -67,8 +67,10 @@ from flashnode.runners import preflight
 from flashnode.runners.background import Background
 from flashnode.runners.base import Runner, RunnerEnv, runner_class
 from flashnode.runners.spec import task_limits
-from flashnode.sandbox import cgroups, diskuse, procs
+from flashnode.sandbox import cgroups, diskuse
 from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.procs.helpers import json_schema_problem
+from flashnode.sandbox.procs.keyrings import private_session_keyring
 from flashnode.sanitise import sanitise
 
 if TYPE_CHECKING:  # the console is imported only when it is served
@@ -651,7 +653,7 @@ def _locked_run(
 ) -> None:
     if settings.runner == "trusted" and os.geteuid() == 0:
         # Before any thread starts (threads, and the tasks they start, inherit it).
-        why = procs.private_session_keyring()
+        why = private_session_keyring()
         if why:
             log.warning("tasks share this agent's session keyring (%s)", why)
     try:
@@ -708,7 +710,7 @@ def _run_agent(
         metrics=served,
         envs=envs,
         data=data,
-        schema_check=procs.json_schema_problem,
+        schema_check=json_schema_problem,
         later=janitor.submit,
     )
 

@@ -6,22 +6,23 @@ trusted with at least one pool, the task's ``pool`` is one of them, and its isol
 ``allowFallback: true``. The coordinator checks this at placement; ``check`` checks it again.
 
 The privilege boundary: an agent running as root runs each slot's task as that slot's own user
-(``<task_user>-<slot>``), with its workspace readable by that user's group only, in its own
-cgroup and mount/IPC namespaces (private ``/tmp``, ``/var/tmp``, ``/dev/shm``); see procs.py for
-how the task's environment reaches only the task. An agent that is not root cannot switch users
-and refuses to run trusted work unless the owner set ``allow_same_user``.
+(``<task_user>-<slot>``), with its workspace readable by that user's group only, in its own cgroup
+and mount/IPC namespaces (private ``/tmp``, ``/var/tmp``, ``/dev/shm``); see sandbox/procs/ for how
+the task's environment reaches only the task. An agent that is not root cannot switch users and
+refuses to run trusted work unless the owner set ``allow_same_user``.
 
 The task sees its workspace as ``/work``: a root agent binds it there in the task's own mount
-namespace (``procs.Sandbox.work``; the host's ``/work``, an empty directory the package or the
-agent makes, is only the mount point), so every ``/work/...`` path works wherever the task names
+namespace (``procs.mounts.Sandbox.work``; the host's ``/work``, an empty directory the package or
+the agent makes, is only the mount point), so every ``/work/...`` path works wherever the task names
 it. In the same-user mode there is no namespace: an argument or ``env`` value that is ``/work`` or
 starts with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten to the
-attempt directory instead. Its environment is built, never inherited: the locale from the
-agent's, then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``,
-the GPUs it holds and the ownership token.
+attempt directory instead. Its environment is built, never inherited: the locale from the agent's,
+then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``, the GPUs it
+holds and the ownership token.
 
-Lent directories are covered at their host paths in every task's namespace (``procs.cover_fstab``,
-rewritten on a reload), so that a task reaches lent data only at the labels it asked for.
+Lent directories are covered at their host paths in every task's namespace
+(``procs.mounts.cover_fstab``, rewritten on a reload), so that a task reaches lent data only at the
+labels it asked for.
 
 What lies between a slot's tasks (the turnover after a task, the chain kept ahead for the next)
 is the slot pool's (slots.py): ``start`` takes the slot's chain from it, and the handle hands the
@@ -78,6 +79,11 @@ from flashnode.runners.spec import (
 from flashnode.sandbox import cgroups, diskuse, procs
 from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.logcap import latest_line
+from flashnode.sandbox.procs.chain import SYSTEM_PATH
+from flashnode.sandbox.procs.helpers import python_imports, sandbox_works
+from flashnode.sandbox.procs.launch import Launch
+from flashnode.sandbox.procs.mounts import PRIVATE_DIRS, Sandbox, cover_fstab, private_fstab
+from flashnode.sandbox.procs.task import TaskProcess
 from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -115,7 +121,7 @@ class TrustedHandle:
 
     def __init__(
         self,
-        proc: procs.TaskProcess,
+        proc: TaskProcess,
         on_result: Callable[[], None] = lambda: None,
         private: tuple[str, ...] = (),
         workspace: Path | None = None,
@@ -213,7 +219,7 @@ class TrustedRunner(Runner):
         self._cpu_lock = threading.Lock()
         # One table of a task's private mounts, for one `mount` per task instead of one each.
         self._fstab = (
-            procs.private_fstab(settings.state_dir / "sandbox.fstab", PRIVATE_TMP_BYTES)
+            private_fstab(settings.state_dir / "sandbox.fstab", PRIVATE_TMP_BYTES)
             if sandbox
             else ""
         )
@@ -239,7 +245,7 @@ class TrustedRunner(Runner):
     def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
         found = list(_users_and_sandbox(settings, slots))
         if settings.task_python and not any(isinstance(f, Problem) and f.fatal for f in found):
-            why = procs.python_imports(settings.task_python, MODULES)
+            why = python_imports(settings.task_python, MODULES)
             if why:
                 found.append(
                     Problem(
@@ -260,7 +266,7 @@ class TrustedRunner(Runner):
                     "job environments",
                     f"the state dir {settings.state_dir} lies under {hidden}, which tasks get a"
                     " private copy of: tasks with dependencies are refused",
-                    f"choose a state_dir outside {', '.join(procs.PRIVATE_DIRS)}",
+                    f"choose a state_dir outside {', '.join(PRIVATE_DIRS)}",
                     code=None,
                 )
             )
@@ -306,7 +312,7 @@ class TrustedRunner(Runner):
         python = settings.task_python
         capable = False
         if python:
-            why = procs.python_imports(python, MODULES)
+            why = python_imports(python, MODULES)
             capable = why is None
             if why:
                 log.warning(
@@ -320,12 +326,12 @@ class TrustedRunner(Runner):
         """The table of the covers of every lent directory, for the chains from now on."""
         if not self.sandbox:
             return ""
-        return procs.cover_fstab(settings.state_dir, settings.local_data.values())
+        return cover_fstab(settings.state_dir, settings.local_data.values())
 
-    def _blank_sandbox(self) -> procs.Sandbox:
+    def _blank_sandbox(self) -> Sandbox:
         """The sandbox of a task with nothing of its own (no read-only views, no hidden GPUs, no
         job environment): a chain kept ahead's."""
-        return procs.Sandbox(
+        return Sandbox(
             PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers, **self._envs(None)
         )
 
@@ -448,7 +454,7 @@ class TrustedRunner(Runner):
         if any("\n" in path for bind in binds for path in bind):
             raise AttemptLapsed("cannot lend a directory whose path holds a newline")
         sandbox = (
-            procs.Sandbox(
+            Sandbox(
                 PRIVATE_TMP_BYTES,
                 binds,
                 hidden_gpus(spec),
@@ -484,7 +490,7 @@ class TrustedRunner(Runner):
                 assert spec.argv is not None
                 argv = [map_work(a, root) for a in spec.argv]
             token = procs.new_token()
-            path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
+            path = SYSTEM_PATH if user else self.agent_env.get("PATH", SYSTEM_PATH)
             env = task_env(spec, token, self.agent_env, path, root)
             limits = spec.limits
             with self._cpu_lock:
@@ -503,7 +509,7 @@ class TrustedRunner(Runner):
                 name = next(iter(cgroup.paths.values())).name if cgroup else ws.root.name
                 if cgroup is not None:
                     self._task_cpus[name] = limits.cpus
-            proc = procs.TaskProcess(
+            proc = TaskProcess(
                 argv,
                 env,
                 cwd=ws.root,
@@ -541,7 +547,7 @@ class TrustedRunner(Runner):
         return TrustedHandle(
             proc,
             lambda: self._after(spec.slot, user, name, cgroup),
-            private=procs.PRIVATE_DIRS if sandbox is not None else (),
+            private=PRIVATE_DIRS if sandbox is not None else (),
             workspace=ws.root,
         )
 
@@ -550,9 +556,9 @@ class TrustedRunner(Runner):
         cwd: Path,
         limits: Limits,
         user: procs.TaskUser | None,
-        sandbox: procs.Sandbox | None,
+        sandbox: Sandbox | None,
         program: str,
-    ) -> procs.Launch:
+    ) -> Launch:
         """A task's chain started now, in a cgroup of its own (named for its workspace)."""
         cgroup = None
         if self.hierarchy is not None:
@@ -561,7 +567,7 @@ class TrustedRunner(Runner):
             except OSError as exc:
                 raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
         try:
-            return procs.Launch(cwd, cgroup, user, sandbox)
+            return Launch(cwd, cgroup, user, sandbox)
         except OSError as exc:  # its programs are the node's (unshare, setpriv, sh)
             if cgroup is not None:
                 cgroup.remove()
@@ -590,7 +596,7 @@ def under_private_dir(path: Path) -> str | None:
     """The private directory (``/tmp``, ...) a root agent's tasks get in place of the one
     ``path`` lies under, hiding it from them; None when ``path`` is not under one."""
     resolved = path.resolve()
-    for private in procs.PRIVATE_DIRS:
+    for private in PRIVATE_DIRS:
         if resolved.is_relative_to(Path(private).resolve()):
             return private
     return None
@@ -657,7 +663,7 @@ def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
             code=ExitCode.UNAVAILABLE,
         )
         return
-    why = procs.sandbox_works()
+    why = sandbox_works()
     if why:
         yield Problem(
             "task sandbox",
