@@ -18,7 +18,7 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import unquote, urlsplit
 
-from flashnode.caches.datacache import Resolver, resolve
+from flashnode.caches.origins import Resolver, resolve
 from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import EnvBuildFailed, EnvUnavailable
 

@@ -28,8 +28,9 @@ import psutil
 from flashnode import __version__
 from flashnode.attempt import AttemptContext
 from flashnode.attempt.outbox import Outbox
-from flashnode.caches.datacache import DataCache, Fetcher, OriginPolicy
+from flashnode.caches.datacache import DataCache, OriginPolicy
 from flashnode.caches.envcache import ENVS_DIR, EnvCache
+from flashnode.caches.fetcher import Fetcher
 from flashnode.cli import common, doctor, login, pools, ui
 from flashnode.cli import controls as controls_cli
 from flashnode.cli import envs as envs_cli
