@@ -35,15 +35,9 @@ from flashnode.cli import common, doctor, login, pools, ui
 from flashnode.cli import controls as controls_cli
 from flashnode.cli import envs as envs_cli
 from flashnode.clock import SystemClock
+from flashnode.config.loading import gather, load, read_config_file
 from flashnode.config.schedule import Pause, PauseMode
-from flashnode.config.settings import (
-    DEFAULT_CONFIG_FILE,
-    Settings,
-    default_state_dir,
-    gather,
-    load,
-    read_config_file,
-)
+from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings, default_state_dir
 from flashnode.coordinator.client import Coordinator
 from flashnode.coordinator.wire import NodeRegistration
 from flashnode.errors import (

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from flashnode.config.settings import is_loopback
+from flashnode.config.urls import is_loopback
 from flashnode.errors import AttemptFailed
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
