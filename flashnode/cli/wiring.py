@@ -190,7 +190,7 @@ def _task_uids(settings: Settings) -> frozenset[int]:
         return frozenset()
     import pwd
 
-    from flashnode.runners.trusted import slot_user_name
+    from flashnode.runners.trustedhost import slot_user_name
 
     found = set()
     for slot in range(64):
