@@ -69,7 +69,7 @@ OURS_GROUPS = {
     "httpx and click (0.4.1: urllib, argparse)": [
         *("httpx", "httpcore", "h11", "anyio", "sniffio", "idna", "certifi", "click")
     ],
-    "ctypes (procs.py, gpu.py: a root agent's session keyring, the NVML probe)": ["ctypes"],
+    "ctypes (keyrings.py, gpu.py: a root agent's session keyring, the NVML probe)": ["ctypes"],
     "psutil (both agents)": ["psutil"],
     "pydantic (both agents)": ["pydantic", "pydantic_core"],
 }

@@ -293,11 +293,11 @@ def test_nothing_a_task_writes_outside_its_workspace_outlives_it(
     start_agent: Callable[..., AgentProcess],
     mqueue_mount: Path,
 ) -> None:
-    """Only /tmp, /var/tmp and /dev/shm are made private (procs.PRIVATE_DIRS) and only SysV IPC
-    is unshared. The task user can still create files in other world-writable places of the
-    host: a message queue in the host's mqueue filesystem (/dev/mqueue: it belongs to the host's
-    IPC namespace, not the task's) and, outside ProtectSystem=strict, /run/lock. Both stay after
-    the attempt, readable by the next task and by every local user."""
+    """Only /tmp, /var/tmp and /dev/shm are made private (procs.mounts.PRIVATE_DIRS) and only SysV
+    IPC is unshared. The task user can still create files in other world-writable places of the
+    host: a message queue in the host's mqueue filesystem (/dev/mqueue: it belongs to the host's IPC
+    namespace, not the task's) and, outside ProtectSystem=strict, /run/lock. Both stay after the
+    attempt, readable by the next task and by every local user."""
     marker = secrets.token_hex(6)
     name = f"flashnode-review-{marker}"
     script = LEAVE_HOST.format(marker=marker, mq=mqueue_mount)
@@ -385,10 +385,10 @@ def _uid_processes(uid: int) -> list[int]:
 def test_slot0_task_cannot_hijack_the_module_probe_to_escape_and_rob_later_tasks(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
 ) -> None:
-    """procs.python_imports (on every reload: SIGHUP, `flashnode pools join`; and in `flashnode
-    doctor`) runs task_python through popen_as as flashnode-task-0 with no sandbox: the host's
-    mount namespace and /tmp, the agent's cgroup, no ownership token. A task running in slot 0
-    is the same uid: it stops that process and rewrites its code through /proc/PID/mem (no
+    """procs.helpers.python_imports (on every reload: SIGHUP, `flashnode pools join`; and in
+    `flashnode doctor`) runs task_python through popen_as as flashnode-task-0 with no sandbox: the
+    host's mount namespace and /tmp, the agent's cgroup, no ownership token. A task running in slot
+    0 is the same uid: it stops that process and rewrites its code through /proc/PID/mem (no
     ptrace call, so the unit's ~@debug filter does not stop it) to exec a shell. That shell
     (1) answers the probe with exit 0: the node registers module_capable for an interpreter
     that cannot import the modules; (2) leaves a process of slot 0's user that no kill of the

@@ -18,7 +18,7 @@ import pytest
 from badcoord import BadCoordinator, answer, lease_answer
 from harness import TASK_USER, AgentProcess
 
-from flashnode.cli.main import JournalFormatter, JsonFormatter, LogFormatter
+from flashnode.cli.logsetup import JournalFormatter, JsonFormatter, LogFormatter
 from flashnode.owner import status
 from flashnode.sanitise import sanitise
 

@@ -125,8 +125,8 @@ class AttemptContext:
     space: Callable[[], Space | None] = lambda: None  # the state dir's disk now (None: unknown)
     # What the running tasks may still write on it: a task starting gets only the rest.
     reserved: Reserved = field(default_factory=Reserved)
-    # A declared JSON Schema checked on the node (procs.json_schema_problem); None: left to the
-    # coordinator.
+    # A declared JSON Schema checked on the node (procs.helpers.json_schema_problem); None: left to
+    # the coordinator.
     schema_check: SchemaCheck | None = None
     # What may run after an attempt's outcome (removing its retired workspace): at once by
     # default; the agent hands it to a thread off the next claim's way (background.py).

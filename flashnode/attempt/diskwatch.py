@@ -32,7 +32,8 @@ import math
 import threading
 from dataclasses import dataclass
 
-from flashnode.config.settings import Settings, format_size
+from flashnode.config.settings import Settings
+from flashnode.config.sizes import format_size
 from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, NoRoom, OutgrewRoom
 from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
 from flashnode.sandbox.workspace import Usage

@@ -1,5 +1,7 @@
-"""Building one job environment with uv: what a job's lines may say, how uv runs, whose fault
-a failure is. The cache of built environments is flashnode.caches.envcache.
+"""Building one job environment with uv: how uv runs, as whom and in what, and the fresh copy
+of what it built. The cache of built environments is flashnode.caches.envcache; what a job's
+lines may say is flashnode.caches.envlines, whose fault uv's failure is flashnode.caches.envfaults,
+a build's bounds flashnode.caches.envbox, and its files flashnode.caches.envtree.
 
 An environment is the requirement lines a job names, installed with uv into a relocatable venv
 for the Python (``major.minor``) the job names, found on this machine, or fetched as a managed
@@ -28,17 +30,7 @@ Privileges. No code of a job runs as root, as the agent, or as any user somethin
 
 uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
-redacted from every message and record. A job's lines are accepted only in a form judged in full
-(``_line_problem``): they may not make uv read a file of this host (``-r``, ``-c``, ``-e``, a
-``/`` outside a URL, a bare archive name and ``file:`` URLs are refused) or run a VCS (no scheme
-but http(s)), nor name a URL whose host Python and uv could read apart (a backslash, anything but
-a plain host after at most one ``@``), nor, before the build, a URL whose host does not exist or
-has an address the owner does not allow (``check_endpoints``: the dataset origins'
-``OriginPolicy``, ``env_allow_private_indexes``). uv resolves each host again itself:
-DNS rebinding, a public index's redirects and the links its pages list are not checked here.
-
-Why one module of this size: uv's invocation, the checks of a job's lines, the build's bounds and
-the classification of uv's failures belong together.
+redacted from every message and record.
 """
 
 from __future__ import annotations
@@ -49,53 +41,40 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sysconfig
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal, Protocol
-from urllib.parse import unquote, urlsplit
+from typing import IO, Protocol
 
-from flashnode.caches.datacache import Resolver, resolve
+from flashnode.caches.envbox import POLL_S, BuildBox, DiskRoom, DiskWatch
+from flashnode.caches.envfaults import classify, summarize, unreachable
+from flashnode.caches.envlines import (
+    URL_LINE,
+    check_endpoints,
+    check_lines,
+    normalise,
+    redact,
+    secrets_in,
+)
+from flashnode.caches.envtree import copy_tree, others_can_run, reclaim, remove
 from flashnode.clock import Clock, SystemClock
 from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
-from flashnode.sandbox.workspace import remove_tree
+from flashnode.sandbox.procs.helpers import popen_as
+from flashnode.sandbox.procs.mounts import PRIVATE_DIRS, Sandbox
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the layout of an environment changes: old keys are then never reused
 PYTHON_VERSION = re.compile(r"^[0-9]{1,2}\.[0-9]{1,3}$")
-MAX_LINES = 1000
-MAX_LINE_CHARS = 4096
-TAIL_LINES = 10
-MAX_REASON_CHARS = 1000
 OUTPUT_TAIL_BYTES = 64 * 1024
-POLL_S = 0.05
-
-# Options a job's lines may carry. Everything else (``-r``, ``-c``, ``-e``, local paths, file:
-# URLs) would make the agent read files on this host, and is refused.
-URL_OPTIONS = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links"}
-FLAG_OPTIONS = {"--no-index"}
-URL_SCHEMES = ("http", "https")
-SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # any, anywhere: git+http://, ftp://, ...
-# What the resolver answers for a name that does not exist (a job's), not for a failed lookup.
-NO_SUCH_HOST = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
-URL_LINE = re.compile(r"https?://", re.IGNORECASE)
-# A URL's host as both Python's urlsplit and uv (WHATWG) read it, nothing they could read apart.
-HOST = re.compile(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]")
-# A requirement's name (PEP 508); a name with an archive's ending would be read as a local file.
-NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
-ARCHIVES = (".whl", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar", ".zip", ".egg")
 
 # The agent's environment variables uv may see: how this host reaches the network.
 PASS_THROUGH = (
@@ -125,164 +104,6 @@ PASS_THROUGH = (
 def platform_tag() -> str:
     """The platform environments are built for, e.g. ``linux-x86_64``."""
     return sysconfig.get_platform()
-
-
-COMMENT = re.compile(r"(^|\s+)#.*$")  # pip's rule: a '#' after whitespace (a URL's fragment stays)
-
-
-def normalise(lines: Sequence[str]) -> tuple[str, ...]:
-    """The lines that matter: without comments, stripped, without blank lines, in order."""
-    kept = (COMMENT.sub("", line).strip() for line in lines)
-    return tuple(line for line in kept if line)
-
-
-def check_lines(lines: Sequence[str]) -> None:
-    """Refuse, with the job's fault, a line that would make uv read anything on this host."""
-    if len(lines) > MAX_LINES:
-        raise EnvBuildFailed(f"too many dependency lines ({len(lines)} > {MAX_LINES})")
-    for line in lines:
-        why = _line_problem(line)
-        if why:
-            shown = redact(line, secrets_in([line]))[:200]
-            raise EnvBuildFailed(f"dependency line {shown!r} is refused: {why}")
-
-
-def _line_problem(line: str) -> str | None:
-    if len(line) > MAX_LINE_CHARS:
-        return "too long"
-    if any(ord(c) < 32 or ord(c) == 127 for c in line):
-        return "control characters"
-    if "\\" in line:
-        return "backslashes are not allowed"
-    if "${" in line:
-        return "environment variables are not expanded"
-    if "file:" in line.lower():
-        return "local files are not allowed"
-    for scheme in SCHEME.finditer(line):
-        if scheme.group(1).lower() not in URL_SCHEMES:
-            return "only http(s) URLs are allowed (no VCS or other schemes)"
-    words = line.split()
-    if line.startswith("-"):
-        option, _, value = words[0].partition("=")
-        if option in FLAG_OPTIONS and len(words) == 1 and not value:
-            return None
-        if option not in URL_OPTIONS:
-            return "only --index-url, --extra-index-url, --find-links and --no-index are allowed"
-        rest = [value] if value else words[1:]
-        if len(rest) != 1 or len(words) > (1 if value else 2):
-            return f"{option} takes exactly one URL"
-        return None if _is_url(rest[0]) else f"{option} needs an http(s) URL"
-    if URL_LINE.match(line):
-        if len(words) != 1:
-            return "a URL line takes nothing after the URL"
-        return None if _is_url(words[0]) else "not an http(s) URL with a plain host"
-    name = NAME.match(line)
-    if not name or not re.match(r"$|[\s\[(<>=!~;@]", line[name.end() :]):
-        return "not a requirement (local paths are not allowed)"
-    if name.group().lower().endswith(ARCHIVES):
-        return "not a requirement (local files are not allowed)"
-    outside = line
-    if "@" in line.split(";", 1)[0]:
-        before, _, after = line.partition("@")
-        target = after.split()
-        if not target or ";" in target[0] or not _is_url(target[0]):
-            return "a direct reference must be an http(s) URL with a plain host"
-        outside = " ".join([before, *target[1:]])
-    if "/" in outside:
-        return "not a requirement (local paths are not allowed)"
-    for word in words[1:]:
-        if word.startswith("-") and not word.startswith("--hash"):
-            return f"option {word.split('=')[0]} is not allowed after a requirement"
-    return None
-
-
-def _is_url(value: str) -> bool:
-    """An http(s) URL whose host both Python and uv read alike: letters, digits, dots and
-    hyphens, or a bracketed IPv6 literal, after at most one ``@`` (credentials before it; an
-    ``@`` in them is written ``%40``, else part of them would go unredacted)."""
-    try:
-        parts = urlsplit(value)
-        _ = parts.port
-    except ValueError:
-        return False
-    if parts.netloc.count("@") > 1:
-        return False
-    host = re.sub(r":[0-9]*$", "", parts.netloc.rpartition("@")[2])
-    return parts.scheme in URL_SCHEMES and bool(parts.hostname) and bool(HOST.fullmatch(host))
-
-
-def endpoints(lines: Sequence[str]) -> list[tuple[str, str]]:
-    """Every URL the (checked) lines name, with its line: an index, an extra index, a page of
-    links, a direct reference."""
-    found = []
-    for line in lines:
-        words = line.split()
-        if line.startswith("-"):
-            option, _, value = words[0].partition("=")
-            if option in URL_OPTIONS:
-                found.append((line, value or words[1]))
-        elif URL_LINE.match(line):
-            found.append((line, words[0]))
-        elif "@" in line.split(";", 1)[0]:
-            found.append((line, line.split("@", 1)[1].split(";", 1)[0].split()[0]))
-    return found
-
-
-def check_endpoints(
-    lines: Sequence[str], policy: OriginPolicy, resolver: Resolver = resolve
-) -> None:
-    """Refuse, with the job's fault, a line whose URL's host has an address the owner's
-    ``env_allow_private_indexes`` does not allow (the dataset origins' rule, ``OriginPolicy``):
-    by default loopback, private and link-local addresses. Every address the host resolves to
-    must pass. A host the resolver says does not exist is the job's too (any job can name
-    one); EnvUnavailable when resolving fails otherwise (no network, a resolver that does not
-    answer: the node's)."""
-    hidden = secrets_in(lines)
-    for line, url in endpoints(lines):
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        shown = redact(line, hidden)[:200]
-        try:
-            addresses = resolver(host, parts.port or (443 if parts.scheme == "https" else 80))
-        except socket.gaierror as exc:
-            if exc.errno in NO_SUCH_HOST:
-                raise EnvBuildFailed(
-                    f"dependency line {shown!r} is refused: its host does not exist"
-                ) from None
-            addresses = []
-        except (OSError, ValueError, UnicodeError):
-            addresses = []
-        if not addresses:
-            raise EnvUnavailable(
-                f"dependency line {shown!r}: its host does not resolve here", job_endpoint=True
-            )
-        for address in addresses:
-            problem = policy.problem(address)
-            if problem:
-                raise EnvBuildFailed(
-                    f"dependency line {shown!r} is refused: its host is {problem}"
-                    " (the owner allows indexes at such addresses with env_allow_private_indexes)"
-                )
-
-
-def secrets_in(lines: Sequence[str]) -> tuple[str, ...]:
-    """Credentials the lines carry in URLs (``https://user:token@host``): never shown."""
-    found: set[str] = set()
-    for match in re.finditer(r"[A-Za-z][A-Za-z0-9+.-]*://([^/\s@]+)@", "\n".join(lines)):
-        userinfo = match.group(1)
-        for part in (userinfo, *userinfo.split(":", 1)):
-            for form in (part, unquote(part)):
-                if len(form) >= 3:
-                    found.add(form)
-    return tuple(sorted(found, key=len, reverse=True))
-
-
-def redact(text: str, hidden: Sequence[str] = ()) -> str:
-    """``text`` without URL credentials and without any of ``hidden``."""
-    text = re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@", r"\1***@", text)
-    for secret in hidden:
-        text = text.replace(secret, "***")
-    return text
 
 
 def env_key(python: str, platform: str, lines: Sequence[str]) -> str:
@@ -335,88 +156,6 @@ class EnvSpec:
         return [redact(line, hidden) for line in self.lines]
 
 
-# --- how uv's failures are classified ----------------------------------------------------------
-
-Fault = Literal["job", "node"]
-
-NODE_RESOURCE = re.compile(
-    r"No space left on device|os error 28\)|Disk quota exceeded|os error 122\)"
-    r"|Read-only file system|os error 30\)|Too many open files|Cannot allocate memory"
-    r"|Permission denied \(os error 13\)"
-)
-JOB_RESOLUTION = re.compile(r"No solution found when resolving|Failed to build|Failed to parse")
-NODE_NETWORK = re.compile(
-    r"error sending request|tcp connect error|dns error|failed to lookup address"
-    r"|Connection refused|Connection reset|connection closed|network timeout|operation timed out"
-    r"|HTTP status server error|invalid peer certificate|certificate verify failed"
-    r"|Network is unreachable|No route to host|HTTP status client error \((407|408|429)\b"
-)
-
-
-def unreachable(output: str) -> bool:
-    """Whether uv failed for want of an index (connection, DNS, TLS, 5xx, timeouts), not of a
-    resource of this node's."""
-    return not NODE_RESOURCE.search(output) and bool(NODE_NETWORK.search(output))
-
-
-def classify(returncode: int, output: str) -> Fault:
-    """Whose fault a failed uv run is, from its exit status and its output.
-
-    The node's: killed by a signal it did not ask for, out of disk or memory, an index it cannot
-    reach (connection, DNS, TLS, 5xx, timeouts). The job's: everything else, chiefly what the
-    resolver or a build says about the job's lines (no such version, a conflict, no wheel for
-    this Python, a line uv cannot parse).
-    """
-    if returncode < 0:
-        return "node"
-    if NODE_RESOURCE.search(output):
-        return "node"
-    if JOB_RESOLUTION.search(output):
-        return "job"
-    if NODE_NETWORK.search(output):
-        return "node"
-    return "job"
-
-
-NOISE = re.compile(
-    r"^(Using (CPython|Python)|Creating virtual environment|Activate with|Resolved |Prepared |"
-    r"Installed |Uninstalled |Audited |Bytecode compiled| [+-] |\s*hint:)"
-)
-# What a server answered (a status line, its reason phrase): never told back to a job, whose
-# lines may name any server it likes; the kind of failure (client or server error) stays.
-HTTP_STATUS = re.compile(r"HTTP status (client|server) error \([^)]*\)")
-
-
-def summarize(output: str, hidden: Sequence[str] = ()) -> str:
-    """The last meaningful lines of uv's output, redacted, bounded, one per line; without uv's
-    hints and without what a server answered (``HTTP_STATUS``, git's stderr)."""
-    lines = [
-        HTTP_STATUS.sub(r"HTTP \1 error", redact(line.rstrip(), hidden))
-        for line in output.splitlines()
-    ]
-    if "Git operation failed" in output:  # git's stderr tells what a host answered: not shown
-        lines = lines[
-            : next((i for i, line in enumerate(lines) if line.strip() == "--- stderr"), None)
-        ]
-    lines = [line for line in lines if line.strip() and not NOISE.match(line)]
-    start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
-    if start is not None:
-        lines = lines[start:]
-    lines = [line[:300] for line in lines[-TAIL_LINES:]]
-    text = "\n".join(lines)
-    if len(text) > MAX_REASON_CHARS:
-        text = text[:300] + " … " + text[-(MAX_REASON_CHARS - 305) :]
-    return text
-
-
-def size(n: int) -> str:
-    """``1.5 GiB``, ``312.0 KiB``, ``12 B``: for the owner's eyes."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
-
-
 def _one_line(tail: str) -> str:
     return " / ".join(" ".join(line.split()) for line in tail.splitlines()) or "no output"
 
@@ -436,28 +175,7 @@ class Builder(Protocol):
         raises."""
 
 
-@dataclass(frozen=True)
-class DiskRoom:
-    """What a build may write (its directory and uv's cache together): ``bytes``, and which
-    bound that is (``env_cache_bytes``, or the free space above ``min_free_bytes``)."""
-
-    bytes: int
-    bound: str
-
-    def exceeded(self) -> str:
-        return f"the environment grew past {size(self.bytes)} ({self.bound}) while it was built"
-
-
-@dataclass(frozen=True)
-class TreeStats:
-    bytes: int
-    files: int
-
-
 BUILD_TMP_BYTES = 256 * 1024 * 1024  # each private tmpfs of a build's sandbox
-WALK_EVERY_S = 1.0  # the disk watch walks the build's tree at least this often
-INODE_BYTES = 4096  # what each file and directory counts at least: empty files are not free
-MAX_DEPTH = 64  # deeper trees are refused (the published copy refuses them too)
 
 
 class UvBuilder:
@@ -565,7 +283,7 @@ class UvBuilder:
                 run([*compile_all, *sites], env, box, "compiling bytecode", ok=(0, 1))
             finally:
                 box.close()
-                _reclaim(work)
+                reclaim(work)
         for sub in ("home", "tmp", "cache", "agent-cache", "requirements.txt"):
             remove(work / sub)
         if not stat.S_ISDIR(os.lstat(target).st_mode):
@@ -596,14 +314,14 @@ class UvBuilder:
         finally:
             self._one.release()
 
-    def _box(self, user: procs.TaskUser | None, token: str, work: Path, room: DiskRoom) -> _Box:
+    def _box(self, user: procs.TaskUser | None, token: str, work: Path, room: DiskRoom) -> BuildBox:
         """Where the build's steps run: nothing of the build user's is left from before, a
         cgroup of its own, a sandbox, no file past the room, the watch on the room."""
         rlimits = [f"--fsize={room.bytes}", "--core=0"]
         if user is None:
-            return _Box(None, token, None, None, rlimits, _DiskWatch(work, room, self.clock))
+            return BuildBox(None, token, None, None, rlimits, DiskWatch(work, room, self.clock))
         real = work.resolve()
-        for private in procs.PRIVATE_DIRS:
+        for private in PRIVATE_DIRS:
             if real.is_relative_to(Path(private).resolve()):
                 raise EnvUnavailable(
                     f"the environment cache lies under {private}, of which builds get a private"
@@ -625,8 +343,8 @@ class UvBuilder:
                 raise EnvUnavailable(
                     f"cannot make the build's cgroup ({exc.strerror or exc})"
                 ) from None
-        sandbox = procs.Sandbox(BUILD_TMP_BYTES, keep_agent=True)
-        return _Box(user, token, cgroup, sandbox, rlimits, _DiskWatch(work, room, self.clock))
+        sandbox = Sandbox(BUILD_TMP_BYTES, keep_agent=True)
+        return BuildBox(user, token, cgroup, sandbox, rlimits, DiskWatch(work, room, self.clock))
 
     def _environment(self, work: Path, token: str, cache: str) -> dict[str, str]:
         env = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}
@@ -688,119 +406,6 @@ class UvBuilder:
         return None
 
 
-class _Box:
-    """What one build's steps run in (``UvBuilder._box``); ``close`` ends everything it ran."""
-
-    def __init__(
-        self,
-        user: procs.TaskUser | None,
-        token: str,
-        cgroup: cgroups.AttemptCgroup | None,
-        sandbox: procs.Sandbox | None,
-        rlimits: list[str],
-        watch: _DiskWatch,
-    ) -> None:
-        self.user, self.token, self.cgroup, self.sandbox = user, token, cgroup, sandbox
-        self.rlimits, self.watch = rlimits, watch
-
-    def close(self) -> None:
-        """Kill what the build ran: its cgroup, then every process of its user (or, for an
-        agent that is not root, every holder of its token); then empty that user's keyrings
-        (they belong to no namespace: the next build would find them). EnvUnavailable when a
-        process of the build user is still there: nothing of this build is used then."""
-        if self.cgroup is not None and not self.cgroup.remove():
-            log.warning("a build's cgroup could not be removed: %s", self.cgroup.paths)
-        if self.user is None:
-            _kill_owned(self.token, os.geteuid())
-            return
-        left = procs.end_processes_of(self.user)
-        if left:
-            raise EnvUnavailable(f"{len(left)} process(es) of {self.user.name} outlived the build")
-        why = procs.clear_user_keyrings(self.user)
-        if why:
-            log.error("cannot clear the keyrings of %s: %s", self.user.name, why)
-
-
-class _DiskWatch:
-    """A build's use of the disk against its room: its tree walked at least every
-    ``WALK_EVERY_S`` (less often when a walk is slow: never more than a twentieth of the time),
-    and at once when the file system lost more than the room since the build started."""
-
-    def __init__(self, top: Path, room: DiskRoom, clock: Clock) -> None:
-        self.top, self.room, self.clock = top, room, clock
-        self._free0 = _free_bytes(top)
-        self._next = 0.0
-        self._soon = 0.0
-
-    def over(self, now: bool = False) -> bool:
-        """Whether the build holds more than its room (walked now when ``now``)."""
-        t = self.clock.monotonic()
-        free = _free_bytes(self.top)
-        lost = self._free0 - free if free is not None and self._free0 is not None else 0
-        if not now and t < self._next and (lost <= self.room.bytes or t < self._soon):
-            return False
-        started = time.monotonic()
-        used = tree_bytes(self.top)
-        took = time.monotonic() - started
-        self._next = t + max(WALK_EVERY_S, 20 * took)
-        self._soon = t + max(POLL_S, 4 * took)
-        return used is None or used > self.room.bytes
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def tree_bytes(top: Path) -> int | None:
-    """What the tree under ``top`` holds: the blocks of each inode once, and at least
-    ``INODE_BYTES`` per entry; never following a symlink, one directory descriptor open per
-    level. None when it is deeper than ``MAX_DEPTH``."""
-    seen: set[tuple[int, int]] = set()
-
-    def walk(fd: int, depth: int) -> int | None:
-        if depth > MAX_DEPTH:
-            return None
-        total, subdirs = 0, []
-        with os.scandir(fd) as it:
-            for entry in it:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                total += INODE_BYTES
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
-                if stat.S_ISDIR(st.st_mode):
-                    subdirs.append(entry.name)
-        for name in subdirs:
-            try:
-                sub = os.open(name, NOFOLLOW_DIR, dir_fd=fd)
-            except OSError:
-                continue
-            try:
-                below = walk(sub, depth + 1)
-            finally:
-                os.close(sub)
-            if below is None:
-                return None
-            total += below
-        return total
-
-    try:
-        fd = os.open(top, NOFOLLOW_DIR)
-    except OSError:
-        return 0
-    try:
-        return walk(fd, 0)
-    finally:
-        os.close(fd)
-
-
 class _Runner:
     """Runs one uv command at a time under the build's stop event, deadline and disk watch."""
 
@@ -814,7 +419,7 @@ class _Runner:
         self,
         argv: Sequence[str | Path],
         env: Mapping[str, str],
-        box: _Box | None,
+        box: BuildBox | None,
         step: str,
         capture: bool = False,
         ok: tuple[int, ...] = (0,),
@@ -824,7 +429,7 @@ class _Runner:
         if self.stop.is_set():
             raise Cancelled(f"stopped before {step}")
         try:
-            proc = procs.popen_as(
+            proc = popen_as(
                 [str(a) for a in argv],
                 env,
                 box.user if box else None,
@@ -918,156 +523,3 @@ class _Tail:
 
     def text(self) -> str:
         return bytes(self._data).decode("utf-8", errors="replace")
-
-
-def _kill_owned(token: str, uid: int) -> None:
-    """Kill every process of ``uid`` that carries the build's token, until none answers."""
-    deadline = time.monotonic() + procs.KILL_ROUNDS_S
-    while time.monotonic() < deadline:
-        hit = False
-        for pid in procs.find_owned(token, uid):
-            hit = procs.signal_if_owned(pid, token, None, signal.SIGKILL) or hit
-        if not hit:
-            return
-        time.sleep(0.02)
-
-
-def _reclaim(work: Path) -> None:
-    """Take the scratch directory back from the build user: the agent's, 0700."""
-    fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        os.fchown(fd, os.geteuid(), os.getegid())
-        os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
-
-
-def remove(path: Path) -> None:
-    """Remove a file, link or tree without following a symlink."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        remove_tree(path)
-    else:
-        path.unlink()
-
-
-def secure_tree(top: Path) -> TreeStats:
-    """Make ``top`` the agent's and read-only to everyone else: dirs 0755, files 0755 if they
-    were executable else 0644, no special files; never following a symlink. For a tree only the
-    agent wrote (a tree someone else wrote is copied: copy_tree). Returns its bytes (allocated)
-    and files."""
-    uid, gid = os.geteuid(), os.getegid()
-    total = files = 0
-
-    def fail(exc: OSError) -> None:
-        raise exc
-
-    for _, dirnames, filenames, dirfd in os.fwalk(top, follow_symlinks=False, onerror=fail):
-        st = os.fstat(dirfd)
-        if (st.st_uid, st.st_gid) != (uid, gid):
-            os.fchown(dirfd, uid, gid)
-        os.fchmod(dirfd, 0o755)
-        total += st.st_blocks * 512
-        for name in (*dirnames, *filenames):
-            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
-            elif stat.S_ISREG(st.st_mode):
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
-                try:
-                    if (st.st_uid, st.st_gid) != (uid, gid):
-                        os.fchown(fd, uid, gid)
-                    os.fchmod(fd, 0o755 if st.st_mode & 0o111 else 0o644)
-                finally:
-                    os.close(fd)
-                files += 1
-            else:
-                os.unlink(name, dir_fd=dirfd)
-                continue
-            total += st.st_blocks * 512
-    return TreeStats(total, files)
-
-
-NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def copy_tree(src: Path, dest: Path, allowed_uids: set[int]) -> None:
-    """Copy a tree someone else wrote into ``dest`` (new), the agent's, dirs 0755, files 0644 or
-    0755 (their times kept), symlinks as symlinks, nothing else. Every open is relative to a
-    directory descriptor and never follows a symlink, so swapping a directory for a link
-    mid-copy leads nowhere. A file with more than one link, or owned by a uid outside
-    ``allowed_uids``, is refused (it could be another file of this host): EnvBuildFailed."""
-    top = os.open(src, NOFOLLOW_DIR)
-    try:
-        os.mkdir(dest, 0o700)
-        out = os.open(dest, NOFOLLOW_DIR)
-        try:
-            _copy_dir(top, out, allowed_uids, depth=0)
-            os.fchmod(out, 0o755)
-        finally:
-            os.close(out)
-    finally:
-        os.close(top)
-
-
-def _copy_dir(src: int, dest: int, allowed_uids: set[int], depth: int) -> None:
-    if depth > 64:
-        raise EnvBuildFailed("the build left a directory tree too deep to copy")
-    for entry in os.scandir(src):
-        name = entry.name
-        st = os.stat(name, dir_fd=src, follow_symlinks=False)
-        if stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dest)
-        elif stat.S_ISDIR(st.st_mode):
-            sub = os.open(name, NOFOLLOW_DIR, dir_fd=src)
-            try:
-                os.mkdir(name, 0o700, dir_fd=dest)
-                out = os.open(name, NOFOLLOW_DIR, dir_fd=dest)
-                try:
-                    _copy_dir(sub, out, allowed_uids, depth + 1)
-                    os.fchmod(out, 0o755)
-                finally:
-                    os.close(out)
-            finally:
-                os.close(sub)
-        elif stat.S_ISREG(st.st_mode):
-            _copy_file(src, dest, name, allowed_uids)
-
-
-def _copy_file(src: int, dest: int, name: str, allowed_uids: set[int]) -> None:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return
-        if st.st_nlink > 1 or st.st_uid not in allowed_uids:
-            raise EnvBuildFailed(f"the build left a file that is not its own ({name})")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        out = os.open(name, flags, 0o600, dir_fd=dest)
-        try:
-            with open(fd, "rb", closefd=False) as reader, open(out, "wb", closefd=False) as writer:
-                shutil.copyfileobj(reader, writer, 1024 * 1024)
-            os.fchmod(out, 0o755 if st.st_mode & 0o111 else 0o644)
-            # Its times kept: a compiled module's bytecode names its source's modification time.
-            os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
-        finally:
-            os.close(out)
-    finally:
-        os.close(fd)
-
-
-def others_can_run(path: Path) -> bool:
-    """Whether a user other than the owner can execute ``path`` (every directory above it
-    searchable, the file itself readable and executable)."""
-    try:
-        real = Path(os.path.realpath(path))
-        if stat.S_IMODE(real.stat().st_mode) & 0o005 != 0o005:
-            return False
-        return all(parent.stat().st_mode & 0o001 for parent in real.parents)
-    except OSError:
-        return False

@@ -42,18 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from flashnode.caches.envbuild import (
-    FORMAT,
-    POLL_S,
-    Builder,
-    DiskRoom,
-    EnvSpec,
-    UvBuilder,
-    platform_tag,
-    remove,
-    secure_tree,
-    size,
-)
+from flashnode.caches.envbox import POLL_S, DiskRoom, size
+from flashnode.caches.envbuild import FORMAT, Builder, EnvSpec, UvBuilder, platform_tag
+from flashnode.caches.envtree import remove, secure_tree
 from flashnode.clock import Clock, SystemClock
 from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable

@@ -4,8 +4,8 @@ The owner maps labels to directories (``scans = "/srv/scans"``); the node advert
 never the paths (``local_datasets``). A task that asks for labels in ``local_inputs`` gets exactly
 those, read-only, at ``/work/inputs/<label>``: the runners mount what ``mounts()`` returns (docker:
 read-only bind mounts; trusted: read-only bind mounts in the task's own mount namespace, where the
-host paths of every lent directory are then covered: ``procs.cover_fstab``). Both mount as root:
-a task's user needs to read the files, never to reach them by their host path (checked by
+host paths of every lent directory are then covered: ``procs.mounts.cover_fstab``). Both mount as
+root: a task's user needs to read the files, never to reach them by their host path (checked by
 ``sandbox/lentcheck.py``).
 The owner's files are never copied, modified or uploaded.
 """

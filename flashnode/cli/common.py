@@ -19,7 +19,8 @@ from typing import Any, NoReturn
 
 import click
 
-from flashnode.config.settings import DEFAULT_CONFIG_FILE, default_state_dir, load, read_config_file
+from flashnode.config.loading import load, read_config_file
+from flashnode.config.settings import DEFAULT_CONFIG_FILE, default_state_dir
 from flashnode.errors import ConfigError, ExitCode
 from flashnode.owner import lastexit, status
 from flashnode.owner.ledger import Ledger

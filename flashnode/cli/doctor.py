@@ -16,7 +16,9 @@ import psutil
 from flashnode.caches import datacache
 from flashnode.cli.common import config_option, needs_root, roots_config
 from flashnode.cli.login import probe_node_id, register_dry_run
-from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings, format_size, load
+from flashnode.config.loading import load
+from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
+from flashnode.config.sizes import format_size
 from flashnode.coordinator.client import Coordinator
 from flashnode.coordinator.wire import NodeHeartbeat
 from flashnode.errors import (

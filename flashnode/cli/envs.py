@@ -11,10 +11,12 @@ from typing import Protocol
 
 import click
 
-from flashnode.caches.envbuild import DiskRoom, EnvSpec, size
+from flashnode.caches.envbox import DiskRoom, size
+from flashnode.caches.envbuild import EnvSpec
 from flashnode.caches.envcache import ENVS_DIR, EnvCache, EnvInfo, describe, summary
 from flashnode.cli.common import config_option, needs_root, state_dir_of, state_dir_option
-from flashnode.config.settings import Settings, load
+from flashnode.config.loading import load
+from flashnode.config.settings import Settings
 from flashnode.errors import ConfigError, EnvUnavailable
 from flashnode.sanitise import sanitise
 

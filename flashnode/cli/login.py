@@ -24,14 +24,14 @@ from flashnode.cli.common import (
     roots_config,
     stop,
 )
-from flashnode.config.settings import (
-    Settings,
+from flashnode.config.credentials import (
     credentials_file,
     credentials_names,
     default_credentials_dir,
-    load,
-    normalise_url,
 )
+from flashnode.config.loading import load
+from flashnode.config.settings import Settings
+from flashnode.config.urls import normalise_url
 from flashnode.coordinator.client import Coordinator
 from flashnode.errors import (
     ConfigError,

@@ -12,7 +12,8 @@ import click
 
 from flashnode.cli.common import config_option, state_dir_of, tell_agent
 from flashnode.config import configedit
-from flashnode.config.settings import DEFAULT_CONFIG_FILE, load
+from flashnode.config.loading import load
+from flashnode.config.settings import DEFAULT_CONFIG_FILE
 from flashnode.owner import status
 
 

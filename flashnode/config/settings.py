@@ -1,12 +1,5 @@
-"""The one frozen Settings object, and how it is loaded.
-
-Precedence, per key: command-line flag > ``FLASHNODE_<KEY>`` environment variable > key in the
-TOML config file (``--config FILE``, else ``/etc/flashnode/flashnode.toml`` when present) > default.
-Secrets (the bearer token, the join code) are never flags: they come from a file named by
-``token_file``/``join_code_file`` or from ``FLASHNODE_TOKEN``/``FLASHNODE_JOIN_CODE``.
-
-Why one module of this size: every setting with its validation, its loading and errors worded for
-the owner.
+"""The one frozen Settings object: every setting, its default and its validation. How it is
+loaded is flashnode.config.loading.
 """
 
 from __future__ import annotations
@@ -16,8 +9,6 @@ import math
 import os
 import re
 import ssl
-import stat
-import sys
 from collections.abc import Mapping
 from datetime import tzinfo
 from pathlib import Path
@@ -29,161 +20,24 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails
 
+from flashnode.config.credentials import default_credentials_dir
 from flashnode.config.lent import lent_problem
 from flashnode.config.listen import parse_listen
 from flashnode.config.schedule import parse_window
-from flashnode.errors import ConfigError
+from flashnode.config.sizes import MiB, parse_size
+from flashnode.config.urls import is_loopback, normalise_url
 
 DEFAULT_CONFIG_FILE = Path("/etc/flashnode/flashnode.toml")
 ENV_PREFIX = "FLASHNODE_"
 POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-MiB = 1024 * 1024
 UI_DEFAULT_LISTEN = "127.0.0.1:7469"  # the console's port: ours, registered to nothing common
-# systemd's LoadCredential=ID:DIRECTORY names each file of DIRECTORY "ID_<file name>".
-CREDENTIAL_ID = "flashnode"
 
 Runner = Literal["trusted", "docker"]
-
-# Sizes: K, M, G, T (and KiB … TiB) count in 1024s, KB, MB, GB, TB in 1000s, B or nothing bytes.
-_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(I?B?)$", re.IGNORECASE)
-_SIZE_HINT = "a size in bytes, or with a unit: 512M, 8G, 1.5GiB"
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a string like ``8G``, ``512M``, ``1.5GiB``, ``2GB``; ValueError else."""
-    if isinstance(value, bool):
-        raise ValueError(f"must be {_SIZE_HINT}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"must be {_SIZE_HINT}")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    m = _SIZE.match(value.strip()) if isinstance(value, str) else None
-    if m is None:
-        raise ValueError(f"must be {_SIZE_HINT}")
-    unit, suffix = m[2].upper(), m[3].upper()
-    if not unit and suffix in ("", "B") and "." not in m[1]:
-        factor = 1
-    elif unit and suffix in ("", "IB"):
-        factor = 1024 ** ("KMGTP".index(unit) + 1)
-    elif unit and suffix == "B":
-        factor = 1000 ** ("KMGTP".index(unit) + 1)
-    else:
-        raise ValueError(f"must be {_SIZE_HINT}")
-    number = float(m[1]) if "." in m[1] else int(m[1])  # exact for whole numbers
-    return int(number * factor)
-
-
-def format_size(size: int) -> str:
-    """``4 MiB``, ``1 GiB``, ``17.7 GiB``, ``512 bytes``: for messages, in the largest unit the
-    size reaches (exact when it is a whole number of it, else to a tenth)."""
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= factor:
-            return (
-                f"{size // factor} {unit}" if size % factor == 0 else f"{size / factor:.1f} {unit}"
-            )
-    return f"{size} bytes"
-
-
-def normalise_url(value: str) -> str:
-    """A coordinator URL with its scheme and port explicit: ``https://host:443[/path]``.
-
-    Raises ValueError, in the owner's words, for anything that is not an http(s) URL.
-    """
-    text = value.strip()
-    if "://" not in text:
-        raise ValueError(
-            f"{value!r} is not a URL: write it with its scheme, e.g. https://{text or 'host'}"
-        )
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"{value!r} is not a URL (bad port)") from None
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{value!r} is not an http(s) URL")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ValueError(f"{value!r} must not carry credentials, a query or a fragment")
-    host = parts.hostname.lower().rstrip(".")
-    if ":" in host:
-        host = f"[{host}]"
-    port = port or (443 if scheme == "https" else 80)
-    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
-
-
-def default_credentials_dir() -> Path:
-    """``/etc/flashnode/credentials`` as root, else ``$XDG_CONFIG_HOME/flashnode/credentials``."""
-    if os.geteuid() == 0:
-        return Path("/etc/flashnode/credentials")
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "flashnode" / "credentials"
-
-
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")  # one machine: one coordinator identity
-
-
-def credentials_name(coordinator: str) -> str:
-    """The stem of the files ``flashnode login`` keeps a coordinator's secrets in: host_port."""
-    return credentials_names(coordinator)[0]
-
-
-def credentials_names(coordinator: str) -> list[str]:
-    """Every stem under which a coordinator's secrets may be stored, its own first: the
-    coordinator is one by identity (scheme's default port made explicit, the host's case and a
-    trailing dot dropped), so ``http://localhost:27820`` and ``http://127.0.0.1:27820`` (and
-    ``[::1]``) name the same one. Names that resolve elsewhere (DNS) are never taken as one:
-    secrets go only where the owner's own words send them."""
-    parts = urlsplit(normalise_url(coordinator))
-    host, port = parts.hostname or "", parts.port
-
-    def stem(name: str) -> str:
-        return f"{re.sub(r'[^A-Za-z0-9.-]', '_', name)}_{port}"
-
-    names = [stem(host)]
-    if host in LOOPBACK_NAMES:
-        names += [stem(h) for h in LOOPBACK_NAMES if h != host]
-    return names
-
-
-def credentials_file(coordinator: str, directory: Path, kind: str = "token") -> Path:
-    """The file ``flashnode login`` keeps a coordinator's token (or ``join-code``) in."""
-    return directory / f"{credentials_name(coordinator)}.{kind}"
-
-
-def stored_credential(
-    coordinator: str, kind: str, directory: Path, env: Mapping[str, str]
-) -> Path | None:
-    """Where a stored token or join code for ``coordinator`` is, or None.
-
-    Under systemd the unit hands the credentials in with ``LoadCredential=`` and the agent reads
-    them from ``$CREDENTIALS_DIRECTORY`` first; then from ``directory`` (what login wrote).
-    """
-    candidates = []
-    loaded = env.get("CREDENTIALS_DIRECTORY")
-    for stem in credentials_names(coordinator):  # its own name first, then its aliases
-        name = f"{stem}.{kind}"
-        if loaded:
-            candidates += [Path(loaded) / f"{CREDENTIAL_ID}_{name}", Path(loaded) / name]
-        candidates.append(directory / name)
-    return next((p for p in candidates if _exists(p)), None)
-
-
-def _exists(path: Path) -> bool:
-    """False also where this user may not look (root's credentials, read by another user's
-    owner command, which needs no secret)."""
-    try:
-        return path.exists()
-    except PermissionError:
-        return False
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -197,16 +51,6 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
         return Path("/var/lib/flashnode")
     base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "flashnode"
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a URL's host is this machine (plain http is allowed only there)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Settings(BaseModel):
@@ -601,279 +445,3 @@ def _zone(name: str) -> tzinfo:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
         raise ValueError(f"{name!r} is not a known time zone (e.g. Europe/Berlin, UTC)") from None
-
-
-# Keys that are settable; secrets are loaded separately and never from flags or the config file.
-SETTABLE = tuple(k for k in Settings.model_fields if k not in ("token", "join_code"))
-
-
-def load(
-    flags: Mapping[str, Any],
-    env: Mapping[str, str],
-    config_file: Path | None = None,
-) -> Settings:
-    """Build Settings from explicit flags, the environment and the config file.
-
-    ``flags`` holds only the options given on the command line (by key). ``config_file`` None
-    means the default file if it exists. Raises ConfigError with a one-line reason in the owner's
-    words: which setting, where it came from, what it was, and what is allowed.
-    """
-    merged, origin = gather(flags, env, config_file)
-    if "coordinator" not in merged:
-        raise ConfigError(
-            "no coordinator: set --coordinator, FLASHNODE_COORDINATOR or 'coordinator'"
-        )
-    try:
-        coordinator = normalise_url(str(merged["coordinator"]))
-    except ValueError as exc:
-        raise ConfigError(f"coordinator ({origin.get('coordinator', '')}): {exc}") from None
-    directory = Path(merged.get("credentials_dir") or default_credentials_dir())
-
-    merged["token"] = _secret(
-        merged.get("token_file"),
-        env.get(ENV_PREFIX + "TOKEN"),
-        "token",
-        coordinator,
-        directory,
-        env,
-    )
-    merged["join_code"] = _secret(
-        merged.get("join_code_file"),
-        env.get(ENV_PREFIX + "JOIN_CODE"),
-        "join code",
-        coordinator,
-        directory,
-        env,
-    )
-    try:
-        settings = Settings.model_validate(merged)
-    except ValidationError as exc:
-        raise ConfigError(_explain(exc, merged, origin)) from None
-    _check_consistency(settings, origin)
-    return settings
-
-
-def gather(
-    flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None = None
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every setting as given, before any check (flag over environment over file, the state
-    dir's default filled in), and where each came from. ConfigError for a file that cannot be
-    read or a misspelt variable."""
-    merged: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-    path = config_file
-    if path is None and DEFAULT_CONFIG_FILE.exists():
-        path = DEFAULT_CONFIG_FILE
-    if path is not None:
-        lines = key_lines(path)
-        for key, value in read_config_file(path).items():
-            where = f"in {path}, line {lines[key]}" if key in lines else f"in {path}"
-            merged[key], origin[key] = value, where
-    _misspelt_env(env)
-    for key in SETTABLE:
-        raw = env.get(ENV_PREFIX + key.upper())
-        if raw is not None and raw != "":
-            merged[key], origin[key] = raw, f"from {ENV_PREFIX}{key.upper()}"
-    for key, value in flags.items():
-        if value is not None:
-            merged[key], origin[key] = value, f"from --{key.replace('_', '-')}"
-    if "state_dir" not in merged:
-        merged["state_dir"] = default_state_dir(env)
-    return merged, origin
-
-
-def _misspelt_env(env: Mapping[str, str]) -> None:
-    """A FLASHNODE_* variable that is no setting but nearly one is a typo the owner would
-    otherwise never hear of: refuse it with the name it resembles."""
-    names = [ENV_PREFIX + k.upper() for k in (*SETTABLE, "token", "join_code")]
-    for name in env:
-        if name.startswith(ENV_PREFIX) and name not in names:
-            import difflib  # here, not at the top: only a misspelt name needs it
-
-            close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
-            if close:
-                raise ConfigError(f"{name} is not a setting (did you mean {close[0]}?)")
-
-
-_KEY_LINE = re.compile(r"""^\s*(?:([A-Za-z0-9_-]+)|"([^"]+)"|'([^']+)')\s*=""")
-_TABLE_LINE = re.compile(r"^\s*\[+\s*([A-Za-z0-9_-]+)")
-
-
-def key_lines(path: Path) -> dict[str, int]:
-    """The line each top-level key of a TOML file is set on (a table's: its header), so that an
-    error names the line to correct; best effort (what it cannot tell, it leaves out)."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return {}
-    found: dict[str, int] = {}
-    in_table = False
-    for number, line in enumerate(text.splitlines(), 1):
-        table = _TABLE_LINE.match(line)
-        if table:
-            in_table = True
-            found.setdefault(table[1], number)
-            continue
-        key = _KEY_LINE.match(line)
-        if key and not in_table:
-            found.setdefault(next(k for k in key.groups() if k), number)
-    return found
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    # here, not at the top: an agent without a config file need not load a TOML parser
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - exercised on 3.10 only
-        import tomli as tomllib
-
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    unknown = sorted(set(data) - set(SETTABLE))
-    if unknown:
-        key = unknown[0]
-        import difflib  # here, not at the top: only a misspelt key needs it
-
-        close = difflib.get_close_matches(key, SETTABLE, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else " (see README: Configuration)"
-        more = f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""
-        if key in ("token", "join_code"):
-            hint = f" (secrets never go in the config file: use {key}_file or flashnode login)"
-        raise ConfigError(f"config file {path}: unknown key {key!r}{hint}{more}")
-    return data
-
-
-def _secret(
-    file: Any,
-    env_value: str | None,
-    what: str,
-    coordinator: str,
-    directory: Path,
-    env: Mapping[str, str],
-) -> SecretStr | None:
-    """A secret from its file, else the environment, else what `flashnode login` stored."""
-    if file is not None:
-        return SecretStr(read_secret_file(Path(file), what))
-    if env_value:
-        return SecretStr(env_value.strip())
-    kind = "token" if what == "token" else "join-code"
-    stored = stored_credential(coordinator, kind, directory, env)
-    if stored is not None:
-        return SecretStr(read_secret_file(stored, f"stored {what}"))
-    return None
-
-
-def read_secret_file(path: Path, what: str) -> str:
-    """Read a secret from a file only this user can read; refuse one that others can."""
-    try:
-        st = path.stat()
-        value = path.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{what} file {path} is not UTF-8 text") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            f"{what} file {path} is accessible to other users"
-            f" (mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
-        )
-    if not value:
-        raise ConfigError(f"{what} file {path} is empty")
-    return value
-
-
-def _check_consistency(settings: Settings, origin: Mapping[str, str]) -> None:
-    """Settings that are refused together; each is named as it was set, with where (the file
-    and line, the variable or the flag), never as a flag it did not come from."""
-
-    def named(key: str) -> str:
-        where = f" ({origin[key]})" if key in origin else ""
-        return f"{key} = {getattr(settings, key)!r}{where}"
-
-    if settings.runner == "trusted" and not settings.pools:
-        raise ConfigError(
-            f"{named('runner')} needs at least one pool: set pools (in the config file,"
-            " FLASHNODE_POOLS or --pool); arbitrary code on this host is pool-only"
-        )
-    if (
-        urlsplit(settings.coordinator).scheme == "http"
-        and not settings.coordinator_is_loopback
-        and not settings.allow_insecure_http
-    ):
-        raise ConfigError(
-            f"{named('coordinator')}: refusing plain http to a host that is not this one:"
-            " use https, or set allow_insecure_http = true"
-        )
-    if settings.container_user is not None and not re.match(
-        r"^[1-9][0-9]*:[0-9]+$", settings.container_user
-    ):
-        raise ConfigError(
-            f"{named('container_user')}: must be uid:gid of a non-root user, e.g. 65534:65534"
-        )
-    if settings.claim_backoff_min_seconds > settings.claim_backoff_max_seconds:
-        raise ConfigError(
-            f"{named('claim_backoff_min_seconds')} is larger than"
-            f" {named('claim_backoff_max_seconds')}"
-        )
-
-
-# --- errors in the owner's words ---------------------------------------------------------------
-
-_EXPECTED = {
-    "int_parsing": "must be a whole number",
-    "int_from_float": "must be a whole number",
-    "int_type": "must be a whole number",
-    "float_parsing": "must be a number",
-    "float_type": "must be a number",
-    "finite_number": "must be a finite number",
-    "bool_parsing": "must be true or false",
-    "bool_type": "must be true or false",
-    "string_type": "must be text",
-    "path_type": "must be a path",
-    "tuple_type": "must be a list (or one comma-separated string)",
-    "list_type": "must be a list (or one comma-separated string)",
-}
-
-
-def _allowed(error: ErrorDetails, key: str) -> str:
-    kind, ctx = error["type"], error.get("ctx") or {}
-
-    def bound(value: Any) -> str:
-        return format_size(int(value)) if key.endswith("_bytes") else str(value)
-
-    if kind == "value_error":
-        return str(ctx.get("error", error["msg"]))
-    if kind == "greater_than":
-        return f"must be greater than {bound(ctx['gt'])}"
-    if kind == "greater_than_equal":
-        return f"must be at least {bound(ctx['ge'])}"
-    if kind == "less_than":
-        return f"must be less than {bound(ctx['lt'])}"
-    if kind == "less_than_equal":
-        return f"must be at most {bound(ctx['le'])}"
-    if kind == "literal_error":
-        return f"must be {ctx.get('expected', 'one of the documented values')}"
-    return _EXPECTED.get(kind, str(error["msg"]).removeprefix("Value error, "))
-
-
-def _explain(exc: ValidationError, merged: Mapping[str, Any], origin: Mapping[str, str]) -> str:
-    """``slots = '-1' (from --slots): must be a whole number of at least 1, or "auto"``."""
-    keys: list[str] = []
-    first: ErrorDetails | None = None
-    for error in exc.errors():
-        key = str(error["loc"][0]) if error["loc"] else "settings"
-        if key not in keys:
-            keys.append(key)
-            first = first or error
-    assert first is not None
-    key = keys[0]
-    where = f" ({origin[key]})" if key in origin else ""
-    value = merged.get(key)
-    shown = f" = {value!r}" if value is not None and key not in ("token", "join_code") else ""
-    more = f"; also check {', '.join(keys[1:])}" if keys[1:] else ""
-    return f"{key}{shown}{where}: {_allowed(first, key)}{more}"

@@ -27,7 +27,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from flashnode import __version__
-from flashnode.config.settings import is_loopback
+from flashnode.config.urls import is_loopback
 from flashnode.coordinator.wire import (
     SAFE_ID,
     CheckpointManifest,

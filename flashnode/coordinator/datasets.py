@@ -3,8 +3,8 @@
 ``datasets: [{"name": N, "entries": [{"path": P, "url": U, "size": S, "integrity": {"kind": K,
 "value": V}}]}]`` becomes a tuple of ``DatasetEntry``: a safe name and relative path (laid out at
 ``/work/data/<N>/<P>``), an allowed URL (HTTPS; plain HTTP only to loopback; no credentials), a
-size and how the bytes are known to be right. Fetching and caching
-them is flashnode.caches.datacache.
+size and how the bytes are known to be right. Fetching them is flashnode.caches.fetcher,
+caching them flashnode.caches.datacache.
 
 Which addresses an origin may have is ``OriginPolicy.problem``: public (global unicast) ones,
 unless the owner allows private ones (``dataset_allow_private_origins``); the fetcher applies it
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from flashnode.config.settings import is_loopback
+from flashnode.config.urls import is_loopback
 from flashnode.errors import AttemptFailed
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

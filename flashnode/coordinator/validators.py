@@ -7,13 +7,13 @@ Only for a task that carries ``workload_type`` or ``validators`` (as on the coor
 ``metrics.json`` must be readable JSON; a ``command`` task's must be an object; ``keys`` names
 top-level keys that must be present and not null; ``json_schema`` is a JSON Schema it must
 conform to. The schema is checked where ``jsonschema`` can be imported, in a helper process of
-its own (``procs.json_schema_problem``): a schema is the job's, and a pattern that backtracks
-without end must not hold the agent (Python's regular expressions keep the interpreter's lock).
-Where the coordinator would fail without a reason, the node fails the attempt with one: a schema
-that is not a valid JSON Schema or cannot be applied (a ``$ref`` within it that leads nowhere:
-the coordinator answers 500), a check that does not end in ``procs.SCHEMA_CHECK_S`` (it would
-hold the coordinator as long). The node never fetches what a schema refers to: a schema with a
-``$ref`` outside itself is left to the coordinator, as is every schema where ``jsonschema``
+its own (``procs.helpers.json_schema_problem``): a schema is the job's, and a pattern that
+backtracks without end must not hold the agent (Python's regular expressions keep the interpreter's
+lock). Where the coordinator would fail without a reason, the node fails the attempt with one: a
+schema that is not a valid JSON Schema or cannot be applied (a ``$ref`` within it that leads
+nowhere: the coordinator answers 500), a check that does not end in ``procs.helpers.SCHEMA_CHECK_S``
+(it would hold the coordinator as long). The node never fetches what a schema refers to: a schema
+with a ``$ref`` outside itself is left to the coordinator, as is every schema where ``jsonschema``
 cannot be imported.
 """
 

@@ -18,7 +18,9 @@ from collections.abc import Iterator
 
 import psutil
 
-from flashnode.config.settings import Settings, credentials_names, format_size
+from flashnode.config.credentials import credentials_names
+from flashnode.config.settings import Settings
+from flashnode.config.sizes import format_size
 from flashnode.owner import unitview
 from flashnode.owner.unitview import UnitView
 from flashnode.runners.base import runner_class

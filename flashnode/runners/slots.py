@@ -6,7 +6,7 @@ A ``SlotPool`` owns, for each slot, what lies between one task of the slot and t
   way: the task's cgroup removed, the keyrings of the slot's user cleared, then the slot's next
   chain started. In this order: no process of the slot's user may live beside a chain waiting for
   the next task (same user: it could trace it, or write a script of its own into its pipe);
-* the **chain kept ahead** for the slot's next task (``procs.Launch``: its cgroup, namespaces
+* the **chain kept ahead** for the slot's next task (``procs.launch.Launch``: its cgroup, namespaces
   and private directories, and an empty directory of the agent's bound at ``/work``, into which
   the next task's workspace is moved), so that a task starts with one exec. ``take`` waits for
   the slot's turnover, then gives the chain to a task that can use it, or ends it;
@@ -31,13 +31,16 @@ from pathlib import Path
 from flashnode.runners.background import Background
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.procs.keyrings import clear_user_keyrings
+from flashnode.sandbox.procs.launch import Launch
+from flashnode.sandbox.procs.mounts import Sandbox
 
 log = logging.getLogger(__name__)
 
 # Starts a chain: (its working directory, bound at /work; its cgroup; its user; its sandbox).
 Launcher = Callable[
-    [Path, cgroups.AttemptCgroup | None, procs.TaskUser | None, procs.Sandbox | None],
-    procs.Launch,
+    [Path, cgroups.AttemptCgroup | None, procs.TaskUser | None, Sandbox | None],
+    Launch,
 ]
 
 
@@ -46,7 +49,7 @@ class ChainAhead:
     """A slot's chain kept ahead, waiting for its script, and the directory it has bound at
     /work (the next task's workspace is moved into it: ``Workspace.move_into``)."""
 
-    launch: procs.Launch
+    launch: Launch
     work: Path
 
     def discard(self) -> None:
@@ -66,18 +69,18 @@ class SlotPool:
     views, no hidden GPUs, the lent directories covered as they are now), asked at each start.
     ``ahead``: whether chains are kept ahead at all (every task of a slot gets the same chain:
     its own user, a cgroup, the sandbox). ``launcher`` and ``clear_keyrings``: the edges
-    (``procs.Launch``, ``procs.clear_user_keyrings``), replaceable for tests.
+    (``procs.launch.Launch``, ``procs.keyrings.clear_user_keyrings``), replaceable for tests.
     """
 
     def __init__(
         self,
         state_dir: Path,
         hierarchy: cgroups.Hierarchy | None,
-        blank: Callable[[], procs.Sandbox],
+        blank: Callable[[], Sandbox],
         *,
         ahead: bool,
-        launcher: Launcher = procs.Launch,
-        clear_keyrings: Callable[[procs.TaskUser], str | None] = procs.clear_user_keyrings,
+        launcher: Launcher = Launch,
+        clear_keyrings: Callable[[procs.TaskUser], str | None] = clear_user_keyrings,
     ) -> None:
         self._attempts = state_dir / "attempts"
         self._hierarchy = hierarchy
@@ -93,7 +96,7 @@ class SlotPool:
         self._worker = Background("turnovers")
         self._closed = False
 
-    def take(self, slot: int, sandbox: procs.Sandbox | None) -> ChainAhead | None:
+    def take(self, slot: int, sandbox: Sandbox | None) -> ChainAhead | None:
         """Once the slot's turnover is done: its chain kept ahead, if a task with ``sandbox``
         can use it (the same sandbox, and still waiting); else None, the chain ended first
         (nothing of the slot's user runs beside a task of another chain). The chain is the

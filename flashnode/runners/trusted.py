@@ -6,64 +6,47 @@ trusted with at least one pool, the task's ``pool`` is one of them, and its isol
 ``allowFallback: true``. The coordinator checks this at placement; ``check`` checks it again.
 
 The privilege boundary: an agent running as root runs each slot's task as that slot's own user
-(``<task_user>-<slot>``), with its workspace readable by that user's group only, in its own
-cgroup and mount/IPC namespaces (private ``/tmp``, ``/var/tmp``, ``/dev/shm``); see procs.py for
-how the task's environment reaches only the task. An agent that is not root cannot switch users
-and refuses to run trusted work unless the owner set ``allow_same_user``.
+(``<task_user>-<slot>``), with its workspace readable by that user's group only, in its own cgroup
+and mount/IPC namespaces (private ``/tmp``, ``/var/tmp``, ``/dev/shm``); see sandbox/procs/ for how
+the task's environment reaches only the task. An agent that is not root cannot switch users and
+refuses to run trusted work unless the owner set ``allow_same_user``.
 
 The task sees its workspace as ``/work``: a root agent binds it there in the task's own mount
-namespace (``procs.Sandbox.work``; the host's ``/work``, an empty directory the package or the
-agent makes, is only the mount point), so every ``/work/...`` path works wherever the task names
+namespace (``procs.mounts.Sandbox.work``; the host's ``/work``, an empty directory the package or
+the agent makes, is only the mount point), so every ``/work/...`` path works wherever the task names
 it. In the same-user mode there is no namespace: an argument or ``env`` value that is ``/work`` or
 starts with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten to the
-attempt directory instead. Its environment is built, never inherited: the locale from the
-agent's, then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``,
-the GPUs it holds and the ownership token.
+attempt directory instead. Its environment is built, never inherited: the locale from the agent's,
+then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``, the GPUs it
+holds and the ownership token.
 
-Lent directories are covered at their host paths in every task's namespace (``procs.cover_fstab``,
-rewritten on a reload), so that a task reaches lent data only at the labels it asked for.
+Lent directories are covered at their host paths in every task's namespace
+(``procs.mounts.cover_fstab``, rewritten on a reload), so that a task reaches lent data only at the
+labels it asked for.
 
 What lies between a slot's tasks (the turnover after a task, the chain kept ahead for the next)
 is the slot pool's (slots.py): ``start`` takes the slot's chain from it, and the handle hands the
 slot back once the task's processes are gone.
 
-Why one module of this size: the runner, its preflight (users, sandbox, task interpreter) and its
-handle: all the trusted runner needs of the host.
+Its host checks are flashnode.runners.trustedhost; a running task's handle is
+flashnode.runners.trustedhandle.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import pwd
-import shutil
-import stat
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from flashnode.caches.envcache import ENVS_DIR, PYTHON_DIR
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import MODULES, Task
-from flashnode.errors import (
-    AttemptFailed,
-    AttemptLapsed,
-    ConfigError,
-    ExitCode,
-    PrerequisiteError,
-)
-from flashnode.owner.unitview import SERVICE_UNIT
-from flashnode.runners.base import (
-    Handle,
-    Runner,
-    RunnerEnv,
-    RunResult,
-    StartSpec,
-    SuspendFailed,
-)
+from flashnode.errors import AttemptFailed, AttemptLapsed
+from flashnode.runners.base import Handle, Runner, RunnerEnv, StartSpec
 from flashnode.runners.findings import Finding, Ok, Problem
 from flashnode.runners.slots import SlotPool
 from flashnode.runners.spec import (
@@ -75,19 +58,27 @@ from flashnode.runners.spec import (
     module_argv,
     write_module_spec,
 )
-from flashnode.sandbox import cgroups, diskuse, procs
+from flashnode.runners.trustedhandle import TrustedHandle
+from flashnode.runners.trustedhost import (
+    make_work_dir,
+    passable,
+    slot_users,
+    under_private_dir,
+    users_and_sandbox,
+)
+from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
-from flashnode.sandbox.logcap import latest_line
+from flashnode.sandbox.procs.chain import SYSTEM_PATH
+from flashnode.sandbox.procs.helpers import python_imports
+from flashnode.sandbox.procs.launch import Launch
+from flashnode.sandbox.procs.mounts import PRIVATE_DIRS, Sandbox, cover_fstab, private_fstab
+from flashnode.sandbox.procs.task import TaskProcess
 from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
 LOCALE = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
 PRIVATE_TMP_BYTES = 256 * 1024 * 1024
-
-
-def slot_user_name(task_user: str, slot: int) -> str:
-    return f"{task_user}-{slot}"
 
 
 def task_env(
@@ -106,84 +97,6 @@ def task_env(
         env["CUDA_VISIBLE_DEVICES"] = visible
     env[procs.OWNER_ENV] = token
     return env
-
-
-class TrustedHandle:
-    """``on_result``: called once the task's processes are all gone (its cgroup is left to it
-    to remove). ``private``: the task's private directories (its sandbox's tmpfs mounts);
-    ``workspace``: where it runs (the disk its removed-but-open files are looked for on)."""
-
-    def __init__(
-        self,
-        proc: procs.TaskProcess,
-        on_result: Callable[[], None] = lambda: None,
-        private: tuple[str, ...] = (),
-        workspace: Path | None = None,
-    ) -> None:
-        self._proc = proc
-        self._result: RunResult | None = None
-        self._on_result = on_result
-        self._private = private
-        self._dev = os.stat(workspace).st_dev if workspace is not None else None
-
-    def exited(self) -> bool:
-        return self._proc.exited.is_set()
-
-    def terminate(self, grace: float) -> None:
-        self._proc.terminate(grace)
-
-    def result(self) -> RunResult:
-        if self._result is not None:
-            return self._result
-        self._proc.kill()  # whatever the task left running
-        self._proc.close()
-        oom = self._proc.cgroup.oom_killed() if self._proc.cgroup is not None else False
-        self._on_result()
-        code = self._proc.returncode
-        tail = self._proc.stderr.tail.decode("utf-8", "replace")
-        cause = None
-        if not self._proc.launched:  # no code of the task ran: whatever ended it is the node's
-            how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
-            why = self._proc.setup_failure() or f"it ended before the task started, {how}"
-            cause = f"task setup failed ({why})"
-        self._result = RunResult(
-            exit_code=code if code is None or code >= 0 else None,
-            signal=-code if code is not None and code < 0 else None,
-            oom=oom,
-            cause=cause,
-            node_fault=cause is not None,
-            stderr_tail=tail,
-        )
-        return self._result
-
-    def pids(self) -> set[int]:
-        return self._proc.pids()
-
-    def cpu_seconds(self) -> float | None:
-        return self._proc.cpu_seconds()
-
-    def disk_bytes(self) -> int:
-        if self._proc.exited.is_set():
-            return 0  # its namespace, its private directories and its open files are gone
-        held = diskuse.private_bytes(self._proc.pid, self._private)
-        if self._dev is not None:
-            held += diskuse.unlinked_bytes(self._proc.pids(), self._dev)
-        return held
-
-    def suspend(self) -> None:
-        try:
-            self._proc.suspend()
-        except OSError as exc:
-            self._proc.resume()
-            raise SuspendFailed(
-                f"cannot freeze the task's cgroup ({exc.strerror or exc})"
-            ) from None
-
-    def resume(self) -> None:
-        self._proc.resume()
-
-    def last_output(self) -> str:
-        return latest_line(self._proc.stdout.file, self._proc.stderr.file)
 
 
 class TrustedRunner(Runner):
@@ -213,7 +126,7 @@ class TrustedRunner(Runner):
         self._cpu_lock = threading.Lock()
         # One table of a task's private mounts, for one `mount` per task instead of one each.
         self._fstab = (
-            procs.private_fstab(settings.state_dir / "sandbox.fstab", PRIVATE_TMP_BYTES)
+            private_fstab(settings.state_dir / "sandbox.fstab", PRIVATE_TMP_BYTES)
             if sandbox
             else ""
         )
@@ -237,9 +150,9 @@ class TrustedRunner(Runner):
 
     @classmethod
     def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
-        found = list(_users_and_sandbox(settings, slots))
+        found = list(users_and_sandbox(settings, slots))
         if settings.task_python and not any(isinstance(f, Problem) and f.fatal for f in found):
-            why = procs.python_imports(settings.task_python, MODULES)
+            why = python_imports(settings.task_python, MODULES)
             if why:
                 found.append(
                     Problem(
@@ -260,7 +173,7 @@ class TrustedRunner(Runner):
                     "job environments",
                     f"the state dir {settings.state_dir} lies under {hidden}, which tasks get a"
                     " private copy of: tasks with dependencies are refused",
-                    f"choose a state_dir outside {', '.join(procs.PRIVATE_DIRS)}",
+                    f"choose a state_dir outside {', '.join(PRIVATE_DIRS)}",
                     code=None,
                 )
             )
@@ -306,7 +219,7 @@ class TrustedRunner(Runner):
         python = settings.task_python
         capable = False
         if python:
-            why = procs.python_imports(python, MODULES)
+            why = python_imports(python, MODULES)
             capable = why is None
             if why:
                 log.warning(
@@ -320,12 +233,12 @@ class TrustedRunner(Runner):
         """The table of the covers of every lent directory, for the chains from now on."""
         if not self.sandbox:
             return ""
-        return procs.cover_fstab(settings.state_dir, settings.local_data.values())
+        return cover_fstab(settings.state_dir, settings.local_data.values())
 
-    def _blank_sandbox(self) -> procs.Sandbox:
+    def _blank_sandbox(self) -> Sandbox:
         """The sandbox of a task with nothing of its own (no read-only views, no hidden GPUs, no
         job environment): a chain kept ahead's."""
-        return procs.Sandbox(
+        return Sandbox(
             PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers, **self._envs(None)
         )
 
@@ -448,7 +361,7 @@ class TrustedRunner(Runner):
         if any("\n" in path for bind in binds for path in bind):
             raise AttemptLapsed("cannot lend a directory whose path holds a newline")
         sandbox = (
-            procs.Sandbox(
+            Sandbox(
                 PRIVATE_TMP_BYTES,
                 binds,
                 hidden_gpus(spec),
@@ -484,7 +397,7 @@ class TrustedRunner(Runner):
                 assert spec.argv is not None
                 argv = [map_work(a, root) for a in spec.argv]
             token = procs.new_token()
-            path = procs.SYSTEM_PATH if user else self.agent_env.get("PATH", procs.SYSTEM_PATH)
+            path = SYSTEM_PATH if user else self.agent_env.get("PATH", SYSTEM_PATH)
             env = task_env(spec, token, self.agent_env, path, root)
             limits = spec.limits
             with self._cpu_lock:
@@ -503,7 +416,7 @@ class TrustedRunner(Runner):
                 name = next(iter(cgroup.paths.values())).name if cgroup else ws.root.name
                 if cgroup is not None:
                     self._task_cpus[name] = limits.cpus
-            proc = procs.TaskProcess(
+            proc = TaskProcess(
                 argv,
                 env,
                 cwd=ws.root,
@@ -541,7 +454,7 @@ class TrustedRunner(Runner):
         return TrustedHandle(
             proc,
             lambda: self._after(spec.slot, user, name, cgroup),
-            private=procs.PRIVATE_DIRS if sandbox is not None else (),
+            private=PRIVATE_DIRS if sandbox is not None else (),
             workspace=ws.root,
         )
 
@@ -550,9 +463,9 @@ class TrustedRunner(Runner):
         cwd: Path,
         limits: Limits,
         user: procs.TaskUser | None,
-        sandbox: procs.Sandbox | None,
+        sandbox: Sandbox | None,
         program: str,
-    ) -> procs.Launch:
+    ) -> Launch:
         """A task's chain started now, in a cgroup of its own (named for its workspace)."""
         cgroup = None
         if self.hierarchy is not None:
@@ -561,7 +474,7 @@ class TrustedRunner(Runner):
             except OSError as exc:
                 raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
         try:
-            return procs.Launch(cwd, cgroup, user, sandbox)
+            return Launch(cwd, cgroup, user, sandbox)
         except OSError as exc:  # its programs are the node's (unshare, setpriv, sh)
             if cgroup is not None:
                 cgroup.remove()
@@ -586,179 +499,6 @@ class TrustedRunner(Runner):
             cgroup.remove()
 
 
-def under_private_dir(path: Path) -> str | None:
-    """The private directory (``/tmp``, ...) a root agent's tasks get in place of the one
-    ``path`` lies under, hiding it from them; None when ``path`` is not under one."""
-    resolved = path.resolve()
-    for private in procs.PRIVATE_DIRS:
-        if resolved.is_relative_to(Path(private).resolve()):
-            return private
-    return None
-
-
-def _users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
-    """Who tasks run as, and whether they can be kept apart from the agent and each other."""
-    if os.geteuid() != 0:
-        if s.task_user:
-            yield Problem(
-                "task user",
-                f"task_user {s.task_user!r} needs the agent to run as root",
-                "run the agent as root, or remove task_user",
-            )
-        elif not s.allow_same_user:
-            yield Problem(
-                "task user",
-                "this agent is not root, so it cannot run tasks as a distinct task user",
-                "run it as root with task_user set (tasks then run as <task_user>-<slot>), or"
-                " set allow_same_user = true to run them as this agent's own user (README)",
-            )
-        else:
-            yield Ok("task user", f"tasks run as this agent's own user (uid {os.geteuid()})")
-        return
-    if not s.task_user:
-        yield Problem(
-            "task user",
-            "the agent runs as root and task_user is not set",
-            'set task_user = "flashnode-task" (slot N then runs as flashnode-task-N)',
-        )
-        return
-    with contextlib.suppress(KeyError):
-        if pwd.getpwnam(s.task_user).pw_uid == 0:
-            yield Problem(
-                "task user", f"task_user {s.task_user!r} is root", "name an unprivileged user"
-            )
-            return
-    try:
-        users = slot_users(s.task_user, slots)
-    except ConfigError as exc:
-        yield Problem(
-            "task user",
-            str(exc),
-            f"create them (the package's sysusers file does): for i in $(seq 0 {slots - 1});"
-            " do useradd --system --user-group --no-create-home --shell /usr/sbin/nologin"
-            f" {s.task_user}-$i; done",
-        )
-        return
-    blocked = _unreachable(s.state_dir)
-    if blocked is not None:
-        yield Problem(
-            "task user",
-            f"they cannot enter {blocked}, above the state dir {s.state_dir}",
-            f"choose another state_dir, or allow search: chmod o+x {blocked}",
-        )
-        return
-    yield Ok("task user", ", ".join(f"{u.name} (uid {u.uid})" for u in users))
-    yield _own_users({u.uid for u in users})
-    if not all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
-        yield Problem(
-            "task sandbox",
-            "setpriv, unshare or prlimit is missing",
-            "install util-linux",
-            code=ExitCode.UNAVAILABLE,
-        )
-        return
-    why = procs.sandbox_works()
-    if why:
-        yield Problem(
-            "task sandbox",
-            f"cannot give tasks private mount and IPC namespaces ({why})",
-            "run the agent as root with CAP_SYS_ADMIN (the packaged unit does)",
-            code=ExitCode.UNAVAILABLE,
-        )
-        return
-    yield Ok("task sandbox", "private /tmp, /var/tmp, /dev/shm and IPC per task")
-    yield _work_mount_point()
-
-
-def _own_users(task_uids: set[int]) -> Finding:
-    """The agent's own users (``procs.BUILD_USER``, ``procs.HELPER_USER``): there, and each a
-    user of its own (neither the other, nor ``nobody``, nor a task user)."""
-    found = []
-    for name in (procs.BUILD_USER, procs.HELPER_USER):
-        try:
-            user = procs.own_user(name)
-        except LookupError as exc:
-            return Problem(
-                "agent users",
-                f"{exc}: job environments are built as {procs.BUILD_USER}, and the agent's own"
-                f" checks run as {procs.HELPER_USER}",
-                procs.USERS_FIX,
-            )
-        assert user is not None
-        found.append(user)
-    try:
-        nobody = pwd.getpwnam("nobody").pw_uid
-    except KeyError:
-        nobody = 65534
-    uids = {u.uid for u in found}
-    if len(uids) < len(found) or uids & (task_uids | {nobody}):
-        return Problem(
-            "agent users",
-            f"{procs.BUILD_USER} and {procs.HELPER_USER} must each have a uid of their own (not"
-            " each other's, nobody's or a task user's)",
-            f"remove them (userdel) and {procs.USERS_FIX}",
-        )
-    build, helper = found
-    return Ok(
-        "agent users",
-        f"environments are built as {build.name} (uid {build.uid}), the agent's checks run as"
-        f" {helper.name} (uid {helper.uid})",
-    )
-
-
-MOUNT_POINT_FIX = "sudo mkdir -m 0755 /work (the package makes it)"
-
-
-def _work_mount_point(work: Path = Path(WORK), writable: bool | None = None) -> Finding:
-    """Whether each task's workspace can be bound at /work in its namespace: the host's /work
-    must be a directory (the mount point only: a task sees its workspace there, never what the
-    host keeps in it). A missing one is made at start where / is writable (``make_work_dir``)
-    and the packaged unit does not keep it read-only; where it cannot be, the agent refuses to
-    start rather than run tasks with their /work rewritten: a /work inside a script would fail
-    there (the task charged for it), and the workspace's host path would reach the task's
-    environment. ``writable``: whether / is (default: asked)."""
-    try:
-        st = os.lstat(work)
-    except FileNotFoundError:
-        if writable is None:
-            writable = os.access(work.parent, os.W_OK) and not SERVICE_UNIT.exists()
-        if writable:
-            return Ok(str(work), "missing: made at start (an empty directory of root's)")
-        return Problem(
-            str(work),
-            "missing, and the agent cannot make it (a read-only /, or the packaged service's"
-            " ProtectSystem=strict): each task's workspace is bound there, in its own mount"
-            " namespace",
-            MOUNT_POINT_FIX,
-            code=ExitCode.UNAVAILABLE,
-        )
-    except OSError as exc:
-        return Problem(str(work), f"cannot be read ({exc.strerror})", MOUNT_POINT_FIX)
-    if not stat.S_ISDIR(st.st_mode):
-        return Problem(
-            str(work),
-            "is not a directory (a link or a file): each task's workspace is bound there",
-            f"make it a directory: sudo mv {work} {work}.old && {MOUNT_POINT_FIX}",
-            code=ExitCode.UNAVAILABLE,
-        )
-    return Ok(str(work), "each task sees its workspace there, bound in its own mount namespace")
-
-
-def make_work_dir(work: Path = Path(WORK)) -> None:
-    """Make the mount point /work (an empty directory of root's) when it is missing;
-    PrerequisiteError when it cannot be made. An existing one is left as it is."""
-    try:
-        os.mkdir(work, 0o755)
-    except FileExistsError:
-        return
-    except OSError as exc:
-        raise PrerequisiteError(
-            f"{work} is missing and cannot be made ({exc.strerror}): {MOUNT_POINT_FIX}"
-        ) from None
-    os.chmod(work, 0o755)  # whatever the umask
-    log.info("made %s, where each task's workspace is bound in its own mount namespace", work)
-
-
 def hidden_gpus(spec: StartSpec, dev: Path = Path("/dev")) -> tuple[str, ...]:
     """The GPU device files the task must not open: every /dev/nvidia<N> but those of the GPUs
     it holds (CUDA_VISIBLE_DEVICES is advice; the files are 0666). It sees them as /dev/null."""
@@ -771,43 +511,3 @@ def hidden_gpus(spec: StartSpec, dev: Path = Path("/dev")) -> tuple[str, ...]:
     keep = {Path(f).name for f in files if f is not None}
     found = sorted(p for p in dev.glob("nvidia[0-9]*") if p.name[6:].isdigit())
     return tuple(str(p) for p in found if p.name not in keep)
-
-
-def slot_users(task_user: str, slots: int) -> list[procs.TaskUser]:
-    """The users slots 0..slots-1 run as; ConfigError naming the first that is missing or root."""
-    users = []
-    for slot in range(slots):
-        name = slot_user_name(task_user, slot)
-        try:
-            pw = pwd.getpwnam(name)
-        except KeyError:
-            raise ConfigError(f"task user {name!r} (for slot {slot}) does not exist") from None
-        if pw.pw_uid == 0 or pw.pw_gid == 0:
-            raise ConfigError(f"task user {name!r} is root or in group root")
-        users.append(procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid))
-    if len({u.uid for u in users}) != len(users) or len({u.gid for u in users}) != len(users):
-        # A shared uid or group would let one slot's task read another's workspace.
-        raise ConfigError(f"the {task_user}-N task users must have distinct uids and groups")
-    return users
-
-
-def passable(state_dir: Path) -> None:
-    """Let task users pass through the state dir and ``attempts/`` to their own workspaces
-    (search, never list). Again before each task: systemd sets ``StateDirectoryMode`` again on a
-    reload, and the task's launch enters its workspace by its path, as the task's user."""
-    for d in (state_dir, state_dir / "attempts"):
-        mode = stat.S_IMODE(d.stat().st_mode)
-        if mode & 0o111 != 0o111:
-            d.chmod(mode | 0o111)
-
-
-def _unreachable(state_dir: Path) -> Path | None:
-    """The first directory above the state dir that unrelated users cannot enter, if any."""
-    resolved = state_dir.resolve()
-    for d in resolved.parents:
-        try:
-            if not d.stat().st_mode & 0o001:
-                return d
-        except OSError:
-            return d
-    return None

@@ -22,13 +22,13 @@ from origin import Generated, Origin, Route, TestCA
 from flashnode.caches.datacache import (
     DataCache,
     DatasetEntry,
-    Fetcher,
     FetchStats,
     Integrity,
     OriginPolicy,
     cache_usage,
     parse_datasets,
 )
+from flashnode.caches.fetcher import Fetcher
 from flashnode.errors import AttemptFailed, DataIntegrityError, DataUnavailable
 
 GiB = 1 << 30

@@ -13,7 +13,7 @@ import pytest
 
 from flashnode.caches.localdata import LentMount, mounts, requested_labels
 from flashnode.cli.doctor import Report, _check_data
-from flashnode.config.settings import load
+from flashnode.config.loading import load
 from flashnode.errors import AttemptFailed, ConfigError
 from flashnode.evidence import inventory
 from flashnode.sandbox.lentcheck import unreadable

@@ -34,7 +34,7 @@ from harness import TASK_USER, AgentProcess, CoordinatorServer, argv_job, wait_f
 from localhttp import LocalHTTPServer
 
 from flashnode.cli.main import main
-from flashnode.config.settings import load
+from flashnode.config.loading import load
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}

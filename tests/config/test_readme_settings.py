@@ -12,7 +12,9 @@ from typing import Any, get_args
 
 import pytest
 
-from flashnode.config.settings import SETTABLE, Settings, load, parse_size
+from flashnode.config.loading import SETTABLE, load
+from flashnode.config.settings import Settings
+from flashnode.config.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 URL = "http://127.0.0.1:9"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from flashnode.config.settings import load
+from flashnode.config.loading import load
 from flashnode.errors import ConfigError
 
 URL = "http://127.0.0.1:8100"

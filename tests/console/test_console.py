@@ -21,7 +21,7 @@ import pytest
 from consoleharness import CONFIG, ConsoleAgent, start_console_agent
 from harness import AgentProcess, CoordinatorServer, argv_job, free_port, wait_for
 
-from flashnode.config.settings import load
+from flashnode.config.loading import load
 from flashnode.console import auth
 from flashnode.console.usage import UsageRing
 from flashnode.errors import ConfigError

@@ -25,6 +25,7 @@ from localhttp import LocalHTTPServer
 
 from flashnode.coordinator import validators
 from flashnode.sandbox import procs
+from flashnode.sandbox.procs import helpers
 
 TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-venv/bin/python")
 POOL = "team-contract"
@@ -367,7 +368,7 @@ def test_a_schema_that_backtracks_without_end_neither_holds_the_agent_nor_reache
     agent's process it would hold the interpreter's lock (every lease keeper, the main loop)
     for as long as it runs; the helper process is stopped after its time and the attempt fails
     with a reason, instead of the coordinator being held by the same check."""
-    monkeypatch.setattr(procs, "SCHEMA_CHECK_S", 3.0)
+    monkeypatch.setattr(helpers, "SCHEMA_CHECK_S", 3.0)
     schema = {"properties": {"tag": {"type": "string", "pattern": "^(a+)+$"}}}
     ticks = [0]
     done = threading.Event()
@@ -381,7 +382,7 @@ def test_a_schema_that_backtracks_without_end_neither_holds_the_agent_nor_reache
     ticker.start()
     started = time.monotonic()
     try:
-        reason = procs.json_schema_problem(schema, {"tag": "a" * 64 + "!"})
+        reason = helpers.json_schema_problem(schema, {"tag": "a" * 64 + "!"})
     finally:
         done.set()
         ticker.join()
@@ -473,13 +474,13 @@ def test_a_jobs_json_schema_never_makes_the_node_fetch_from_the_owners_network(
     url, seen = private_service
     schema = {"properties": {"a": {"$ref": f"{url}/latest/meta-data/creds.json#/Nope"}}}
     try:
-        reason = procs.json_schema_problem(schema, {"a": 1})
+        reason = helpers.json_schema_problem(schema, {"a": 1})
     except validators.Unchecked as exc:
         reason = str(exc)
     assert seen == [], f"the node fetched {seen} for the job"
     assert reason is not None and "owner-secret" not in reason, reason
     with pytest.raises(validators.Unchecked, match="outside itself"):
-        procs.json_schema_problem(schema, {"a": 1})
+        helpers.json_schema_problem(schema, {"a": 1})
 
 
 @pytest.mark.usefixtures("as_root")
@@ -500,7 +501,7 @@ def test_the_schema_check_runs_with_no_network(
         "print(json.dumps({'problem': got}))\n"
     )
     monkeypatch.setattr(validators, "SCHEMA_HELPER", probe)
-    assert procs.json_schema_problem({"type": "object"}, {}) is None
+    assert helpers.json_schema_problem({"type": "object"}, {}) is None
     assert seen == []
 
 
@@ -521,12 +522,12 @@ def test_the_schema_check_runs_as_a_user_of_its_own(
     ``nobody``): nothing a job's build left behind can signal, freeze or trace it."""
     helper, build = pwd.getpwnam("flashnode-helper"), pwd.getpwnam("flashnode-build")
     assert len({helper.pw_uid, build.pw_uid, 65534}) == 3
-    monkeypatch.setattr(procs, "SCHEMA_CHECK_S", 5.0)
+    monkeypatch.setattr(helpers, "SCHEMA_CHECK_S", 5.0)
     slow = {"properties": {"tag": {"type": "string", "pattern": "^(a+)+$"}}}
     seen: set[int] = set()
 
     def check() -> None:
-        procs.json_schema_problem(slow, {"tag": "a" * 64 + "!"})
+        helpers.json_schema_problem(slow, {"tag": "a" * 64 + "!"})
 
     def helper_seen() -> bool:
         for entry in Path("/proc").iterdir():
@@ -564,4 +565,4 @@ def test_a_schema_that_cannot_be_applied_fails_saying_which_check_without_quotin
 ) -> None:
     """jsonschema's own messages quote whole documents (``PointerToNowhere: '/x' does not
     exist within {...}``); the node's reasons say which check failed, in its own words."""
-    assert procs.json_schema_problem(schema, {"a": "owner-data"}) == reason
+    assert helpers.json_schema_problem(schema, {"a": "owner-data"}) == reason

@@ -12,7 +12,8 @@ from typing import Any
 from conftest import TokenCoordinator
 from harness import AgentProcess, argv_job
 
-from flashnode.config.settings import credentials_names, load, stored_credential
+from flashnode.config.credentials import credentials_names, stored_credential
+from flashnode.config.loading import load
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
 

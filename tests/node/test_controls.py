@@ -12,8 +12,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from flashnode.config.loading import load
 from flashnode.config.schedule import Pause, parse_duration, parse_window
-from flashnode.config.settings import load
 from flashnode.errors import ConfigError
 from flashnode.evidence import sensors
 from flashnode.node.controls import Controls, Readers, Rules

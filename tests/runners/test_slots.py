@@ -15,10 +15,12 @@ from harness import wait_for
 from flashnode.runners.slots import SlotPool
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.procs.launch import Launch
+from flashnode.sandbox.procs.mounts import Sandbox
 
 USER = procs.TaskUser("flashnode-task-0", 60000, 60000)
-BLANK = procs.Sandbox(1 << 20, work=True)
-OTHER = procs.Sandbox(1 << 20, hidden_devices=("/dev/nvidia1",), work=True)
+BLANK = Sandbox(1 << 20, work=True)
+OTHER = Sandbox(1 << 20, hidden_devices=("/dev/nvidia1",), work=True)
 
 
 # What happened, in order, across the fakes and the pool's worker thread.
@@ -55,7 +57,7 @@ class FakeHierarchy(cgroups.Hierarchy):
         return 1
 
 
-class FakeLaunch(procs.Launch):
+class FakeLaunch(Launch):
     """A chain that records what is done to it, and never starts a process."""
 
     def __init__(
@@ -63,7 +65,7 @@ class FakeLaunch(procs.Launch):
         cwd: Path,
         cgroup: cgroups.AttemptCgroup | None = None,
         user: procs.TaskUser | None = None,
-        sandbox: procs.Sandbox | None = None,
+        sandbox: Sandbox | None = None,
         events: Events | None = None,
     ) -> None:
         self.cwd, self.cgroup, self.user, self.sandbox = cwd, cgroup, user, sandbox
@@ -115,8 +117,8 @@ class Pool:
         cwd: Path,
         cgroup: cgroups.AttemptCgroup | None,
         user: procs.TaskUser | None,
-        sandbox: procs.Sandbox | None,
-    ) -> procs.Launch:
+        sandbox: Sandbox | None,
+    ) -> Launch:
         if self.failing_launch:
             raise FileNotFoundError(2, "No such file or directory", "unshare")
         launch = FakeLaunch(cwd, cgroup, user, sandbox, self.events)
@@ -209,7 +211,7 @@ def test_a_chain_the_task_cannot_use_is_ended_before_it_starts(tmp_path: Path, w
     p.task_ended()
     wait_for("a chain kept ahead", lambda: p.launched)
     (chain,) = p.launched
-    sandbox: procs.Sandbox | None = {"another sandbox": OTHER, "no sandbox": None}.get(why, BLANK)
+    sandbox: Sandbox | None = {"another sandbox": OTHER, "no sandbox": None}.get(why, BLANK)
     if why == "ended":
         chain.waiting = False
     assert p.pool.take(0, sandbox) is None

@@ -19,7 +19,7 @@ from flashnode.config.settings import Settings
 from flashnode.coordinator.client import Coordinator
 from flashnode.errors import PrerequisiteError
 from flashnode.evidence.inventory import registration
-from flashnode.runners import trusted
+from flashnode.runners import trusted, trustedhost
 from flashnode.runners.findings import Ok, Problem
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
@@ -357,20 +357,20 @@ def test_the_mount_point_work_is_checked_and_made_where_it_can_be(tmp_path: Path
     """A missing /work is made at start where / is writable; a link or a file in its place, or
     a missing one that cannot be made, stops the agent with the fix (fail closed: no rewrite)."""
     work = tmp_path / "work"
-    found = trusted._work_mount_point(work, writable=True)
+    found = trustedhost._work_mount_point(work, writable=True)
     assert isinstance(found, Ok) and "made at start" in found.detail
-    found = trusted._work_mount_point(work, writable=False)
+    found = trustedhost._work_mount_point(work, writable=False)
     assert isinstance(found, Problem) and found.fatal and "mkdir" in found.fix
-    trusted.make_work_dir(work)
+    trustedhost.make_work_dir(work)
     assert work.is_dir() and work.stat().st_mode & 0o777 == 0o755
-    assert isinstance(trusted._work_mount_point(work, writable=False), Ok)
+    assert isinstance(trustedhost._work_mount_point(work, writable=False), Ok)
     (work / "mine").write_text("the owner's")
-    trusted.make_work_dir(work)  # an owner's /work: left as it is
+    trustedhost.make_work_dir(work)  # an owner's /work: left as it is
     assert (work / "mine").read_text() == "the owner's"
     link = tmp_path / "link"
     link.symlink_to(work)
     for wrong in (link, work / "mine"):
-        found = trusted._work_mount_point(wrong, writable=True)
+        found = trustedhost._work_mount_point(wrong, writable=True)
         assert isinstance(found, Problem) and "not a directory" in found.why
     with pytest.raises(PrerequisiteError, match="mkdir -m 0755 /work"):
-        trusted.make_work_dir(tmp_path / "missing" / "work")
+        trustedhost.make_work_dir(tmp_path / "missing" / "work")

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from flashnode.sandbox import procs
+from flashnode.sandbox.procs.chain import SYSTEM_PATH
+from flashnode.sandbox.procs.helpers import popen_as, python_imports
+from flashnode.sandbox.procs.mounts import Sandbox, agent_kept
 
 
 @pytest.fixture
@@ -24,11 +27,11 @@ def venv_under_tmp() -> Iterator[Path]:
     top.chmod(0o755)
     base = "/usr/bin/python3"  # as the package lays it out: an interpreter every user may run
     subprocess.run([base, "-m", "venv", "--without-pip", str(top / ".venv")], check=True)
-    procs.agent_kept.cache_clear()
+    agent_kept.cache_clear()
     try:
         yield top / ".venv"
     finally:
-        procs.agent_kept.cache_clear()
+        agent_kept.cache_clear()
         shutil.rmtree(top)
 
 
@@ -38,16 +41,16 @@ def test_a_helper_runs_the_agents_interpreter_from_a_checkout_under_tmp(
 ) -> None:
     python = str(venv_under_tmp / "bin" / "python")
     monkeypatch.setattr(sys, "prefix", str(venv_under_tmp))
-    assert procs.python_imports(python, ["json"]) is None
-    kept = procs.agent_kept()
+    assert python_imports(python, ["json"]) is None
+    kept = agent_kept()
     assert [(d, k) for d, _, k in kept] == [("/tmp", str(venv_under_tmp.parent))]
     # Nothing else of the host's /tmp is in reach: the helper's /tmp holds the kept tree only.
     probe = "import os, sys; sys.exit(sorted(os.listdir('/tmp')) != [sys.argv[1]])"
     user = procs.helper_user()
-    proc = procs.popen_as(
+    proc = popen_as(
         [python, "-I", "-c", probe, venv_under_tmp.parent.name],
-        {"PATH": procs.SYSTEM_PATH},
+        {"PATH": SYSTEM_PATH},
         user,
-        procs.Sandbox(1 << 20, keep_agent=True),
+        Sandbox(1 << 20, keep_agent=True),
     )
     assert proc.wait(60) == 0, "the helper's /tmp holds more than the agent's own install"

@@ -228,13 +228,15 @@ class SteppingClock:
 
 def test_term_then_kill_follows_the_grace_on_the_injected_clock(tmp_path: Path) -> None:
     from flashnode.sandbox import procs
+    from flashnode.sandbox.procs.chain import SYSTEM_PATH
+    from flashnode.sandbox.procs.task import TaskProcess
 
     ready = tmp_path / "ready"
     done = threading.Event()
     clock = SteppingClock()
-    proc = procs.TaskProcess(
+    proc = TaskProcess(
         ["sh", "-c", f"trap '' TERM; touch {ready}; while :; do sleep 1; done"],
-        {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH},
+        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
         cwd=tmp_path,
         stdout=tmp_path / "out",
         stderr=tmp_path / "err",
@@ -265,10 +267,13 @@ def _waiting(pid: int) -> bool:
 
 def test_a_held_task_runs_only_once_sent_and_a_torn_script_runs_nothing(tmp_path: Path) -> None:
     from flashnode.sandbox import procs
+    from flashnode.sandbox.procs.chain import SETUP_FAILED, SYSTEM_PATH, env_script
+    from flashnode.sandbox.procs.launch import Launch
+    from flashnode.sandbox.procs.task import TaskProcess
 
     ran = tmp_path / "ran"
-    env = {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH}
-    proc = procs.TaskProcess(
+    env = {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH}
+    proc = TaskProcess(
         ["sh", "-c", f"touch {ran}"],
         env,
         cwd=tmp_path,
@@ -287,12 +292,12 @@ def test_a_held_task_runs_only_once_sent_and_a_torn_script_runs_nothing(tmp_path
 
     # The script arrives torn (the agent died while sending it): the exports and the arguments
     # are there, the last line is not. The chain runs nothing.
-    launch = procs.Launch(tmp_path)
+    launch = Launch(tmp_path)
     wait_for("the chain to wait for its script", lambda: _waiting(launch.pid))
-    whole = procs.env_script(env, ["sh", "-c", f"touch {ran}-torn"], tmp_path)
+    whole = env_script(env, ["sh", "-c", f"touch {ran}-torn"], tmp_path)
     os.write(launch.script_w, whole[: whole.rindex(b"FLASHNODE_GO")])
     os.close(launch.script_w)
-    assert launch.popen.wait(10) == procs.SETUP_FAILED
+    assert launch.popen.wait(10) == SETUP_FAILED
     assert not Path(f"{ran}-torn").exists()
     for fd in (launch.out_r, launch.err_r, launch.fault_r):
         os.close(fd)
@@ -309,13 +314,16 @@ def test_the_task_holds_no_descriptor_of_its_launchs_fault_channel(tmp_path: Pat
     exec: the task has no descriptor of it, and what the task prints goes to its own stderr. A
     task printing a "flashnode:" line and ending 125 was launched: its exit is its own."""
     from flashnode.sandbox import procs
+    from flashnode.sandbox.procs.chain import SETUP_FAILED, SYSTEM_PATH
+    from flashnode.sandbox.procs.launch import Launch
+    from flashnode.sandbox.procs.task import TaskProcess
 
-    launch = procs.Launch(tmp_path)
+    launch = Launch(tmp_path)
     fault = os.fstat(launch.fault_r).st_ino
     fds = tmp_path / "fds"
-    proc = procs.TaskProcess(
+    proc = TaskProcess(
         ["sh", "-c", FORGER.format(fds=fds)],
-        {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH},
+        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
         cwd=tmp_path,
         stdout=tmp_path / "out",
         stderr=tmp_path / "err",
@@ -327,20 +335,23 @@ def test_the_task_holds_no_descriptor_of_its_launchs_fault_channel(tmp_path: Pat
     proc.close()
     assert f"pipe:[{fault}]" not in fds.read_text()
     assert "pipe:[" in fds.read_text()  # its stdout and stderr are pipes: the listing works
-    assert proc.returncode == procs.SETUP_FAILED and proc.launched
+    assert proc.returncode == SETUP_FAILED and proc.launched
     assert (tmp_path / "err").read_bytes() == b"flashnode: cannot mount /tmp\n"
 
 
 @pytest.mark.usefixtures("as_root")
 def test_a_launch_whose_setup_fails_says_why_and_runs_nothing(tmp_path: Path) -> None:
     from flashnode.sandbox import procs
+    from flashnode.sandbox.procs.chain import SYSTEM_PATH
+    from flashnode.sandbox.procs.mounts import Sandbox
+    from flashnode.sandbox.procs.task import TaskProcess
 
     ran = tmp_path / "ran"
     (tmp_path / "view").mkdir()
-    sandbox = procs.Sandbox(1 << 20, read_only_binds=((str(tmp_path / "vanished"), "view"),))
-    proc = procs.TaskProcess(
+    sandbox = Sandbox(1 << 20, read_only_binds=((str(tmp_path / "vanished"), "view"),))
+    proc = TaskProcess(
         ["touch", str(ran)],
-        {procs.OWNER_ENV: procs.new_token(), "PATH": procs.SYSTEM_PATH},
+        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
         cwd=tmp_path,
         stdout=tmp_path / "out",
         stderr=tmp_path / "err",

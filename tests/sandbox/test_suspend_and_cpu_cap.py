@@ -19,6 +19,8 @@ from flashnode.runners.base import RunnerEnv, StartSpec
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.cgroups import AttemptCgroup, Hierarchy, Limits
+from flashnode.sandbox.procs.chain import SYSTEM_PATH
+from flashnode.sandbox.procs.task import TaskProcess
 from flashnode.sandbox.workspace import Workspace
 
 # A task that prints, and keeps a detached grandchild (its own session) busy with light work: a
@@ -37,9 +39,9 @@ while True:
 """
 
 
-def start(tmp_path: Path, cgroup: AttemptCgroup | None = None) -> procs.TaskProcess:
-    env = {"PATH": procs.SYSTEM_PATH, procs.OWNER_ENV: procs.new_token()}
-    return procs.TaskProcess(
+def start(tmp_path: Path, cgroup: AttemptCgroup | None = None) -> TaskProcess:
+    env = {"PATH": SYSTEM_PATH, procs.OWNER_ENV: procs.new_token()}
+    return TaskProcess(
         [sys.executable, "-c", TASK],
         env,
         cwd=tmp_path,
@@ -51,7 +53,7 @@ def start(tmp_path: Path, cgroup: AttemptCgroup | None = None) -> procs.TaskProc
     )
 
 
-def states(proc: procs.TaskProcess) -> dict[int, str]:
+def states(proc: TaskProcess) -> dict[int, str]:
     found = {}
     for pid in proc.members():
         with open(f"/proc/{pid}/stat") as fh:

@@ -1,0 +1,399 @@
+"""The wiring of the agent's parts: the edges (the coordinator client, the runner, NVML, the
+caches, metrics, the console, the outbox, the ledger) built from the Settings and handed to the
+node loop, which imports none of them; the only module that builds edges.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from flashnode import __version__
+from flashnode.attempt import AttemptContext
+from flashnode.attempt.outbox import Outbox
+from flashnode.caches.datacache import DataCache, OriginPolicy
+from flashnode.caches.envcache import ENVS_DIR, EnvCache
+from flashnode.caches.fetcher import Fetcher
+from flashnode.cli.ending import Ending, lock_state_dir
+from flashnode.clock import SystemClock
+from flashnode.config.loading import load
+from flashnode.config.schedule import Pause, PauseMode
+from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
+from flashnode.coordinator.client import Coordinator
+from flashnode.coordinator.wire import NodeRegistration
+from flashnode.errors import ConfigError, EnvUnavailable, PrerequisiteError
+from flashnode.evidence import inventory, sensors
+from flashnode.evidence.gpu import Nvml
+from flashnode.evidence.gpupool import GpuPool
+from flashnode.node.agent import Agent, effective_slots
+from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.owner import ledgerview, metrics, pausefile, statelock
+from flashnode.owner.ledger import Ledger
+from flashnode.owner.ledgerview import LedgerView
+from flashnode.owner.status import Sinks, TerminalLine
+from flashnode.owner.systemd import Notifier
+from flashnode.runners import preflight
+from flashnode.runners.background import Background
+from flashnode.runners.base import Runner, RunnerEnv, runner_class
+from flashnode.runners.spec import task_limits
+from flashnode.sandbox import cgroups, diskuse
+from flashnode.sandbox.limits import Limits
+from flashnode.sandbox.procs.helpers import json_schema_problem
+from flashnode.sandbox.procs.keyrings import private_session_keyring
+
+log = logging.getLogger("flashnode")
+
+if TYPE_CHECKING:  # the console is imported only when it is served
+    from flashnode.console import Console
+    from flashnode.console.usage import UsageRing
+
+
+def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
+    """The configured runner (its preflight already passed in ``work``); ConfigError or
+    PrerequisiteError when it cannot run here after all (e.g. a task user for a slot that
+    ``slots = "auto"`` added)."""
+    return runner_class(settings.runner).create(settings, env)
+
+
+def _thread(fn: Callable[[], None], name: str) -> None:
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # never silently: the log says which thread and why
+            log.exception("thread %s ended with an error", name)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
+def env_cache(settings: Settings, limits: Limits) -> EnvCache | None:
+    """The agent's one cache of job environments: the trusted runner's only. A root agent builds
+    as its build user (``procs.BUILD_USER``), in a cgroup of its own with the per-task
+    ``limits`` where the host has cgroups (flashnode.caches.envbuild)."""
+    if settings.runner != "trusted":
+        return None
+    hierarchy = cgroups.detect()[0] if os.geteuid() == 0 else None
+    try:
+        return EnvCache(
+            settings.state_dir / ENVS_DIR,
+            settings.env_cache_bytes,
+            allow_python_downloads=settings.allow_python_downloads,
+            allow_source_builds=settings.allow_source_builds,
+            negative_ttl_s=settings.env_negative_seconds,
+            min_free_bytes=settings.min_free_bytes,
+            hierarchy=hierarchy,
+            build_limits=limits,
+            index_policy=OriginPolicy.of(settings.env_allow_private_indexes),
+        )
+    except EnvUnavailable as exc:
+        raise PrerequisiteError(str(exc)) from None
+
+
+def data_cache(settings: Settings) -> DataCache:
+    """The agent's one dataset cache (``<state dir>/data``) and its fetcher."""
+    fetcher = Fetcher(
+        ca_file=settings.dataset_ca_file,
+        policy=OriginPolicy.of(settings.dataset_allow_private_origins),
+        timeout_seconds=settings.dataset_fetch_timeout_seconds,
+    )
+    try:
+        return DataCache(settings.state_dir / "data", settings.dataset_cache_bytes, fetcher)
+    except OSError as exc:
+        fetcher.close()
+        raise PrerequisiteError(f"cannot set up the dataset cache: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the running configuration came from: the flags given and the config file."""
+
+    flags: dict[str, Any] = field(default_factory=dict)
+    config_file: Path | None = None
+
+    @property
+    def file(self) -> Path | None:
+        """The file a change is written to (the default one when it exists)."""
+        if self.config_file is not None:
+            return self.config_file
+        return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None
+
+    def overridden(self, key: str) -> str | None:
+        """Who sets ``key`` over the config file: a flag or the environment; None: the file."""
+        if self.flags.get(key) not in (None, ()):
+            return f"set by --{'pool' if key == 'pools' else key.replace('_', '-')}"
+        if os.environ.get(f"FLASHNODE_{key.upper()}"):
+            return f"set by FLASHNODE_{key.upper()}"
+        return None
+
+
+def _gpu_percent(nvml: Nvml | None, gpus: GpuPool) -> float | None:
+    """The node's GPUs' mean utilisation now (None: no GPU, or one unreadable)."""
+    if nvml is None or not gpus.devices:
+        return None
+    readings = [nvml.utilization(d) for d in gpus.devices]
+    ok = [r for r in readings if r is not None]
+    return sum(ok) / len(ok) if ok and len(ok) == len(readings) else None
+
+
+def _console(
+    settings: Settings,
+    agent: Agent,
+    coordinator: Coordinator,
+    ring: UsageRing | None,
+    source: Source,
+    ledger: LedgerView,
+) -> Console | None:
+    """The owner's console, when ``ui_listen`` asks for it. An address that cannot be bound
+    leaves the agent working without it (the console is on by default: a second agent on the
+    machine, or a port taken, must not stop the work), and says so."""
+    if settings.ui_listen is None or ring is None:
+        return None
+    from flashnode.console import start
+    from flashnode.console.app import Wiring
+
+    wiring = Wiring(
+        state_dir=settings.state_dir,
+        settings=lambda: agent.settings,
+        config_file=source.file,
+        validate=lambda path: load(source.flags, os.environ, path),
+        overridden=source.overridden,
+        reload=agent.request_reload,
+        node_view=coordinator.node_view,
+        ring=ring,
+        task_uids=_task_uids(settings),
+        ledger=ledger,
+    )
+    try:
+        return start(settings.ui_listen, wiring)
+    except OSError as exc:
+        log.warning(
+            "the console is off: cannot listen on %s (%s); set ui_listen to another address",
+            settings.ui_listen,
+            exc.strerror or exc,
+        )
+        return None
+
+
+def _task_uids(settings: Settings) -> frozenset[int]:
+    """The uids trusted tasks may run as (every slot the package makes users for)."""
+    if settings.task_user is None:
+        return frozenset()
+    import pwd
+
+    from flashnode.runners.trustedhost import slot_user_name
+
+    found = set()
+    for slot in range(64):
+        try:
+            found.add(pwd.getpwnam(slot_user_name(settings.task_user, slot)).pw_uid)
+        except KeyError:
+            continue
+    return frozenset(found)
+
+
+def run_agent(
+    settings: Settings,
+    reload: Callable[[], Settings] | None = None,
+    line: TerminalLine | None = None,
+    lock: statelock.StateLock | None = None,
+    accepted: frozenset[str] = frozenset(),
+    source: Source | None = None,
+    ending: Ending | None = None,
+) -> None:
+    """Run the agent on its state dir, holding the state dir's lock (``lock``: already taken)
+    until every attempt has ended and the last status is written. ``accepted``: what the
+    preflight warned of at start (the quarantine's checks do not count it again)."""
+    try:
+        inventory.ensure_state_dir(settings.state_dir)
+        if lock is None:
+            lock = lock_state_dir(settings.state_dir, ending)
+        node = inventory.node_id(settings)
+    except OSError as exc:
+        raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
+    try:
+        _locked_run(settings, reload, line, node, accepted, source)
+    finally:
+        lock.release()
+
+
+def _locked_run(
+    settings: Settings,
+    reload: Callable[[], Settings] | None,
+    line: TerminalLine | None,
+    node: str,
+    accepted: frozenset[str],
+    source: Source | None,
+) -> None:
+    if settings.runner == "trusted" and os.geteuid() == 0:
+        # Before any thread starts (threads, and the tasks they start, inherit it).
+        why = private_session_keyring()
+        if why:
+            log.warning("tasks share this agent's session keyring (%s)", why)
+    try:
+        served = metrics.create(settings.metrics_listen, settings.metrics_allow_remote)
+    except ValueError as exc:
+        raise ConfigError(f"metrics_listen: {exc}") from None
+    except OSError as exc:
+        raise PrerequisiteError(
+            f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}"
+        ) from None
+    try:
+        _run_agent(settings, served, reload, line, node, accepted, source or Source())
+    finally:
+        served.close()
+
+
+def _run_agent(
+    settings: Settings,
+    served: metrics.MetricsSink,
+    reload: Callable[[], Settings] | None,
+    line: TerminalLine | None,
+    node: str,
+    accepted: frozenset[str],
+    source: Source,
+) -> None:
+    nvml = Nvml.open(settings.nvml_library)
+    gpus = GpuPool(nvml.devices if nvml is not None else [])
+    clock = SystemClock()
+    slots = effective_slots(settings, len(gpus.devices))
+    runner = make_runner(settings, RunnerEnv(node, gpus, clock, slots))
+    coordinator = Coordinator(
+        settings.coordinator,
+        token=settings.token.get_secret_value() if settings.token else None,
+        join_code=settings.join_code.get_secret_value() if settings.join_code else None,
+    )
+    machine = (psutil.virtual_memory().total, os.cpu_count() or 1)
+    limits = task_limits(settings, slots, *machine)
+    envs = env_cache(settings, limits)
+    data = data_cache(settings)
+    janitor = Background("janitor")  # retired workspaces, removed off the next claim's way
+    ctx = AttemptContext(
+        coordinator=coordinator,
+        runner=runner,
+        settings=settings,
+        clock=clock,
+        ledger=Ledger(settings.state_dir / "ledger.jsonl"),
+        outbox=Outbox(settings.state_dir / "outbox"),
+        start_thread=_thread,
+        rng=random.Random(),
+        gpu=nvml,
+        gpus=gpus,
+        limits=limits,
+        space=lambda: diskuse.space(settings.state_dir),
+        metrics=served,
+        envs=envs,
+        data=data,
+        schema_check=json_schema_problem,
+        later=janitor.submit,
+    )
+
+    def limits_of(new: Settings) -> Limits:
+        return task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
+
+    def on_settings(new: Settings, limits: Limits) -> None:
+        data.budget_bytes = new.dataset_cache_bytes
+        data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)
+        data.prune()
+        if envs is not None:
+            envs.reconfigure(
+                new.env_cache_bytes,
+                new.min_free_bytes,
+                limits,
+                OriginPolicy.of(new.env_allow_private_indexes),
+            )
+
+    def registration(current: Settings) -> NodeRegistration:
+        devices = nvml.refresh() if nvml is not None else []
+        gpus.set_devices(devices)
+        return inventory.registration(
+            current, node, [d.info for d in devices], runner.module_capable
+        )
+
+    pause_reader = pausefile.PauseReader(settings.state_dir)
+    readers = Readers(
+        pause=pause_reader,
+        on_battery=sensors.on_battery,
+        idle_seconds=sensors.seat_idle_seconds,
+        host_cpu=sensors.host_cpu_times,
+    )
+    controls = Controls(Rules.from_settings(settings), readers, clock)
+
+    def health(current: Settings) -> list[str]:
+        """The quarantine's check: the preflight's problems, but those the owner started with."""
+        found = preflight.problems(current)
+        return [p.line() for p in found if p.fatal or p.what not in accepted]
+
+    ring = None
+    if settings.ui_listen is not None:
+        from flashnode.console.usage import UsageRing
+
+        ring = UsageRing(gpu=lambda: _gpu_percent(nvml, gpus))
+    given = LedgerView(ctx.ledger.path, checkpoint=settings.state_dir / ledgerview.CHECKPOINT_FILE)
+    agent = Agent(
+        ctx,
+        coordinator,
+        registration,
+        reload=reload,
+        sink=Sinks(Notifier(), *([line] if line else []), *([ring] if ring else [])),
+        on_settings=on_settings,
+        limits=limits_of,
+        controls=controls,
+        health=health,
+        status_extra={"signals": {k: int(v) for k, v in pausefile.SIGNALS.items()}},
+        totals=given.totals,
+    )
+    readers.task_cpu = agent.task_cpu  # every running task, containers included
+    log.info(
+        "flashnode %s: node %s, %s runner, %d slot(s), pools %s, coordinator %s",
+        __version__,
+        node,
+        settings.runner,
+        slots,
+        ",".join(settings.pools) or "-",
+        settings.coordinator,
+    )
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        agent.request_stop()
+
+    def on_hangup(signum: int, frame: FrameType | None) -> None:
+        agent.request_reload()
+
+    def on_pause(mode: PauseMode) -> Callable[[int, FrameType | None], None]:
+        return lambda signum, frame: pause_reader.signalled(Pause(mode, None, time.time()))
+
+    def on_resume(signum: int, frame: FrameType | None) -> None:
+        pause_reader.signalled(None)
+
+    handlers: list[tuple[int, Callable[[int, FrameType | None], None]]] = [
+        (signal.SIGTERM, on_signal),
+        (signal.SIGINT, on_signal),
+        (signal.SIGHUP, on_hangup),
+        # `flashnode pause` and `resume` on a full disk, where the pause file cannot be written.
+        (pausefile.SIGNALS["pause"], on_pause("drain")),
+        (pausefile.SIGNALS["pause_now"], on_pause("now")),
+        (pausefile.SIGNALS["resume"], on_resume),
+    ]
+    previous = [(sig, signal.signal(sig, handler)) for sig, handler in handlers]
+    console = _console(settings, agent, coordinator, ring, source, given)
+    try:
+        agent.run()
+    finally:
+        if console is not None:
+            console.close()
+        given.save()
+        janitor.drain(60)
+        for sig, old in previous:
+            signal.signal(sig, old)
+        coordinator.close()
+        data.fetcher.close()

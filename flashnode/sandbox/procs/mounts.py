@@ -1,0 +1,130 @@
+"""What a root agent's sandbox around a task is made of: the ``Sandbox`` (namespaces, private
+directories, read-only views, covers) and the mount tables it is given.
+
+``/work``: in the sandbox, the chain binds its working directory (the attempt's workspace, or
+an empty directory the workspace is later moved into, for a chain started ahead) at ``/work`` in
+the task's mount namespace, so that every ``/work/...`` path works wherever a task names it.
+
+Lent directories (``Sandbox.covers``): after the task's own read-only views are bound, each
+lent directory's host path is covered by an empty read-only tmpfs in the task's namespace, so
+that a task reaches lent data only at the ``/work/inputs/<label>`` it asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import secrets
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashnode import statefile
+from flashnode.sandbox.workspace import WORK
+
+# World-writable places a task could leave things in for later tasks of its user: each its own
+# empty tmpfs in the task's mount namespace (those that exist), plus the POSIX message queues of
+# its own IPC namespace.
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+
+@functools.lru_cache(maxsize=1)
+def agent_kept() -> tuple[tuple[str, str, str], ...]:
+    """(private directory, staging directory, kept directory) for each private directory that
+    holds the agent's own install (its venv, its package: a checkout under /tmp), where the
+    sandboxes of its own helpers and builds would hide it: the top directory of it under the
+    private one is bound back there read-only. The staging directory (made once, the agent's,
+    0700) is where the private tmpfs is put together before it is moved into place, in the
+    sandbox's own mount namespace; one kept directory per private one (the first found)."""
+    found: dict[str, str] = {}
+    for path in (sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+        real = os.path.realpath(path)
+        for d in PRIVATE_DIRS:
+            if real.startswith(d + "/") and d not in found:
+                top = d + "/" + real[len(d) + 1 :].split("/", 1)[0]
+                if "\n" not in top:
+                    found[d] = top
+    return tuple(
+        (d, tempfile.mkdtemp(prefix=".flashnode-stage-", dir=d), k) for d, k in found.items()
+    )
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What a root agent sets up around a task before dropping to its user. Bind paths may not
+    hold a newline (``command`` refuses them)."""
+
+    tmp_bytes: int  # size of each private tmpfs
+    # (host path, target relative to the working directory: bound before it is bound at /work)
+    read_only_binds: tuple[tuple[str, str], ...] = field(default=())
+    hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
+    fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
+    work: bool = False  # bind the chain's working directory at /work and enter it there
+    covers: str = ""  # the lent directories' covers as one table (``cover_fstab``), if any
+    no_network: bool = False  # a network namespace of its own: no interface but a down loopback
+    # The job environments' directory, covered by an empty tmpfs (no task sees another job's
+    # environment), and what under it is bound back read-only at its same path (the task's own
+    # environment, the managed interpreters): shebangs and pyvenv.cfg keep working.
+    envs: str = ""
+    envs_kept: tuple[str, ...] = field(default=())
+    # The agent's own install (its interpreter, its package, uv), where it lies under a private
+    # directory (a checkout under /tmp): bound back read-only in the agent's own helpers' and
+    # builds' sandboxes, which run it (``agent_kept``).
+    keep_agent: bool = False
+
+
+def private_fstab(path: Path, tmp_bytes: int) -> str:
+    """Write the table of a task's private tmpfs mounts (those of ``PRIVATE_DIRS`` that exist
+    here, ``tmp_bytes`` each) to ``path``, readable by this user only, and return its path for
+    ``Sandbox.fstab``. Each mount's source name is new (``mount -a`` skips a mount it finds
+    already there: never one of the host's)."""
+    source = f"flashnode-private-{secrets.token_hex(4)}"
+    options = f"nosuid,nodev,mode=1777,size={tmp_bytes}"
+    table = "".join(f"{source} {d} tmpfs {options} 0 0\n" for d in PRIVATE_DIRS if os.path.isdir(d))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    statefile.write(path, table.encode(), 0o600)
+    return str(path)
+
+
+def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
+    """Write the table of the covers of the ``lent`` directories (an empty read-only tmpfs over
+    each, by its resolved path) into ``directory``, and return its path for ``Sandbox.covers``:
+    named for what it covers, so that a chain started under another table can tell; "" when
+    there is nothing to cover. Deepest first (a cover over a parent would hide the child's
+    mount point); none under the private directories or ``/work``, which the task gets its own
+    of anyway. Paths are written the way fstab escapes them."""
+    targets = set()
+    for path in lent:
+        real = os.path.realpath(path)
+        if not any(real == d or real.startswith(d + "/") for d in (*PRIVATE_DIRS, WORK)):
+            targets.add(real)
+    if not targets:
+        return ""
+    ordered = sorted(targets, key=lambda t: (-t.count("/"), t))
+    digest = hashlib.sha256("\0".join(ordered).encode("utf-8", "surrogateescape")).hexdigest()
+    path = directory / f"covers-{digest[:16]}.fstab"
+    if not path.exists():
+        source = f"flashnode-cover-{secrets.token_hex(4)}"
+        options = "ro,nosuid,nodev,noexec,mode=0555,size=4k"
+        table = "".join(f"{source} {_fstab_escape(t)} tmpfs {options} 0 0\n" for t in ordered)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        statefile.write(path, table.encode("utf-8", "surrogateescape"), 0o600)
+    return str(path)
+
+
+def _fstab_escape(path: str) -> str:
+    """A path as a field of fstab: whitespace and backslashes as octal escapes."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
+
+
+def mqueue_mounts() -> list[str]:
+    """Where the host's POSIX message queues are mounted (this process's mount table, which a
+    task's new mount namespace copies), as the table writes them."""
+    try:
+        with open("/proc/self/mounts") as fh:
+            return [f[1] for f in (line.split() for line in fh) if len(f) > 2 and f[2] == "mqueue"]
+    except OSError:
+        return []
