@@ -2,8 +2,10 @@
 (``"unix:PATH"``). ``metrics.py`` imports this module only when metrics are on, so that an agent
 without them does not load ``http.server`` and ``socketserver``.
 
-A scraper that stalls is dropped after ``STALL_S``: a client that connects and says nothing
-holds one of the agent's threads no longer than that."""
+Each connection has a thread of its own, at most ``MAX_SCRAPES`` at once: one more is closed at
+once, so that nobody on the machine (a trusted task shares its network) can have the agent start
+thread after thread. A read waits ``STALL_S`` at most: a client that connects and says nothing
+is dropped then."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import socket
 import socketserver
 import stat
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -24,22 +27,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 STALL_S = 10
+MAX_SCRAPES = 8
 
 
-class _Serving:
+class _Serving(socketserver.ThreadingMixIn):
     daemon_threads = True
     registry: CollectorRegistry
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._scrapes = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._scrapes.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.close()
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._scrapes.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._scrapes.release()
+
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # Not to stderr (the journal): a scraper that hung up or stalled is not the agent's error.
-        log.debug("metrics: a scrape ended early", exc_info=True)
+        if isinstance(sys.exc_info()[1], OSError):  # the scraper hung up or stalled: not ours
+            log.debug("metrics: a scrape ended early", exc_info=True)
+        else:
+            log.warning("metrics: a scrape failed", exc_info=True)
 
 
-class _TCPServer(_Serving, socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _TCPServer(_Serving, socketserver.TCPServer):
     allow_reuse_address = True
 
 
-class _UnixServer(_Serving, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _UnixServer(_Serving, socketserver.UnixStreamServer):
     inode = 0  # of the socket file in the file system, to remove only our own at close
 
 
@@ -53,7 +80,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] not in ("/", "/metrics"):
             self.send_error(404)
             return
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        encoder, content_type = choose_encoder(",".join(self.headers.get_all("Accept") or []))
+        if "\r" in content_type or "\n" in content_type:  # echoed from the request's Accept
+            encoder, content_type = choose_encoder("")
         body = encoder(self.server.registry)
         self.send_response(200)
         self.send_header("Content-Type", content_type)
@@ -70,7 +99,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve_tcp(host: str, port: int, registry: CollectorRegistry) -> _TCPServer:
     """Bind ``host``:``port`` (0: any free port) and serve on a daemon thread."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server_class = type("_Bound", (_TCPServer,), {"address_family": family})
     server: _TCPServer = server_class((host, port), _Handler)
     server.registry = registry

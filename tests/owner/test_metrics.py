@@ -11,11 +11,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from harness import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashnode.config.listen import parse_listen
 from flashnode.owner.metrics import Metrics, NullMetrics, create
-from flashnode.owner.metricsserver import STALL_S
+from flashnode.owner.metricsserver import MAX_SCRAPES, STALL_S
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -146,6 +147,43 @@ def test_a_scraper_that_stalls_is_dropped(where: str, tmp_path: Path) -> None:
     finally:
         stalled.close()
         m.close()
+
+
+def test_connections_past_the_most_at_once_are_closed_at_once() -> None:
+    """A local user (or a trusted task, which shares the host's network) opening connection
+    after connection gets at most ``MAX_SCRAPES`` of the agent's threads: one more is closed at
+    once, not given a thread that waits ``STALL_S``; once those go, scrapes are answered."""
+    m = create("127.0.0.1:0")
+    assert isinstance(m, Metrics) and m.address is not None
+    host, port = m.address.rsplit(":", 1)
+    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_SCRAPES)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /metr")
+        one_more = socket.create_connection((host, int(port)), timeout=STALL_S / 2)
+        try:
+            assert one_more.recv(1) == b"", "a connection past the most at once got a thread"
+        finally:
+            one_more.close()
+    finally:
+        for sock in held:
+            sock.close()
+    try:
+        assert "flashnode_paused" in wait_for_scrape(m.address)
+    finally:
+        m.close()
+
+
+def wait_for_scrape(address: str) -> str:
+    """A scrape, once the connections closed just now have given their threads back."""
+
+    def scrape() -> str | None:
+        try:
+            return scrape_tcp(address)
+        except OSError:  # closed at once: the held threads are still ending
+            return None
+
+    return wait_for("a scrape answered", scrape, timeout=STALL_S * 2)
 
 
 def test_a_stale_socket_is_replaced_but_a_live_one_or_a_file_is_not(tmp_path: Path) -> None:
