@@ -1,6 +1,6 @@
 """A build's bounds: what its steps run in (``BuildBox``: the build user, its sandbox, its cgroup,
 its rlimits) and what ends them all; the room it may write (``DiskRoom``) and the watch of its
-tree against that room (``DiskWatch``).
+tree against that room (``BuildWatch``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class BuildBox:
         cgroup: cgroups.AttemptCgroup | None,
         sandbox: Sandbox | None,
         rlimits: list[str],
-        watch: DiskWatch,
+        watch: BuildWatch,
     ) -> None:
         self.user, self.token, self.cgroup, self.sandbox = user, token, cgroup, sandbox
         self.rlimits, self.watch = rlimits, watch
@@ -80,7 +80,7 @@ class BuildBox:
             log.error("cannot clear the keyrings of %s: %s", self.user.name, why)
 
 
-class DiskWatch:
+class BuildWatch:
     """A build's use of the disk against its room: its tree walked at least every
     ``WALK_EVERY_S`` (less often when a walk is slow: never more than a twentieth of the time),
     and at once when the file system lost more than the room since the build started."""

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from flashnode.caches.envbox import POLL_S, BuildBox, DiskRoom, DiskWatch
+from flashnode.caches.envbox import POLL_S, BuildBox, BuildWatch, DiskRoom
 from flashnode.caches.envfaults import classify, summarize, unreachable
 from flashnode.caches.envlines import (
     URL_LINE,
@@ -319,7 +319,7 @@ class UvBuilder:
         cgroup of its own, a sandbox, no file past the room, the watch on the room."""
         rlimits = [f"--fsize={room.bytes}", "--core=0"]
         if user is None:
-            return BuildBox(None, token, None, None, rlimits, DiskWatch(work, room, self.clock))
+            return BuildBox(None, token, None, None, rlimits, BuildWatch(work, room, self.clock))
         real = work.resolve()
         for private in PRIVATE_DIRS:
             if real.is_relative_to(Path(private).resolve()):
@@ -344,7 +344,7 @@ class UvBuilder:
                     f"cannot make the build's cgroup ({exc.strerror or exc})"
                 ) from None
         sandbox = Sandbox(BUILD_TMP_BYTES, keep_agent=True)
-        return BuildBox(user, token, cgroup, sandbox, rlimits, DiskWatch(work, room, self.clock))
+        return BuildBox(user, token, cgroup, sandbox, rlimits, BuildWatch(work, room, self.clock))
 
     def _environment(self, work: Path, token: str, cache: str) -> dict[str, str]:
         env = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}

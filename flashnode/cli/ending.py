@@ -1,4 +1,4 @@
-"""How the agent exits (``Ending``): one line on standard error, the same with its fix in
+"""How the agent exits (``AgentExit``): one line on standard error, the same with its fix in
 ``<state dir>/last-exit.json`` (``lastexit.py``), and the exit code; where an agent whose
 settings do not load would have kept its state; the state dir's lock, or the exit naming the
 agent that holds it.
@@ -46,7 +46,7 @@ def exit_state_dir(
     return default_state_dir(env), bool(env.get("STATE_DIRECTORY"))
 
 
-class Ending:
+class AgentExit:
     """How this agent exits: one line on standard error, the same with its fix in
     ``<state dir>/last-exit.json`` (``lastexit.py``), and the exit code."""
 
@@ -84,7 +84,7 @@ class Ending:
         )
 
 
-def lock_state_dir(state_dir: Path, ending: Ending | None = None) -> statelock.StateLock:
+def lock_state_dir(state_dir: Path, agent_exit: AgentExit | None = None) -> statelock.StateLock:
     """The state dir's lock; exit 75 naming the holder when another agent has it. OSError when
     the lock file cannot be opened."""
     try:
@@ -92,7 +92,7 @@ def lock_state_dir(state_dir: Path, ending: Ending | None = None) -> statelock.S
     except statelock.Held as exc:
         unit = exc.holder.unit
         how = f"sudo systemctl stop {unit}" if unit else "stop it"
-        (ending or Ending(state_dir)).fail(
+        (agent_exit or AgentExit(state_dir)).fail(
             ExitCode.LOCKED,
             f"another agent runs on the state dir {state_dir}: {exc.holder.describe()}",
             f"{how} first, or give this one its own --state-dir",

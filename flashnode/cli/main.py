@@ -22,7 +22,7 @@ from flashnode import __version__
 from flashnode.cli import common, doctor, login, pools, ui
 from flashnode.cli import controls as controls_cli
 from flashnode.cli import envs as envs_cli
-from flashnode.cli.ending import Ending, exit_state_dir, fail, lock_state_dir
+from flashnode.cli.ending import AgentExit, exit_state_dir, fail, lock_state_dir
 from flashnode.cli.logsetup import log_thread_death, setup_logging
 from flashnode.cli.wiring import Source, run_agent
 from flashnode.config.loading import gather, load
@@ -189,25 +189,25 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     """
     if pools:
         flags["pools"] = pools
-    ending = Ending(*exit_state_dir(flags, os.environ, config_file))
+    agent_exit = AgentExit(*exit_state_dir(flags, os.environ, config_file))
     unit = unitview.running_under()
     service = unitview.load(unit) if unit else None
     try:
         settings = load_as_service(flags, config_file, service)
     except ConfigError as exc:
-        ending.fail(ExitCode.CONFIG, f"configuration error: {exc}", ending.config_fix())
-    ending.state_dir = settings.state_dir
+        agent_exit.fail(ExitCode.CONFIG, f"configuration error: {exc}", agent_exit.config_fix())
+    agent_exit.state_dir = settings.state_dir
     # First, before the checks (they take seconds) and before anything is touched: a second
     # agent on this state dir stops here.
     lock = None
     if settings.state_dir.is_dir():
         with contextlib.suppress(OSError):  # a state dir that is not ours: the checks say why
-            lock = lock_state_dir(settings.state_dir, ending)
+            lock = lock_state_dir(settings.state_dir, agent_exit)
     found = preflight.problems(settings, service=service)
     for problem in found:
         if problem.code is not None:
             prefix = "configuration error: " if problem.code == ExitCode.CONFIG else ""
-            ending.fail(problem.code, prefix + f"{problem.what}: {problem.why}", problem.fix)
+            agent_exit.fail(problem.code, prefix + f"{problem.what}: {problem.why}", problem.fix)
     line = TerminalLine() if sys.stderr.isatty() and not settings.log_json else None
     setup_logging(settings.log_json, line)
     threading.excepthook = log_thread_death
@@ -221,33 +221,33 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
             lock=lock,
             accepted=frozenset(p.what for p in found),
             source=Source(flags, config_file),
-            ending=ending,
+            agent_exit=agent_exit,
         )
     except ConfigError as exc:
-        ending.fail(ExitCode.CONFIG, f"configuration error: {exc}", ending.config_fix())
+        agent_exit.fail(ExitCode.CONFIG, f"configuration error: {exc}", agent_exit.config_fix())
     except CredentialsError as exc:
-        ending.fail(
+        agent_exit.fail(
             ExitCode.CREDENTIALS,
             f"credentials refused: {exc}",
             f"store a token and join code {settings.coordinator} accepts: sudo flashnode login"
-            f" --coordinator {settings.coordinator}; then {ending.restart()}",
+            f" --coordinator {settings.coordinator}; then {agent_exit.restart()}",
         )
     except PrerequisiteError as exc:
-        ending.fail(
+        agent_exit.fail(
             ExitCode.UNAVAILABLE,
             str(exc),
-            f"`flashnode doctor` names what is missing; then {ending.restart()}",
+            f"`flashnode doctor` names what is missing; then {agent_exit.restart()}",
         )
     except FlashnodeError as exc:
-        ending.fail(ExitCode.FAILURE, str(exc), f"see the log; then {ending.restart()}")
+        agent_exit.fail(ExitCode.FAILURE, str(exc), f"see the log; then {agent_exit.restart()}")
     except Exception as exc:
         log.exception("unexpected error")
-        ending.fail(
+        agent_exit.fail(
             ExitCode.FAILURE,
             f"unexpected error: {type(exc).__name__}: {exc}",
-            f"a bug: the log has its traceback (report it); then {ending.restart()}",
+            f"a bug: the log has its traceback (report it); then {agent_exit.restart()}",
         )
-    ending.record(ExitCode.OK, "")
+    agent_exit.record(ExitCode.OK, "")
 
 
 def load_as_service(

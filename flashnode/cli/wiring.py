@@ -25,7 +25,7 @@ from flashnode.attempt.outbox import Outbox
 from flashnode.caches.datacache import DataCache, OriginPolicy
 from flashnode.caches.envcache import ENVS_DIR, EnvCache
 from flashnode.caches.fetcher import Fetcher
-from flashnode.cli.ending import Ending, lock_state_dir
+from flashnode.cli.ending import AgentExit, lock_state_dir
 from flashnode.clock import SystemClock
 from flashnode.config.loading import load
 from flashnode.config.schedule import Pause, PauseMode
@@ -208,7 +208,7 @@ def run_agent(
     lock: statelock.StateLock | None = None,
     accepted: frozenset[str] = frozenset(),
     source: Source | None = None,
-    ending: Ending | None = None,
+    agent_exit: AgentExit | None = None,
 ) -> None:
     """Run the agent on its state dir, holding the state dir's lock (``lock``: already taken)
     until every attempt has ended and the last status is written. ``accepted``: what the
@@ -216,7 +216,7 @@ def run_agent(
     try:
         inventory.ensure_state_dir(settings.state_dir)
         if lock is None:
-            lock = lock_state_dir(settings.state_dir, ending)
+            lock = lock_state_dir(settings.state_dir, agent_exit)
         node = inventory.node_id(settings)
     except OSError as exc:
         raise ConfigError(f"state dir {settings.state_dir}: {exc.strerror or exc}") from None
