@@ -54,3 +54,20 @@ def test_a_helper_runs_the_agents_interpreter_from_a_checkout_under_tmp(
         Sandbox(1 << 20, keep_agent=True),
     )
     assert proc.wait(60) == 0, "the helper's /tmp holds more than the agent's own install"
+
+
+def test_the_staging_directory_of_an_install_under_tmp_goes_with_the_agent(tmp_path: Path) -> None:
+    """An agent installed under /tmp (a checkout there) makes a staging directory there for its
+    helpers' and builds' sandboxes: it is removed when the agent exits, not left run after run."""
+    code = (
+        "import sys\n"
+        f"sys.prefix = {str(tmp_path)!r}\n"
+        "from flashnode.sandbox.procs.mounts import agent_kept\n"
+        "print(agent_kept()[0][1])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    stage = Path(done.stdout.strip())
+    assert stage.parent == Path("/tmp") and stage.name.startswith(".flashnode-stage-"), stage
+    assert not stage.exists(), "the staging directory outlived the agent"

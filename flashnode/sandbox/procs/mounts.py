@@ -12,6 +12,8 @@ that a task reaches lent data only at the ``/work/inputs/<label>`` it asked for.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import hashlib
 import os
@@ -47,9 +49,17 @@ def agent_kept() -> tuple[tuple[str, str, str], ...]:
                 top = d + "/" + real[len(d) + 1 :].split("/", 1)[0]
                 if "\n" not in top:
                     found[d] = top
-    return tuple(
+    kept = tuple(
         (d, tempfile.mkdtemp(prefix=".flashnode-stage-", dir=d), k) for d, k in found.items()
     )
+    for _, stage, _ in kept:  # left empty here (it is filled in the sandboxes' namespaces)
+        atexit.register(_remove_empty, stage)
+    return kept
+
+
+def _remove_empty(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 @dataclass(frozen=True)
