@@ -51,7 +51,7 @@ from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups
 from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs import TaskUser
-from flashnode.sandbox.workspace import remove_tree
+from flashnode.sandbox.removal import remove_tree
 
 log = logging.getLogger(__name__)
 
