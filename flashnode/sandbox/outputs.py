@@ -1,7 +1,7 @@
 """The task's files as the agent reads them: the output walk (every regular file under
 ``out/`` but ``not_outputs``, checked: nothing followed, only files the task's user wrote, within
-the caps), what the task's files take while it runs (``usage``), and the reads of one output and
-of the agent's own logs, each from a descriptor checked to be the very file the walk saw.
+the caps), what the task's files take while it runs (``usage``), the read of one output (from a
+descriptor checked to be the very file the walk saw) and of the agent's own logs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Removing what a task made, whatever it made: a whole tree (``remove_tree``, the attempt
-directories left by earlier runs of the agent, ``remove_stale_workspaces``) and one entry under a
-directory descriptor (``remove_at``), as deep as a task nested it and never following a link.
+"""Removing what a task made, never following a link: a whole tree (``remove_tree``, as deep as
+a task made it), the attempt directories left by earlier runs of the agent
+(``remove_stale_workspaces``), and one entry under a directory descriptor (``remove_at``, best
+effort, ``REMOVE_DEPTH`` levels down).
 """
 
 from __future__ import annotations
