@@ -60,7 +60,7 @@ def connect(settings: Settings, timeout: int = 60) -> Any:
     return docker.DockerClient(base_url=settings.docker_host, timeout=timeout)
 
 
-def present(client: Any, image: str) -> bool:
+def image_present(client: Any, image: str) -> bool:
     try:
         client.images.get(image)
         return True

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from flashnode.config.settings import Settings
 from flashnode.errors import ExitCode
-from flashnode.runners.container import ENGINE_ERRORS, brief, connect, pin_problem, present
+from flashnode.runners.container import ENGINE_ERRORS, brief, connect, image_present, pin_problem
 from flashnode.runners.findings import Finding, Ok, Problem
 
 
@@ -44,7 +44,7 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
         return
     try:
         yield Ok("docker engine", s.docker_host)
-        present = [i for i in pinned if present(client, i)]
+        present = [i for i in pinned if image_present(client, i)]
         absent = [i for i in pinned if i not in present]
         if absent and not present and not s.pull_images:
             yield Problem(

@@ -29,8 +29,8 @@ from flashnode.runners.container import (
     ENGINE_ERRORS,
     brief,
     connect,
+    image_present,
     image_problem,
-    present,
 )
 from flashnode.runners.container.handle import ContainerHandle
 from flashnode.runners.container.preflight import engine_and_images
@@ -105,7 +105,7 @@ class ContainerRunner(Runner):
     def _imports_modules(self, image: str) -> bool:
         """Run the import probe in a sandboxed container, bounded in time; the container is
         removed in every case, created-but-never-started included."""
-        if image_problem(image, self.allowed) or not present(self.client, image):
+        if image_problem(image, self.allowed) or not image_present(self.client, image):
             return False
         code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
         container = None
