@@ -59,7 +59,7 @@ from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.spec import Preparation
 from flashnode.sandbox import logcap
-from flashnode.sandbox.workspace import remove_tree
+from flashnode.sandbox.removal import remove_tree
 
 __all__ = ["PHASES", "Attempt", "AttemptContext", "CoordinatorPort", "LeaseKeeper", "Outcome"]
 

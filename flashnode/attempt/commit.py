@@ -35,7 +35,8 @@ from flashnode.errors import (
     PayloadTooLarge,
     disk_full,
 )
-from flashnode.sandbox.workspace import OutputFile, Workspace
+from flashnode.sandbox.outputs import OutputFile, list_outputs, open_log, open_output
+from flashnode.sandbox.workspace import Workspace
 from flashnode.sanitise import sanitise
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ def _finished(a: Attempt, staged: Staged, evidence: ExecutionEvidence) -> Finish
 
 def _checked_outputs(a: Attempt, task: Task, ws: Workspace) -> list[OutputFile]:
     s = a.ctx.settings
-    files = ws.outputs(s.max_output_file_bytes, s.max_output_total_bytes, s.max_output_files)
+    files = list_outputs(ws, s.max_output_file_bytes, s.max_output_total_bytes, s.max_output_files)
     by_name = {f.rel: f for f in files}
     for name in LOGS:
         if f"logs/{name}" in by_name:  # the key of the agent's own capture of the task's output
@@ -104,7 +105,7 @@ def _checked_outputs(a: Attempt, task: Task, ws: Workspace) -> list[OutputFile]:
     metrics_file = files[-1]
     if metrics_file.size > METRICS_MAX_BYTES:
         raise AttemptFailed(f"out/metrics.json is larger than {METRICS_MAX_BYTES} bytes")
-    with ws.open_output(metrics_file) as fh:
+    with open_output(ws, metrics_file) as fh:
         data = fh.read()
     try:
         refused = validators.problem(data, task.workload_type, task.validators, a.ctx.schema_check)
@@ -119,7 +120,7 @@ def _checked_outputs(a: Attempt, task: Task, ws: Workspace) -> list[OutputFile]:
 
     def opener(name: str) -> AbstractContextManager[BinaryIO] | None:
         f = by_name.get(name)
-        return ws.open_output(f) if f is not None else None
+        return open_output(ws, f) if f is not None else None
 
     check_fedavg(metrics, opener)
     return files
@@ -138,7 +139,7 @@ def _parse_json(data: bytes) -> Any:
 
 def _sha256(ws: Workspace, f: OutputFile) -> str:
     digest = hashlib.sha256()
-    with ws.open_output(f) as fh:
+    with open_output(ws, f) as fh:
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
@@ -175,12 +176,12 @@ Opened = AbstractContextManager["tuple[BinaryIO, int] | None"]
 
 @contextlib.contextmanager
 def _output(ws: Workspace, f: OutputFile) -> Iterator[tuple[BinaryIO, int] | None]:
-    with ws.open_output(f) as fh:
+    with open_output(ws, f) as fh:
         yield fh, f.size
 
 
 def _log_file(ws: Workspace, name: str) -> Opened:
-    return ws.open_log(name)
+    return open_log(ws, name)
 
 
 def _upload(a: Attempt, key: str, open_file: Callable[[], Opened]) -> str | None:
@@ -234,7 +235,7 @@ def report_failure(a: Attempt, reason: str) -> tuple[Outcome, str]:
 def _upload_logs_best_effort(a: Attempt, prefix: str, ws: Workspace) -> None:
     for name in LOGS:
         try:
-            with ws.open_log(name) as opened:
+            with open_log(ws, name) as opened:
                 if opened is not None:
                     a.ctx.coordinator.upload(f"{prefix}logs/{name}", *opened)
                     a.count_uploaded(opened[1])

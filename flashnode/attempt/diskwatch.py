@@ -36,7 +36,7 @@ from flashnode.config.settings import Settings
 from flashnode.config.sizes import format_size
 from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, NoRoom, OutgrewRoom
 from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
-from flashnode.sandbox.workspace import Usage
+from flashnode.sandbox.outputs import Usage
 
 SPACE_S = 0.02  # how often the state dir's free space and inodes are read while a task runs
 SPACE_MIN_S = 0.001  # ... at most this often, while they go fast

@@ -36,6 +36,7 @@ from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
 from flashnode.runners import spec as specs
 from flashnode.runners.base import Handle, RunResult, SuspendFailed
+from flashnode.sandbox import outputs
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -62,7 +63,7 @@ def run(a: Attempt, staged: Staged, prepared: Preparation) -> ExecutionEvidence:
         a.record.process, a.record.task_uid = identity, ws.task_uid
         a.save(State.RUNNING)
 
-    space, use = ctx.space(), ws.usage()
+    space, use = ctx.space(), outputs.usage(ws)
     caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
     start = specs.build(
         task,
@@ -140,7 +141,7 @@ def run(a: Attempt, staged: Staged, prepared: Preparation) -> ExecutionEvidence:
     if stopped is not None:
         raise stopped
     # What it left, with nothing of it running any more: written faster than a watch.
-    over = over_caps(ws.usage(), 0, s, caps)
+    over = over_caps(outputs.usage(ws), 0, s, caps)
     if over is not None:
         raise over
     if result.status != 0 or result.cause or result.oom:
@@ -232,7 +233,7 @@ class _Wait:
                 log.warning("lease %s: %s, to measure its files", a.lease_id, exc)
         try:
             space = a.ctx.space()  # first: what the task writes during the walk counts twice
-            usage, held = self.ws.usage(), handle.disk_bytes()
+            usage, held = outputs.usage(self.ws), handle.disk_bytes()
         except (AttemptFailed, AttemptLapsed) as exc:
             handle.terminate(0.0)
             return exc

@@ -23,7 +23,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashnode.coordinator.wire import ExecutionEvidence, Lease, Task, parse_task
-from flashnode.sandbox.workspace import OutputFile, Workspace
+from flashnode.sandbox.outputs import OutputFile
+from flashnode.sandbox.workspace import Workspace
 
 ATTEMPTS = "attempts"  # the state dir's folder of workspaces, one per lease
 

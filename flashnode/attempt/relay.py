@@ -52,7 +52,9 @@ from flashnode.errors import (
     OutOfDescriptors,
     PayloadTooLarge,
 )
-from flashnode.sandbox.workspace import CKPT, Checkpoint, OutputFile
+from flashnode.sandbox.checkpoints import Checkpoint, find_checkpoints, remove_checkpoint
+from flashnode.sandbox.outputs import OutputFile, open_output
+from flashnode.sandbox.workspace import CKPT
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -129,7 +131,7 @@ class Relay:
             return
         s = self._a.ctx.settings
         try:
-            found, total, unusable = self._ws.checkpoints()
+            found, total, unusable = find_checkpoints(self._ws)
         except (AttemptFailed, OutOfDescriptors, OSError) as exc:
             self._warn("ckpt", f"no checkpoint is shipped while out/{CKPT}/ is unusable: {exc}")
             return
@@ -254,7 +256,7 @@ class Relay:
     def _upload(self, key: str, f: OutputFile) -> str:
         if self._lost.is_set():
             raise Cancelled("the lease is lost")
-        with self._ws.open_output(f) as fh:
+        with open_output(self._ws, f) as fh:
             sha = self._a.ctx.coordinator.upload(
                 key, cast(BinaryIO, _StopsOnLoss(fh, self._lost)), f.size
             )
@@ -275,7 +277,7 @@ class Relay:
         for c in found:
             if c.step < step and c.name != keep:
                 try:
-                    self._ws.remove_checkpoint(c.name)
+                    remove_checkpoint(self._ws, c.name)
                 except (AttemptFailed, OSError) as exc:
                     log.debug("lease %s: cannot remove %s: %s", self._lease.lease_id, c.name, exc)
 

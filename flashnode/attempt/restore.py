@@ -42,7 +42,8 @@ from flashnode.coordinator.wire import (
 )
 from flashnode.errors import AttemptLapsed
 from flashnode.runners.spec import WORK, Preparation
-from flashnode.sandbox.workspace import CKPT, remove_tree
+from flashnode.sandbox.removal import remove_tree
+from flashnode.sandbox.workspace import CKPT
 
 if TYPE_CHECKING:
     from pathlib import Path

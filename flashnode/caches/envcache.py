@@ -1,6 +1,7 @@
 """The cache of job environments: built once (``envbuild``), keyed, pinned while tasks use
 them, shared read-only, within a byte budget, least recently used evicted first; failed builds
-remembered for a while.
+remembered for a while (``envfailed``, under the cache's lock). What it writes of an
+environment and tells the owner is ``envrecords``.
 
 Layout of the cache root (``<state dir>/envs/``, mode 0711: task users can reach an environment
 whose name they are given, never list the cache)::
@@ -19,15 +20,11 @@ whose name they are given, never list the cache)::
 The key is the sha256 of the Python version (``major.minor``), the platform and the normalised
 lines (comments, surrounding space and blank lines dropped; order kept, because index directives
 are order-sensitive).
-
-Why one module of this size: the cache's concurrency (one build per key), pins, negative entries
-and eviction act on one index.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -37,13 +34,15 @@ import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from flashnode.caches.envbox import POLL_S, DiskRoom, size
 from flashnode.caches.envbuild import FORMAT, Builder, EnvSpec, UvBuilder, platform_tag
+from flashnode.caches.envfailed import FailedBuilds
+from flashnode.caches.envrecords import EnvInfo, fsync_dir, write_json
 from flashnode.caches.envtree import remove, secure_tree
 from flashnode.clock import Clock, SystemClock
 from flashnode.coordinator.datasets import OriginPolicy
@@ -51,7 +50,7 @@ from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups
 from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs import TaskUser
-from flashnode.sandbox.workspace import remove_tree
+from flashnode.sandbox.removal import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +59,6 @@ PYTHON_DIR = ".python"  # the managed interpreters' directory in the cache
 
 
 # --- the cache ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EnvInfo:
-    """One finished environment, for the owner's view and for eviction."""
-
-    key: str
-    python: str
-    bytes: int
-    last_used: float
-    in_use: bool
-    path: Path
-    created: float = 0.0
-    build_seconds: float = 0.0
-    lines: tuple[str, ...] = ()
 
 
 class EnvHandle:
@@ -133,14 +117,6 @@ class _Build:
     error: BaseException | None = None
 
 
-@dataclass(frozen=True)
-class _Failure:
-    until: float  # on the monotonic clock
-    message: str
-    tail: str
-    source_builds: bool
-
-
 class EnvCache:
     """Environments by key under ``root``, at most ``budget_bytes`` of them (see the module
     docstring for the layout and locking; flashnode.caches.envbuild for the privileges). A build may
@@ -189,9 +165,9 @@ class EnvCache:
         self._evicting = threading.Lock()
         self._builds: dict[str, _Build] = {}
         self._pins: dict[str, int] = {}
-        self._failed: dict[str, _Failure] = {}
+        self._failures = FailedBuilds(self._failed_dir, self._clock, self._lock)
         self._setup()
-        self._load_failures()
+        self._failures.load(self.negative_ttl_s)
         self._sweep()
 
     # --- public ------------------------------------------------------------------------------
@@ -221,7 +197,7 @@ class EnvCache:
             if self._clock.monotonic() >= deadline:
                 raise EnvUnavailable("the environment was not ready in time (another build)")
             with self._lock:
-                self._raise_if_failed(key)
+                self._failures.raise_if_failed(key, self.allow_source_builds)
                 build = self._builds.get(key)
                 busy = False
                 if build is None:
@@ -264,7 +240,7 @@ class EnvCache:
         its budget (``everything``: all of them). Returns what was evicted."""
         evicted = self._enforce_budget(budget=0 if everything else self.budget)
         self._sweep()
-        self._expire_failures()
+        self._failures.expire(self.allow_source_builds)
         return evicted
 
     def reconfigure(
@@ -345,14 +321,14 @@ class EnvCache:
                     "last_used": now,
                     "build_seconds": round(seconds, 3),
                 }
-                _write_json(work / "meta.json", meta)
+                write_json(work / "meta.json", meta)
                 os.chmod(work, 0o755)
                 os.sync()  # the rename publishes it: what it names must be on disk first
                 os.rename(work, entry)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             except EnvBuildFailed as exc:
                 log.warning("env %s: build failed: %s", key[:12], exc)
-                self._remember_failure(key, exc)
+                self._failures.remember(key, exc, self.negative_ttl_s, self.allow_source_builds)
                 raise
             except OSError as exc:
                 raise EnvUnavailable(f"cannot build the environment: {exc}") from None
@@ -473,7 +449,7 @@ class EnvCache:
         meta = self._read_meta(key)
         if meta is not None:
             meta["last_used"] = self._clock.wall()
-            _write_json(self.root / key / "meta.json", meta)
+            write_json(self.root / key / "meta.json", meta)
 
     def _info(self, key: str) -> EnvInfo | None:
         meta = self._read_meta(key)
@@ -560,71 +536,6 @@ class EnvCache:
         if doomed is not None:
             remove_tree(doomed)
 
-    # --- negative cache ----------------------------------------------------------------------
-
-    def _remember_failure(self, key: str, exc: EnvBuildFailed) -> None:
-        if self.negative_ttl_s <= 0:
-            return
-        failure = _Failure(
-            self._clock.monotonic() + self.negative_ttl_s,
-            str(exc),
-            exc.tail,
-            self.allow_source_builds,
-        )
-        with self._lock:
-            self._failed[key] = failure
-        record = {
-            "until": self._clock.wall() + self.negative_ttl_s,
-            "message": failure.message,
-            "tail": failure.tail,
-            "source_builds": failure.source_builds,
-        }
-        try:
-            _write_json(self._failed_dir / f"{key}.json", record)
-        except OSError as exc2:
-            log.warning("env cache: cannot record a failed build: %s", exc2)
-
-    def _raise_if_failed(self, key: str) -> None:
-        """Called with ``self._lock`` held."""
-        failure = self._failed.get(key)
-        if failure is None:
-            return
-        if (
-            self._clock.monotonic() >= failure.until
-            or failure.source_builds != self.allow_source_builds
-        ):
-            del self._failed[key]
-            with contextlib.suppress(OSError):
-                (self._failed_dir / f"{key}.json").unlink()
-            return
-        raise EnvBuildFailed(failure.message, failure.tail)
-
-    def _load_failures(self) -> None:
-        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()
-        for path in self._failed_dir.glob("*.json"):
-            try:
-                data = json.loads(path.read_text())
-                left = min(float(data["until"]) - now_wall, self.negative_ttl_s)
-                failure = _Failure(
-                    now_mono + left,
-                    str(data["message"]),
-                    str(data.get("tail", "")),
-                    bool(data.get("source_builds", False)),
-                )
-            except (OSError, ValueError, KeyError, TypeError):
-                left, failure = 0.0, None
-            if failure is None or left <= 0:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
-            self._failed[path.stem] = failure
-
-    def _expire_failures(self) -> None:
-        with self._lock:
-            for key in list(self._failed):
-                with contextlib.suppress(EnvBuildFailed):
-                    self._raise_if_failed(key)
-
     # --- housekeeping ------------------------------------------------------------------------
 
     def _setup(self) -> None:
@@ -699,46 +610,3 @@ def _int(value: object) -> int:
 
 def _float(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
-def _write_json(path: Path, data: Mapping[str, object]) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)
-
-
-def describe(infos: Sequence[EnvInfo], budget: int) -> Iterator[str]:
-    """Lines for the owner: one per environment, most recently used first, then the summary."""
-    for info in sorted(infos, key=lambda i: i.last_used, reverse=True):
-        names = [line for line in info.lines if not line.startswith("-")]
-        shown = ", ".join(names[:4]) + (f", +{len(names) - 4}" if len(names) > 4 else "")
-        yield (
-            f"{info.key[:12]}  py{info.python:<5} {size(info.bytes):>9}  "
-            f"{'in use' if info.in_use else 'idle  '}  {shown or '-'}"
-        )
-    yield summary(infos, budget)
-
-
-def summary(infos: Sequence[EnvInfo], budget: int) -> str:
-    """One line: how many environments, their bytes against the budget, how many in use."""
-    used = sum(i.bytes for i in infos)
-    busy = sum(1 for i in infos if i.in_use)
-    return f"{len(infos)} environment(s), {size(used)} of {size(budget)} budget, {busy} in use"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashnode.errors import EnvBuildFailed
-from flashnode.sandbox.workspace import remove_tree
+from flashnode.sandbox.removal import remove_tree
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import click
 
 from flashnode.caches.envbox import DiskRoom, size
 from flashnode.caches.envbuild import EnvSpec
-from flashnode.caches.envcache import ENVS_DIR, EnvCache, EnvInfo, describe, summary
+from flashnode.caches.envcache import ENVS_DIR, EnvCache
+from flashnode.caches.envrecords import EnvInfo, describe, summary
 from flashnode.cli.common import config_option, needs_root, state_dir_of, state_dir_option
 from flashnode.config.loading import load
 from flashnode.config.settings import Settings

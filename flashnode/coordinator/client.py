@@ -5,10 +5,8 @@ One method per endpoint (docs/protocol.md §3). What each status means is writte
 JSON, absurd nesting, a bad URL) becomes one of the exceptions of ``flashnode.errors`` here, at the
 boundary. Every answer, error answers included, is read with a size cap and a total deadline, so a
 huge or dripping response cannot exhaust memory or hang the agent. Redirects are never followed, so
-credentials never leave for another host. Ids are checked before they go into a URL.
-
-Why one module of this size: one method per endpoint and the one status table, so that httpx stays
-behind this boundary.
+credentials never leave for another host. Ids are checked before they go into a URL. What an
+answer means is ``answers``; who may listen on a loopback port is ``listener``.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import ssl
 import threading
 import time
@@ -28,6 +25,8 @@ import httpx
 
 from flashnode import __version__
 from flashnode.config.urls import is_loopback
+from flashnode.coordinator.answers import Done, check, detail_of, json_object
+from flashnode.coordinator.listener import check_listener
 from flashnode.coordinator.wire import (
     SAFE_ID,
     CheckpointManifest,
@@ -40,15 +39,10 @@ from flashnode.coordinator.wire import (
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
-    CheckpointRefused,
     CoordinatorError,
     CoordinatorUnavailable,
-    CredentialsError,
     FlashnodeError,
-    LeaseLost,
     NotFound,
-    PayloadTooLarge,
-    Unregistered,
     disk_full,
     disk_full_error,
 )
@@ -58,34 +52,6 @@ API = "/v1alpha1"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
 ANSWER_DEADLINE_S = 60.0
 CHUNK = 1024 * 1024
-
-
-class Done(Exception):
-    """In ``STATUS``: the call needs nothing more (``fail`` on a lease already dead)."""
-
-
-# What a status means, per endpoint (docs/protocol.md §3.0). Not listed: 200/201/204 are answers,
-# 5xx is CoordinatorUnavailable (retry with backoff), 3xx a refused redirect, else CoordinatorError.
-STATUS: dict[str, dict[int, type[Exception]]] = {
-    "health": {},
-    "nodes": {},
-    "register": {401: CredentialsError, 403: CredentialsError},
-    "node heartbeat": {401: CredentialsError, 403: CredentialsError, 404: Unregistered},
-    "claim": {401: CredentialsError, 403: Unregistered},
-    "attempt heartbeat": {401: CredentialsError, 403: LeaseLost, 404: LeaseLost, 410: LeaseLost},
-    "complete": {401: CredentialsError, 403: LeaseLost, 404: LeaseLost, 410: LeaseLost},
-    "fail": {401: CredentialsError, 403: Done, 404: Done, 410: Done},
-    "upload": {401: CredentialsError, 403: LeaseLost, 410: LeaseLost, 413: PayloadTooLarge},
-    "download": {404: NotFound},
-    "checkpoint part": {401: CredentialsError, 403: LeaseLost, 410: LeaseLost},
-    "checkpoint commit": {
-        401: CredentialsError,
-        403: LeaseLost,
-        409: CheckpointRefused,
-        410: LeaseLost,
-    },
-    "checkpoint latest": {404: NotFound},
-}
 
 
 def _segment(value: str, what: str) -> str:
@@ -164,7 +130,7 @@ class Coordinator:
         except Exception as exc:
             raise _mapped(exc, "GET /healthz") from None
         if status >= 500:
-            raise CoordinatorUnavailable(f"GET /healthz: {status} {_detail(body)}", status)
+            raise CoordinatorUnavailable(f"GET /healthz: {status} {detail_of(body)}", status)
         with contextlib.suppress(ValueError, RecursionError):
             value = json.loads(body)
             if status == 200 and isinstance(value, dict) and value.get("status") == "ok":
@@ -187,7 +153,7 @@ class Coordinator:
             json=registration.model_dump(mode="json"),
             headers=headers,
         )
-        node_id = _json(body, "register").get("node_id")
+        node_id = json_object(body, "register").get("node_id")
         if not isinstance(node_id, str) or not SAFE_ID.match(node_id):
             raise CoordinatorError("register answer carries no usable node_id")
         return node_id
@@ -226,7 +192,7 @@ class Coordinator:
         )
         if status == 204:
             return None
-        return _json(body, "claim")
+        return json_object(body, "claim")
 
     def attempt_heartbeat(self, lease_id: str) -> None:
         self._call(
@@ -244,7 +210,7 @@ class Coordinator:
             f"/attempts/{_segment(lease_id, 'lease id')}/complete",
             json=req.model_dump(mode="json"),
         )
-        answer = _json(body, "complete")
+        answer = json_object(body, "complete")
         detail = answer.get("detail")
         return answer.get("accepted") is True, detail[:300] if isinstance(detail, str) else ""
 
@@ -275,7 +241,7 @@ class Coordinator:
             headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
         )
         local = digest.hexdigest()
-        if _json(body, "upload").get("sha256") != local:
+        if json_object(body, "upload").get("sha256") != local:
             raise CoordinatorUnavailable(f"upload of {key} arrived corrupted (sha256 mismatch)")
         return local
 
@@ -290,7 +256,7 @@ class Coordinator:
         try:
             with self._client.stream("GET", f"/artifacts/{_key(key)}") as resp:
                 if resp.status_code != 200:
-                    self._check("download", resp.status_code, _read_capped(resp, "GET", key))
+                    check("download", resp.status_code, _read_capped(resp, "GET", key))
                     raise CoordinatorError(f"download: unexpected {resp.status_code}")
                 for chunk in resp.iter_bytes():  # as it arrives: a stop is seen between reads
                     size += len(chunk)
@@ -356,7 +322,7 @@ class Coordinator:
             )
         except NotFound:
             return None
-        return CheckpointManifest.parse(_json(body, "checkpoint latest"))
+        return CheckpointManifest.parse(json_object(body, "checkpoint latest"))
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -364,7 +330,7 @@ class Coordinator:
         """One request; the answer is read with a size cap and a total deadline and its status
         checked against ``STATUS``."""
         if self._guard is not None:
-            _check_listener(*self._guard)
+            check_listener(*self._guard)
         try:
             with self._client.stream(method, path, **kwargs) as resp:
                 body = _read_capped(resp, method, path, self._answer_deadline)
@@ -373,55 +339,8 @@ class Coordinator:
             raise
         except Exception as exc:
             raise _mapped(exc, f"{method} {path}") from None
-        self._check(what, status, body)
+        check(what, status, body)
         return status, body
-
-    @staticmethod
-    def _check(what: str, status: int, body: bytes) -> None:
-        if status in (200, 201, 204):
-            return
-        meaning = STATUS[what].get(status)
-        detail = _detail(body)
-        if meaning is Done:
-            raise Done()
-        if meaning is not None:
-            if issubclass(meaning, CoordinatorError):
-                raise meaning(f"{what}: {status} {detail}", status)
-            raise meaning(f"{what} refused ({status}: {detail})")
-        if status >= 500:
-            raise CoordinatorUnavailable(f"{what}: {status} {detail}", status)
-        if 300 <= status < 400:
-            raise CoordinatorError(f"{what}: redirect {status} refused", status)
-        raise CoordinatorError(f"{what}: {status} {detail}", status)
-
-
-def _check_listener(host: str | None, port: int) -> None:
-    """Refuse (as a transport error: retried) when the loopback port is held by a user other
-    than root or this agent's: credentials never go to a local squatter."""
-    owners = listener_uids(port)
-    strangers = owners - {0, os.geteuid()}
-    if strangers:
-        raise CoordinatorUnavailable(
-            f"{host}:{port} is held by uid {min(strangers)}, not by root or this agent's user:"
-            " no credentials are sent there"
-        )
-
-
-def listener_uids(port: int) -> set[int]:
-    """The uids owning TCP sockets that listen on ``port`` (loopback or any address)."""
-    found: set[int] = set()
-    want = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                next(fh, None)
-                for line in fh:
-                    fields = line.split()
-                    if len(fields) > 7 and fields[3] == "0A" and fields[1].endswith(want):
-                        found.add(int(fields[7]))
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def _task_path(job_id: str, task_id: str) -> str:
@@ -451,30 +370,6 @@ def _mapped(exc: Exception, what: str) -> CoordinatorError:
     if isinstance(exc, (httpx.TransportError, httpx.StreamError, OSError)):
         return CoordinatorUnavailable(f"{what}: {text}")
     return CoordinatorError(f"{what}: {text}")
-
-
-def _json(body: bytes, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        raise CoordinatorError(f"{what} answer is not JSON") from None
-    if not isinstance(value, dict):
-        raise CoordinatorError(f"{what} answer is not a JSON object")
-    return value
-
-
-def _detail(body: bytes) -> str:
-    """The ``detail`` of an error answer, on one line; never a page of HTML."""
-    try:
-        value = json.loads(body)
-        detail = value.get("detail", "") if isinstance(value, dict) else ""
-    except (ValueError, RecursionError):
-        head = body[:200].decode("utf-8", "replace").lstrip()
-        if head[:1] == "<":
-            return "an HTML page, not a coordinator's answer"
-        detail = head
-    text = detail if isinstance(detail, str) else json.dumps(detail)[:300]
-    return " ".join(text.split())[:300]
 
 
 def _exactly(fh: BinaryIO, size: int, digest: Any, key: str) -> Iterator[bytes]:

@@ -53,7 +53,7 @@ from flashnode.node.reload import Config, Reloader
 from flashnode.owner.status import StatusSink
 from flashnode.sandbox.diskuse import Space
 from flashnode.sandbox.limits import Limits
-from flashnode.sandbox.workspace import remove_stale_workspaces
+from flashnode.sandbox.removal import remove_stale_workspaces
 
 log = logging.getLogger(__name__)
 

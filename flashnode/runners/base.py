@@ -198,7 +198,7 @@ class Runner(ABC):
 
 RUNNERS: dict[str, str] = {
     "trusted": "flashnode.runners.trusted:TrustedRunner",
-    "docker": "flashnode.runners.container:ContainerRunner",
+    "docker": "flashnode.runners.container.runner:ContainerRunner",
 }
 
 

@@ -23,7 +23,7 @@ from typing import IO
 
 from flashnode.errors import AttemptFailed, AttemptLapsed, OutgrewRoom, disk_full, disk_full_error
 from flashnode.sandbox.diskuse import space
-from flashnode.sandbox.workspace import remove_tree
+from flashnode.sandbox.removal import remove_tree
 
 MAX_MEMBERS = 100_000
 COPY_CHUNK = 1024 * 1024

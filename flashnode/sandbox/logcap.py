@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flashnode.coordinator.wire import SAFE_ID
-from flashnode.sandbox.workspace import remove_tree
+from flashnode.sandbox.removal import remove_tree
 from flashnode.sanitise import sanitise
 
 TAIL_BYTES = 8 * 1024

@@ -184,7 +184,7 @@ def test_a_result_kept_for_the_next_start_is_out_of_reach_of_the_slots_later_tas
     from flashnode.attempt import Attempt
     from flashnode.errors import Stopped
     from flashnode.runners.base import Handle, StartSpec
-    from flashnode.sandbox.workspace import remove_tree
+    from flashnode.sandbox.removal import remove_tree
 
     user = pwd.getpwnam("flashnode-task-0")
     top = shared_dir("flashnode-kept-")  # a path every user can reach, up to the state dir

@@ -37,7 +37,8 @@ from flashnode.caches.envbuild import (
     others_can_run,
     summarize,
 )
-from flashnode.caches.envcache import EnvCache, describe
+from flashnode.caches.envcache import EnvCache
+from flashnode.caches.envrecords import describe
 from flashnode.clock import SystemClock
 from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import AttemptFailed, Cancelled, EnvBuildFailed, EnvUnavailable

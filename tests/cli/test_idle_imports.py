@@ -25,7 +25,7 @@ NOT_AT_IDLE = {
     "difflib": "a misspelt setting (config/loading.py)",
     "tomllib": "a config file (config/loading.py)",
     "prometheus_client": "metrics on (owner/metrics.py)",
-    "docker": "the container runner (runners/container.py)",
+    "docker": "the container runner (runners/container/)",
     "pynvml": "an NVML library (evidence/gpu.py)",
     "tomlkit": "flashnode pools, the console's settings (config/configedit.py)",
     "flashnode.console": "the console on (ui_listen)",

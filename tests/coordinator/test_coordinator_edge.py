@@ -1,5 +1,5 @@
 """The coordinator edge against httpx's MockTransport: every status of every endpoint means one
-thing (coordinator.STATUS), and whatever a broken answer raises becomes the agent's own error."""
+thing (answers.STATUS), and whatever a broken answer raises becomes the agent's own error."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from flashnode.coordinator.client import STATUS, CheckpointRefused, Coordinator, Done
+from flashnode.coordinator.answers import STATUS, Done
+from flashnode.coordinator.client import Coordinator
 from flashnode.coordinator.wire import (
     CheckpointPart,
     ExecutionEvidence,
@@ -22,6 +23,7 @@ from flashnode.coordinator.wire import (
 )
 from flashnode.errors import (
     AttemptFailed,
+    CheckpointRefused,
     CoordinatorError,
     CoordinatorUnavailable,
     CredentialsError,

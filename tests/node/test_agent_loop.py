@@ -553,7 +553,7 @@ def test_a_task_starting_beside_running_ones_gets_only_the_room_they_leave(tmp_p
     from flashnode.attempt.diskwatch import Reserved, no_room
     from flashnode.config.settings import Settings
     from flashnode.errors import NoRoom
-    from flashnode.sandbox.workspace import Usage
+    from flashnode.sandbox.outputs import Usage
 
     s = Settings(coordinator="http://127.0.0.1:1", state_dir=tmp_path, min_free_bytes=16 << 20)
     space = Space(64 << 20, 64 << 20, 0, 0)

@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from flashnode.errors import AttemptFailed, AttemptLapsed, OutOfDescriptors
-from flashnode.sandbox import archives, workspace
-from flashnode.sandbox.workspace import MAX_OPEN_DIRS, Workspace
+from flashnode.sandbox import archives, dirwalk
+from flashnode.sandbox.dirwalk import MAX_OPEN_DIRS
+from flashnode.sandbox.outputs import list_outputs, usage
+from flashnode.sandbox.removal import remove_tree
+from flashnode.sandbox.workspace import Workspace
 
 
 def unpack(ws: Workspace, archive: Path, name: str, max_bytes: int) -> None:
@@ -166,16 +169,16 @@ def test_outputs_lists_regular_files_with_metrics_last(ws: Workspace) -> None:
     (ws.out / "a").mkdir()
     (ws.out / "a" / "b.txt").write_text("b")
     (ws.out / "z.txt").write_text("z")
-    assert [f.rel for f in ws.outputs(100, 1000)] == ["a/b.txt", "z.txt", "metrics.json"]
+    assert [f.rel for f in list_outputs(ws, 100, 1000)] == ["a/b.txt", "z.txt", "metrics.json"]
 
 
 def test_outputs_past_max_output_files_are_refused_before_upload(ws: Workspace) -> None:
     (ws.out / "metrics.json").write_text("{}")
     for i in range(5):
         (ws.out / f"f{i}").touch()
-    assert len(ws.outputs(100, 1000, max_files=6)) == 6
+    assert len(list_outputs(ws, 100, 1000, max_files=6)) == 6
     with pytest.raises(AttemptFailed, match="outputs hold more than 5 files .max_output_files."):
-        ws.outputs(100, 1000, max_files=5)
+        list_outputs(ws, 100, 1000, max_files=5)
 
 
 def test_usage_counts_what_out_and_tmp_hold_on_disk(ws: Workspace) -> None:
@@ -190,7 +193,7 @@ def test_usage_counts_what_out_and_tmp_hold_on_disk(ws: Workspace) -> None:
     (ws.tmp / "deep" / "er").mkdir(parents=True)
     (ws.tmp / "deep" / "er" / "b.bin").write_bytes(os.urandom(200_000))
     os.link(ws.tmp / "deep" / "er" / "b.bin", ws.tmp / "again.bin")
-    use = ws.usage()
+    use = usage(ws)
     assert (use.output_bytes, use.output_files) == (100_000, 1)
     held = sum(
         os.lstat(p).st_blocks * 512
@@ -211,7 +214,7 @@ def test_usage_counts_the_files_and_directories_once_each(ws: Workspace) -> None
     os.link(ws.tmp / "d" / "f0", ws.tmp / "d" / "e" / "again")
     os.symlink("nowhere", ws.out / "link")
     # out/ckpt, tmp/d, tmp/d/e, five files (one with two names), the link
-    assert ws.usage().disk_files == 9
+    assert usage(ws).disk_files == 9
 
 
 @contextlib.contextmanager
@@ -239,7 +242,7 @@ def test_a_wide_tree_is_walked_whole_with_few_descriptors(ws: Workspace) -> None
         (ws.tmp / "w" / f"{i:04d}").mkdir(parents=True)
         (ws.tmp / "w" / f"{i:04d}" / "blob").write_bytes(b"x" * 4096)
     with descriptors(MAX_OPEN_DIRS + 2):
-        use = ws.usage()
+        use = usage(ws)
     assert use.disk_files == 1 + 2000 * 2 + 1  # out/ckpt, w, each directory and its blob
     assert use.disk_bytes >= 2000 * 4096
 
@@ -262,10 +265,10 @@ def test_a_deep_tree_is_walked_whole_with_few_descriptors(ws: Workspace) -> None
     finally:
         os.close(here)
     with descriptors(MAX_OPEN_DIRS + 2):
-        found = [rel for rel, _ in ws._walk(["tmp"])]
+        found = [rel for rel, _ in dirwalk.walk(ws.root, ["tmp"])]
     assert len(found) == 300 * 2 + 1
     assert found.count("/".join(["d"] * 300) + "/bottom") == 1
-    assert ws.usage().disk_files == 1 + 300 * 2 + 1
+    assert usage(ws).disk_files == 1 + 300 * 2 + 1
 
 
 @pytest.mark.parametrize("replace", [False, True])
@@ -284,7 +287,7 @@ def test_a_branch_moved_away_under_a_deep_walk_is_not_mistaken_for_another(
 
     def walk(tolerant: bool) -> list[str]:
         seen = []
-        it = ws._walk(["out"], tolerant=tolerant)
+        it = dirwalk.walk(ws.root, ["out"], tolerant=tolerant)
         for rel, _ in it:
             seen.append(rel)
             if rel.count("/") == top - 1:  # at the bottom: the task moves the branch away
@@ -302,7 +305,7 @@ def test_a_branch_moved_away_under_a_deep_walk_is_not_mistaken_for_another(
     with pytest.raises(AttemptFailed, match="out/d changed while it was read"):
         walk(tolerant=False)
     for name in ("moved", "old"):
-        workspace.remove_tree(ws.tmp / name)
+        remove_tree(ws.tmp / name)
     os.rmdir(ws.out / "d")
     (ws.out / "/".join(["d"] * top)).mkdir(parents=True)
     (ws.out / "d" / "x").mkdir()
@@ -325,13 +328,13 @@ def test_running_out_of_descriptors_is_the_nodes_fault_never_a_gap(
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
         return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(workspace.os, "open", starved)
+    monkeypatch.setattr(dirwalk.os, "open", starved)
     with pytest.raises(OutOfDescriptors, match="tmp/a/b"):
-        ws.usage()
-    monkeypatch.setattr(workspace.os, "open", real_open)
+        usage(ws)
+    monkeypatch.setattr(dirwalk.os, "open", real_open)
     (ws.out / "metrics.json").write_text("{}")
     with descriptors(0), pytest.raises(OutOfDescriptors):
-        ws.outputs(1000, 1000)
+        list_outputs(ws, 1000, 1000)
 
 
 def test_outputs_refuse_links_fifos_sockets_and_oversize(ws: Workspace, tmp_path: Path) -> None:
@@ -339,23 +342,23 @@ def test_outputs_refuse_links_fifos_sockets_and_oversize(ws: Workspace, tmp_path
     (ws.out / "sub").mkdir()
     os.symlink("/etc/passwd", ws.out / "sub" / "leak")
     with pytest.raises(AttemptFailed, match="out/sub/leak is a symlink"):
-        ws.outputs(100, 1000)
+        list_outputs(ws, 100, 1000)
     os.unlink(ws.out / "sub" / "leak")
     os.mkfifo(ws.out / "fifo")
     with pytest.raises(AttemptFailed, match="FIFO"):
-        ws.outputs(100, 1000)
+        list_outputs(ws, 100, 1000)
     os.unlink(ws.out / "fifo")
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(ws.out / "sock"))
     with pytest.raises(AttemptFailed, match="socket"):
-        ws.outputs(100, 1000)
+        list_outputs(ws, 100, 1000)
     sock.close()
     os.unlink(ws.out / "sock")
     (ws.out / "big").write_bytes(b"x" * 101)
     with pytest.raises(AttemptFailed, match="larger than 100 bytes"):
-        ws.outputs(100, 1000)
+        list_outputs(ws, 100, 1000)
     with pytest.raises(AttemptFailed, match="in all"):
-        ws.outputs(1000, 102)
+        list_outputs(ws, 1000, 102)
     os.unlink(ws.out / "metrics.json")
     with pytest.raises(AttemptFailed, match="no out/metrics.json"):
-        ws.outputs(1000, 1000)
+        list_outputs(ws, 1000, 1000)

@@ -1,50 +1,40 @@
-"""The container runner: every task in a locked-down container, through the Docker Engine API
-(the Docker SDK; the only module that imports ``docker``; no ``docker`` CLI).
-
-Image policy: only the owner's ``allowed_images`` (exact ``repo:tag`` or ``repo@sha256:…``), never
-``latest`` or untagged; a missing image is pulled only when ``pull_images`` is on. A node whose
-allowed images can never run (none present and pulling off) refuses to start.
-
-Sandbox: no network, read-only root with a size-capped tmpfs ``/tmp``, all capabilities dropped,
-``no-new-privileges``, a non-root user, pids/memory/CPU limits, private IPC, never privileged, no
-Docker socket, no host device but the GPUs the attempt was given, and an engine log capped in
-size (the agent keeps its own capped copy). The workspace is mounted at ``/work``: ``inputs/``
-read-only, ``out/`` writable by the container's user, ``data/`` (dataset slices) read-only, and
-nothing else of the workspace; the owner's lent directories read-only at ``/work/inputs/<label>``.
-Containers carry labels naming this node and the attempt (or the module probe); at start the
-agent removes this node's labelled containers, and nothing else.
-
-Why one module of this size: the only module that imports docker: runner, handle, preflight and
-engine health.
+"""The container runner (``ContainerRunner``): the owner's image policy applied, each task
+started in the sandbox the package's docstring describes, the module probe of allowed images,
+the engine's health, and this node's labelled containers removed, nothing else.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import docker
 import docker.errors
 import docker.types
-import requests
 
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import MODULES, Task
-from flashnode.errors import AttemptFailed, AttemptLapsed, ExitCode, PrerequisiteError
+from flashnode.errors import AttemptFailed, AttemptLapsed, PrerequisiteError
 from flashnode.runners.base import (
     Handle,
     Runner,
     RunnerEnv,
-    RunResult,
     StartSpec,
-    SuspendFailed,
 )
-from flashnode.runners.findings import Finding, Ok, Problem
+from flashnode.runners.container import (
+    ENGINE_ERRORS,
+    brief,
+    connect,
+    image_present,
+    image_problem,
+)
+from flashnode.runners.container.handle import ContainerHandle
+from flashnode.runners.container.preflight import engine_and_images
+from flashnode.runners.findings import Finding
 from flashnode.runners.spec import (
     cuda_visible,
     machine_cpus,
@@ -52,170 +42,13 @@ from flashnode.runners.spec import (
     module_argv,
     write_module_spec,
 )
-from flashnode.sandbox import diskuse
-from flashnode.sandbox.logcap import Pump, latest_line
 
 log = logging.getLogger(__name__)
 
 LABEL_NODE = "dev.flashnode.node"
 LABEL_LEASE = "dev.flashnode.lease"
 LABEL_PROBE = "dev.flashnode.probe"  # the import check of module images: no task
-WAIT_POLL_S = 30
 PROBE_WAIT_S = 60
-ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
-
-
-def image_problem(image: str, allowed: tuple[str, ...]) -> str | None:
-    """Why ``image`` must not run here, or None."""
-    if not image:
-        return "the task names no image"
-    pinned = pin_problem(image)
-    if pinned:
-        return pinned
-    if image not in allowed:
-        return f"image {image!r} is not on this node's allowed_images"
-    return None
-
-
-def pin_problem(image: str) -> str | None:
-    if "@sha256:" in image:
-        return None
-    name, _, tag = image.rpartition(":")
-    if not name or "/" in tag:
-        return f"image {image!r} has no tag; only pinned tags or digests run here"
-    if tag == "latest":
-        return f"image {image!r} is tagged latest; only pinned tags or digests run here"
-    return None
-
-
-def _client(settings: Settings, timeout: int = 60) -> Any:
-    return docker.DockerClient(base_url=settings.docker_host, timeout=timeout)
-
-
-class ContainerHandle:
-    def __init__(self, runner: ContainerRunner, container: Any, image_id: str, spec: StartSpec):
-        self._runner = runner
-        self._container = container
-        self._image_id = image_id
-        self._on_exit = spec.on_exit
-        self._code: int | None = None
-        self._cause: str | None = None
-        self._done = threading.Event()
-        self._paused = False
-        self._result: RunResult | None = None
-        self._dev = os.stat(spec.workspace.root).st_dev
-        self._main_pid: int | None = None  # the container's first process, on the host
-        self._logs = [
-            Pump(
-                container.logs(stream=True, follow=True, stdout=out, stderr=not out),
-                path,
-                runner.settings.log_max_bytes,
-                "container-log",
-                ENGINE_ERRORS,
-            )
-            for out, path in ((True, spec.stdout), (False, spec.stderr))
-        ]
-        threading.Thread(target=self._wait, name=f"wait-{container.short_id}", daemon=True).start()
-
-    def _wait(self) -> None:
-        while True:
-            try:
-                result = self._container.wait(timeout=WAIT_POLL_S)
-                self._code = int(result.get("StatusCode", -1))
-                break
-            except ENGINE_ERRORS as exc:
-                if self._runner.engine_answers():
-                    continue  # a long task: the wait request timed out, the engine is fine
-                self._cause = f"container engine unavailable ({type(exc).__name__})"
-                self._runner.engine_lost()
-                break
-        self._done.set()
-        self._on_exit()
-
-    def exited(self) -> bool:
-        return self._done.is_set()
-
-    def terminate(self, grace: float) -> None:
-        with contextlib.suppress(SuspendFailed):
-            self.resume()  # a paused container cannot act on SIGTERM
-        with contextlib.suppress(*ENGINE_ERRORS):
-            self._container.stop(timeout=max(int(grace), 0))
-        self._done.wait(grace + 10)
-
-    def suspend(self) -> None:
-        """``docker pause``: the engine freezes the container's cgroup."""
-        if self._paused:
-            return
-        try:
-            self._container.pause()
-        except ENGINE_ERRORS as exc:
-            raise SuspendFailed(f"cannot pause the container ({_brief(exc)})") from None
-        self._paused = True
-
-    def resume(self) -> None:
-        if not self._paused:
-            return
-        try:
-            self._container.unpause()
-        except ENGINE_ERRORS as exc:
-            raise SuspendFailed(f"cannot unpause the container ({_brief(exc)})") from None
-        self._paused = False
-
-    def last_output(self) -> str:
-        return latest_line(*(capped.file for capped in self._logs))
-
-    def result(self) -> RunResult:
-        if self._result is not None:
-            return self._result
-        oom = False
-        if self._cause is None:
-            with contextlib.suppress(*ENGINE_ERRORS):
-                self._container.reload()
-                oom = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
-        for capped in self._logs:
-            capped.join(5.0)
-        self._runner.remove(self._container.id)
-        code = self._code
-        self._result = RunResult(
-            exit_code=code,
-            oom=oom,
-            cause=self._cause,
-            node_fault=self._cause is not None,
-            stderr_tail=self._logs[1].tail.decode("utf-8", "replace"),
-            image_digest=self._image_id,
-        )
-        return self._result
-
-    def pids(self) -> set[int]:
-        try:
-            top = self._container.top(ps_args="-eo pid")
-        except ENGINE_ERRORS:
-            return set()
-        titles = top.get("Titles") or []
-        col = titles.index("PID") if "PID" in titles else 0
-        return {int(row[col]) for row in top.get("Processes") or [] if str(row[col]).isdigit()}
-
-    def disk_bytes(self) -> int:
-        """Its ``/tmp`` (a tmpfs), seen through its first process (an agent that is not root
-        cannot look: ``/tmp`` is still capped by its size), and what it removed but keeps open
-        under ``/work/out``."""
-        if self._done.is_set():
-            return 0
-        if self._main_pid is None:
-            with contextlib.suppress(*ENGINE_ERRORS, KeyError, TypeError, ValueError):
-                self._container.reload()
-                self._main_pid = int(self._container.attrs["State"]["Pid"]) or None
-        held = diskuse.unlinked_bytes(self.pids(), self._dev)
-        if self._main_pid is not None:
-            held += diskuse.private_bytes(self._main_pid, ("/tmp",))
-        return held
-
-    def cpu_seconds(self) -> float | None:
-        try:
-            stats = self._container.stats(stream=False, one_shot=True)
-            return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
-        except (*ENGINE_ERRORS, KeyError, TypeError, ValueError):
-            return None
 
 
 class ContainerRunner(Runner):
@@ -236,16 +69,16 @@ class ContainerRunner(Runner):
 
     @classmethod
     def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
-        return list(_engine_and_images(settings))
+        return list(engine_and_images(settings))
 
     @classmethod
     def create(cls, settings: Settings, env: RunnerEnv) -> ContainerRunner:
         try:
-            client = _client(settings)
+            client = connect(settings)
             client.ping()
         except ENGINE_ERRORS as exc:
             raise PrerequisiteError(
-                f"no container engine answers at {settings.docker_host} ({_brief(exc)}):"
+                f"no container engine answers at {settings.docker_host} ({brief(exc)}):"
                 " start Docker, or run the trusted runner for pool work (runner = 'trusted')"
             ) from None
         runner = cls(settings, env, client)
@@ -272,7 +105,7 @@ class ContainerRunner(Runner):
     def _imports_modules(self, image: str) -> bool:
         """Run the import probe in a sandboxed container, bounded in time; the container is
         removed in every case, created-but-never-started included."""
-        if image_problem(image, self.allowed) or not _present(self.client, image):
+        if image_problem(image, self.allowed) or not image_present(self.client, image):
             return False
         code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
         container = None
@@ -443,7 +276,7 @@ class ContainerRunner(Runner):
 
     def _engine_failure(self, what: str, exc: BaseException) -> Exception:
         if self.engine_answers():
-            return AttemptFailed(f"{what} ({_brief(exc)})")
+            return AttemptFailed(f"{what} ({brief(exc)})")
         self.engine_lost()
         return AttemptLapsed(f"container engine unavailable ({type(exc).__name__})")
 
@@ -481,7 +314,7 @@ class ContainerRunner(Runner):
                 all=True, filters={"label": f"{label}={self.node_id}"}, ignore_removed=True
             )
         except ENGINE_ERRORS as exc:
-            log.warning("cannot list leftover containers: %s", _brief(exc))
+            log.warning("cannot list leftover containers: %s", brief(exc))
             return
         for container in leftovers:
             if container.labels.get(label) == self.node_id:
@@ -491,73 +324,3 @@ class ContainerRunner(Runner):
                     container.labels.get(LABEL_LEASE, "module probe"),
                 )
                 self.remove(container.id)
-
-
-def _engine_and_images(s: Settings) -> Iterator[Finding]:
-    """The engine answers, and at least one allowed (pinned) image can run. Every problem at
-    once, each with its fix: an owner fixes them in one go, not one per run of doctor."""
-    pinned = []
-    for image in s.allowed_images:
-        why = pin_problem(image)
-        if why:
-            fix = f"list it as a pinned tag or digest in allowed_images (not {image!r})"
-            yield Problem("allowed images", why, fix)
-        else:
-            pinned.append(image)
-    if not s.allowed_images:
-        yield Problem(
-            "allowed images",
-            "allowed_images is empty: this node would refuse every container task",
-            'list the images you allow, pinned, e.g. allowed_images = ["python:3.11-slim"]',
-        )
-    try:
-        client = _client(s, timeout=10)
-        client.ping()
-    except ENGINE_ERRORS as exc:
-        yield Problem(
-            "docker engine",
-            f"no container engine answers at {s.docker_host} ({_brief(exc)})",
-            "start Docker (systemctl start docker), or run the trusted runner for pool work"
-            " (runner = 'trusted')",
-            code=ExitCode.UNAVAILABLE,
-        )
-        return
-    try:
-        yield Ok("docker engine", s.docker_host)
-        present = [i for i in pinned if _present(client, i)]
-        absent = [i for i in pinned if i not in present]
-        if absent and not present and not s.pull_images:
-            yield Problem(
-                "allowed images",
-                f"none is present ({', '.join(absent)}) and pull_images is off:"
-                " this node could run nothing",
-                f"docker pull {absent[0]}, or set pull_images = true",
-            )
-            return
-        for image in absent:
-            if s.pull_images:
-                yield Ok("image", f"{image} (pulled when a task needs it)")
-            else:
-                yield Problem(
-                    "image",
-                    f"{image} is not present and pull_images is off: tasks naming it fail",
-                    f"docker pull {image}, or set pull_images = true",
-                    code=None,
-                )
-        for image in present:
-            yield Ok("image", image)
-    finally:
-        client.close()
-
-
-def _present(client: Any, image: str) -> bool:
-    try:
-        client.images.get(image)
-        return True
-    except ENGINE_ERRORS:
-        return False
-
-
-def _brief(exc: BaseException) -> str:
-    text = getattr(exc, "explanation", None) or str(exc)
-    return f"{type(exc).__name__}: {text}"[:200]

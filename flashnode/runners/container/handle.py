@@ -1,0 +1,147 @@
+"""A running container as the attempt sees it (``ContainerHandle``): its wait (through the
+engine's outages), pause and unpause, stop, what it used and held, and its removal once its
+result is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from flashnode.runners.base import RunResult, StartSpec, SuspendFailed
+from flashnode.runners.container import ENGINE_ERRORS, brief
+from flashnode.sandbox import diskuse
+from flashnode.sandbox.logcap import Pump, latest_line
+
+if TYPE_CHECKING:
+    from flashnode.runners.container.runner import ContainerRunner
+
+WAIT_POLL_S = 30
+
+
+class ContainerHandle:
+    def __init__(self, runner: ContainerRunner, container: Any, image_id: str, spec: StartSpec):
+        self._runner = runner
+        self._container = container
+        self._image_id = image_id
+        self._on_exit = spec.on_exit
+        self._code: int | None = None
+        self._cause: str | None = None
+        self._done = threading.Event()
+        self._paused = False
+        self._result: RunResult | None = None
+        self._dev = os.stat(spec.workspace.root).st_dev
+        self._main_pid: int | None = None  # the container's first process, on the host
+        self._logs = [
+            Pump(
+                container.logs(stream=True, follow=True, stdout=out, stderr=not out),
+                path,
+                runner.settings.log_max_bytes,
+                "container-log",
+                ENGINE_ERRORS,
+            )
+            for out, path in ((True, spec.stdout), (False, spec.stderr))
+        ]
+        threading.Thread(target=self._wait, name=f"wait-{container.short_id}", daemon=True).start()
+
+    def _wait(self) -> None:
+        while True:
+            try:
+                result = self._container.wait(timeout=WAIT_POLL_S)
+                self._code = int(result.get("StatusCode", -1))
+                break
+            except ENGINE_ERRORS as exc:
+                if self._runner.engine_answers():
+                    continue  # a long task: the wait request timed out, the engine is fine
+                self._cause = f"container engine unavailable ({type(exc).__name__})"
+                self._runner.engine_lost()
+                break
+        self._done.set()
+        self._on_exit()
+
+    def exited(self) -> bool:
+        return self._done.is_set()
+
+    def terminate(self, grace: float) -> None:
+        with contextlib.suppress(SuspendFailed):
+            self.resume()  # a paused container cannot act on SIGTERM
+        with contextlib.suppress(*ENGINE_ERRORS):
+            self._container.stop(timeout=max(int(grace), 0))
+        self._done.wait(grace + 10)
+
+    def suspend(self) -> None:
+        """``docker pause``: the engine freezes the container's cgroup."""
+        if self._paused:
+            return
+        try:
+            self._container.pause()
+        except ENGINE_ERRORS as exc:
+            raise SuspendFailed(f"cannot pause the container ({brief(exc)})") from None
+        self._paused = True
+
+    def resume(self) -> None:
+        if not self._paused:
+            return
+        try:
+            self._container.unpause()
+        except ENGINE_ERRORS as exc:
+            raise SuspendFailed(f"cannot unpause the container ({brief(exc)})") from None
+        self._paused = False
+
+    def last_output(self) -> str:
+        return latest_line(*(capped.file for capped in self._logs))
+
+    def result(self) -> RunResult:
+        if self._result is not None:
+            return self._result
+        oom = False
+        if self._cause is None:
+            with contextlib.suppress(*ENGINE_ERRORS):
+                self._container.reload()
+                oom = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
+        for capped in self._logs:
+            capped.join(5.0)
+        self._runner.remove(self._container.id)
+        code = self._code
+        self._result = RunResult(
+            exit_code=code,
+            oom=oom,
+            cause=self._cause,
+            node_fault=self._cause is not None,
+            stderr_tail=self._logs[1].tail.decode("utf-8", "replace"),
+            image_digest=self._image_id,
+        )
+        return self._result
+
+    def pids(self) -> set[int]:
+        try:
+            top = self._container.top(ps_args="-eo pid")
+        except ENGINE_ERRORS:
+            return set()
+        titles = top.get("Titles") or []
+        col = titles.index("PID") if "PID" in titles else 0
+        return {int(row[col]) for row in top.get("Processes") or [] if str(row[col]).isdigit()}
+
+    def disk_bytes(self) -> int:
+        """Its ``/tmp`` (a tmpfs), seen through its first process (an agent that is not root
+        cannot look: ``/tmp`` is still capped by its size), and what it removed but keeps open
+        under ``/work/out``."""
+        if self._done.is_set():
+            return 0
+        if self._main_pid is None:
+            with contextlib.suppress(*ENGINE_ERRORS, KeyError, TypeError, ValueError):
+                self._container.reload()
+                self._main_pid = int(self._container.attrs["State"]["Pid"]) or None
+        held = diskuse.unlinked_bytes(self.pids(), self._dev)
+        if self._main_pid is not None:
+            held += diskuse.private_bytes(self._main_pid, ("/tmp",))
+        return held
+
+    def cpu_seconds(self) -> float | None:
+        try:
+            stats = self._container.stats(stream=False, one_shot=True)
+            return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
+        except (*ENGINE_ERRORS, KeyError, TypeError, ValueError):
+            return None
