@@ -1,4 +1,4 @@
-"""Process-tree ownership for trusted tasks: the only package that starts or signals processes.
+"""Process-tree ownership for trusted tasks: the package that starts and signals their processes.
 
 A task's processes belong to its attempt until the attempt ends, including children that leave
 the process group (``setsid``, double fork) to escape. Each task gets:
