@@ -11,18 +11,14 @@ from typing import Any
 
 
 class LocalHTTPServer(ThreadingHTTPServer):
-    """A ``ThreadingHTTPServer`` whose closing never waits on a handler.
-
-    The standard one joins every handler thread when closed, daemon or not: one handler waiting
-    on a client that stays connected (a build stopped mid-download, a keep-alive pool) would
-    hold the test's teardown, and the whole run, forever. Here handler threads are left to die
-    with the process, and a client that stalls is dropped after ``stall_s``. Its accepting
-    waits a second at most, so that ``shutdown`` is seen even should a connection that made the
-    socket readable be gone before it was taken."""
+    """A ``ThreadingHTTPServer`` that never waits for ever: a client that stalls is dropped
+    after ``stall_s``; accepting waits a second at most, so that ``shutdown`` is seen even should
+    a connection that made the socket readable be gone before it was taken; closing a server that
+    never served does not wait for it. Handler threads are daemons (never joined)."""
 
     daemon_threads = True
-    block_on_close = False
     stall_s = 60.0
+    serving = False
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -38,8 +34,6 @@ class LocalHTTPServer(ThreadingHTTPServer):
         # purpose; anything else is the test server's own bug, printed.
         if not isinstance(sys.exc_info()[1], OSError):
             super().handle_error(request, client_address)
-
-    serving = False
 
     def start(self) -> LocalHTTPServer:
         """Serve on a daemon thread; returns the server."""
