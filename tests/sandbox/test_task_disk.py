@@ -75,9 +75,12 @@ def run_one(
 def test_a_task_writing_400_mb_into_its_tmp_under_a_50_mb_cap_is_stopped_and_fails(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
+    """Stopped by whichever comes first: the watch (the reason then adds "the task was
+    stopped"), or the kernel refusing the file's growth past the cap (RLIMIT_FSIZE), after which
+    the look at its end finds it at the cap. Either way it fails, naming the cap."""
     state, [reason], printed = run_one(coordinator, start_agent, ["TMPDIR:400"])
     assert state == "FAILED"
-    assert "grew past 50 MiB (task_disk_bytes" in reason and "was stopped" in reason, reason
+    assert "grew past 50 MiB (task_disk_bytes" in reason, reason
     assert "done" not in printed and int(printed[-1]) < 200, printed[-3:]
 
 
