@@ -26,7 +26,8 @@ from flashnode.errors import (
 from flashnode.evidence import inventory
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.owner import status
-from flashnode.runners.base import Handle, RunnerEnv, StartSpec
+from flashnode.runners.base import Handle, RunnerEnv
+from flashnode.runners.plan import RunnerFacts, TaskPlan
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.sandbox.workspace import Workspace
 
@@ -44,12 +45,14 @@ class InstallingRunner(FakeRunner):
         super().__init__(code)
         self.mount_points: list[bool] = []
 
-    def start(self, spec: StartSpec) -> Handle:
+    def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
+        return RunnerFacts(python="/usr/bin/python3", path="/usr/bin:/bin")
+
+    def start(self, plan: TaskPlan) -> Handle:
         self.mount_points = [
-            (spec.workspace.root / dst.removeprefix("/work/")).is_dir()
-            for _, dst in spec.read_only_binds
+            (plan.workspace.root / dst.removeprefix("/work/")).is_dir() for _, dst in plan.views
         ]
-        return super().start(spec)
+        return super().start(plan)
 
 
 class FakeEnv:
@@ -181,9 +184,9 @@ def test_an_argv_task_runs_with_its_environment_first_on_path(tmp_path: Path) ->
     outcome, _, a = attempt(tmp_path, runner, {"dependencies": DEPS, "python": "3.12"}, envs)
     assert outcome is Outcome.COMMITTED
     assert envs.asked == [("3.12", tuple(DEPS))]
-    [spec] = runner.started
-    assert spec.path_prefix == (str(tmp_path / "env" / "bin"),)
-    assert spec.agent_env["VIRTUAL_ENV"] == str(tmp_path / "env") and spec.python is None
+    [plan] = runner.started
+    assert plan.env["PATH"] == f"{tmp_path / 'env' / 'bin'}:/usr/bin:/bin"
+    assert plan.env["VIRTUAL_ENV"] == str(tmp_path / "env") and plan.argv == ("true",)
     assert envs.handed[0].released == 1
     [record] = a.ctx.ledger.records()
     assert record["environment"] == {
@@ -200,8 +203,9 @@ def test_a_module_task_runs_under_its_environments_interpreter(tmp_path: Path) -
     payload = {"argv": None, "module": "flashml_workloads.sgd_trainer", "dependencies": DEPS}
     outcome, _, _ = attempt(tmp_path, runner, payload, envs)
     assert outcome is Outcome.COMMITTED
-    [spec] = runner.started
-    assert spec.python == str(tmp_path / "env" / "bin" / "python") and spec.path_prefix == ()
+    [plan] = runner.started
+    assert plan.argv[:3] == (str(tmp_path / "env" / "bin" / "python"), "-m", payload["module"])
+    assert plan.env["PATH"] == "/usr/bin:/bin" and "VIRTUAL_ENV" not in plan.env
 
 
 def test_the_environment_is_released_when_the_task_fails(tmp_path: Path) -> None:
@@ -214,7 +218,8 @@ def test_a_runner_whose_image_holds_the_base_builds_nothing(tmp_path: Path) -> N
     runner, envs = FakeRunner(), FakeEnvs(tmp_path)
     outcome, _, a = attempt(tmp_path, runner, {"dependencies": DEPS}, envs)
     assert outcome is Outcome.COMMITTED and envs.asked == []
-    assert runner.started[0].path_prefix == () and "environment" not in a.ctx.ledger.records()[0]
+    assert runner.started[0].environment is None and "VIRTUAL_ENV" not in runner.started[0].env
+    assert "environment" not in a.ctx.ledger.records()[0]
 
 
 @pytest.mark.parametrize(
@@ -254,8 +259,8 @@ def test_only_the_labels_asked_for_are_lent_each_with_its_mount_point(
     runner = InstallingRunner()
     outcome, _, a = attempt(tmp_path, runner, {"local_inputs": ["scans"]}, local_data=lent)
     assert outcome is Outcome.COMMITTED
-    [spec] = runner.started
-    assert spec.read_only_binds == ((str(lent["scans"]), "/work/inputs/scans"),)
+    [plan] = runner.started
+    assert plan.views == ((str(lent["scans"]), "/work/inputs/scans"),)
     assert runner.mount_points == [True]
     assert a.ctx.ledger.records()[0]["local_inputs"] == ["scans"]
 
@@ -267,11 +272,11 @@ def test_what_each_phase_prepared_reaches_the_one_start_together(
     payload = {"dependencies": DEPS, "local_inputs": ["scans"], "checkpoint": {}}
     outcome, _, _ = attempt(tmp_path, runner, payload, envs, local_data=lent)
     assert outcome is Outcome.COMMITTED
-    [spec] = runner.started
-    assert spec.agent_env["FLASHML_CHECKPOINT_DIR"] == "/work/out/ckpt"  # restore's
-    assert spec.agent_env["VIRTUAL_ENV"] == str(tmp_path / "env")  # the environment's
-    assert spec.path_prefix == (str(tmp_path / "env" / "bin"),)
-    assert spec.read_only_binds == ((str(lent["scans"]), "/work/inputs/scans"),)  # data's
+    [plan] = runner.started
+    assert plan.env["FLASHML_CHECKPOINT_DIR"] == "/work/out/ckpt"  # restore's
+    assert plan.env["VIRTUAL_ENV"] == str(tmp_path / "env")  # the environment's
+    assert plan.env["PATH"].split(":")[0] == str(tmp_path / "env" / "bin")
+    assert plan.views == ((str(lent["scans"]), "/work/inputs/scans"),)  # data's
 
 
 def test_a_label_this_node_does_not_lend_fails_naming_it(
