@@ -159,9 +159,8 @@ def resolve(
         argv = tuple(map_work(a, root) for a in task.argv)
     env = dict(facts.env)
     env.update({k: map_work(v, root) for k, v in task.env.items()})
-    env.update(contract_env(lease.job_id, lease.lease_id))
-    for c in contributions:
-        env.update({k: map_work(v, root) for k, v in c.env.items()})
+    for layer in (contract_env(lease.job_id, lease.lease_id), *(c.env for c in contributions)):
+        env.update({k: map_work(v, root) for k, v in layer.items()})
     if facts.path is not None:
         env["PATH"] = ":".join([*(p for c in contributions for p in c.path), facts.path])
     env.update(HOME=facts.home, TMPDIR=facts.home, FLASHML_WORK_DIR=root)
