@@ -35,7 +35,8 @@ from flashnode import statefile
 from flashnode.attempt import Attempt
 from flashnode.owner import status
 from flashnode.owner.ledger import Ledger
-from flashnode.runners.base import Handle, StartSpec
+from flashnode.runners.base import Handle
+from flashnode.runners.plan import TaskPlan
 from flashnode.sandbox.diskuse import Space
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "2"}
@@ -71,13 +72,13 @@ class Writer(FakeRunner):
         super().__init__(code=code)
         self.size = size
 
-    def start(self, spec: StartSpec) -> Handle:
-        with open(spec.workspace.tmp / "big", "wb") as fh:
+    def start(self, plan: TaskPlan) -> Handle:
+        with open(plan.workspace.tmp / "big", "wb") as fh:
             fh.truncate(self.size)
             fh.write(b"x")  # not sparse: the blocks are held
             for _ in range(0, self.size, 1 << 20):
                 fh.write(os.urandom(1 << 20))
-        return super().start(spec)
+        return super().start(plan)
 
 
 def test_a_task_that_fails_while_the_disk_is_full_is_not_blamed(tmp_path: Path) -> None:
@@ -131,8 +132,8 @@ def test_a_task_past_the_free_space_above_min_free_bytes_is_stopped_and_its_leas
     reason = attempt.ended[1]
     assert "the state dir's disk had only 10.0 MiB free above min_free_bytes when" in reason, reason
     assert attempt.node_fault and attempt.job_endpoint  # the guard counts it across jobs only
-    [spec] = runner.started
-    assert spec.max_file_bytes is not None and 10 << 20 < spec.max_file_bytes < 11 << 20
+    [plan] = runner.started
+    assert plan.max_file_bytes is not None and 10 << 20 < plan.max_file_bytes < 11 << 20
 
 
 def test_a_task_past_task_disk_bytes_itself_fails(tmp_path: Path) -> None:
