@@ -89,7 +89,7 @@ def test_a_task_that_fails_while_the_disk_is_full_is_not_blamed(tmp_path: Path) 
     runner = FakeRunner(code=1)
     ctx = context(tmp_path, clock, coord, runner)
     full = dataclasses.replace(AMPLE, free_bytes=4096)  # what something else left
-    ctx.space = lambda: full if runner.started else AMPLE
+    ctx = dataclasses.replace(ctx, space=lambda: full if runner.started else AMPLE)
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert (
@@ -104,7 +104,7 @@ def test_a_disk_out_of_inodes_is_as_full_as_one_out_of_bytes(tmp_path: Path) -> 
     runner = FakeRunner(code=1)
     ctx = context(tmp_path, clock, coord, runner)
     full = dataclasses.replace(AMPLE, free_inodes=10)
-    ctx.space = lambda: full if runner.started else AMPLE
+    ctx = dataclasses.replace(ctx, space=lambda: full if runner.started else AMPLE)
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert (
@@ -125,7 +125,7 @@ def test_a_task_past_the_free_space_above_min_free_bytes_is_stopped_and_its_leas
     coord = FakeCoordinator(clock)
     runner = Writer(12 << 20)
     ctx = context(tmp_path, clock, coord, runner, min_free_bytes=16 << 20)
-    ctx.space = lambda: dataclasses.replace(AMPLE, free_bytes=26 << 20)
+    ctx = dataclasses.replace(ctx, space=lambda: dataclasses.replace(AMPLE, free_bytes=26 << 20))
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert attempt.ended is not None and coord.names("fail") == []
@@ -142,7 +142,7 @@ def test_a_task_past_task_disk_bytes_itself_fails(tmp_path: Path) -> None:
     coord = FakeCoordinator(clock)
     runner = Writer(12 << 20)
     ctx = context(tmp_path, clock, coord, runner, task_disk_bytes=8 << 20)
-    ctx.space = lambda: AMPLE
+    ctx = dataclasses.replace(ctx, space=lambda: AMPLE)
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "failed"
     assert attempt.ended is not None and "(task_disk_bytes:" in attempt.ended[1], attempt.ended
@@ -155,7 +155,7 @@ def test_a_task_with_no_room_above_min_free_bytes_does_not_start(tmp_path: Path)
     coord = FakeCoordinator(clock)
     runner = FakeRunner()
     ctx = context(tmp_path, clock, coord, runner, min_free_bytes=1 << 30)
-    ctx.space = lambda: dataclasses.replace(AMPLE, free_bytes=512 << 20)
+    ctx = dataclasses.replace(ctx, space=lambda: dataclasses.replace(AMPLE, free_bytes=512 << 20))
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert attempt.ended is not None and attempt.ended[1].startswith("low disk:"), attempt.ended

@@ -3,6 +3,7 @@ is, and that what they pin is released whatever way the attempt ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -138,7 +139,7 @@ def attempt(
     clock = FakeClock()
     coord = FakeCoordinator(clock)
     ctx = context(tmp_path, clock, coord, runner, **settings)
-    ctx.envs, ctx.data = envs, data
+    ctx = dataclasses.replace(ctx, envs=envs, data=data)
     a = Attempt(ctx, lease(**payload))
     return a.run(), coord, a
 
@@ -368,7 +369,8 @@ def test_a_directory_the_owner_stopped_lending_after_the_claim_is_never_mounted(
     clock = FakeClock()
     coord = FakeCoordinator(clock)
     ctx = context(tmp_path, clock, coord, runner, local_data=lent)
-    ctx.lent_now = lambda: {"other": lent["other"]}  # the running configuration, reloaded
+    # The running configuration, reloaded: "scans" is no longer lent.
+    ctx = dataclasses.replace(ctx, lent_now=lambda: {"other": lent["other"]})
     a = Attempt(ctx, lease(local_inputs=["scans"]))
     assert a.run() is Outcome.LAPSED
     assert runner.started == [] and fail_reasons(coord) == []
