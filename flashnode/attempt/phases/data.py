@@ -24,13 +24,13 @@ from flashnode.errors import AttemptLapsed, DataUnavailable
 from flashnode.runners.plan import WORK, Contribution
 
 if TYPE_CHECKING:
-    from flashnode.attempt import Attempt
     from flashnode.attempt.context import ShardLease
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
     from flashnode.config.settings import Settings
 
 
-def run(a: Attempt, staged: Staged) -> Contribution:
+def run(a: AttemptHooks, staged: Staged) -> Contribution:
     """What the task's start gets for its data: the views of the lent directories it asked for,
     and its dataset slices laid out in its workspace; its release unpins the slices."""
     views = _lend(a, staged)
@@ -45,7 +45,7 @@ def run(a: Attempt, staged: Staged) -> Contribution:
     return Contribution(views=views, datasets=True, release=release)
 
 
-def _lend(a: Attempt, staged: Staged) -> tuple[tuple[str, str], ...]:
+def _lend(a: AttemptHooks, staged: Staged) -> tuple[tuple[str, str], ...]:
     task, ws = staged.task, staged.workspace
     if not task.local_inputs:
         return ()
@@ -64,7 +64,7 @@ def _lend(a: Attempt, staged: Staged) -> tuple[tuple[str, str], ...]:
     return tuple((str(m.source), str(m.target)) for m in lent)
 
 
-def _fetch(a: Attempt, staged: Staged) -> list[ShardLease]:
+def _fetch(a: AttemptHooks, staged: Staged) -> list[ShardLease]:
     """The slices fetched, pinned and laid out; unpinned again here if anything of it fails."""
     entries, cache = staged.task.datasets, a.ctx.data
     if not entries:
