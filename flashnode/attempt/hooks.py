@@ -12,7 +12,6 @@ the loop reads ``snapshot``, asks for a suspension and cancels. The orchestrator
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -50,10 +49,11 @@ class AttemptHooks:
     ) -> None:
         """``reserved``: GPUs the agent already took for this lease when it claimed it.
 
-        The attempt keeps the context it was claimed under: a copy, so that a reload, which
-        swaps the agent's settings and per-task limits for the next claim, never changes them
-        halfway through this attempt (caps, timeouts and grace periods stay what they were)."""
-        self.ctx = dataclasses.replace(ctx)
+        The attempt keeps the context it was claimed under (``Reloader.snapshot``): it is
+        frozen, and so are the settings and per-task limits in it, so a reload, which swaps
+        them for the next claim, never changes them halfway through this attempt (caps,
+        timeouts and grace periods stay what they were)."""
+        self.ctx = ctx
         self.data = lease_data
         self.record = record or AttemptRecord(
             lease=lease_data if isinstance(lease_data, dict) else {},
