@@ -4,8 +4,9 @@ The orchestrator only sequences phases and turns how they end into one outcome:
 
     prepare → stage → restore → environment → data → execute → check → commit
 
-Each phase is a function in its own module, of the running ``Attempt`` (its hooks) and of what
-the phases before it made, which it is handed as arguments (``record.Staged``, the run's evidence,
+Each phase is a function in its own module (``attempt/phases/``), of the running attempt's hooks
+(``AttemptHooks``, ``attempt/hooks.py``, which ``Attempt`` is built on) and of what the phases
+before it made, which it is handed as arguments (``record.Staged``, the run's evidence,
 ``record.Finished``); what it makes, it returns. A new capability arrives as a new phase, not as a
 branch in an old one. Between phases, and inside every wait, the attempt checks whether it must
 stop (a lost lease, a cancel): cancellation is a state every phase sees.
@@ -20,9 +21,6 @@ How an attempt ends (docs/design.md §5, whose fault):
 Whatever raises, every attempt ends in exactly one ledger line, its GPUs released, its workspace
 and outbox record removed; unless a finished result waits in the outbox for the next start:
 then its workspace is sealed (the agent's alone) until that start commits it.
-
-Why one module of this size: the Attempt's shared state and hooks, which every phase reads, live
-beside the orchestrator.
 """
 
 from __future__ import annotations
