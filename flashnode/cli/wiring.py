@@ -31,7 +31,7 @@ from flashnode.config.loading import load
 from flashnode.config.schedule import Pause, PauseMode
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.coordinator.client import Coordinator
-from flashnode.coordinator.wire import NodeRegistration
+from flashnode.coordinator.messages import NodeRegistration
 from flashnode.errors import ConfigError, EnvUnavailable, PrerequisiteError
 from flashnode.evidence import inventory, sensors
 from flashnode.evidence.gpu import Nvml

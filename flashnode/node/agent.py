@@ -34,7 +34,8 @@ from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.attempt.record import State
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import SAFE_ID, NodeHeartbeat, NodeRegistration
+from flashnode.coordinator.ids import SAFE_ID
+from flashnode.coordinator.messages import NodeHeartbeat, NodeRegistration
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import Task
+from flashnode.coordinator.lease import Task
 from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import ModuleSpec, StartSpec
 from flashnode.sandbox.limits import Limits

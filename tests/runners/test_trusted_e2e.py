@@ -338,7 +338,7 @@ def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> No
     env values are rewritten to the workspace, and the contract variables name it."""
     from fakes import lease
 
-    from flashnode.coordinator.wire import Lease, parse_task
+    from flashnode.coordinator.lease import Lease, parse_task
     from flashnode.runners.spec import build
     from flashnode.sandbox.cgroups import Limits
     from flashnode.sandbox.workspace import Workspace
