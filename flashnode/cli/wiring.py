@@ -37,7 +37,8 @@ from flashnode.evidence import inventory, sensors
 from flashnode.evidence.gpu import Nvml
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.node.agent import Agent, effective_slots
-from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.node.controls import Controls
+from flashnode.node.rules import Readers, Rules
 from flashnode.owner import ledgerview, metrics, pausefile, statelock
 from flashnode.owner.ledger import Ledger
 from flashnode.owner.ledgerview import LedgerView

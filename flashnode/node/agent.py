@@ -45,12 +45,14 @@ from flashnode.errors import (
     Unregistered,
 )
 from flashnode.evidence.gpupool import Device
-from flashnode.node.controls import Controls, Decision, Rules
+from flashnode.node.controls import Controls
+from flashnode.node.decision import Decision
 from flashnode.node.guard import Ending
 from flashnode.node.holds import NodeHolds
 from flashnode.node.pacing import Pacing
 from flashnode.node.publisher import NodeView, Problem, Publisher, task_cpu
 from flashnode.node.reload import Config, Reloader
+from flashnode.node.rules import Rules
 from flashnode.owner.status import StatusSink
 from flashnode.sandbox.diskuse import Space
 from flashnode.sandbox.limits import Limits
