@@ -340,7 +340,7 @@ def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> No
 
     from flashnode.coordinator.lease import Lease, parse_task
     from flashnode.runners.spec import build
-    from flashnode.sandbox.cgroups import Limits
+    from flashnode.sandbox.limits import Limits
     from flashnode.sandbox.workspace import Workspace
 
     ws = Workspace.create(tmp_path / "attempts", "ls-1")
