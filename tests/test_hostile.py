@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from flashnode.attempt import Attempt, Outcome
 from flashnode.coordinator.client import Coordinator
-from flashnode.coordinator.wire import NodeCapabilities, NodeRegistration, Task
+from flashnode.coordinator.lease import Task
+from flashnode.coordinator.messages import NodeCapabilities, NodeRegistration
 from flashnode.errors import CoordinatorError, CoordinatorUnavailable
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}

@@ -42,7 +42,8 @@ from flashnode.attempt import commit, data, environment, execute, prepare, resto
 from flashnode.attempt.context import AttemptContext, CoordinatorPort
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, Staged, State, workspace_of
-from flashnode.coordinator.wire import ExecutionEvidence, Lease, parse_lease
+from flashnode.coordinator.lease import Lease, parse_lease
+from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashnode.attempt.diskwatch import DiskWatch, Look, full_disk, over_caps
 from flashnode.attempt.record import State
-from flashnode.coordinator.wire import ExecutionEvidence
+from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
 from flashnode.runners import plan as plans

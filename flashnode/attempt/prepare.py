@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flashnode.coordinator.wire import parse_task
+from flashnode.coordinator.lease import parse_task
 from flashnode.errors import AttemptFailed, AttemptLapsed
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
-    from flashnode.coordinator.wire import Lease, Task
+    from flashnode.coordinator.lease import Lease, Task
 
 
 def run(a: Attempt, lease: Lease) -> Task:

@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashnode.coordinator.wire import ExecutionEvidence, Lease, Task, parse_task
+from flashnode.coordinator.lease import Lease, Task, parse_task
+from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.sandbox.outputs import OutputFile
 from flashnode.sandbox.workspace import Workspace
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import NodeHeartbeat, NodeRegistration
+from flashnode.coordinator.messages import NodeHeartbeat, NodeRegistration
 from flashnode.errors import CoordinatorError, CredentialsError, Unregistered
 from flashnode.node.pacing import Pacing
 from flashnode.owner.metrics import MetricsSink

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Protocol
 
 from flashnode.clock import Clock, SystemClock
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import Task
+from flashnode.coordinator.lease import Task
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.runners.findings import Finding
 from flashnode.runners.plan import RunnerFacts, TaskPlan, map_work

@@ -44,7 +44,7 @@ from typing import Any
 
 from flashnode.caches.envcache import ENVS_DIR, PYTHON_DIR
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import MODULES, Task
+from flashnode.coordinator.lease import MODULES, Task
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.runners.base import Handle, Runner, RunnerEnv
 from flashnode.runners.findings import Finding, Ok, Problem

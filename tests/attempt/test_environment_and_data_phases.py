@@ -16,7 +16,7 @@ from fakes import FakeClock, FakeCoordinator, FakeHandle, FakeRunner, context, l
 from flashnode.attempt import Attempt, Outcome
 from flashnode.config.settings import Settings
 from flashnode.coordinator.datasets import DatasetEntry
-from flashnode.coordinator.wire import Lease, parse_task
+from flashnode.coordinator.lease import Lease, parse_task
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,

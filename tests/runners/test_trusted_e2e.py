@@ -339,7 +339,7 @@ def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> No
     from fakes import lease
 
     from flashnode.config.settings import Settings
-    from flashnode.coordinator.wire import Lease, parse_task
+    from flashnode.coordinator.lease import Lease, parse_task
     from flashnode.evidence.gpupool import GpuPool
     from flashnode.runners.base import RunnerEnv
     from flashnode.runners.plan import resolve

@@ -17,7 +17,7 @@ import docker.errors
 import docker.types
 
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import MODULES, Task
+from flashnode.coordinator.lease import MODULES, Task
 from flashnode.errors import AttemptFailed, AttemptLapsed, PrerequisiteError
 from flashnode.runners.base import Handle, Runner, RunnerEnv
 from flashnode.runners.container import (
