@@ -200,7 +200,7 @@ class FakeRunner(Runner):
     def create(cls, settings: Settings, env: RunnerEnv) -> FakeRunner:
         return cls()
 
-    def check(self, task: Task) -> None:
+    def check(self, task: Task, settings: Settings) -> None:
         if self.refuse:
             raise AttemptFailed(self.refuse)
         if self.lapse:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashnode.attempt import Attempt, Outcome
+from flashnode.config.settings import Settings
 from flashnode.coordinator.client import Coordinator
 from flashnode.coordinator.lease import Task
 from flashnode.coordinator.messages import NodeCapabilities, NodeRegistration
@@ -163,8 +164,9 @@ payloads = st.fixed_dictionaries(
 class CheckedFakeRunner(FakeRunner):
     """The trusted runner's checks, with a fake start: nothing is run on the host."""
 
-    def check(self, task: Task) -> None:
-        trusted_runner().check(task)
+    def check(self, task: Task, settings: Settings) -> None:
+        runner = trusted_runner()
+        runner.check(task, runner.settings)
 
 
 def _run(data: Any) -> tuple[Outcome, FakeCoordinator]:

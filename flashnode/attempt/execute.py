@@ -29,6 +29,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from flashnode.attempt.data import still_lent
 from flashnode.attempt.diskwatch import DiskWatch, Look, full_disk, over_caps
 from flashnode.attempt.record import State
 from flashnode.coordinator.messages import ExecutionEvidence
@@ -84,6 +85,7 @@ def run(a: Attempt, staged: Staged, contributions: Sequence[Contribution]) -> Ex
         max_file_bytes=caps.bytes + 1,  # a file that size is past the cap already
     )
     plans.write_module_spec(plan, facts.group)
+    still_lent(a, plan.views)  # a fetch since the views were made can take an hour
     a.check()
     cpu.start()
     with a.timed("execute.start", phase=False):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def run(a: Attempt, lease: Lease) -> Task:
     """The lease's task, checked by the runner, its GPUs held (in ``a.devices``)."""
     task = parse_task(lease)
-    a.ctx.runner.check(task)
+    a.ctx.runner.check(task, a.ctx.settings)
     if len(a.devices) != task.gpus:
         a.ctx.gpus.release(a.devices)
         a.devices = []

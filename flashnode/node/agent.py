@@ -196,10 +196,18 @@ class Agent:
                 return
             self.reloader.tick()
             registered = self.session.turn(now, self.settings, self.drain.draining)
-            if registered and self._may_claim() and self.session.claim_due(now):
+            # The configuration the claim goes out under, which its attempt keeps: a reload
+            # that lands meanwhile (during the heartbeat or the claim) is the next claim's.
+            config = self.reloader.current
+            if (
+                registered
+                and self.session.registered_under(config.settings)
+                and self._may_claim()
+                and self.session.claim_due(now)
+            ):
                 lease = self.session.claim(self.workers.leases())
                 if lease is not None:
-                    self.workers.start(lease, self.reloader.snapshot(self.ctx))
+                    self.workers.start(lease, self.reloader.snapshot(self.ctx, config))
                 self._publish()
                 continue
             self._publish()

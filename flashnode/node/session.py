@@ -104,6 +104,12 @@ class Session:
     def claim_due(self, now: float) -> bool:
         return self.registered and now >= self._next_claim
 
+    def registered_under(self, settings: Settings) -> bool:
+        """Whether the node is registered with exactly ``settings`` (its pools, its GPUs): a
+        claim goes out only then, so that a reload landing during the heartbeat never claims
+        under the registration it replaces."""
+        return self.registered and self._under is settings
+
     def claim(self, held: Collection[str]) -> dict[str, Any] | None:
         """Ask for work; the lease to run, or None. A lease named in ``held`` (running here
         already) is ignored."""

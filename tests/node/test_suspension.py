@@ -107,7 +107,7 @@ class WorkingRunner(Runner):
     def create(cls, settings: Settings, env: RunnerEnv) -> WorkingRunner:
         raise NotImplementedError
 
-    def check(self, task: Task) -> None:
+    def check(self, task: Task, settings: Settings) -> None:
         pass
 
     def start(self, plan: TaskPlan) -> Handle:
