@@ -5,6 +5,9 @@ parsed first (its ids end up in paths and URLs, so they are checked strictly), t
 parsed into a Task; any problem with the payload becomes an AttemptFailed whose message is the
 reason reported to the coordinator.
 
+The models only a task uses (all but the registration's and the node heartbeat's) are built at
+their first use (``defer_build``): an idle node does not hold their validators (about 1 MB).
+
 Why one module of this size: every message and the payload's strict parsing: one place for what
 crosses the wire.
 """
@@ -91,6 +94,8 @@ class NodeHeartbeat(BaseModel):
 class ExecutionEvidence(BaseModel):
     """None means not measured; 0 means measured zero."""
 
+    model_config = ConfigDict(defer_build=True)
+
     wall_seconds: float | None = None
     cpu_percent_mean: float | None = None
     gpu_util_percent_mean: float | None = None
@@ -99,12 +104,16 @@ class ExecutionEvidence(BaseModel):
 
 
 class CompleteRequest(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
     output_sha256: str
     evidence: ExecutionEvidence | None = None
 
 
 class CheckpointPart(BaseModel):
     """One file of a checkpoint: its artifact key, sha256 and size (docs/protocol.md §8)."""
+
+    model_config = ConfigDict(defer_build=True)
 
     key: str
     sha256: str
@@ -114,7 +123,7 @@ class CheckpointPart(BaseModel):
 class CheckpointManifest(BaseModel):
     """A committed checkpoint as ``checkpoints/latest`` returns it (the fields the agent uses)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
     manifest_id: str = ""
     step: int
@@ -136,7 +145,7 @@ class CheckpointManifest(BaseModel):
 class Lease(BaseModel):
     """The envelope of a claimed lease; ``payload`` is parsed separately by ``parse_task``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
     lease_id: str
     task_id: str
@@ -180,7 +189,7 @@ def parse_lease(data: Any) -> Lease:
 
 
 class Isolation(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, defer_build=True)
 
     tier: str | None = None
     allow_fallback: StrictBool = Field(default=False, alias="allowFallback")
@@ -189,6 +198,8 @@ class Isolation(BaseModel):
 class Input(BaseModel):
     """One staged input: the artifact key, where it lands under ``inputs/``, and whether it is an
     archive to unpack into ``inputs/<name>/``."""
+
+    model_config = ConfigDict(defer_build=True)
 
     name: str
     key: str
@@ -204,12 +215,16 @@ class CheckpointPolicy(BaseModel):
     resume. The numbers are the coordinator's (its silence watchdog), read the way it reads them: a
     value that is not a finite number counts as absent."""
 
+    model_config = ConfigDict(defer_build=True)
+
     interval_seconds: float | None = None
     watchdog_seconds: float | None = None
 
 
 class Task(BaseModel):
     """A parsed task payload: exactly one of ``argv`` and ``module`` is set."""
+
+    model_config = ConfigDict(defer_build=True)
 
     task_id: str
     output_prefix: str
