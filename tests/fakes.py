@@ -26,8 +26,9 @@ from flashnode.coordinator.wire import (
 )
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.owner.ledger import Ledger
-from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec
+from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult
 from flashnode.runners.findings import Finding
+from flashnode.runners.plan import TaskPlan
 
 
 class FakeClock:
@@ -189,7 +190,7 @@ class FakeRunner(Runner):
         )
         self.lapse = ""  # a reason the node cannot run tasks now (AttemptLapsed in check)
         self.start_error: Exception | None = None  # what start raises instead of starting
-        self.started: list[StartSpec] = []
+        self.started: list[TaskPlan] = []
 
     @classmethod
     def preflight(cls, settings: Settings, slots: int = 1) -> list[Finding]:
@@ -205,14 +206,14 @@ class FakeRunner(Runner):
         if self.lapse:
             raise AttemptLapsed(self.lapse)
 
-    def start(self, spec: StartSpec) -> Handle:
+    def start(self, plan: TaskPlan) -> Handle:
         if self.start_error is not None:
             raise self.start_error
-        self.started.append(spec)
-        spec.record({"fake": True})
-        spec.workspace.task_uid = os.geteuid()
-        (spec.workspace.out / "metrics.json").write_text(json.dumps(self.metrics))
-        spec.on_exit()
+        self.started.append(plan)
+        plan.record({"fake": True})
+        plan.workspace.task_uid = os.geteuid()
+        (plan.workspace.out / "metrics.json").write_text(json.dumps(self.metrics))
+        plan.on_exit()
         return FakeHandle(self.code)
 
 

@@ -120,9 +120,9 @@ class GrowingUploads(FakeCoordinator):
 
 
 class WritesNotes(FakeRunner):
-    def start(self, spec: Any) -> Any:
-        (spec.workspace.out / "notes.txt").write_text("notes")
-        return super().start(spec)
+    def start(self, plan: Any) -> Any:
+        (plan.workspace.out / "notes.txt").write_text("notes")
+        return super().start(plan)
 
 
 def test_a_file_that_grows_while_it_is_uploaded_fails_the_attempt(tmp_path: Path) -> None:
@@ -139,10 +139,10 @@ class FillsTmp(FakeRunner):
     """A task that writes 2 MiB into its tmp/ and its outputs, and has exited before any watch
     could look."""
 
-    def start(self, spec: Any) -> Any:
-        (spec.workspace.tmp / "scratch.bin").write_bytes(os.urandom(2 << 20))
-        (spec.workspace.out / "metrics.json").write_text("{}")
-        return super().start(spec)
+    def start(self, plan: Any) -> Any:
+        (plan.workspace.tmp / "scratch.bin").write_bytes(os.urandom(2 << 20))
+        (plan.workspace.out / "metrics.json").write_text("{}")
+        return super().start(plan)
 
 
 def test_a_task_that_exited_past_its_disk_cap_fails_with_the_reason(tmp_path: Path) -> None:

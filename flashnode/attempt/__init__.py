@@ -57,7 +57,7 @@ from flashnode.errors import (
 )
 from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult
-from flashnode.runners.spec import Preparation
+from flashnode.runners.plan import Contribution
 from flashnode.sandbox import logcap
 from flashnode.sandbox.removal import remove_tree
 
@@ -116,7 +116,8 @@ class Attempt:
         self.result: RunResult | None = None  # how the task ended, once it has
         self.output_sha256 = ""  # metrics.json's, as the coordinator acknowledged it
         self.during_run: list[Watcher] = []  # started with the task, finished after it exits
-        self.cleanups: list[Callable[[], None]] = []  # run once the attempt ends, in any case
+        # What the phases before the run contributed to its start: released once it has ended.
+        self._contributions: list[Contribution] = []
         # What phases report about themselves (env built or reused, bytes fetched, labels lent):
         # in the attempt's status while it runs, and in its ledger line.
         self.facts: dict[str, Any] = {}
@@ -304,11 +305,11 @@ class Attempt:
         with self._in("stage"):
             self.staged = staged = stage.make(self, lease, task)
             stage.run(self, staged)
-        ckpt = self._phase("restore", restore.run, self, staged)
-        venv = self._phase("environment", environment.run, self, task)
-        lent = self._phase("data", data.run, self, staged)
-        prepared = _fold(ckpt, venv, lent)
-        evidence = self._phase("execute", execute.run, self, staged, prepared)
+        got = self._contributions
+        got.append(self._phase("restore", restore.run, self, staged))
+        got.append(self._phase("environment", environment.run, self, task))
+        got.append(self._phase("data", data.run, self, staged))
+        evidence = self._phase("execute", execute.run, self, staged, tuple(got))
         finished = self._phase("check", commit.check, self, staged, evidence)
         return self._phase("commit", commit.commit, self, staged, finished)
 
@@ -367,11 +368,7 @@ class Attempt:
             ended = time.monotonic()
             keeper.stop()
             execute.release(self)
-            for cleanup in reversed(self.cleanups):
-                try:
-                    cleanup()
-                except Exception:  # one failed cleanup must not skip the others
-                    log.exception("lease %s: cleanup failed", lease.lease_id)
+            self._release_contributions()
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
             log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)
@@ -394,6 +391,18 @@ class Attempt:
         self.record.timings["end"] = round(time.monotonic() - ended, 4)
         self._record(outcome, reason)
         return outcome
+
+    def _release_contributions(self) -> None:
+        """Give back what the phases hold for the task (a pinned job environment, pinned
+        dataset slices), the last contributed first, each once."""
+        got, self._contributions = self._contributions, []
+        for part in reversed(got):
+            if part.release is None:
+                continue
+            try:
+                part.release()
+            except Exception:  # one failed release must not skip the others
+                log.exception("lease %s: a release failed", self.lease_id)
 
     def _keep_logs(self, logs: Path) -> None:
         """What the task printed stays readable after its end (``flashnode logs LEASE``, the
@@ -503,17 +512,3 @@ class Attempt:
             usage.get("cpu_percent_mean"),
             usage.get("gpu_util_percent_mean"),
         )
-
-
-def _fold(*parts: Preparation) -> Preparation:
-    """What the phases before the run each prepared for its start, as one (no two of them set
-    the same thing: the checkpoint's variables, the job environment's, the lent views)."""
-    whole = Preparation()
-    for part in parts:
-        whole.agent_env.update(part.agent_env)
-        whole.python = part.python or whole.python
-        whole.path_prefix.extend(part.path_prefix)
-        whole.environment = part.environment or whole.environment
-        whole.read_only_binds.extend(part.read_only_binds)
-        whole.module_inputs.update(part.module_inputs)
-    return whole

@@ -101,7 +101,7 @@ class DataPort(Protocol[H]):
     def layout(self, handles: Sequence[H], dest: Path, *, task_uid: int) -> None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttemptContext:
     """The agent's edges and configuration. Each Attempt is handed a copy with the ``settings``
     and ``limits`` current when it was claimed, and keeps them across a reload (``lent_now``

@@ -21,26 +21,34 @@ from typing import TYPE_CHECKING
 
 from flashnode.caches import localdata
 from flashnode.errors import AttemptLapsed, DataUnavailable
-from flashnode.runners.spec import WORK, Preparation
+from flashnode.runners.plan import WORK, Contribution
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
+    from flashnode.attempt.context import ShardLease
     from flashnode.attempt.record import Staged
     from flashnode.config.settings import Settings
 
 
-def run(a: Attempt, staged: Staged) -> Preparation:
-    """What the task's start gets for its data: the views of the lent directories it asked for
-    (dataset slices are laid out in its workspace)."""
-    prepared = _lend(a, staged)
-    _fetch(a, staged)
-    return prepared
+def run(a: Attempt, staged: Staged) -> Contribution:
+    """What the task's start gets for its data: the views of the lent directories it asked for,
+    and its dataset slices laid out in its workspace; its release unpins the slices."""
+    views = _lend(a, staged)
+    handles = _fetch(a, staged)
+    if not handles:
+        return Contribution(views=views)
+
+    def release() -> None:
+        for handle in handles:
+            handle.release()
+
+    return Contribution(views=views, datasets=True, release=release)
 
 
-def _lend(a: Attempt, staged: Staged) -> Preparation:
-    task, ws, prepared = staged.task, staged.workspace, Preparation()
+def _lend(a: Attempt, staged: Staged) -> tuple[tuple[str, str], ...]:
+    task, ws = staged.task, staged.workspace
     if not task.local_inputs:
-        return prepared
+        return ()
     inputs = {i.dest for i in task.inputs}
     lent = localdata.mounts(list(task.local_inputs), a.ctx.settings.local_data, WORK, inputs)
     if a.ctx.lent_now is not None:
@@ -52,15 +60,15 @@ def _lend(a: Attempt, staged: Staged) -> Preparation:
             )
     for mount in lent:
         (ws.inputs / mount.label).mkdir(mode=0o700)
-        prepared.read_only_binds.append((str(mount.source), str(mount.target)))
     a.facts["local_inputs"] = [m.label for m in lent]
-    return prepared
+    return tuple((str(m.source), str(m.target)) for m in lent)
 
 
-def _fetch(a: Attempt, staged: Staged) -> None:
+def _fetch(a: Attempt, staged: Staged) -> list[ShardLease]:
+    """The slices fetched, pinned and laid out; unpinned again here if anything of it fails."""
     entries, cache = staged.task.datasets, a.ctx.data
     if not entries:
-        return
+        return []
     needed = sum(e.size for e in entries)
     if cache is None or needed > cache.budget_bytes:
         # The coordinator placed it by the budget this node advertised: smaller now (reloaded).
@@ -74,10 +82,13 @@ def _fetch(a: Attempt, staged: Staged) -> None:
     except DataUnavailable:
         a.check()  # a fetch cut short by a lost lease or a cancel ends the way they say
         raise
-    for handle in handles:
-        a.cleanups.append(handle.release)
-    a.check()
-    cache.layout(handles, staged.workspace.data, task_uid=_task_uid(a.ctx.settings))
+    try:
+        a.check()
+        cache.layout(handles, staged.workspace.data, task_uid=_task_uid(a.ctx.settings))
+    except BaseException:
+        for handle in handles:
+            handle.release()
+        raise
     fetched = [h for h in handles if h.fetched]
     a.facts["data"] = {
         "entries": len(handles),
@@ -86,6 +97,7 @@ def _fetch(a: Attempt, staged: Staged) -> None:
         "bytes": needed,
         "seconds": round(a.ctx.clock.monotonic() - started, 3),
     }
+    return list(handles)
 
 
 def _task_uid(s: Settings) -> int:

@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from flashnode.errors import AttemptLapsed
-from flashnode.runners.spec import Preparation
+from flashnode.runners.plan import Contribution
 
 if TYPE_CHECKING:
     from flashnode.attempt import Attempt
@@ -28,11 +28,12 @@ if TYPE_CHECKING:
 DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def run(a: Attempt, task: Task) -> Preparation:
-    """What the task's start gets for its job environment (nothing, where it has none)."""
-    ctx, prepared = a.ctx, Preparation()
+def run(a: Attempt, task: Task) -> Contribution:
+    """What the task's start gets for its job environment (nothing, where it has none); its
+    release unpins the environment."""
+    ctx = a.ctx
     if not task.dependencies or not ctx.runner.installs_dependencies:
-        return prepared
+        return Contribution()
     if ctx.envs is None:
         raise AttemptLapsed("this node builds no job environments")
     python = task.python or DEFAULT_PYTHON
@@ -42,17 +43,17 @@ def run(a: Attempt, task: Task) -> Preparation:
         stop=a.stop,
         timeout_s=ctx.settings.env_build_timeout_seconds,
     )
-    a.cleanups.append(env.release)
     a.facts["environment"] = {
         "key": env.key[:16],
         "python": python,
         "built": env.built,
         "build_seconds": round(env.build_seconds, 3),
     }
-    prepared.environment = str(env.path)
     if task.module is not None:
-        prepared.python = str(env.python)
-    else:
-        prepared.path_prefix.append(str(env.path / "bin"))
-        prepared.agent_env["VIRTUAL_ENV"] = str(env.path)
-    return prepared
+        return Contribution(python=str(env.python), environment=str(env.path), release=env.release)
+    return Contribution(
+        env={"VIRTUAL_ENV": str(env.path)},
+        path=(str(env.path / "bin"),),
+        environment=str(env.path),
+        release=env.release,
+    )

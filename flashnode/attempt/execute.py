@@ -34,14 +34,16 @@ from flashnode.attempt.record import State
 from flashnode.coordinator.wire import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
-from flashnode.runners import spec as specs
+from flashnode.runners import plan as plans
 from flashnode.runners.base import Handle, RunResult, SuspendFailed
 from flashnode.sandbox import outputs
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from flashnode.attempt import Attempt
     from flashnode.attempt.record import Staged
-    from flashnode.runners.spec import Preparation
+    from flashnode.runners.plan import Contribution
     from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -51,9 +53,10 @@ WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
 
 
-def run(a: Attempt, staged: Staged, prepared: Preparation) -> ExecutionEvidence:
-    """The task run to its end, started with what the phases before prepared for it; the
-    evidence of a run that ended well (also in the record)."""
+def run(a: Attempt, staged: Staged, contributions: Sequence[Contribution]) -> ExecutionEvidence:
+    """The task run to its end, started by the plan resolved from what the phases before
+    contributed (its module spec written first); the evidence of a run that ended well (also in
+    the record)."""
     lease, task, ws = staged.lease, staged.task, staged.workspace
     ctx, s = a.ctx, a.ctx.settings
     timeout = min(task.timeout_seconds or s.max_task_seconds, s.max_task_seconds)
@@ -65,24 +68,26 @@ def run(a: Attempt, staged: Staged, prepared: Preparation) -> ExecutionEvidence:
 
     space, use = ctx.space(), outputs.usage(ws)
     caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
-    start = specs.build(
+    facts = ctx.runner.facts(ws, a.record.slot)
+    plan = plans.resolve(
         task,
-        lease.job_id,
-        lease.lease_id,
+        lease,
         a.record.slot,
         ws,
-        a.devices,
-        bool(ctx.gpus.devices),
-        ctx.limits,
-        a.wake.set,
-        record,
-        prepared,
+        facts,
+        contributions,
+        gpus=a.devices,
+        gpu_node=bool(ctx.gpus.devices),
+        limits=ctx.limits,
+        on_exit=a.wake.set,
+        record=record,
         max_file_bytes=caps.bytes + 1,  # a file that size is past the cap already
     )
+    plans.write_module_spec(plan, facts.group)
     a.check()
     cpu.start()
     with a.timed("execute.start", phase=False):
-        a.handle = handle = ctx.runner.start(start)
+        a.handle = handle = ctx.runner.start(plan)
     cores = os.cpu_count() or 1
     sampler = Sampler(
         ctx.clock,

@@ -41,7 +41,7 @@ from flashnode.coordinator.wire import (
     safe_key,
 )
 from flashnode.errors import AttemptLapsed
-from flashnode.runners.spec import WORK, Preparation
+from flashnode.runners.plan import WORK, Contribution
 from flashnode.sandbox.removal import remove_tree
 from flashnode.sandbox.workspace import CKPT
 
@@ -62,13 +62,14 @@ class Unusable(Exception):
     """The latest manifest cannot be resumed from; the message says why."""
 
 
-def run(a: Attempt, staged: Staged) -> Preparation:
-    """What the task's start gets for its checkpoints: the checkpoint directory, and the
-    checkpoint restored for it, if any. The relay is set to watch the run."""
-    task, prepared = staged.task, Preparation()
+def run(a: Attempt, staged: Staged) -> Contribution:
+    """What the task's start gets for its checkpoints: their variables, and the checkpoint
+    restored for it, if any. The relay is set to watch the run."""
+    task = staged.task
     if task.checkpoint is None:
-        return prepared
-    prepared.agent_env["FLASHML_CHECKPOINT_DIR"] = f"{WORK}/out/{CKPT}"
+        return Contribution()
+    env = {"FLASHML_CHECKPOINT_DIR": f"{WORK}/out/{CKPT}"}
+    inputs: dict[str, str] = {}
     manifest = _latest(a, staged.lease)
     restored = None
     if manifest is None:
@@ -85,9 +86,9 @@ def run(a: Attempt, staged: Staged) -> Preparation:
                 exc,
             )
         else:
-            prepared.agent_env["FLASHML_RESUME"] = path
+            env["FLASHML_RESUME"] = path
             if task.module is not None:
-                prepared.module_inputs[RESUME_INPUT] = path
+                inputs[RESUME_INPUT] = path
             a.record.resumed_from_step = manifest.step
             log.info(
                 "lease %s: resuming from step %d (%d file(s), %d bytes)",
@@ -97,7 +98,7 @@ def run(a: Attempt, staged: Staged) -> Preparation:
                 sum(p.size_bytes for p, _ in files),
             )
     a.during_run.append(Relay(a, staged, restored))
-    return prepared
+    return Contribution(env=env, module_inputs=inputs)
 
 
 def _latest(a: Attempt, lease: Lease) -> CheckpointManifest | None:

@@ -12,6 +12,7 @@ import ssl
 from collections.abc import Mapping
 from datetime import tzinfo
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -21,6 +22,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -232,7 +234,8 @@ class Settings(BaseModel):
     dataset_ca_file: Path | None = None
     dataset_fetch_timeout_seconds: float = Field(default=3600.0, gt=0)
     dataset_allow_private_origins: bool | tuple[str, ...] = False
-    local_data: dict[str, Path] = Field(default_factory=dict)
+    # Read-only once validated, as everything else here: an attempt's snapshot cannot change.
+    local_data: Mapping[str, Path] = Field(default_factory=dict)
 
     @field_validator("dataset_fetch_timeout_seconds")
     @classmethod
@@ -289,12 +292,16 @@ class Settings(BaseModel):
 
     @field_validator("local_data")
     @classmethod
-    def _lent_dirs(cls, value: dict[str, Path]) -> dict[str, Path]:
+    def _lent_dirs(cls, value: Mapping[str, Path]) -> Mapping[str, Path]:
         for label, path in value.items():
             problem = lent_problem(label, path)
             if problem:
                 raise ValueError(problem)
-        return value
+        return MappingProxyType(dict(value))
+
+    @field_serializer("local_data")
+    def _lent_dirs_out(self, value: Mapping[str, Path]) -> dict[str, Path]:
+        return dict(value)
 
     @model_validator(mode="after")
     def _lends_no_secrets(self) -> Settings:

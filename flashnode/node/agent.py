@@ -1,4 +1,5 @@
-"""The node loop: register, node heartbeat, claim, hand attempts to slots, drain.
+"""The node loop: startup, then turn by turn the owner's controls, the session with the
+coordinator (register, heartbeat, claim), attempts handed to free slots, the drain; shutdown.
 
 ``run`` has three phases, as uvicorn's server does: ``startup`` (reap what an earlier run left,
 resume the outbox), the loop, and ``shutdown``, which runs in every case (a drain, a second
@@ -9,71 +10,56 @@ It imports no edge: the coordinator, the runner, the clock and the way attempts 
 all given to it, so tests drive it with fakes and a fake clock. Signal handlers (in the CLI) only
 call ``request_stop``/``request_reload``; the loop acts on them.
 
-The owner's controls (``controls.py``) are evaluated every turn: the node claims only while no
-rule holds; ``flashnode pause --now`` stops running attempts as an ending that is not the task's
-fault; a rule named in ``suspend_when`` suspends running tasks until it clears. Heartbeats go on
-throughout: a paused node is online and says why it takes no work.
+The loop keeps no state of its parts; each owns its own:
 
-Its parts: ``reload.py`` keeps the configuration (each attempt gets the one it was claimed
-under), ``publisher.py`` says what the node does from a frozen ``NodeView`` of it each turn,
-``holds.py`` holds claiming for the node's own reasons, ``pacing.py`` says when to talk to the
-coordinator next.
+* ``session.py`` (``Session``): registration, the node heartbeat, registering again when the
+  coordinator forgot the node or a reload changed the settings, the claim and its answer;
+  ``pacing.py`` says when each call is due;
+* ``workers.py`` (``Workers``): one worker per slot: the running attempts, their threads, the
+  GPUs a lease takes, the owner controls' stop and suspension applied to them, their endings;
+* ``drain.py`` (``Drain``): the stop requests and the drain's clock;
+* ``reload.py`` (``Reloader``): the configuration, swapped as one by a reload; each attempt is
+  given a frozen snapshot of the one it was claimed under (``Reloader.snapshot``);
+* ``controls.py`` (the owner's rules) and ``holds.py`` (the node's own holds on claiming);
+* ``publisher.py`` (``Publisher``): what the node does, from a frozen ``NodeView`` each turn;
+* ``recovery.py``: what an earlier run left, at startup.
+
+The owner's controls are evaluated every turn: the node claims only while no rule holds;
+``flashnode pause --now`` stops running attempts as an ending that is not the task's fault; a
+rule named in ``suspend_when`` suspends running tasks until it clears. Heartbeats go on
+throughout: a paused node is online and says why it takes no work.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from flashnode.attempt import Attempt, AttemptContext, Outcome
-from flashnode.attempt.record import State
+from flashnode.attempt import AttemptContext
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import SAFE_ID, NodeHeartbeat, NodeRegistration
-from flashnode.errors import (
-    AttemptFailed,
-    AttemptLapsed,
-    CoordinatorError,
-    CredentialsError,
-    Stopped,
-    Unregistered,
-)
-from flashnode.evidence.gpupool import Device
+from flashnode.coordinator.wire import NodeRegistration
+from flashnode.errors import CredentialsError, Stopped
 from flashnode.node.controls import Controls, Decision, Rules
-from flashnode.node.guard import Ending
+from flashnode.node.drain import SHUTDOWN_MARGIN_S, Drain
 from flashnode.node.holds import NodeHolds
 from flashnode.node.pacing import Pacing
-from flashnode.node.publisher import NodeView, Problem, Publisher, task_cpu
+from flashnode.node.publisher import NodeView, Publisher
+from flashnode.node.recovery import recover
 from flashnode.node.reload import Config, Reloader
+from flashnode.node.session import AgentCoordinator, Session
+from flashnode.node.workers import Workers, effective_slots
 from flashnode.owner.status import StatusSink
 from flashnode.sandbox.diskuse import Space
 from flashnode.sandbox.limits import Limits
-from flashnode.sandbox.removal import remove_stale_workspaces
+
+__all__ = ["Agent", "AgentCoordinator", "effective_slots"]
 
 log = logging.getLogger(__name__)
 
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
-SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
-
-
-class AgentCoordinator(Protocol):
-    def register(self, registration: NodeRegistration) -> str: ...
-    def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None: ...
-    def claim(self, node_id: str) -> dict[str, Any] | None: ...
-
-
-@dataclass
-class Stats:
-    started: int = 0
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-    def count(self, outcome: Outcome) -> None:
-        self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
 
 
 class Agent:
@@ -95,8 +81,8 @@ class Agent:
     ) -> None:
         """``ctx``: the edges every attempt is given, and the configuration the agent starts
         with (``settings``, ``limits``; after a reload the current one is ``reloader.current``,
-        and each attempt is given a copy of ``ctx`` with it). ``reload``: the configuration as
-        it is now (for ``request_reload``); ``limits``: the per-task limits of reloaded
+        and each attempt is given a snapshot of ``ctx`` with it). ``reload``: the configuration
+        as it is now (for ``request_reload``); ``limits``: the per-task limits of reloaded
         settings (None: they stay); ``on_settings``: what else follows a reload (the caches'
         budgets). ``controls``: the owner's rules (None: none). ``space``: the state dir's
         disk now (default: ``ctx.space``). ``health``: this node's own checks for the given
@@ -105,13 +91,11 @@ class Agent:
         ``totals``: what this node gave, today and all time (from the ledger: it survives
         restarts), for status.json. Counts go to ``ctx.metrics``."""
         self.ctx = ctx
-        self.controls = controls
-        self.metrics = ctx.metrics
-        self.decision = Decision()  # the owner controls' latest word
-        self.coordinator = coordinator
-        self.registration = registration
         self.clock = clock or ctx.clock
+        self.controls = controls
+        self.decision = Decision()  # the owner controls' latest word
         self._wake = threading.Event()
+        self._on_settings = on_settings
         self.reloader = Reloader(
             Config(ctx.settings, ctx.limits),
             self.clock,
@@ -122,10 +106,11 @@ class Agent:
             applied=self._reloaded,
             wake=self._wake.set,
         )
-        self._on_settings = on_settings
         self.publisher = Publisher(self.clock, sink, status_extra, totals)
-        self.sink = self.publisher.sink
-        self.pacing = Pacing(ctx.settings, ctx.rng)  # when to talk to the coordinator next
+        pacing = Pacing(ctx.settings, ctx.rng)
+        self.session = Session(coordinator, registration, self.clock, pacing, ctx.metrics)
+        self.workers = Workers(ctx, self.clock, self._wake.set)
+        self.drain = Drain()
         # The node's own holds: the black-hole guard, the backoff after a revoked lease, the disk.
         self.holds = NodeHolds(
             ctx.settings,
@@ -138,38 +123,27 @@ class Agent:
             ctx.later,
             self._wake.set,
         )
-        self.node_id = ""
-        self._slots_made = effective_slots(ctx.settings, len(ctx.gpus.devices))
-        self.stats = Stats()
-        self.running: dict[int, Attempt] = {}
-        self._lock = threading.Lock()
-        self._registered = False
-        self._problems: dict[str, Problem] = {}  # the failing conversations with the coordinator
-        self._beats = 0
-        self._last_beat_wall: float | None = None
-        self._last_ended: dict[str, Any] | None = None  # the latest attempt's end, for status
         self._started_wall = self.clock.wall()
-        self._next_heartbeat = 0.0
-        self._next_claim = 0.0
-        self._next_register = 0.0
-        self._draining = False
-        self._drain_started = False
-        self._drain_deadline = 0.0
-        self._extend_at = 0.0
-        self._stop_now = False
+        self._applied = ctx.settings  # the settings the loop's parts run under
 
     @property
     def settings(self) -> Settings:
         """The settings the next claim runs under (a reload swaps them)."""
         return self.reloader.current.settings
 
+    @property
+    def sink(self) -> StatusSink:
+        return self.publisher.sink
+
+    def task_cpu(self) -> dict[str, float] | None:
+        """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule)."""
+        return self.workers.task_cpu()
+
     # --- control (safe to call from a signal handler: sets flags only) ------------------------
 
     def request_stop(self) -> None:
         """First call: drain. Second call: stop now, still cleaning up."""
-        if self._draining:
-            self._stop_now = True
-        self._draining = True
+        self.drain.request_stop()
 
     def request_reload(self) -> None:
         """Re-read the configuration (pools, limits) and register again."""
@@ -199,78 +173,35 @@ class Agent:
         """Before any claim: reap what an earlier run of this agent left running, commit the
         results it finished (the outbox), let the rest lapse, and remove workspaces no record
         names."""
-        outbox = self.ctx.outbox
-        for lease_id in outbox.leases():
-            try:
-                self._recover(lease_id)
-            except Exception:  # one bad leftover must not keep the agent from starting
-                log.exception("lease %s: recovery failed; dropping its record", lease_id)
-                outbox.remove(lease_id)
-        try:
-            self.ctx.runner.reconcile()
-            keep = set(outbox.leases())
-            stale = remove_stale_workspaces(self.settings.state_dir / "attempts", keep=keep)
-            for lease_id in stale:  # ended by a crash before its task started: no record
-                self._ledger_lapsed(lease_id, "agent restarted before the task started")
-        except Exception:
-            log.exception("cleaning up after an earlier run failed")
+        recover(self.reloader.snapshot(self.ctx), self.workers.count)
         self.sink.send(READY=1)
-
-    def _recover(self, lease_id: str) -> None:
-        outbox = self.ctx.outbox
-        record = outbox.read(lease_id)
-        if record is None:
-            outbox.remove(lease_id)
-            return
-        if record.process:
-            self.ctx.runner.reap(record.process)
-        attempt = Attempt(self._context(), record.lease, record.slot, record=record)
-        if record.state is State.FINISHED:
-            outcome = attempt.resume()
-        else:
-            outcome = attempt.abandon("agent restarted")
-        self.stats.count(outcome)
-
-    def _ledger_lapsed(self, lease_id: str, reason: str) -> None:
-        if not SAFE_ID.match(lease_id):
-            return
-        log.warning("lease %s: %s; letting its lease lapse", lease_id, reason)
-        entry = {"lease_id": lease_id, "outcome": Outcome.LAPSED.value, "reason": reason}
-        try:
-            self.ctx.ledger.append({**entry, "ended_at": self.clock.wall()})
-        except OSError as exc:
-            log.error("lease %s: cannot write the ledger: %s", lease_id, exc)
-        self.stats.count(Outcome.LAPSED)
 
     def _loop(self) -> None:
         while True:
             self.sink.tick()
             now = self.clock.monotonic()
-            self._drain_tick(now)
+            self._take_endings()
+            self._take_settings()
+            if self.drain.tick(now, self.settings, self.sink, self.workers.running()):
+                self.session.heartbeat_soon(now)
             self._owner_controls()
             if self.ctx.ledger.pending:  # lines a full disk kept back
                 self.ctx.ledger.flush()
-            if self._stop_now:
-                self._cancel_all(Stopped("agent stopping"), grace=0.0)
-            elif self._draining and now >= self._drain_deadline:
-                self._cancel_all(Stopped("node draining"), self.settings.kill_grace_seconds)
-            if not self.running and (self._draining or self._quota_spent()):
+            stopping = self.drain.stopping(now, self.settings)
+            if stopping is not None:
+                self.workers.cancel_all(*stopping)
+            if not self.workers.running() and (self.drain.draining or self._quota_spent()):
                 return
             self.reloader.tick()
-            if not self._registered:
-                if now >= self._next_register:
-                    self._register()
-            else:
-                if now >= self._next_heartbeat:
-                    self._heartbeat()
-                if self._may_claim() and now >= self._next_claim:
-                    self._claim()
-                    self._publish()
-                    continue
+            registered = self.session.turn(now, self.settings, self.drain.draining)
+            if registered and self._may_claim() and self.session.claim_due(now):
+                lease = self.session.claim(self.workers.leases())
+                if lease is not None:
+                    self.workers.start(lease, self.reloader.snapshot(self.ctx))
+                self._publish()
+                continue
             self._publish()
-            wake_at = self._next_heartbeat if self._registered else self._next_register
-            if self._may_claim():
-                wake_at = min(wake_at, self._next_claim)
+            wake_at = self.session.wake_at(self._may_claim())
             self.clock.wait(self._wake, min(max(wake_at - now, 0.0), TICK))
             self._wake.clear()
 
@@ -278,30 +209,27 @@ class Agent:
         """Stop every running attempt (left to lapse: not the tasks' fault), wait for each to
         end and be recorded, say goodbye to the coordinator, publish the final status."""
         s = self.settings
-        left = self._attempts()
+        left = self.workers.running()
         if left:
-            log.info("stopping %d running attempt(s)", len(left))
-            self._cancel_all(Stopped("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds)
+            log.info("stopping %d running attempt(s)", left)
+            self.workers.cancel_all(
+                Stopped("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds
+            )
             deadline = self.clock.monotonic() + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
-            while self.running and self.clock.monotonic() < deadline:
-                self.sink.tick()
-                self.clock.wait(self._wake, TICK)
-                self._wake.clear()
-            if self.running:
-                log.error("%d attempt(s) did not end in time", len(self.running))
-        if self._registered and not abrupt:
-            with contextlib.suppress(CoordinatorError, CredentialsError):
-                self.coordinator.node_heartbeat(
-                    NodeHeartbeat(node_id=self.node_id, status="terminating")
-                )
+            late = self.workers.wait_all(deadline, self._wake, self.sink.tick)
+            if late:
+                log.error("%d attempt(s) did not end in time", late)
+        self._take_endings()
+        if not abrupt:
+            self.session.goodbye()
         try:
             self.ctx.runner.close()
         except Exception:  # the last status and log line must still be written
             log.exception("closing the runner failed")
         self._publish(final=True)
-        log.info("agent stopped: %s", self.stats.outcomes)
+        log.info("agent stopped: %s", self.workers.outcomes())
 
-    # --- the owner's controls and the node's own holds -----------------------------------------
+    # --- what each turn weighs ----------------------------------------------------------------
 
     def _owner_controls(self) -> None:
         """Evaluate the owner's rules; stop or suspend running attempts as they say. Add the
@@ -309,65 +237,49 @@ class Agent:
         hold claiming and say why, but stop or suspend nothing."""
         d = self.controls.evaluate() if self.controls else Decision()
         self.decision = d.holding(*self.holds.holds(self.settings))
-        attempts = self._attempts()
-        for attempt in attempts:
-            # Not the task's fault: the lease lapses, no `fail`. A finished result (its
-            # task ran, its outputs are spooled) is still committed: the pause stops tasks.
-            if d.stop_reason and attempt.record.state is not State.FINISHED:
-                attempt.cancel(Stopped(d.stop_reason), self.settings.kill_grace_seconds)
-            attempt.request_suspension(d.suspend_reason)
-        suspended = sum(a.suspended_since is not None for a in attempts)
-        self.metrics.set_running(len(attempts), suspended)
-        self.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
+        self.workers.obey(d, self.settings.kill_grace_seconds)
+        self.ctx.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
 
-    def task_cpu(self) -> dict[str, float] | None:
-        """Cumulative CPU seconds of every running attempt's task (for the ``load`` rule)."""
-        with self._lock:
-            attempts = list(self.running.items())
-        return task_cpu(attempts)
+    def _take_endings(self) -> None:
+        """Act on the attempts that ended: the node's own holds learn how, and the node
+        claims again at once."""
+        for ended in self.workers.ended():
+            self.holds.ended(ended.ending, ended.attempt.lease_id)
+            self.session.attempt_ended(ended.at)
+
+    def _quota_spent(self) -> bool:
+        m = self.settings.max_tasks
+        return m is not None and self.workers.stats.started >= m
+
+    def _may_claim(self) -> bool:
+        """Claim only with a free slot that could serve a task: on a GPU node, a free GPU."""
+        if self.drain.draining or self._quota_spent() or self.reloader.busy:
+            return False
+        if not self.decision.may_claim or not self.workers.could_take(self.settings):
+            return False
+        return self.ctx.runner.ready()
 
     # --- reload -------------------------------------------------------------------------------
 
     def _reloaded(self, config: Config) -> None:
-        """A reload applied (on the reload's thread): the node's parts take the new settings,
-        and the node registers again (its pools may have changed)."""
-        new = config.settings
+        """A reload applied (on the reload's thread, before claims resume): the edges that
+        follow it (the caches' budgets and origin policies) take the new settings. The loop's
+        own parts take them at its next turn (``_take_settings``), on the loop's thread."""
+        if self._on_settings is not None:
+            self._on_settings(config.settings, config.limits)
+
+    def _take_settings(self) -> None:
+        """At the start of a turn, before anything weighs them: the owner's rules and the
+        node's holds take the settings a reload made current. The session registers again by
+        itself when it sees them (the pools may have changed)."""
+        new = self.settings
+        if new is self._applied:
+            return
+        self._applied = new
         self.holds.reconfigure(new)
         if self.controls is not None:
             self.controls.reconfigure(Rules.from_settings(new))
-        if self._on_settings is not None:
-            self._on_settings(new, config.limits)
         log.info("configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-")
-        self._registered = False
-        self._next_register = self._next_claim = 0.0
-
-    def _context(self) -> AttemptContext:
-        """What an attempt is given: the agent's edges and the configuration current now, which
-        it keeps whatever reload comes while it runs."""
-        config = self.reloader.current
-        return dataclasses.replace(
-            self.ctx,
-            settings=config.settings,
-            limits=config.limits,
-            lent_now=lambda: self.reloader.current.settings.local_data,
-        )
-
-    # --- draining -----------------------------------------------------------------------------
-
-    def _drain_tick(self, now: float) -> None:
-        s = self.settings
-        if self._draining and not self._drain_started:
-            self._drain_started = True
-            self._drain_deadline = now + s.drain_seconds
-            log.info("draining: no new claims; %d attempt(s) running", len(self.running))
-            self.sink.send(STOPPING=1)
-            self._next_heartbeat = now
-        if self._draining and now >= self._extend_at:
-            # Tell systemd the stop takes longer: what is left of the drain, the kill grace,
-            # and a margin for the last commits.
-            left = max(self._drain_deadline - now, 0.0) + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
-            self.sink.send(EXTEND_TIMEOUT_USEC=int(left * 1e6))
-            self._extend_at = now + 5
 
     # --- what the agent is doing ---------------------------------------------------------------
 
@@ -376,204 +288,21 @@ class Agent:
 
     def _view(self) -> NodeView:
         """The node now, frozen for the publisher."""
-        running = tuple(a.snapshot() for a in self._attempts() if a.lease is not None)
+        running = tuple(a.snapshot() for a in self.workers.attempts() if a.lease is not None)
+        session = self.session
         return NodeView(
             settings=self.settings,
-            node_id=self.node_id,
-            registered=self._registered,
-            draining=self._draining,
-            drain_deadline=self._drain_deadline if self._drain_started else None,
+            node_id=session.node_id,
+            registered=session.registered,
+            draining=self.drain.draining,
+            drain_deadline=self.drain.deadline,
             started_at=self._started_wall,
-            beats=self._beats,
-            last_heartbeat_at=self._last_beat_wall,
-            problems=tuple(self._problems.values()),
-            counters=dict(self.stats.outcomes),
+            beats=session.beats,
+            last_heartbeat_at=session.last_beat_wall,
+            problems=tuple(session.problems.values()),
+            counters=self.workers.outcomes(),
             running=running,
             decision=self.decision,
-            last_ended=self._last_ended,
+            last_ended=self.workers.last_ended,
             reload_refused=self.reloader.refused,
         )
-
-    # --- claiming -----------------------------------------------------------------------------
-
-    def _attempts(self) -> list[Attempt]:
-        with self._lock:
-            return list(self.running.values())
-
-    def _quota_spent(self) -> bool:
-        m = self.settings.max_tasks
-        return m is not None and self.stats.started >= m
-
-    @property
-    def slots(self) -> int:
-        """Attempts run at once: ``slots``, or with ``auto`` one per GPU (1 without GPUs); never
-        more than at the start, for which the runner made its slots (GPUs found later add none)."""
-        return min(effective_slots(self.settings, len(self.ctx.gpus.devices)), self._slots_made)
-
-    def _free_slot(self) -> int | None:
-        used = {a.record.slot for a in self._attempts()}
-        return next((i for i in range(self.slots) if i not in used), None)
-
-    def _may_claim(self) -> bool:
-        """Claim only with a free slot that could serve a task: on a GPU node, a free GPU."""
-        if not self._registered or self._draining or self._quota_spent() or self.reloader.busy:
-            return False
-        if not self.decision.may_claim:
-            return False
-        gpus = self.ctx.gpus
-        if self._free_slot() is None or (gpus.devices and gpus.free == 0):
-            return False
-        return self.ctx.runner.ready()
-
-    # --- coordinator conversations ------------------------------------------------------------
-
-    def _register(self) -> None:
-        now = self.clock.monotonic()
-        try:
-            self.node_id = self.coordinator.register(self.registration(self.settings))
-        except CoordinatorError as exc:
-            self._failing("registration", exc)
-            answered = self.clock.monotonic()
-            self._next_register = answered + self.pacing.register_failed(answered - now)
-            return
-        self._registered = True
-        self._working("registration")
-        self.pacing.registered()
-        log.info("registered as node %s", self.node_id)
-
-    def _forgotten(self, what: str) -> None:
-        """The coordinator forgot this node (it restarted): register again after the pacing's
-        spread (a fleet noticed together), then claim at once."""
-        log.info("coordinator %s: registering again", what)
-        self._registered = False
-        now = self.clock.monotonic()
-        self._next_register = now + self.pacing.rejoin()
-        self._next_claim = 0.0
-
-    def _heartbeat(self) -> None:
-        self._next_heartbeat = self.clock.monotonic() + self.pacing.heartbeat()
-        heartbeat = NodeHeartbeat(
-            node_id=self.node_id, status="draining" if self._draining else "online"
-        )
-        try:
-            self.coordinator.node_heartbeat(heartbeat)
-        except Unregistered:
-            self._forgotten("forgot this node")
-            return
-        except CoordinatorError as exc:
-            self._failing("node heartbeat", exc)
-            return
-        self._working("node heartbeat")
-        self._beats += 1
-        self._last_beat_wall = self.clock.wall()
-
-    def _claim(self) -> None:
-        now = self.clock.monotonic()
-        try:
-            lease = self.coordinator.claim(self.node_id)
-        except Unregistered:
-            self.metrics.claim_finished(self.clock.monotonic() - now, "error")
-            self._forgotten("refused the claim as unregistered")
-            return
-        except CoordinatorError as exc:
-            answered = self.clock.monotonic()
-            self.metrics.claim_finished(answered - now, "error")
-            self._failing("claim", exc)
-            self._next_claim = answered + self.pacing.claim_failed(answered - now)
-            return
-        answered = self.clock.monotonic()
-        took = answered - now
-        self.metrics.claim_finished(took, "empty" if lease is None else "work")
-        self._working("claim")
-        self._next_claim = answered + self.pacing.claimed(lease is not None, took, answered)
-        if lease is None:
-            return
-        lease_id = lease.get("lease_id")
-        held = {a.record.lease_id for a in self._attempts()}
-        if isinstance(lease_id, str) and lease_id in held:
-            # The same lease again (a replayed or hostile answer): it is running here already,
-            # and a second attempt would share its workspace and cgroup.
-            log.error("claim answer names lease %s, which runs here already: ignored", lease_id)
-            self._next_claim = answered + self.pacing.claimed(False, took, answered)
-            return
-        self.stats.started += 1
-        slot = self._free_slot() or 0
-        attempt = Attempt(self._context(), lease, slot, self._reserve_gpus(lease))
-        key = self.stats.started
-        with self._lock:
-            self.running[key] = attempt
-        self.ctx.start_thread(lambda: self._run_attempt(key, attempt), f"attempt-{key}")
-
-    def _reserve_gpus(self, lease: dict[str, Any]) -> list[Device]:
-        """Take the GPUs a lease asks for now, in the loop, so that the next claim already
-        sees them held; the attempt checks the request properly (and ends it with a reason)."""
-        payload = lease.get("payload")
-        want = payload.get("gpus") if isinstance(payload, dict) else None
-        if not isinstance(want, int) or isinstance(want, bool) or want <= 0:
-            return []
-        try:
-            return self.ctx.gpus.acquire(want)
-        except AttemptFailed:
-            return []
-
-    def _run_attempt(self, key: int, attempt: Attempt) -> None:
-        outcome = Outcome.FAILED
-        started = self.clock.monotonic()
-        try:
-            outcome = attempt.run()
-        finally:
-            with self._lock:
-                self.running.pop(key, None)
-            self.stats.count(outcome)
-            self._ended(attempt, outcome, self.clock.monotonic() - started)
-            self.pacing.attempt_ended(self.clock.monotonic())
-            self._next_claim = self.clock.monotonic()  # claim again at once
-            self._wake.set()
-
-    def _ended(self, attempt: Attempt, outcome: Outcome, seconds: float) -> None:
-        """Tell the node's own holds how an attempt ended."""
-        lease = attempt.lease
-        reason = attempt.ended[1] if attempt.ended else ""
-        ending = Ending(
-            outcome,
-            reason,
-            lease.job_id if lease else "",
-            attempt.node_fault,
-            seconds,
-            job_endpoint=attempt.job_endpoint,
-            outgrew_room=attempt.outgrew_room,
-        )
-        self.holds.ended(ending, attempt.lease_id)
-        self._last_ended = {
-            "lease_id": attempt.lease_id,
-            "job_id": ending.job_id,
-            "task_id": lease.task_id if lease else "",
-            "outcome": outcome.value,
-            "reason": reason,
-            "ended_at": self.clock.wall(),
-        }
-
-    def _cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
-        for attempt in self._attempts():
-            attempt.cancel(ending, grace)
-
-    # --- one log line per state change -------------------------------------------------------
-
-    def _failing(self, what: str, exc: Exception) -> None:
-        self.metrics.coordinator_error(what)
-        known = self._problems.get(what)
-        if known is None:
-            log.warning("%s failing, retrying with backoff: %s", what, exc)
-        since = known.since if known is not None else self.clock.monotonic()
-        self._problems[what] = Problem(what, since, str(exc))
-
-    def _working(self, what: str) -> None:
-        known = self._problems.pop(what, None)
-        if known is not None:
-            log.info("%s works again after %.0f s", what, self.clock.monotonic() - known.since)
-
-
-def effective_slots(settings: Settings, gpus: int) -> int:
-    if settings.slots == "auto":
-        return max(1, gpus)
-    return settings.slots

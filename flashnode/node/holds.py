@@ -100,7 +100,7 @@ class NodeHolds:
         return self.disk.hold(settings), self.quarantine.hold(), self.revoked.hold()
 
     def ended(self, ending: Ending, lease_id: str) -> None:
-        """How an attempt ended (from its thread)."""
+        """How an attempt ended (on the loop's thread, once it has ended)."""
         self.quarantine.record(ending)
         self.revoked.record(ending, lease_id)
 

@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from flashnode.clock import Clock, stamp
 from flashnode.config.settings import Settings
 from flashnode.node.controls import Decision
+from flashnode.node.session import Problem
 from flashnode.owner import status
 from flashnode.owner.status import StatusSink
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A conversation with the coordinator that fails: since when (monotonic), its latest error."""
-
-    conversation: str
-    since: float
-    error: str
 
 
 @dataclass(frozen=True)
@@ -174,20 +166,3 @@ class Publisher:
         except Exception:  # the totals are for the owner's eyes: never the loop's end
             log.exception("cannot read the totals from the ledger")
             return None
-
-
-class Measured(Protocol):
-    def cpu_seconds(self) -> float | None: ...
-
-
-def task_cpu(attempts: Iterable[tuple[int, Measured]]) -> dict[str, float] | None:
-    """Cumulative CPU seconds of each running attempt's task, by its key (for the ``load``
-    rule); None when one of them cannot be measured, so that the rule never mistakes this
-    node's own tasks for other programs."""
-    found: dict[str, float] = {}
-    for key, attempt in attempts:
-        seconds = attempt.cpu_seconds()
-        if seconds is None:
-            return None
-        found[str(key)] = seconds
-    return found

@@ -11,12 +11,14 @@ closed: the new origin policies may not be in force).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from flashnode.attempt import AttemptContext
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.errors import FlashnodeError
@@ -84,6 +86,19 @@ class Reloader:
     def current(self) -> Config:
         with self._lock:
             return self._current
+
+    def snapshot(self, ctx: AttemptContext) -> AttemptContext:
+        """What an attempt is given: ``ctx``'s edges and the ``Config`` current now, which it
+        keeps whatever reload comes while it runs (the context is frozen, and so are the
+        settings and limits in it). Only ``lent_now`` reads the running configuration: what
+        the owner stopped lending is mounted by no attempt."""
+        config = self.current
+        return dataclasses.replace(
+            ctx,
+            settings=config.settings,
+            limits=config.limits,
+            lent_now=lambda: self.current.settings.local_data,
+        )
 
     @property
     def requested(self) -> bool:

@@ -5,7 +5,11 @@
   ``flashnode doctor`` prints every finding, so the two can never disagree.
 * ``create(settings, env)`` builds a runner; every runner is built the same way.
 * ``check(task)`` refuses a task this runner must not run, before anything starts.
-* ``start(spec)`` returns a Handle or raises after undoing everything it began.
+* ``facts(workspace, slot)`` states how the runner shows a task its workspace (``/work`` or its
+  host path, its module interpreter, ``HOME``, its GPUs' numbering, its base ``PATH``), from which
+  the agent resolves the task's ``TaskPlan`` (``runners.plan.resolve``) before calling ``start``.
+* ``start(plan)`` carries the plan out: returns a Handle or raises after undoing everything it
+  began.
 * A Handle's ``terminate(grace)`` is idempotent and escalates (polite signal, grace, kill);
   ``result()`` (once the main process exited) removes whatever the task left behind and returns
   the RunResult: data, not an exception. ``suspend()``/``resume()`` freeze and thaw the whole
@@ -22,58 +26,17 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from flashnode.clock import Clock, SystemClock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import Task
-from flashnode.evidence.gpupool import Device, GpuPool
+from flashnode.evidence.gpupool import GpuPool
 from flashnode.runners.findings import Finding
-from flashnode.sandbox.limits import Limits
+from flashnode.runners.plan import RunnerFacts, TaskPlan, map_work
 from flashnode.sandbox.workspace import Workspace
-
-
-@dataclass(frozen=True)
-class ModuleSpec:
-    """What a module task's ``spec.json`` holds; input paths are relative to ``/work``."""
-
-    task_id: str
-    params: dict[str, Any]
-    inputs: dict[str, str]
-
-
-@dataclass(frozen=True)
-class StartSpec:
-    """Everything a runner needs to start one task, built once (``runners.spec.build``)."""
-
-    lease_id: str
-    slot: int
-    workspace: Workspace
-    argv: tuple[str, ...] | None  # an argv task, with its /work paths as the payload gave them
-    module: ModuleSpec | None  # a module task's spec (``module_name`` is what runs)
-    module_name: str | None
-    env: Mapping[str, str]  # the payload's (checked) env; runners add their own fixed variables
-    gpus: tuple[Device, ...]  # the GPUs this attempt holds, and no other
-    gpu_node: bool  # this node has GPUs: a task holding none must see none
-    image: str
-    limits: Limits
-    on_exit: Callable[[], None]  # called (from any thread) when the main process exits
-    record: Callable[[dict[str, Any]], None]  # what a restarted agent needs to find the task
-    stdout: Path
-    stderr: Path
-    # Set by phases before the run (checkpoints, job environments, lent data):
-    agent_env: Mapping[str, str] = field(default_factory=dict)  # over the payload's; /work paths
-    python: str | None = None  # the interpreter of a module task (a job environment's)
-    path_prefix: tuple[str, ...] = ()  # host directories first on the task's PATH (trusted)
-    environment: str | None = None  # the job environment's directory, the only one it sees
-    read_only_binds: tuple[tuple[str, str], ...] = ()  # (host path, path under /work)
-    # The largest file the task may make (RLIMIT_FSIZE, both limits; None: no limit): a file
-    # that size is past its disk cap already, so the watch sees it, and the owner's disk keeps
-    # what the cap leaves free, however fast the task writes.
-    max_file_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -166,9 +129,14 @@ class Runner(ABC):
         """Raise AttemptFailed (the task's fault) or AttemptLapsed (this node's) when this
         runner must not run ``task``."""
 
+    def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
+        """How this runner shows a task in ``slot`` its ``workspace`` (the plan is resolved from
+        it): by default at ``/work``, with no module interpreter of its own."""
+        return RunnerFacts()
+
     @abstractmethod
-    def start(self, spec: StartSpec) -> Handle:
-        """Start the task; on failure raise after undoing everything begun."""
+    def start(self, plan: TaskPlan) -> Handle:
+        """Carry ``plan`` out; on failure raise after undoing everything begun."""
 
     def ready(self) -> bool:
         """Whether the runner can take a task now (e.g. its container engine answers)."""
@@ -179,7 +147,7 @@ class Runner(ABC):
         the path itself where the runner shows the workspace at ``/work`` (a container), else
         the host path it maps to. For what the agent writes into files the task reads (a
         restored checkpoint's manifest)."""
-        return path
+        return map_work(path, self.facts(workspace, 0).root)
 
     def reconfigure(self, settings: Settings) -> None:  # noqa: B027 - optional hook
         """Take a reloaded configuration (pools, limits). Runs off the main loop's thread."""

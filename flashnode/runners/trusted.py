@@ -14,11 +14,11 @@ refuses to run trusted work unless the owner set ``allow_same_user``.
 The task sees its workspace as ``/work``: a root agent binds it there in the task's own mount
 namespace (``procs.mounts.Sandbox.work``; the host's ``/work``, an empty directory the package or
 the agent makes, is only the mount point), so every ``/work/...`` path works wherever the task names
-it. In the same-user mode there is no namespace: an argument or ``env`` value that is ``/work`` or
-starts with ``/work/`` (also after the first ``=`` of ``--opt=/work/...``) is rewritten to the
-attempt directory instead. Its environment is built, never inherited: the locale from the agent's,
-then the payload's ``env``, then ``PATH``, ``HOME``, ``TMPDIR``, ``FLASHML_WORK_DIR``, the GPUs it
-holds and the ownership token.
+it. In the same-user mode there is no namespace: ``facts`` says the task sees the attempt
+directory instead, and its plan names that (``runners.plan``). Its environment is the plan's,
+never inherited: over the locale from the agent's, the payload's ``env``, the phases' variables,
+then ``PATH`` (the system's for a task user; the agent's own in the same-user mode), ``HOME``,
+``TMPDIR``, ``FLASHML_WORK_DIR`` and the GPUs it holds; ``start`` adds the ownership token.
 
 Lent directories are covered at their host paths in every task's namespace
 (``procs.mounts.cover_fstab``, rewritten on a reload), so that a task reaches lent data only at the
@@ -46,18 +46,11 @@ from flashnode.caches.envcache import ENVS_DIR, PYTHON_DIR
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import MODULES, Task
 from flashnode.errors import AttemptFailed, AttemptLapsed
-from flashnode.runners.base import Handle, Runner, RunnerEnv, StartSpec
+from flashnode.runners.base import Handle, Runner, RunnerEnv
 from flashnode.runners.findings import Finding, Ok, Problem
+from flashnode.runners.plan import WORK, RunnerFacts, TaskPlan
 from flashnode.runners.slots import SlotPool
-from flashnode.runners.spec import (
-    WORK,
-    cuda_visible,
-    machine_cpus,
-    map_work,
-    min_cpus,
-    module_argv,
-    write_module_spec,
-)
+from flashnode.runners.spec import machine_cpus, min_cpus
 from flashnode.runners.trustedhandle import TrustedHandle
 from flashnode.runners.trustedhost import (
     make_work_dir,
@@ -79,24 +72,6 @@ log = logging.getLogger(__name__)
 
 LOCALE = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
 PRIVATE_TMP_BYTES = 256 * 1024 * 1024
-
-
-def task_env(
-    spec: StartSpec, token: str, agent_env: Mapping[str, str], path: str, root: str = WORK
-) -> dict[str, str]:
-    """The task's environment (see the module docstring); ``root``: where the task sees its
-    workspace (``/work``, else its host path: the same-user mode)."""
-    env = {k: agent_env[k] for k in LOCALE if k in agent_env}
-    env.update({k: map_work(v, root) for k, v in spec.env.items()})
-    env.update({k: map_work(v, root) for k, v in spec.agent_env.items()})
-    path = ":".join([*spec.path_prefix, path])
-    env.update(PATH=path, HOME=f"{root}/tmp", TMPDIR=f"{root}/tmp")
-    env["FLASHML_WORK_DIR"] = root
-    visible = cuda_visible(spec, renumbered=False)
-    if visible is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible
-    env[procs.OWNER_ENV] = token
-    return env
 
 
 class TrustedRunner(Runner):
@@ -278,8 +253,19 @@ class TrustedRunner(Runner):
 
     # --- the contract -------------------------------------------------------------------------
 
-    def task_path(self, workspace: Workspace, path: str) -> str:
-        return path if self.sandbox else map_work(path, str(workspace.root))
+    def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
+        # Where the task sees its workspace: /work, bound in its own mount namespace (a root
+        # agent), else its host path (the same-user mode).
+        root = WORK if self.sandbox else str(workspace.root)
+        user = self.users[slot] if self.users else None
+        return RunnerFacts(
+            root=root,
+            python=self.task_python,
+            home=f"{root}/tmp",
+            path=SYSTEM_PATH if user else self.agent_env.get("PATH", SYSTEM_PATH),
+            env={k: self.agent_env[k] for k in LOCALE if k in self.agent_env},
+            group=user.gid if user else None,
+        )
 
     def check(self, task: Task) -> None:
         self._check_code(task)
@@ -339,36 +325,26 @@ class TrustedRunner(Runner):
     def close(self) -> None:
         self.slots.close()
 
-    def start(self, spec: StartSpec) -> Handle:
-        ws = spec.workspace
-        # Where the task sees its workspace: /work, bound in its own mount namespace (a root
-        # agent), else its host path (the same-user mode, which rewrites /work to it).
-        root = WORK if self.sandbox else str(ws.root)
-        user = self.users[spec.slot] if self.users else None
+    def start(self, plan: TaskPlan) -> Handle:
+        ws = plan.workspace
+        user = self.users[plan.slot] if self.users else None
         if user is not None:
             passable(self.settings.state_dir)
-        python = None
-        if spec.module_name is not None:
-            python = spec.python or self.task_python
-            if python is None:
-                raise AttemptLapsed("this node runs no module tasks (task_python)")
-        if spec.read_only_binds and not self.sandbox:
+        if plan.views and not self.sandbox:
             raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
         # Bound in the workspace, which is then bound at /work with them.
-        binds = tuple((src, dst.removeprefix(f"{WORK}/")) for src, dst in spec.read_only_binds)
-        if any(dst.startswith("/") or ".." in dst.split("/") for _, dst in binds):
-            raise AttemptLapsed("a read-only view lies outside the workspace")
+        binds = tuple((src, dst.removeprefix(f"{WORK}/")) for src, dst in plan.views)
         if any("\n" in path for bind in binds for path in bind):
             raise AttemptLapsed("cannot lend a directory whose path holds a newline")
         sandbox = (
             Sandbox(
                 PRIVATE_TMP_BYTES,
                 binds,
-                hidden_gpus(spec),
+                hidden_gpus(plan),
                 self._fstab,
                 work=True,
                 covers=self._covers,
-                **self._envs(spec.environment),
+                **self._envs(plan.environment),
             )
             if self.sandbox
             else None
@@ -376,7 +352,7 @@ class TrustedRunner(Runner):
         launch = None
         name = ws.root.name
         try:
-            ahead = self.slots.take(spec.slot, sandbox)  # once the slot's turnover is done
+            ahead = self.slots.take(plan.slot, sandbox)  # once the slot's turnover is done
             if ahead is not None:
                 launch = ahead.launch
                 try:
@@ -389,17 +365,9 @@ class TrustedRunner(Runner):
                 ws.hand_over(user.uid, user.gid, inputs_for="group")
             else:
                 ws.task_uid = os.geteuid()
-            if python is not None:
-                assert spec.module_name is not None
-                write_module_spec(spec, root, user.gid if user else None)
-                argv = module_argv(python, spec.module_name, f"{root}/spec.json", f"{root}/out")
-            else:
-                assert spec.argv is not None
-                argv = [map_work(a, root) for a in spec.argv]
-            token = procs.new_token()
-            path = SYSTEM_PATH if user else self.agent_env.get("PATH", SYSTEM_PATH)
-            env = task_env(spec, token, self.agent_env, path, root)
-            limits = spec.limits
+            argv = list(plan.argv)
+            env = {**plan.env, procs.OWNER_ENV: procs.new_token()}
+            limits = plan.limits
             with self._cpu_lock:
                 # Below the machine cap: cgroup v1 refuses a child quota above its parent's.
                 capped = dataclasses.replace(limits, cpus=min_cpus(limits.cpus, self._cpu_cap))
@@ -420,15 +388,15 @@ class TrustedRunner(Runner):
                 argv,
                 env,
                 cwd=ws.root,
-                workdir=Path(root) / "out",  # flashruntime's contract: its output directory
-                stdout=spec.stdout,
-                stderr=spec.stderr,
+                workdir=Path(plan.cwd),  # flashruntime's contract: its output directory
+                stdout=plan.stdout,
+                stderr=plan.stderr,
                 log_max_bytes=self.settings.log_max_bytes,
-                on_exit=spec.on_exit,
+                on_exit=plan.on_exit,
                 clock=self.env.clock,
                 launch=launch,
                 hold=True,
-                max_file_bytes=spec.max_file_bytes,
+                max_file_bytes=plan.max_file_bytes,
             )
         except BaseException as exc:
             # No chain may be left waiting with nobody to send or end it: the slot's next task
@@ -442,7 +410,7 @@ class TrustedRunner(Runner):
             raise
         try:
             # Before any code of the task runs: what finds its processes again after a crash.
-            spec.record(proc.identity())
+            plan.record(proc.identity())
         except BaseException:
             proc.kill()
             proc.close()
@@ -453,7 +421,7 @@ class TrustedRunner(Runner):
         proc.go()
         return TrustedHandle(
             proc,
-            lambda: self._after(spec.slot, user, name, cgroup),
+            lambda: self._after(plan.slot, user, name, cgroup),
             private=PRIVATE_DIRS if sandbox is not None else (),
             workspace=ws.root,
         )
@@ -499,12 +467,12 @@ class TrustedRunner(Runner):
             cgroup.remove()
 
 
-def hidden_gpus(spec: StartSpec, dev: Path = Path("/dev")) -> tuple[str, ...]:
+def hidden_gpus(plan: TaskPlan, dev: Path = Path("/dev")) -> tuple[str, ...]:
     """The GPU device files the task must not open: every /dev/nvidia<N> but those of the GPUs
     it holds (CUDA_VISIBLE_DEVICES is advice; the files are 0666). It sees them as /dev/null."""
-    if not spec.gpu_node:
+    if not plan.gpu_node:
         return ()
-    files = [d.device_file for d in spec.gpus]
+    files = [d.device_file for d in plan.gpus]
     if None in files:
         log.warning("GPU device files unknown: the task can open every GPU of this node")
         return ()

@@ -19,10 +19,10 @@ from flashnode.config.settings import Settings
 from flashnode.errors import ConfigError, ExitCode, PrerequisiteError
 from flashnode.owner.unitview import SERVICE_UNIT
 from flashnode.runners.findings import Finding, Ok, Problem
-from flashnode.runners.spec import WORK
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs.helpers import sandbox_works
 from flashnode.sandbox.procs.mounts import PRIVATE_DIRS
+from flashnode.sandbox.workspace import WORK
 
 log = logging.getLogger(__name__)
 

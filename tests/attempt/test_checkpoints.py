@@ -490,7 +490,7 @@ class Setup:
         self.ws = Workspace.create(tmp_path / "attempts", a.lease.lease_id)
         self.ws.task_uid = os.geteuid()
         a.staged = Staged(a.lease, parse_task(a.lease), self.ws)
-        self.prepared = restore.run(a, a.staged)
+        self.contributed = restore.run(a, a.staged)
         [r] = a.during_run
         assert isinstance(r, relay.Relay)
         self.relay = r
@@ -510,7 +510,7 @@ class Setup:
 
 def test_relay_ships_the_newest_complete_checkpoint_and_keeps_only_it(tmp_path: Path) -> None:
     t = Setup(tmp_path)
-    assert t.prepared.agent_env == {"FLASHML_CHECKPOINT_DIR": "/work/out/ckpt"}
+    assert t.contributed.env == {"FLASHML_CHECKPOINT_DIR": "/work/out/ckpt"}
     t.write("step-1.json")
     t.relay.sweep()
     assert t.commits() == []  # seen once: it may still be being written
@@ -655,14 +655,14 @@ def test_resume_reads_a_single_file_checkpoint_of_flashnode_0_4(tmp_path: Path) 
         parts=[CheckpointPart(key=key, sha256=hashlib.sha256(b"{}").hexdigest(), size_bytes=2)],
     )
     t = Setup(tmp_path, latest=old, uploads={key: b"{}"})
-    assert t.prepared.agent_env["FLASHML_RESUME"] == "/work/inputs/resume/step-5.json"
+    assert t.contributed.env["FLASHML_RESUME"] == "/work/inputs/resume/step-5.json"
     assert (t.ws.inputs / "resume/step-5.json").read_bytes() == b"{}"
 
 
 def test_resume_fetches_a_checkpoint_whose_parts_hold_up(tmp_path: Path) -> None:
     t = resumed(tmp_path, manifest())
-    assert t.prepared.agent_env["FLASHML_RESUME"] == "/work/inputs/resume/step-5"
-    assert t.prepared.module_inputs == {"resume": "/work/inputs/resume/step-5"}
+    assert t.contributed.env["FLASHML_RESUME"] == "/work/inputs/resume/step-5"
+    assert t.contributed.module_inputs == {"resume": "/work/inputs/resume/step-5"}
     assert t.a.record.resumed_from_step == 5
     assert (t.ws.inputs / "resume/step-5/opt/m.bin").read_bytes() == b"moments"
     assert not (t.ws.stage / "resume").exists()
@@ -686,8 +686,8 @@ def test_resume_starts_from_scratch_from_a_manifest_that_does_not_hold_up(
     why: str,
 ) -> None:
     t = resumed(tmp_path, m, **store)
-    assert "FLASHML_RESUME" not in t.prepared.agent_env
-    assert t.prepared.module_inputs == {} and t.a.record.resumed_from_step is None
+    assert "FLASHML_RESUME" not in t.contributed.env
+    assert t.contributed.module_inputs == {} and t.a.record.resumed_from_step is None
     assert not (t.ws.inputs / "resume").exists() and not (t.ws.stage / "resume").exists()
     assert "checkpoint step 5 is not usable" in caplog.text and why in caplog.text
     assert "starting from scratch" in caplog.text
@@ -723,7 +723,7 @@ def test_relay_ships_a_manifest_checkpoint_at_once_as_the_parts_it_lists_and_its
     tmp_path: Path,
 ) -> None:
     t = Setup(tmp_path)
-    assert t.prepared.agent_env == {"FLASHML_CHECKPOINT_DIR": "/work/out/ckpt"}
+    assert t.contributed.env == {"FLASHML_CHECKPOINT_DIR": "/work/out/ckpt"}
     d = write_step(t, "step-000010", {"model.pt": b"weights", "optimizer.pt": b"moments"})
     (d / "notes.txt").write_text("written after the manifest: not one of its parts")
     t.relay.sweep()  # complete once its manifest is there: no second look
@@ -929,7 +929,7 @@ def test_resume_restores_a_manifest_checkpoint_into_the_checkpoint_directory_for
     )
     t = Setup(tmp_path, latest=m, uploads=store, runner=trusted_runner())
     restored = t.ckpt / "step-000030"
-    assert t.prepared.agent_env["FLASHML_RESUME"] == "/work/out/ckpt/step-000030"
+    assert t.contributed.env["FLASHML_RESUME"] == "/work/out/ckpt/step-000030"
     assert t.a.record.resumed_from_step == 30
     assert not (t.ws.inputs / "resume").exists() and not (t.ws.stage / "resume").exists()
     # Where flashruntime's picker looks, its storage_prefix naming where it lies now (this
@@ -977,6 +977,6 @@ def test_resume_starts_from_scratch_from_a_manifest_that_does_not_match_its_part
     m.parts[-1].sha256 = hashlib.sha256(store[key]).hexdigest()
     m.parts[-1].size_bytes = len(store[key])
     t = Setup(tmp_path, latest=m, uploads=store)
-    assert "FLASHML_RESUME" not in t.prepared.agent_env
+    assert "FLASHML_RESUME" not in t.contributed.env
     assert list(t.ckpt.iterdir()) == [] and not (t.ws.stage / "resume").exists()
     assert "its part 'model.pt' does not match its manifest" in caplog.text

@@ -35,7 +35,8 @@ from flashnode import statefile
 from flashnode.attempt import Attempt
 from flashnode.owner import status
 from flashnode.owner.ledger import Ledger
-from flashnode.runners.base import Handle, StartSpec
+from flashnode.runners.base import Handle
+from flashnode.runners.plan import TaskPlan
 from flashnode.sandbox.diskuse import Space
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "2"}
@@ -71,13 +72,13 @@ class Writer(FakeRunner):
         super().__init__(code=code)
         self.size = size
 
-    def start(self, spec: StartSpec) -> Handle:
-        with open(spec.workspace.tmp / "big", "wb") as fh:
+    def start(self, plan: TaskPlan) -> Handle:
+        with open(plan.workspace.tmp / "big", "wb") as fh:
             fh.truncate(self.size)
             fh.write(b"x")  # not sparse: the blocks are held
             for _ in range(0, self.size, 1 << 20):
                 fh.write(os.urandom(1 << 20))
-        return super().start(spec)
+        return super().start(plan)
 
 
 def test_a_task_that_fails_while_the_disk_is_full_is_not_blamed(tmp_path: Path) -> None:
@@ -88,7 +89,7 @@ def test_a_task_that_fails_while_the_disk_is_full_is_not_blamed(tmp_path: Path) 
     runner = FakeRunner(code=1)
     ctx = context(tmp_path, clock, coord, runner)
     full = dataclasses.replace(AMPLE, free_bytes=4096)  # what something else left
-    ctx.space = lambda: full if runner.started else AMPLE
+    ctx = dataclasses.replace(ctx, space=lambda: full if runner.started else AMPLE)
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert (
@@ -103,7 +104,7 @@ def test_a_disk_out_of_inodes_is_as_full_as_one_out_of_bytes(tmp_path: Path) -> 
     runner = FakeRunner(code=1)
     ctx = context(tmp_path, clock, coord, runner)
     full = dataclasses.replace(AMPLE, free_inodes=10)
-    ctx.space = lambda: full if runner.started else AMPLE
+    ctx = dataclasses.replace(ctx, space=lambda: full if runner.started else AMPLE)
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert (
@@ -124,15 +125,15 @@ def test_a_task_past_the_free_space_above_min_free_bytes_is_stopped_and_its_leas
     coord = FakeCoordinator(clock)
     runner = Writer(12 << 20)
     ctx = context(tmp_path, clock, coord, runner, min_free_bytes=16 << 20)
-    ctx.space = lambda: dataclasses.replace(AMPLE, free_bytes=26 << 20)
+    ctx = dataclasses.replace(ctx, space=lambda: dataclasses.replace(AMPLE, free_bytes=26 << 20))
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert attempt.ended is not None and coord.names("fail") == []
     reason = attempt.ended[1]
     assert "the state dir's disk had only 10.0 MiB free above min_free_bytes when" in reason, reason
     assert attempt.node_fault and attempt.job_endpoint  # the guard counts it across jobs only
-    [spec] = runner.started
-    assert spec.max_file_bytes is not None and 10 << 20 < spec.max_file_bytes < 11 << 20
+    [plan] = runner.started
+    assert plan.max_file_bytes is not None and 10 << 20 < plan.max_file_bytes < 11 << 20
 
 
 def test_a_task_past_task_disk_bytes_itself_fails(tmp_path: Path) -> None:
@@ -141,7 +142,7 @@ def test_a_task_past_task_disk_bytes_itself_fails(tmp_path: Path) -> None:
     coord = FakeCoordinator(clock)
     runner = Writer(12 << 20)
     ctx = context(tmp_path, clock, coord, runner, task_disk_bytes=8 << 20)
-    ctx.space = lambda: AMPLE
+    ctx = dataclasses.replace(ctx, space=lambda: AMPLE)
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "failed"
     assert attempt.ended is not None and "(task_disk_bytes:" in attempt.ended[1], attempt.ended
@@ -154,7 +155,7 @@ def test_a_task_with_no_room_above_min_free_bytes_does_not_start(tmp_path: Path)
     coord = FakeCoordinator(clock)
     runner = FakeRunner()
     ctx = context(tmp_path, clock, coord, runner, min_free_bytes=1 << 30)
-    ctx.space = lambda: dataclasses.replace(AMPLE, free_bytes=512 << 20)
+    ctx = dataclasses.replace(ctx, space=lambda: dataclasses.replace(AMPLE, free_bytes=512 << 20))
     attempt = Attempt(ctx, lease(0))
     assert attempt.run().value == "lapsed"
     assert attempt.ended is not None and attempt.ended[1].startswith("low disk:"), attempt.ended

@@ -183,7 +183,8 @@ def test_a_result_kept_for_the_next_start_is_out_of_reach_of_the_slots_later_tas
 
     from flashnode.attempt import Attempt
     from flashnode.errors import Stopped
-    from flashnode.runners.base import Handle, StartSpec
+    from flashnode.runners.base import Handle
+    from flashnode.runners.plan import TaskPlan
     from flashnode.sandbox.removal import remove_tree
 
     user = pwd.getpwnam("flashnode-task-0")
@@ -195,9 +196,9 @@ def test_a_result_kept_for_the_next_start_is_out_of_reach_of_the_slots_later_tas
         d.chmod(0o711)  # as a root agent with the trusted runner makes them
 
     class SlotUser(FakeRunner):
-        def start(self, spec: StartSpec) -> Handle:
-            handle = super().start(spec)
-            ws = spec.workspace
+        def start(self, plan: TaskPlan) -> Handle:
+            handle = super().start(plan)
+            ws = plan.workspace
             (ws.out / "metrics.json").write_text('{"secret": "of another job"}')
             ws.hand_over(user.pw_uid, user.pw_gid, inputs_for="group")
             os.chown(ws.out / "metrics.json", user.pw_uid, user.pw_gid)

@@ -3,6 +3,7 @@ is, and that what they pin is released whatever way the attempt ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+from fakes import FakeClock, FakeCoordinator, FakeHandle, FakeRunner, context, lease
 
 from flashnode.attempt import Attempt, Outcome
 from flashnode.config.settings import Settings
@@ -26,7 +27,8 @@ from flashnode.errors import (
 from flashnode.evidence import inventory
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.owner import status
-from flashnode.runners.base import Handle, RunnerEnv, StartSpec
+from flashnode.runners.base import Handle, RunnerEnv, RunResult
+from flashnode.runners.plan import RunnerFacts, TaskPlan
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.sandbox.workspace import Workspace
 
@@ -44,16 +46,19 @@ class InstallingRunner(FakeRunner):
         super().__init__(code)
         self.mount_points: list[bool] = []
 
-    def start(self, spec: StartSpec) -> Handle:
+    def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
+        return RunnerFacts(python="/usr/bin/python3", path="/usr/bin:/bin")
+
+    def start(self, plan: TaskPlan) -> Handle:
         self.mount_points = [
-            (spec.workspace.root / dst.removeprefix("/work/")).is_dir()
-            for _, dst in spec.read_only_binds
+            (plan.workspace.root / dst.removeprefix("/work/")).is_dir() for _, dst in plan.views
         ]
-        return super().start(spec)
+        return super().start(plan)
 
 
 class FakeEnv:
-    def __init__(self, root: Path, built: bool) -> None:
+    def __init__(self, root: Path, built: bool, journal: list[str] | None = None) -> None:
+        self.journal = journal if journal is not None else []
         self.key = "k" * 64
         self.path = root / "env"
         self.python = self.path / "bin" / "python"
@@ -63,11 +68,15 @@ class FakeEnv:
 
     def release(self) -> None:
         self.released += 1
+        self.journal.append("environment")
 
 
 class FakeEnvs:
-    def __init__(self, root: Path, fail: Exception | None = None) -> None:
+    def __init__(
+        self, root: Path, fail: Exception | None = None, journal: list[str] | None = None
+    ) -> None:
         self.root, self.fail = root, fail
+        self.journal = journal if journal is not None else []
         self.asked: list[tuple[str, tuple[str, ...]]] = []
         self.handed: list[FakeEnv] = []
 
@@ -77,34 +86,45 @@ class FakeEnvs:
         self.asked.append((python, tuple(lines)))
         if self.fail is not None:
             raise self.fail
-        env = FakeEnv(self.root, built=not self.handed)
+        env = FakeEnv(self.root, built=not self.handed, journal=self.journal)
         self.handed.append(env)
         return env
 
 
 class FakeShard:
-    def __init__(self, entry: DatasetEntry, fetched: bool) -> None:
+    def __init__(self, entry: DatasetEntry, fetched: bool, journal: list[str]) -> None:
         self.entry, self.size, self.fetched, self.seconds = entry, entry.size, fetched, 0.1
-        self.released = False
+        self.released = 0
+        self.journal = journal
 
     def release(self) -> None:
-        self.released = True
+        self.released += 1
+        self.journal.append(f"shard {self.entry.path}")
 
 
 class FakeData:
-    def __init__(self, budget: int, fail: Exception | None = None) -> None:
-        self.budget_bytes, self.fail = budget, fail
+    def __init__(
+        self,
+        budget: int,
+        fail: Exception | None = None,
+        journal: list[str] | None = None,
+        layout_fail: Exception | None = None,
+    ) -> None:
+        self.budget_bytes, self.fail, self.layout_fail = budget, fail, layout_fail
+        self.journal = journal if journal is not None else []
         self.handed: list[FakeShard] = []
         self.laid_out: list[tuple[Path, int]] = []
 
     def acquire_all(self, entries: Sequence[DatasetEntry], *, stop: threading.Event) -> list[Any]:
         if self.fail is not None:
             raise self.fail
-        shards = [FakeShard(e, fetched=i == 0) for i, e in enumerate(entries)]
+        shards = [FakeShard(e, i == 0, self.journal) for i, e in enumerate(entries)]
         self.handed += shards
         return shards
 
     def layout(self, handles: Sequence[FakeShard], dest: Path, *, task_uid: int) -> None:
+        if self.layout_fail is not None:
+            raise self.layout_fail
         self.laid_out.append((dest, task_uid))
 
 
@@ -119,7 +139,7 @@ def attempt(
     clock = FakeClock()
     coord = FakeCoordinator(clock)
     ctx = context(tmp_path, clock, coord, runner, **settings)
-    ctx.envs, ctx.data = envs, data
+    ctx = dataclasses.replace(ctx, envs=envs, data=data)
     a = Attempt(ctx, lease(**payload))
     return a.run(), coord, a
 
@@ -181,9 +201,9 @@ def test_an_argv_task_runs_with_its_environment_first_on_path(tmp_path: Path) ->
     outcome, _, a = attempt(tmp_path, runner, {"dependencies": DEPS, "python": "3.12"}, envs)
     assert outcome is Outcome.COMMITTED
     assert envs.asked == [("3.12", tuple(DEPS))]
-    [spec] = runner.started
-    assert spec.path_prefix == (str(tmp_path / "env" / "bin"),)
-    assert spec.agent_env["VIRTUAL_ENV"] == str(tmp_path / "env") and spec.python is None
+    [plan] = runner.started
+    assert plan.env["PATH"] == f"{tmp_path / 'env' / 'bin'}:/usr/bin:/bin"
+    assert plan.env["VIRTUAL_ENV"] == str(tmp_path / "env") and plan.argv == ("true",)
     assert envs.handed[0].released == 1
     [record] = a.ctx.ledger.records()
     assert record["environment"] == {
@@ -200,8 +220,9 @@ def test_a_module_task_runs_under_its_environments_interpreter(tmp_path: Path) -
     payload = {"argv": None, "module": "flashml_workloads.sgd_trainer", "dependencies": DEPS}
     outcome, _, _ = attempt(tmp_path, runner, payload, envs)
     assert outcome is Outcome.COMMITTED
-    [spec] = runner.started
-    assert spec.python == str(tmp_path / "env" / "bin" / "python") and spec.path_prefix == ()
+    [plan] = runner.started
+    assert plan.argv[:3] == (str(tmp_path / "env" / "bin" / "python"), "-m", payload["module"])
+    assert plan.env["PATH"] == "/usr/bin:/bin" and "VIRTUAL_ENV" not in plan.env
 
 
 def test_the_environment_is_released_when_the_task_fails(tmp_path: Path) -> None:
@@ -210,11 +231,66 @@ def test_the_environment_is_released_when_the_task_fails(tmp_path: Path) -> None
     assert outcome is Outcome.FAILED and envs.handed[0].released == 1
 
 
+class NodeFaultHandle(FakeHandle):
+    def result(self) -> RunResult:
+        return RunResult(exit_code=None, cause="container engine unavailable", node_fault=True)
+
+
+class EndingRunner(InstallingRunner):
+    """A runner whose task ends the way ``ending`` says."""
+
+    def __init__(self, ending: str) -> None:
+        super().__init__(code=3 if ending == "the task fails" else 0)
+        if ending == "the runner cannot start it":
+            self.start_error = AttemptLapsed("cannot create the task's cgroup")
+        elif ending == "the runner's start breaks":
+            self.start_error = RuntimeError("a bug")
+        self.ending = ending
+
+    def start(self, plan: TaskPlan) -> Handle:
+        handle = super().start(plan)
+        return NodeFaultHandle(0) if self.ending == "the node loses the task" else handle
+
+
+@pytest.mark.parametrize(
+    ("ending", "outcome"),
+    [
+        ("the task fails", Outcome.FAILED),
+        ("the node loses the task", Outcome.LAPSED),
+        ("the runner cannot start it", Outcome.LAPSED),
+        ("the runner's start breaks", Outcome.FAILED),
+    ],
+)
+def test_what_the_phases_hold_is_released_once_the_last_first_however_the_attempt_ends(
+    tmp_path: Path, ending: str, outcome: Outcome
+) -> None:
+    journal: list[str] = []
+    envs, data = FakeEnvs(tmp_path, journal=journal), FakeData(100, journal=journal)
+    payload = {"dependencies": DEPS, "datasets": slice_of(30, 20)}
+    got, _, _ = attempt(tmp_path, EndingRunner(ending), payload, envs, data)
+    assert got is outcome
+    assert journal == ["shard part-0.bin", "shard part-1.bin", "environment"]
+
+
+def test_a_data_phase_that_fails_after_pinning_releases_its_pins_and_the_environment(
+    tmp_path: Path,
+) -> None:
+    journal: list[str] = []
+    envs = FakeEnvs(tmp_path, journal=journal)
+    data = FakeData(100, journal=journal, layout_fail=AttemptLapsed("cannot lay out the slices"))
+    payload = {"dependencies": DEPS, "datasets": slice_of(30, 20)}
+    runner = InstallingRunner()
+    got, _, _ = attempt(tmp_path, runner, payload, envs, data)
+    assert got is Outcome.LAPSED and runner.started == []
+    assert journal == ["shard part-0.bin", "shard part-1.bin", "environment"]
+
+
 def test_a_runner_whose_image_holds_the_base_builds_nothing(tmp_path: Path) -> None:
     runner, envs = FakeRunner(), FakeEnvs(tmp_path)
     outcome, _, a = attempt(tmp_path, runner, {"dependencies": DEPS}, envs)
     assert outcome is Outcome.COMMITTED and envs.asked == []
-    assert runner.started[0].path_prefix == () and "environment" not in a.ctx.ledger.records()[0]
+    assert runner.started[0].environment is None and "VIRTUAL_ENV" not in runner.started[0].env
+    assert "environment" not in a.ctx.ledger.records()[0]
 
 
 @pytest.mark.parametrize(
@@ -254,8 +330,8 @@ def test_only_the_labels_asked_for_are_lent_each_with_its_mount_point(
     runner = InstallingRunner()
     outcome, _, a = attempt(tmp_path, runner, {"local_inputs": ["scans"]}, local_data=lent)
     assert outcome is Outcome.COMMITTED
-    [spec] = runner.started
-    assert spec.read_only_binds == ((str(lent["scans"]), "/work/inputs/scans"),)
+    [plan] = runner.started
+    assert plan.views == ((str(lent["scans"]), "/work/inputs/scans"),)
     assert runner.mount_points == [True]
     assert a.ctx.ledger.records()[0]["local_inputs"] == ["scans"]
 
@@ -267,11 +343,11 @@ def test_what_each_phase_prepared_reaches_the_one_start_together(
     payload = {"dependencies": DEPS, "local_inputs": ["scans"], "checkpoint": {}}
     outcome, _, _ = attempt(tmp_path, runner, payload, envs, local_data=lent)
     assert outcome is Outcome.COMMITTED
-    [spec] = runner.started
-    assert spec.agent_env["FLASHML_CHECKPOINT_DIR"] == "/work/out/ckpt"  # restore's
-    assert spec.agent_env["VIRTUAL_ENV"] == str(tmp_path / "env")  # the environment's
-    assert spec.path_prefix == (str(tmp_path / "env" / "bin"),)
-    assert spec.read_only_binds == ((str(lent["scans"]), "/work/inputs/scans"),)  # data's
+    [plan] = runner.started
+    assert plan.env["FLASHML_CHECKPOINT_DIR"] == "/work/out/ckpt"  # restore's
+    assert plan.env["VIRTUAL_ENV"] == str(tmp_path / "env")  # the environment's
+    assert plan.env["PATH"].split(":")[0] == str(tmp_path / "env" / "bin")
+    assert plan.views == ((str(lent["scans"]), "/work/inputs/scans"),)  # data's
 
 
 def test_a_label_this_node_does_not_lend_fails_naming_it(
@@ -293,7 +369,8 @@ def test_a_directory_the_owner_stopped_lending_after_the_claim_is_never_mounted(
     clock = FakeClock()
     coord = FakeCoordinator(clock)
     ctx = context(tmp_path, clock, coord, runner, local_data=lent)
-    ctx.lent_now = lambda: {"other": lent["other"]}  # the running configuration, reloaded
+    # The running configuration, reloaded: "scans" is no longer lent.
+    ctx = dataclasses.replace(ctx, lent_now=lambda: {"other": lent["other"]})
     a = Attempt(ctx, lease(local_inputs=["scans"]))
     assert a.run() is Outcome.LAPSED
     assert runner.started == [] and fail_reasons(coord) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +52,7 @@ def test_claims_again_at_once_after_an_attempt_ends(tmp_path: Path) -> None:
     assert [c[1] for c in coord.calls if c[1] in ("claim", "complete")] == ["claim", "complete"] * 3
     completes, claims = coord.names("complete"), coord.names("claim")
     assert claims[1] == completes[0] and claims[2] == completes[1]
-    assert agent.stats.outcomes == {"committed": 3}
+    assert agent.workers.stats.outcomes == {"committed": 3}
 
 
 def test_transport_errors_back_off_exponentially_and_log_once(
@@ -82,7 +83,7 @@ def test_claim_403_unregistered_registers_again_and_claims(tmp_path: Path) -> No
     assert names[:2] == ["register", "node_heartbeat"]
     i = names.index("claim")
     assert names[i : i + 3] == ["claim", "register", "claim"]
-    assert agent.stats.outcomes == {"committed": 1}
+    assert agent.workers.stats.outcomes == {"committed": 1}
 
 
 def test_node_heartbeat_404_registers_again(tmp_path: Path) -> None:
@@ -200,7 +201,9 @@ def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: P
     clock = FakeClock()
     coord = FakeCoordinator(clock, claims=[lease(0, gpus=1), lease(1, gpus=1), lease(2, gpus=1)])
     ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=3, slots=2)
-    ctx.gpus = GpuPool([Device(GpuInfo(index=i), str(i)) for i in range(2)])
+    ctx = dataclasses.replace(
+        ctx, gpus=GpuPool([Device(GpuInfo(index=i), str(i)) for i in range(2)])
+    )
     deferred: list[object] = []
     seen: list[tuple[int, int]] = []
 
@@ -208,7 +211,7 @@ def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: P
         if name.startswith("attempt-"):
             deferred.append(fn)
 
-    ctx.start_thread = start_later  # type: ignore[assignment]
+    ctx = dataclasses.replace(ctx, start_thread=start_later)
     agent = Agent(ctx, coord, lambda current: registration(current, "node-1"))
     original_wait = clock.wait
 
@@ -222,7 +225,7 @@ def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: P
     clock.wait = wait  # type: ignore[method-assign]
     agent.run()
     assert seen[0] == (2, 0)  # two claims, both GPUs held before either attempt ran
-    assert len(coord.names("claim")) == 3 and agent.stats.outcomes == {"committed": 3}
+    assert len(coord.names("claim")) == 3 and agent.workers.stats.outcomes == {"committed": 3}
     assert ctx.gpus.free == 2
 
 
@@ -243,7 +246,7 @@ def test_an_attempt_keeps_the_settings_it_was_claimed_under_across_a_reload(
         elif name == "reload":
             fn()  # type: ignore[operator]
 
-    ctx.start_thread = start  # type: ignore[assignment]
+    ctx = dataclasses.replace(ctx, start_thread=start)
     agent = Agent(
         ctx, coord, lambda current: registration(current, "node-1"), reload=lambda: lowered
     )
@@ -279,7 +282,7 @@ def test_a_running_attempt_keeps_the_settings_and_limits_it_was_claimed_under_ac
     ctx = context(tmp_path, clock, coord, runner, max_tasks=2)
     before = Limits(memory_bytes=1 << 30, cpus=2.0, pids=100)
     after = Limits(memory_bytes=1 << 29, cpus=1.0, pids=50)
-    ctx.limits = before
+    ctx = dataclasses.replace(ctx, limits=before)
     grace = ctx.settings.kill_grace_seconds
     reloaded = ctx.settings.model_copy(update={"kill_grace_seconds": grace + 3})
     seen: list[tuple[float, Limits]] = []
@@ -291,7 +294,7 @@ def test_a_running_attempt_keeps_the_settings_and_limits_it_was_claimed_under_ac
         elif name == "reload":
             fn()
 
-    ctx.start_thread = start  # type: ignore[method-assign]
+    ctx = dataclasses.replace(ctx, start_thread=start)
     agent = Agent(
         ctx,
         coord,
@@ -303,7 +306,7 @@ def test_a_running_attempt_keeps_the_settings_and_limits_it_was_claimed_under_ac
 
     def wait(event: th.Event, timeout: float) -> bool:
         if deferred and agent.settings is reloaded:
-            attempt = next(iter(agent.running.values()))
+            attempt = agent.workers.attempts()[0]
             seen.append((attempt.ctx.settings.kill_grace_seconds, attempt.ctx.limits))
             deferred.pop(0)()  # the attempt runs on, after the reload came
             return True
@@ -318,7 +321,52 @@ def test_a_running_attempt_keeps_the_settings_and_limits_it_was_claimed_under_ac
     assert runner.started[0].limits == before
     assert seen[1] == (grace + 3, after)
     assert runner.started[1].limits == after
-    assert agent.stats.outcomes == {"committed": 2}
+    assert agent.workers.stats.outcomes == {"committed": 2}
+
+
+def test_a_reload_on_its_own_thread_writes_nothing_the_loop_reads_until_its_next_turn(
+    tmp_path: Path,
+) -> None:
+    """The reload's thread swaps the configuration and nothing else: the loop's own parts (the
+    node's holds, the session with the coordinator) take the new settings on the loop's
+    thread, at its next turn, where no attempt or rule reads them half changed."""
+    import threading as th
+
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[None] * 6 + [lease(0)])
+    ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1)
+    new = ctx.settings.model_copy(update={"quarantine_after": 7, "pools": ("team-a", "team-b")})
+    seen: list[tuple[int, bool, int]] = []
+    agent: Agent
+
+    def start(fn: Callable[[], None], name: str) -> None:
+        if name == "reload":
+            thread = th.Thread(target=fn, name=name)
+            thread.start()
+            thread.join()
+            registered = agent.session.registered
+            seen.append((agent.holds.quarantine.after, registered, len(coord.names("register"))))
+        else:
+            inline(fn, name)
+
+    inline = ctx.start_thread
+    ctx = dataclasses.replace(ctx, start_thread=start)
+    agent = Agent(ctx, coord, lambda current: registration(current, "node-1"), reload=lambda: new)
+    original_wait = clock.wait
+
+    def wait(event: th.Event, timeout: float) -> bool:
+        if agent.session.registered and not seen and not agent.reloader.requested:
+            agent.request_reload()
+        return original_wait(event, timeout)
+
+    clock.wait = wait  # type: ignore[method-assign]
+    agent.run()
+    assert agent.reloader.current.settings is new
+    assert seen == [(5, True, 1)]  # as the reload's thread left them
+    assert agent.holds.quarantine.after == 7
+    registered = [arg for _, name, arg in coord.calls if name == "register"]
+    assert [r.capabilities.pools for r in registered] == [["team-a"], ["team-a", "team-b"]]
+    assert agent.workers.outcomes() == {"committed": 1}
 
 
 # --- the node's own holds: the black-hole guard, the backoff after a revoked lease -----------
@@ -339,7 +387,7 @@ def held_agent(
         if name.startswith("attempt-") or name == "quarantine-check":
             fn()  # type: ignore[operator]
 
-    ctx.start_thread = start  # type: ignore[assignment]
+    ctx = dataclasses.replace(ctx, start_thread=start)
     return Agent(
         ctx,
         coord,
@@ -618,8 +666,8 @@ def test_gpus_found_after_the_start_add_no_slot_the_runner_never_made(tmp_path: 
 
     clock = FakeClock()
     ctx = context(tmp_path, clock, FakeCoordinator(clock), FakeRunner(), slots="auto")
-    ctx.gpus = GpuPool([Device(GpuInfo(index=0), "0")])
+    ctx = dataclasses.replace(ctx, gpus=GpuPool([Device(GpuInfo(index=0), "0")]))
     agent = Agent(ctx, FakeCoordinator(clock), lambda current: registration(current, "node-1"))
-    assert agent.slots == 1
+    assert agent.workers.slots(agent.settings) == 1
     ctx.gpus.set_devices([Device(GpuInfo(index=i), str(i)) for i in range(3)])  # hot-plugged
-    assert agent.slots == 1
+    assert agent.workers.slots(agent.settings) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable
@@ -64,7 +65,7 @@ def test_no_claims_while_paused_heartbeats_go_on_and_resume_claims(tmp_path: Pat
     controls = Controls(Rules(), Readers(pause=lambda: pause["now"]), clock)
     metrics = RecordingMetrics()
     ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1)
-    ctx.metrics = metrics
+    ctx = dataclasses.replace(ctx, metrics=metrics)
     agent = Agent(ctx, coord, lambda current: registration(current, "node-1"), controls=controls)
     seen: dict[str, Any] = {}
     original = coord.node_heartbeat
@@ -87,7 +88,7 @@ def test_no_claims_while_paused_heartbeats_go_on_and_resume_claims(tmp_path: Pat
     assert "not claiming: paused by the owner until `flashnode resume`" in status["state"]
     assert status["controls"]["paused"]["mode"] == "drain"
     assert [h["rule"] for h in status["controls"]["held_by"]] == ["pause"]
-    assert agent.stats.outcomes == {"committed": 1}
+    assert agent.workers.stats.outcomes == {"committed": 1}
     # Metrics follow the same turns: paused, then not; one claim, with work; one attempt.
     controls_seen = metrics.of("set_controls")
     assert controls_seen[0] == (True, ("pause",)) and controls_seen[-1] == (False, ())
@@ -104,7 +105,7 @@ def test_claim_errors_and_empty_claims_are_counted(tmp_path: Path) -> None:
     )
     metrics = RecordingMetrics()
     ctx = context(tmp_path, clock, coord, FakeRunner(), max_tasks=1)
-    ctx.metrics = metrics
+    ctx = dataclasses.replace(ctx, metrics=metrics)
     agent = Agent(ctx, coord, lambda current: registration(current, "node-1"))
     agent.run()
     assert metrics.of("claim_finished") == ["error", "empty", "error", "work"]
@@ -139,7 +140,7 @@ def test_a_reload_applies_new_rules_to_the_running_loop(
     clock = FakeClock()
     coord = FakeCoordinator(clock)
     ctx = context(tmp_path, clock, coord, FakeRunner())
-    ctx.start_thread = lambda fn, name: fn() if name == "reload" else None
+    ctx = dataclasses.replace(ctx, start_thread=lambda fn, name: fn() if name == "reload" else None)
     controls = Controls(Rules.from_settings(ctx.settings), Readers(), clock)
     # The same settings with a window that is closed now (Tuesday 22:30 UTC on the fake clock).
     closed = ctx.settings.model_copy(

@@ -3,6 +3,7 @@ event together, as a fleet of nodes on one coordinator does."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def fleet_agent(
     tmp_path: Path, seed: int, coord: FakeCoordinator, clock: FakeClock, **settings: object
 ) -> Agent:
     ctx = context(tmp_path, clock, coord, FakeRunner(), **settings)
-    ctx.rng = random.Random(seed)  # each node its own randomness, as each process has
+    # Each node its own randomness, as each process has.
+    ctx = dataclasses.replace(ctx, rng=random.Random(seed))
     return Agent(ctx, coord, lambda current: registration(current, f"node-{seed}"))
 
 

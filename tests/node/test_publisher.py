@@ -15,7 +15,8 @@ from fakes import FakeClock
 from flashnode.clock import stamp
 from flashnode.config.settings import Settings
 from flashnode.node.controls import Decision, Hold
-from flashnode.node.publisher import NodeView, Problem, Publisher, task_cpu
+from flashnode.node.publisher import NodeView, Publisher
+from flashnode.node.session import Problem
 from flashnode.owner import status
 
 
@@ -155,17 +156,3 @@ def test_an_unwritable_status_file_is_said_once_and_its_recovery_too(
         "cannot write status.json (No space left on device): `flashnode status` lags",
         "status.json is written again",
     ]
-
-
-class Task:
-    def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds
-
-    def cpu_seconds(self) -> float | None:
-        return self.seconds
-
-
-def test_task_cpu_is_none_when_one_running_task_cannot_be_measured() -> None:
-    assert task_cpu([(1, Task(2.5)), (2, Task(0.5))]) == {"1": 2.5, "2": 0.5}
-    assert task_cpu([(1, Task(2.5)), (2, Task(None))]) is None
-    assert task_cpu([]) == {}

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from fakes import FakeClock
+from pydantic import ValidationError
 
 from flashnode.config.settings import Settings
 from flashnode.errors import ConfigError
@@ -174,3 +177,96 @@ def test_a_reload_that_fails_half_applied_holds_claims_until_one_succeeds(tmp_pa
     reloader.tick()  # a held node still takes the owner's next reload
     threads.run()
     assert not reloader.busy and reloader.refused is None
+
+
+# --- what an attempt holds: a frozen snapshot ----------------------------------------------
+
+
+def test_an_attempts_snapshot_cannot_be_changed_and_a_reload_leaves_it_as_claimed(
+    tmp_path: Path,
+) -> None:
+    """Nothing an attempt holds changes under it: not the context, not its settings (nor the
+    table of lent directories in them), not its limits; a reload changes what the next
+    snapshot gets. Only ``lent_now`` follows the running configuration."""
+    from fakes import FakeCoordinator, FakeRunner, context
+
+    clock = FakeClock()
+    (tmp_path / "scans").mkdir()
+    (tmp_path / "notes").mkdir()
+    lent = {"scans": tmp_path / "scans", "notes": tmp_path / "notes"}
+    ctx = context(tmp_path, clock, FakeCoordinator(clock), FakeRunner(), local_data=lent)
+    before, after = Limits(pids=100), Limits(pids=50)
+    new = ctx.settings.model_copy(update={"task_pids": 50, "local_data": {"notes": lent["notes"]}})
+    threads = Threads()
+    reloader = Reloader(
+        Config(ctx.settings, before),
+        clock,
+        threads.start,
+        read=lambda: new,
+        limits=lambda s: after if s is new else before,
+    )
+    claimed = reloader.snapshot(ctx)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        claimed.settings = new  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        claimed.settings.task_pids = 50  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        claimed.settings.local_data["etc"] = Path("/etc")  # type: ignore[index]
+    reloader.request()
+    reloader.tick()
+    threads.run()
+    assert reloader.current.settings is new
+    assert (claimed.settings.task_pids, claimed.limits) == (4096, before)
+    assert set(claimed.settings.local_data) == {"scans", "notes"}
+    assert claimed.lent_now is not None and set(claimed.lent_now()) == {"notes"}
+    following = reloader.snapshot(ctx)
+    assert (following.settings.task_pids, following.limits) == (50, after)
+
+
+def test_a_snapshot_taken_while_reloads_are_applied_pairs_settings_with_their_own_limits(
+    tmp_path: Path,
+) -> None:
+    """The reload's thread swaps the configuration while the loop takes snapshots for its
+    claims: each snapshot holds one whole configuration, never the new settings with the old
+    limits."""
+    import threading
+
+    from fakes import FakeCoordinator, FakeRunner, context
+
+    clock = FakeClock()
+    ctx = context(tmp_path, clock, FakeCoordinator(clock), FakeRunner())
+    versions = iter(range(100, 400))
+
+    def read() -> Settings:
+        return ctx.settings.model_copy(update={"task_pids": next(versions)})
+
+    def start(fn: Callable[[], None], name: str) -> None:
+        threading.Thread(target=fn, name=name).start()
+
+    reloader = Reloader(
+        Config(ctx.settings, Limits(pids=ctx.settings.task_pids)),
+        clock,
+        start,
+        read=read,
+        limits=lambda s: Limits(pids=s.task_pids),
+    )
+    done = threading.Event()
+    mismatched: list[tuple[int | None, int | None]] = []
+
+    def claims() -> None:
+        while not done.is_set():
+            snap = reloader.snapshot(ctx)
+            if snap.settings.task_pids != snap.limits.pids:
+                mismatched.append((snap.settings.task_pids, snap.limits.pids))
+
+    claimer = threading.Thread(target=claims)
+    claimer.start()
+    for _ in range(200):
+        reloader.request()
+        reloader.tick()
+        while reloader.busy:
+            threading.Event().wait(0.0005)
+    done.set()
+    claimer.join()
+    assert reloader.current.settings.task_pids == 299
+    assert mismatched == []

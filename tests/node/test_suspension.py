@@ -15,8 +15,9 @@ from fakes import FakeClock, FakeCoordinator, context, lease
 from flashnode.attempt import Attempt, Outcome
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import Task
-from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, StartSpec, SuspendFailed
+from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, SuspendFailed
 from flashnode.runners.findings import Finding
+from flashnode.runners.plan import TaskPlan
 
 
 class WorkingHandle:
@@ -109,11 +110,11 @@ class WorkingRunner(Runner):
     def check(self, task: Task) -> None:
         pass
 
-    def start(self, spec: StartSpec) -> Handle:
+    def start(self, plan: TaskPlan) -> Handle:
         assert self.attempt is not None
-        spec.record({"fake": True})
-        spec.workspace.task_uid = os.geteuid()
-        (spec.workspace.out / "metrics.json").write_text(json.dumps({"ok": 1}))
+        plan.record({"fake": True})
+        plan.workspace.task_uid = os.geteuid()
+        (plan.workspace.out / "metrics.json").write_text(json.dumps({"ok": 1}))
         self.handle = WorkingHandle(self.clock, self.work, self.script, self.attempt, self.refuse)
         return self.handle
 

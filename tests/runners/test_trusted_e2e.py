@@ -338,17 +338,38 @@ def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> No
     env values are rewritten to the workspace, and the contract variables name it."""
     from fakes import lease
 
+    from flashnode.config.settings import Settings
     from flashnode.coordinator.wire import Lease, parse_task
-    from flashnode.runners.spec import build
+    from flashnode.evidence.gpupool import GpuPool
+    from flashnode.runners.base import RunnerEnv
+    from flashnode.runners.plan import resolve
     from flashnode.sandbox.cgroups import Limits
     from flashnode.sandbox.workspace import Workspace
 
+    settings = Settings(coordinator="http://127.0.0.1:1", runner="trusted", state_dir=tmp_path)
+    runner = trusted.TrustedRunner(
+        settings, RunnerEnv("node-1", GpuPool()), None, None, sandbox=False, agent_env={}
+    )
     ws = Workspace.create(tmp_path / "attempts", "ls-1")
     env = {"DATA": "/work/inputs/x", "OPT": "--o=/work/out"}
-    task = parse_task(Lease.model_validate(lease(argv=["true"], env=env)))
-    spec = build(task, "job-1", "ls-1", 0, ws, [], False, Limits(1 << 30, 1.0, 64), print, print)
-    env = trusted.task_env(spec, "t", {}, "/usr/bin", str(ws.root))
+    data = Lease.model_validate(lease(argv=["cat", "/work/inputs/x"], env=env))
+    task = parse_task(data)
+    plan = resolve(
+        task,
+        data,
+        0,
+        ws,
+        runner.facts(ws, 0),
+        [],
+        gpus=[],
+        gpu_node=False,
+        limits=Limits(1 << 30, 1.0, 64),
+        on_exit=print,
+        record=print,
+    )
     root = str(ws.root)
+    assert plan.argv == ("cat", f"{root}/inputs/x") and plan.cwd == f"{root}/out"
+    env = dict(plan.env)
     assert (env["DATA"], env["OPT"]) == (f"{root}/inputs/x", f"--o={root}/out")
     assert (env["HOME"], env["TMPDIR"], env["FLASHML_WORK_DIR"]) == (f"{root}/tmp",) * 2 + (root,)
 

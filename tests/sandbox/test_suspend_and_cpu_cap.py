@@ -15,7 +15,8 @@ from harness import wait_for
 
 from flashnode.config.settings import Settings
 from flashnode.evidence.gpupool import GpuPool
-from flashnode.runners.base import RunnerEnv, StartSpec
+from flashnode.runners.base import RunnerEnv
+from flashnode.runners.plan import TaskPlan
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.cgroups import AttemptCgroup, Hierarchy, Limits
@@ -171,17 +172,20 @@ def test_the_cpu_cap_is_the_tasks_parent_quota_and_a_reload_changes_it_live(
     ws = Workspace.create(tmp_path / "attempts", "lease-cap")
     own = cores * 0.75  # the task's own limit, below the cap
     handle = runner.start(
-        StartSpec(
+        TaskPlan(
             lease_id="lease-cap",
             slot=0,
             workspace=ws,
+            image="",
             argv=("sleep", "60"),
-            module=None,
-            module_name=None,
             env={},
+            cwd=f"{ws.root}/out",
+            views=(),
+            datasets=None,
+            environment=None,
+            module_spec=None,
             gpus=(),
             gpu_node=False,
-            image="",
             limits=Limits(cpus=own, pids=64),
             on_exit=lambda: None,
             record=lambda identity: None,

@@ -10,29 +10,30 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from flashnode.runners.base import RunResult, StartSpec, SuspendFailed
+from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.runners.container import ENGINE_ERRORS, brief
 from flashnode.sandbox import diskuse
 from flashnode.sandbox.logcap import Pump, latest_line
 
 if TYPE_CHECKING:
     from flashnode.runners.container.runner import ContainerRunner
+    from flashnode.runners.plan import TaskPlan
 
 WAIT_POLL_S = 30
 
 
 class ContainerHandle:
-    def __init__(self, runner: ContainerRunner, container: Any, image_id: str, spec: StartSpec):
+    def __init__(self, runner: ContainerRunner, container: Any, image_id: str, plan: TaskPlan):
         self._runner = runner
         self._container = container
         self._image_id = image_id
-        self._on_exit = spec.on_exit
+        self._on_exit = plan.on_exit
         self._code: int | None = None
         self._cause: str | None = None
         self._done = threading.Event()
         self._paused = False
         self._result: RunResult | None = None
-        self._dev = os.stat(spec.workspace.root).st_dev
+        self._dev = os.stat(plan.workspace.root).st_dev
         self._main_pid: int | None = None  # the container's first process, on the host
         self._logs = [
             Pump(
@@ -42,7 +43,7 @@ class ContainerHandle:
                 "container-log",
                 ENGINE_ERRORS,
             )
-            for out, path in ((True, spec.stdout), (False, spec.stderr))
+            for out, path in ((True, plan.stdout), (False, plan.stderr))
         ]
         threading.Thread(target=self._wait, name=f"wait-{container.short_id}", daemon=True).start()
 

@@ -19,12 +19,7 @@ import docker.types
 from flashnode.config.settings import Settings
 from flashnode.coordinator.wire import MODULES, Task
 from flashnode.errors import AttemptFailed, AttemptLapsed, PrerequisiteError
-from flashnode.runners.base import (
-    Handle,
-    Runner,
-    RunnerEnv,
-    StartSpec,
-)
+from flashnode.runners.base import Handle, Runner, RunnerEnv
 from flashnode.runners.container import (
     ENGINE_ERRORS,
     brief,
@@ -35,13 +30,9 @@ from flashnode.runners.container import (
 from flashnode.runners.container.handle import ContainerHandle
 from flashnode.runners.container.preflight import engine_and_images
 from flashnode.runners.findings import Finding
-from flashnode.runners.spec import (
-    cuda_visible,
-    machine_cpus,
-    min_cpus,
-    module_argv,
-    write_module_spec,
-)
+from flashnode.runners.plan import RunnerFacts, TaskPlan
+from flashnode.runners.spec import machine_cpus, min_cpus
+from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -188,48 +179,45 @@ class ContainerRunner(Runner):
         except ENGINE_ERRORS as exc:
             raise AttemptLapsed(f"cannot pull image {ref!r} ({type(exc).__name__})") from None
 
-    def start(self, spec: StartSpec) -> Handle:
-        image = self._image(spec.image)
-        ws = spec.workspace
+    def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
+        # The workspace at /work, the image's python and PATH, the GPUs as the device request
+        # renumbers them.
+        return RunnerFacts(python="python", home="/tmp", renumbers_gpus=True)
+
+    def start(self, plan: TaskPlan) -> Handle:
+        image = self._image(plan.image)
+        ws = plan.workspace
         uid, _, gid = self.user.partition(":")
         if os.geteuid() == 0:
             ws.hand_over(int(uid), int(gid or uid), inputs_for="everyone")
         else:
             ws.task_uid = os.geteuid()
         s = self.settings
-        env = {**spec.env, **spec.agent_env}
-        env.update(HOME="/tmp", TMPDIR="/tmp", FLASHML_WORK_DIR="/work")
-        visible = cuda_visible(spec, renumbered=True)
-        if visible is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible
         mounts = [
             docker.types.Mount("/work/inputs", str(ws.inputs), type="bind", read_only=True),
             docker.types.Mount("/work/out", str(ws.out), type="bind", read_only=False),
         ]
-        if spec.module_name is not None:
-            spec_file = write_module_spec(spec, "/work")
+        if plan.module_spec is not None:  # written by the agent before the start
             mounts.append(
-                docker.types.Mount("/work/spec.json", str(spec_file), type="bind", read_only=True)
+                docker.types.Mount(
+                    "/work/spec.json", str(plan.spec_file), type="bind", read_only=True
+                )
             )
-            command = module_argv("python", spec.module_name, "/work/spec.json", "/work/out")
-        else:
-            assert spec.argv is not None
-            command = list(spec.argv)
-        if ws.data.is_dir():  # dataset slices, laid out by the data phase
+        if plan.datasets is not None:  # dataset slices, laid out by the data phase
             mounts.append(
-                docker.types.Mount("/work/data", str(ws.data), type="bind", read_only=True)
+                docker.types.Mount("/work/data", str(plan.datasets), type="bind", read_only=True)
             )
         # Lent directories at /work/inputs/<label> (the mount points exist in inputs/).
-        for src, target in spec.read_only_binds:
+        for src, target in plan.views:
             mounts.append(docker.types.Mount(target, src, type="bind", read_only=True))
         log_bytes = max(s.log_max_bytes, 1024 * 1024)
         tmp_bytes = min(s.container_tmp_bytes, s.task_disk_bytes)  # it counts against both
         kwargs: dict[str, Any] = {
             "image": image.id,
-            "command": command,
-            "environment": env,
+            "command": list(plan.argv),
+            "environment": dict(plan.env),
             "user": self.user,
-            "working_dir": "/work/out",  # flashruntime's contract: its output directory
+            "working_dir": plan.cwd,  # flashruntime's contract: its output directory
             "network_mode": "none",
             "read_only": True,
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={tmp_bytes},mode=1777"},
@@ -237,39 +225,39 @@ class ContainerRunner(Runner):
             "security_opt": ["no-new-privileges:true"],
             "ipc_mode": "private",
             "privileged": False,
-            "pids_limit": spec.limits.pids or -1,
-            "labels": {LABEL_NODE: self.node_id, LABEL_LEASE: spec.lease_id},
+            "pids_limit": plan.limits.pids or -1,
+            "labels": {LABEL_NODE: self.node_id, LABEL_LEASE: plan.lease_id},
             "mounts": mounts,
             # The engine's own copy of the output stays bounded; the agent keeps its capped copy.
             "log_config": docker.types.LogConfig(
                 type="json-file", config={"max-size": str(log_bytes), "max-file": "2"}
             ),
         }
-        if spec.max_file_bytes is not None:  # RLIMIT_FSIZE, soft and hard: in bytes
-            size = spec.max_file_bytes
+        if plan.max_file_bytes is not None:  # RLIMIT_FSIZE, soft and hard: in bytes
+            size = plan.max_file_bytes
             kwargs["ulimits"] = [docker.types.Ulimit(name="fsize", soft=size, hard=size)]
-        if spec.limits.memory_bytes:
-            kwargs["mem_limit"] = spec.limits.memory_bytes
-            kwargs["memswap_limit"] = spec.limits.memory_bytes
+        if plan.limits.memory_bytes:
+            kwargs["mem_limit"] = plan.limits.memory_bytes
+            kwargs["memswap_limit"] = plan.limits.memory_bytes
         # The machine cap has no common parent cgroup here: each container gets its slot's share.
         cap = machine_cpus(s, os.cpu_count() or 1)
-        cpus = min_cpus(spec.limits.cpus, None if cap is None else cap / max(self.env.slots, 1))
+        cpus = min_cpus(plan.limits.cpus, None if cap is None else cap / max(self.env.slots, 1))
         if cpus:
             kwargs["nano_cpus"] = int(cpus * 1e9)
-        if spec.gpus:
+        if plan.gpus:
             kwargs["device_requests"] = [
                 docker.types.DeviceRequest(
-                    device_ids=[d.visible for d in spec.gpus], capabilities=[["gpu"]]
+                    device_ids=[d.visible for d in plan.gpus], capabilities=[["gpu"]]
                 )
             ]
         try:
             container = self.client.containers.create(**kwargs)
         except ENGINE_ERRORS as exc:
             raise self._engine_failure("cannot create the container", exc) from None
-        spec.record({"container": container.id})
+        plan.record({"container": container.id})
         try:
             container.start()
-            return ContainerHandle(self, container, str(image.id), spec)
+            return ContainerHandle(self, container, str(image.id), plan)
         except ENGINE_ERRORS as exc:
             self.remove(container.id)
             raise self._engine_failure("cannot start the container", exc) from None

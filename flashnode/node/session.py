@@ -1,0 +1,198 @@
+"""The node's session with the coordinator: registration, the node heartbeat, the claim.
+
+``Session`` owns the conversation: the node id the coordinator gave, whether the node is
+registered (and under which settings: a reload registers again, since the pools may have
+changed), the heartbeats answered, noticing that the coordinator forgot the node (it restarted)
+and registering again, the claim call and what its answer says, and the conversations that fail
+(one log line when one starts failing, one when it works again). ``pacing.py`` says when each
+call is due; the loop says whether a claim may be made at all.
+
+Every method runs on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flashnode.clock import Clock
+from flashnode.config.settings import Settings
+from flashnode.coordinator.wire import NodeHeartbeat, NodeRegistration
+from flashnode.errors import CoordinatorError, CredentialsError, Unregistered
+from flashnode.node.pacing import Pacing
+from flashnode.owner.metrics import MetricsSink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A conversation with the coordinator that fails: since when (monotonic), its latest error."""
+
+    conversation: str
+    since: float
+    error: str
+
+
+class AgentCoordinator(Protocol):
+    def register(self, registration: NodeRegistration) -> str: ...
+    def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None: ...
+    def claim(self, node_id: str) -> dict[str, Any] | None: ...
+
+
+class Session:
+    def __init__(
+        self,
+        coordinator: AgentCoordinator,
+        registration: Callable[[Settings], NodeRegistration],
+        clock: Clock,
+        pacing: Pacing,
+        metrics: MetricsSink,
+    ) -> None:
+        """``registration``: what the node says of itself under given settings."""
+        self._coordinator = coordinator
+        self._registration = registration
+        self._clock = clock
+        self.pacing = pacing
+        self._metrics = metrics
+        self.node_id = ""
+        self.registered = False
+        self._under: Settings | None = None  # the settings the node registered under
+        self.problems: dict[str, Problem] = {}  # the failing conversations, by name
+        self.beats = 0
+        self.last_beat_wall: float | None = None
+        self._next_register = 0.0
+        self._next_heartbeat = 0.0
+        self._next_claim = 0.0
+
+    # --- when ---------------------------------------------------------------------------------
+
+    def wake_at(self, may_claim: bool) -> float:
+        """When (monotonic) the next call is due."""
+        if not self.registered:
+            return self._next_register
+        return min(self._next_heartbeat, self._next_claim) if may_claim else self._next_heartbeat
+
+    def heartbeat_soon(self, now: float) -> None:
+        """Send the next heartbeat at ``now`` (a drain started: tell the coordinator)."""
+        self._next_heartbeat = now
+
+    def attempt_ended(self, at: float) -> None:
+        """An attempt ended at ``at`` (monotonic): claim again at once, and quickly a while."""
+        self.pacing.attempt_ended(at)
+        self._next_claim = at
+
+    # --- the calls ----------------------------------------------------------------------------
+
+    def turn(self, now: float, settings: Settings, draining: bool) -> bool:
+        """Register (again, after a reload) or send the heartbeat, whichever is due; True when
+        the node was registered already, and a claim may follow in this turn."""
+        if self.registered and settings is not self._under:
+            self.registered = False
+            self._next_register = self._next_claim = 0.0
+        if not self.registered:
+            if now >= self._next_register:
+                self._register(settings)
+            return False
+        if now >= self._next_heartbeat:
+            self._heartbeat(draining)
+        return True
+
+    def claim_due(self, now: float) -> bool:
+        return self.registered and now >= self._next_claim
+
+    def claim(self, held: Collection[str]) -> dict[str, Any] | None:
+        """Ask for work; the lease to run, or None. A lease named in ``held`` (running here
+        already) is ignored."""
+        now = self._clock.monotonic()
+        try:
+            lease = self._coordinator.claim(self.node_id)
+        except Unregistered:
+            self._metrics.claim_finished(self._clock.monotonic() - now, "error")
+            self._forgotten("refused the claim as unregistered")
+            return None
+        except CoordinatorError as exc:
+            answered = self._clock.monotonic()
+            self._metrics.claim_finished(answered - now, "error")
+            self._failing("claim", exc)
+            self._next_claim = answered + self.pacing.claim_failed(answered - now)
+            return None
+        answered = self._clock.monotonic()
+        took = answered - now
+        self._metrics.claim_finished(took, "empty" if lease is None else "work")
+        self._working("claim")
+        self._next_claim = answered + self.pacing.claimed(lease is not None, took, answered)
+        if lease is None:
+            return None
+        lease_id = lease.get("lease_id")
+        if isinstance(lease_id, str) and lease_id in held:
+            # The same lease again (a replayed or hostile answer): it is running here already,
+            # and a second attempt would share its workspace and cgroup.
+            log.error("claim answer names lease %s, which runs here already: ignored", lease_id)
+            self._next_claim = answered + self.pacing.claimed(False, took, answered)
+            return None
+        return lease
+
+    def goodbye(self) -> None:
+        """Tell the coordinator the node is leaving (nothing if it was not registered)."""
+        if self.registered:
+            with contextlib.suppress(CoordinatorError, CredentialsError):
+                self._coordinator.node_heartbeat(
+                    NodeHeartbeat(node_id=self.node_id, status="terminating")
+                )
+
+    def _register(self, settings: Settings) -> None:
+        now = self._clock.monotonic()
+        try:
+            self.node_id = self._coordinator.register(self._registration(settings))
+        except CoordinatorError as exc:
+            self._failing("registration", exc)
+            answered = self._clock.monotonic()
+            self._next_register = answered + self.pacing.register_failed(answered - now)
+            return
+        self.registered = True
+        self._under = settings
+        self._working("registration")
+        self.pacing.registered()
+        log.info("registered as node %s", self.node_id)
+
+    def _forgotten(self, what: str) -> None:
+        """The coordinator forgot this node (it restarted): register again after the pacing's
+        spread (a fleet noticed together), then claim at once."""
+        log.info("coordinator %s: registering again", what)
+        self.registered = False
+        self._next_register = self._clock.monotonic() + self.pacing.rejoin()
+        self._next_claim = 0.0
+
+    def _heartbeat(self, draining: bool) -> None:
+        self._next_heartbeat = self._clock.monotonic() + self.pacing.heartbeat()
+        heartbeat = NodeHeartbeat(node_id=self.node_id, status="draining" if draining else "online")
+        try:
+            self._coordinator.node_heartbeat(heartbeat)
+        except Unregistered:
+            self._forgotten("forgot this node")
+            return
+        except CoordinatorError as exc:
+            self._failing("node heartbeat", exc)
+            return
+        self._working("node heartbeat")
+        self.beats += 1
+        self.last_beat_wall = self._clock.wall()
+
+    # --- one log line per state change --------------------------------------------------------
+
+    def _failing(self, what: str, exc: Exception) -> None:
+        self._metrics.coordinator_error(what)
+        known = self.problems.get(what)
+        if known is None:
+            log.warning("%s failing, retrying with backoff: %s", what, exc)
+        since = known.since if known is not None else self._clock.monotonic()
+        self.problems[what] = Problem(what, since, str(exc))
+
+    def _working(self, what: str) -> None:
+        known = self.problems.pop(what, None)
+        if known is not None:
+            log.info("%s works again after %.0f s", what, self._clock.monotonic() - known.since)
