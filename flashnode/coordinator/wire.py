@@ -6,7 +6,7 @@ parsed into a Task; any problem with the payload becomes an AttemptFailed whose 
 reason reported to the coordinator.
 
 The models only a task uses (all but the registration's and the node heartbeat's) are built at
-their first use (``defer_build``): an idle node does not hold their validators (about 1 MB).
+their first use (``defer_build``): an idle node does not hold their validators.
 
 Why one module of this size: every message and the payload's strict parsing: one place for what
 crosses the wire.

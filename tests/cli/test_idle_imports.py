@@ -116,7 +116,7 @@ def _loaded(modules: set[str], name: str) -> bool:
 
 
 @pytest.mark.parametrize("console", ["off", "on"])
-def test_an_idle_agent_has_not_imported_what_only_a_feature_needs(
+def test_an_idle_agent_has_not_imported_or_built_what_only_a_feature_needs(
     tmp_path: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
