@@ -49,7 +49,7 @@ class Outcome(str, enum.Enum):
 class AttemptRecord(BaseModel):
     """One attempt, as stored durably in the outbox."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)  # built at the first task
 
     lease: dict[str, Any]  # the claim answer as received (its envelope was checked)
     state: State = State.CLAIMED

@@ -3,6 +3,9 @@
 Incoming data is untrusted: a Lease envelope is parsed first (its ids end up in paths and URLs,
 so they are checked strictly), then its payload is parsed into a Task; any problem with the
 payload becomes an AttemptFailed whose message is the reason reported to the coordinator.
+
+Its models are built at their first use (``defer_build``): an idle node does not hold their
+validators.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ MODULES = (
 class Lease(BaseModel):
     """The envelope of a claimed lease; ``payload`` is parsed separately by ``parse_task``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
     lease_id: str
     task_id: str
@@ -77,7 +80,7 @@ def parse_lease(data: Any) -> Lease:
 
 
 class Isolation(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, defer_build=True)
 
     tier: str | None = None
     allow_fallback: StrictBool = Field(default=False, alias="allowFallback")
@@ -86,6 +89,8 @@ class Isolation(BaseModel):
 class Input(BaseModel):
     """One staged input: the artifact key, where it lands under ``inputs/``, and whether it is an
     archive to unpack into ``inputs/<name>/``."""
+
+    model_config = ConfigDict(defer_build=True)
 
     name: str
     key: str
@@ -101,12 +106,16 @@ class CheckpointPolicy(BaseModel):
     resume. The numbers are the coordinator's (its silence watchdog), read the way it reads them: a
     value that is not a finite number counts as absent."""
 
+    model_config = ConfigDict(defer_build=True)
+
     interval_seconds: float | None = None
     watchdog_seconds: float | None = None
 
 
 class Task(BaseModel):
     """A parsed task payload: exactly one of ``argv`` and ``module`` is set."""
+
+    model_config = ConfigDict(defer_build=True)
 
     task_id: str
     output_prefix: str

@@ -1,5 +1,8 @@
 """Pydantic models of the messages the node sends (docs/protocol.md §4), and of the checkpoint
 manifest it reads back. They mirror the coordinator's own.
+
+The models only a task uses (all but the registration's and the node heartbeat's) are built at
+their first use (``defer_build``): an idle node does not hold their validators.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class NodeHeartbeat(BaseModel):
 class ExecutionEvidence(BaseModel):
     """None means not measured; 0 means measured zero."""
 
+    model_config = ConfigDict(defer_build=True)
+
     wall_seconds: float | None = None
     cpu_percent_mean: float | None = None
     gpu_util_percent_mean: float | None = None
@@ -71,12 +76,16 @@ class ExecutionEvidence(BaseModel):
 
 
 class CompleteRequest(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
     output_sha256: str
     evidence: ExecutionEvidence | None = None
 
 
 class CheckpointPart(BaseModel):
     """One file of a checkpoint: its artifact key, sha256 and size (docs/protocol.md §8)."""
+
+    model_config = ConfigDict(defer_build=True)
 
     key: str
     sha256: str
@@ -86,7 +95,7 @@ class CheckpointPart(BaseModel):
 class CheckpointManifest(BaseModel):
     """A committed checkpoint as ``checkpoints/latest`` returns it (the fields the agent uses)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
     manifest_id: str = ""
     step: int
