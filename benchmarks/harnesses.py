@@ -15,7 +15,10 @@ the task as root), ``floor-isolated`` (the bare client spawning each task with `
 owner's), ``ours-tmp`` (its state dir under /tmp, as ``tempfile.mkdtemp()`` puts it: tasks get a
 private /tmp, so the agent cannot start each slot's next launch chain ahead), ``old`` (0.4.1).
 
-    .venv/bin/python benchmarks/harnesses.py [-n 50] [--rounds 3] [--out FILE]
+    .venv/bin/python benchmarks/harnesses.py [-n 50] [--rounds 3] [--out FILE] [--bin NAME=PATH]
+
+``--bin NAME=PATH`` (repeatable) adds another flashnode executable as a contender named NAME,
+run as ``ours`` is (an A/B of a change: e.g. a venv of main against one of the branch).
 
 Run after ``benchmarks/run`` (its venvs). Not a test: nothing asserts.
 """
@@ -43,8 +46,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--out", type=Path, default=bench.HERE / "harnesses.json")
+    p.add_argument("--bin", action="append", default=[], help="NAME=PATH: another agent of ours")
     args = p.parse_args()
-    kinds = args.kinds.split(",")
+    bins = dict(b.split("=", 1) for b in args.bin)
+    kinds = args.kinds.split(",") + list(bins)
     root = Path(tempfile.mkdtemp(prefix="flashnode-harnesses-"))
     server = CoordinatorServer(root)
     server.start()
@@ -54,7 +59,7 @@ def main() -> int:
         for _ in range(args.rounds):
             for kind in kinds:
                 loads.append(os.getloadavg()[0])
-                raw[kind].append(run(server, kind, args.n))
+                raw[kind].append(run(server, kind, args.n, bins.get(kind)))
                 print(kind, json.dumps(raw[kind][-1]), flush=True)
     finally:
         server.close()
@@ -80,7 +85,14 @@ def main() -> int:
     return 0
 
 
-def run(server: CoordinatorServer, kind: str, n: int) -> dict[str, Any]:
+def run(server: CoordinatorServer, kind: str, n: int, exe: str | None = None) -> dict[str, Any]:
+    if exe is not None:
+        ours = bench.OURS[0]
+        bench.OURS[0] = exe
+        try:
+            return overhead_run(server, "ours", n)
+        finally:
+            bench.OURS[0] = ours
     if kind != "ours-tmp":
         return overhead_run(server, kind, n)
     saved = bench.state_parent

@@ -16,13 +16,13 @@ from typing import Any, BinaryIO
 from flashnode.attempt import AttemptContext
 from flashnode.attempt.outbox import Outbox
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import (
+from flashnode.coordinator.lease import Task
+from flashnode.coordinator.messages import (
     CheckpointManifest,
     CheckpointPart,
     ExecutionEvidence,
     NodeHeartbeat,
     NodeRegistration,
-    Task,
 )
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.owner.ledger import Ledger
@@ -200,7 +200,7 @@ class FakeRunner(Runner):
     def create(cls, settings: Settings, env: RunnerEnv) -> FakeRunner:
         return cls()
 
-    def check(self, task: Task) -> None:
+    def check(self, task: Task, settings: Settings) -> None:
         if self.refuse:
             raise AttemptFailed(self.refuse)
         if self.lapse:

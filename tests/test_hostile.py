@@ -20,8 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashnode.attempt import Attempt, Outcome
+from flashnode.config.settings import Settings
 from flashnode.coordinator.client import Coordinator
-from flashnode.coordinator.wire import NodeCapabilities, NodeRegistration, Task
+from flashnode.coordinator.lease import Task
+from flashnode.coordinator.messages import NodeCapabilities, NodeRegistration
 from flashnode.errors import CoordinatorError, CoordinatorUnavailable
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5"}
@@ -162,8 +164,9 @@ payloads = st.fixed_dictionaries(
 class CheckedFakeRunner(FakeRunner):
     """The trusted runner's checks, with a fake start: nothing is run on the host."""
 
-    def check(self, task: Task) -> None:
-        trusted_runner().check(task)
+    def check(self, task: Task, settings: Settings) -> None:
+        runner = trusted_runner()
+        runner.check(task, runner.settings)
 
 
 def _run(data: Any) -> tuple[Outcome, FakeCoordinator]:

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 from flashnode.attempt.diskwatch import Reserved
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
+from flashnode.coordinator.messages import CheckpointManifest, CheckpointPart, ExecutionEvidence
 from flashnode.coordinator.validators import SchemaCheck
-from flashnode.coordinator.wire import CheckpointManifest, CheckpointPart, ExecutionEvidence
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.evidence.sampler import CpuWindow, GpuReader
 from flashnode.owner.ledger import Ledger

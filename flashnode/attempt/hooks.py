@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from flashnode.attempt.context import AttemptContext
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, Staged, State
-from flashnode.coordinator.wire import Lease
+from flashnode.coordinator.lease import Lease
 from flashnode.errors import AttemptFailed, AttemptLapsed, LeaseLost
 from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from flashnode.attempt.context import CoordinatorPort
 from flashnode.clock import Clock
+from flashnode.coordinator.lease import Lease
 from flashnode.coordinator.retry import Backoff, Policy
-from flashnode.coordinator.wire import Lease
 from flashnode.errors import CoordinatorError, CredentialsError, LeaseLost
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ from flashnode.attempt.hooks import AttemptHooks
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.phases import commit, data, environment, execute, prepare, restore, stage
 from flashnode.attempt.record import Outcome, Staged, State, workspace_of
-from flashnode.coordinator.wire import ExecutionEvidence, Lease, parse_lease
+from flashnode.coordinator.lease import Lease, parse_lease
+from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from flashnode import statefile
 from flashnode.attempt.record import AttemptRecord
-from flashnode.coordinator.wire import SAFE_ID
+from flashnode.coordinator.ids import SAFE_ID
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashnode.coordinator.wire import ExecutionEvidence, Lease, Task, parse_task
+from flashnode.coordinator.lease import Lease, Task, parse_task
+from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.sandbox.outputs import OutputFile
 from flashnode.sandbox.workspace import Workspace
 
@@ -48,7 +49,7 @@ class Outcome(str, enum.Enum):
 class AttemptRecord(BaseModel):
     """One attempt, as stored durably in the outbox."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)  # built at the first task
 
     lease: dict[str, Any]  # the claim answer as received (its envelope was checked)
     state: State = State.CLAIMED

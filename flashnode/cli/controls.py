@@ -15,7 +15,7 @@ from typing import Protocol, TextIO
 import click
 
 from flashnode.cli.common import config_option, needs_root, state_dir_of, state_dir_option
-from flashnode.coordinator.wire import SAFE_ID
+from flashnode.coordinator.ids import SAFE_ID
 from flashnode.owner import pausefile, status
 from flashnode.sandbox import logcap
 from flashnode.sanitise import sanitise

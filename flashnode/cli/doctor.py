@@ -20,7 +20,7 @@ from flashnode.config.loading import load
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.config.sizes import format_size
 from flashnode.coordinator.client import Coordinator
-from flashnode.coordinator.wire import NodeHeartbeat
+from flashnode.coordinator.messages import NodeHeartbeat
 from flashnode.errors import (
     ConfigError,
     CoordinatorError,

@@ -31,13 +31,14 @@ from flashnode.config.loading import load
 from flashnode.config.schedule import Pause, PauseMode
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.coordinator.client import Coordinator
-from flashnode.coordinator.wire import NodeRegistration
+from flashnode.coordinator.messages import NodeRegistration
 from flashnode.errors import ConfigError, EnvUnavailable, PrerequisiteError
 from flashnode.evidence import inventory, sensors
 from flashnode.evidence.gpu import Nvml
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.node.agent import Agent, effective_slots
-from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.node.controls import Controls
+from flashnode.node.rules import Readers, Rules
 from flashnode.owner import ledgerview, metrics, pausefile, statelock
 from flashnode.owner.ledger import Ledger
 from flashnode.owner.ledgerview import LedgerView

@@ -316,7 +316,7 @@ class Settings(BaseModel):
 
     # --- owner controls and metrics (README "Owner controls") ----------------------------------
     # Rules that hold claiming (and, named in suspend_when, suspend running tasks): see
-    # controls.py. Metrics: an opt-in Prometheus endpoint, loopback only unless allowed.
+    # node/rules.py. Metrics: an opt-in Prometheus endpoint, loopback only unless allowed.
     run_windows: tuple[str, ...] = ()
     run_windows_timezone: str | None = None
     hold_on_battery: bool = False

@@ -28,7 +28,7 @@ from flashnode.config.settings import Settings
 from flashnode.console import auth
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
-from flashnode.coordinator.wire import SAFE_ID
+from flashnode.coordinator.ids import SAFE_ID
 from flashnode.errors import FlashnodeError
 from flashnode.owner import lastexit, pausefile, status
 from flashnode.owner.ledgerview import LedgerView

@@ -26,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+from flashnode.tcptable import tcp_sockets
+
 log = logging.getLogger(__name__)
 
 MAX_CLIENTS = 16
@@ -221,17 +223,9 @@ class _Deadline(io.RawIOBase):
 def peer_uid(peer_port: int, port: int) -> int | None:
     """The user owning the client end of a TCP connection to ``port`` from ``peer_port`` on
     this machine (the kernel's socket tables), None when it is not found."""
-    local, remote = f":{peer_port:04X}", f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                next(fh, None)
-                for line in fh:
-                    fields = line.split()
-                    if len(fields) > 7 and fields[1].endswith(local) and fields[2].endswith(remote):
-                        return int(fields[7])
-        except (OSError, ValueError):
-            continue
+    for s in tcp_sockets():
+        if s.local_port == peer_port and s.remote_port == port:
+            return s.uid
     return None
 
 

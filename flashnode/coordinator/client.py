@@ -26,9 +26,9 @@ import httpx
 from flashnode import __version__
 from flashnode.config.urls import is_loopback
 from flashnode.coordinator.answers import Done, check, detail_of, json_object
+from flashnode.coordinator.ids import SAFE_ID
 from flashnode.coordinator.listener import check_listener
-from flashnode.coordinator.wire import (
-    SAFE_ID,
+from flashnode.coordinator.messages import (
     CheckpointManifest,
     CheckpointPart,
     CompleteRequest,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from flashnode.errors import CoordinatorUnavailable
+from flashnode.tcptable import LISTEN, tcp_sockets
 
 
 def check_listener(host: str | None, port: int) -> None:
@@ -23,16 +24,4 @@ def check_listener(host: str | None, port: int) -> None:
 
 def listener_uids(port: int) -> set[int]:
     """The uids owning TCP sockets that listen on ``port`` (loopback or any address)."""
-    found: set[int] = set()
-    want = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                next(fh, None)
-                for line in fh:
-                    fields = line.split()
-                    if len(fields) > 7 and fields[3] == "0A" and fields[1].endswith(want):
-                        found.add(int(fields[7]))
-        except (OSError, ValueError):
-            continue
-    return found
+    return {s.uid for s in tcp_sockets() if s.state == LISTEN and s.local_port == port}

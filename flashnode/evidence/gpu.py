@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any
 
-from flashnode.coordinator.wire import GpuInfo
+from flashnode.coordinator.messages import GpuInfo
 from flashnode.evidence.gpupool import Device
 
 log = logging.getLogger(__name__)

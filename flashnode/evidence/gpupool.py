@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from flashnode.coordinator.wire import GpuInfo
+from flashnode.coordinator.messages import GpuInfo
 from flashnode.errors import AttemptFailed
 
 

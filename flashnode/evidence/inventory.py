@@ -15,7 +15,7 @@ import psutil
 
 from flashnode import __version__, statefile
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import GpuInfo, NodeCapabilities, NodeRegistration
+from flashnode.coordinator.messages import GpuInfo, NodeCapabilities, NodeRegistration
 
 ARCHITECTURES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 

@@ -1,4 +1,4 @@
-"""What the owner-control rules read from the host (the edge of ``controls.py``).
+"""What the owner-control rules read from the host (the edge of ``node/rules.py``'s ``Readers``).
 
 Every reader returns None for "not measured here", never raises for an ordinary absence:
 

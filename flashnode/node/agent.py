@@ -40,15 +40,17 @@ from typing import Any
 from flashnode.attempt import AttemptContext
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import NodeRegistration
+from flashnode.coordinator.messages import NodeRegistration
 from flashnode.errors import CredentialsError, Stopped
-from flashnode.node.controls import Controls, Decision, Rules
+from flashnode.node.controls import Controls
+from flashnode.node.decision import Decision
 from flashnode.node.drain import SHUTDOWN_MARGIN_S, Drain
 from flashnode.node.holds import NodeHolds
 from flashnode.node.pacing import Pacing
 from flashnode.node.publisher import NodeView, Publisher
 from flashnode.node.recovery import recover
 from flashnode.node.reload import Config, Reloader
+from flashnode.node.rules import Rules
 from flashnode.node.session import AgentCoordinator, Session
 from flashnode.node.workers import Workers, effective_slots
 from flashnode.owner.status import StatusSink
@@ -194,10 +196,18 @@ class Agent:
                 return
             self.reloader.tick()
             registered = self.session.turn(now, self.settings, self.drain.draining)
-            if registered and self._may_claim() and self.session.claim_due(now):
+            # The configuration the claim goes out under, which its attempt keeps: a reload
+            # that lands meanwhile (during the heartbeat or the claim) is the next claim's.
+            config = self.reloader.current
+            if (
+                registered
+                and self.session.registered_under(config.settings)
+                and self._may_claim()
+                and self.session.claim_due(now)
+            ):
                 lease = self.session.claim(self.workers.leases())
                 if lease is not None:
-                    self.workers.start(lease, self.reloader.snapshot(self.ctx))
+                    self.workers.start(lease, self.reloader.snapshot(self.ctx, config))
                 self._publish()
                 continue
             self._publish()

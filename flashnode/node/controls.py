@@ -1,166 +1,35 @@
-"""The owner's rules for this machine → "may this node claim?" and "must running tasks pause?".
+"""The owner's rules evaluated each turn (``Controls.evaluate``): "may this node claim?" and "must
+running tasks pause?" (the rules: ``rules.py``; the answer: ``decision.py``).
 
-Pure logic: what the rules read (the pause file, the battery, the seat's idle time, CPU counters)
-comes from injected readers and the time from an injected clock, so every rule is tested with
-fakes. The real readers are in ``sensors.py`` and ``pausefile.py``.
+Pure logic: what the rules read comes from injected readers and the time from an injected clock,
+so every rule is tested with fakes and a fake clock.
 
-The rules, by name (the names ``suspend_when`` takes):
-
-* ``pause``: ``flashnode pause``. Holds claiming; with ``--now`` it also stops running tasks, an
-  ending that is not the task's fault. Expires at its ``until`` (wall time) unless it has none.
-* ``window``: ``run_windows``. Claims only inside one of the local-time windows.
-* ``battery``: ``hold_on_battery``. Holds while the machine runs on battery.
-* ``active``: ``hold_when_active``. Holds while the owner used the seat (keyboard, mouse) less than
-  ``active_idle_seconds`` ago.
-* ``load``: ``hold_above_load_percent``. Holds while other programs (the host's busy CPU share
-  minus this agent's tasks' share) use more of the machine's CPU than this.
-
-Every rule holds claiming; the ones named in ``suspend_when`` also ask that running tasks be
-suspended while they hold. A rule whose reading is unavailable (no battery, no logind seat, an
-unreadable counter) never holds, and says so once in the log. An unreadable pause file is the
-exception: the owner asked for something, so it fails closed (paused until resumed).
+A rule whose reading is unavailable (no battery, no logind seat, an unreadable counter) never
+holds, and says so once in the log. An unreadable pause file is the exception: the owner asked
+for something, so it fails closed (paused until resumed).
 
 Hysteresis: ``battery`` and ``load`` hold at once but release only after their condition stayed
 clear for ``hold_clear_seconds``; ``active`` releases when the owner has been idle for
 ``active_idle_seconds``, which is its own hysteresis; ``window`` and ``pause`` are exact.
-
-Why one module of this size: rule parsing (windows, durations) and evaluation with hysteresis, pure
-and tested on a fake clock.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from datetime import datetime, tzinfo
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
 from flashnode.clock import Clock, moment
-from flashnode.config.schedule import (
-    Pause,
-    Window,
-    minute_of_week,
-    minutes_to_opening,
-    parse_window,
-)
-
-if TYPE_CHECKING:
-    from flashnode.config.settings import Settings
+from flashnode.config.schedule import Pause, minute_of_week, minutes_to_opening
+from flashnode.node.decision import Decision, Hold
+from flashnode.node.rules import CpuCounters, Readers, RuleName, Rules
 
 log = logging.getLogger(__name__)
 
-RuleName = Literal["window", "battery", "active", "load"]
-RULES: tuple[RuleName, ...] = ("window", "battery", "active", "load")
 SENSOR_SECONDS = 5.0  # battery and seat are read at most this often
 LOAD_WINDOW_SECONDS = 5.0  # the load is the CPU share over windows of at least this length
-
-# --- rules, readers, decisions ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rules:
-    """The owner's rules, as configured (see ``Settings``: the owner-controls block)."""
-
-    windows: tuple[Window, ...] = ()
-    tz: tzinfo | None = None  # None: the system's local time
-    on_battery: bool = False
-    when_active: bool = False
-    active_idle_seconds: float = 300.0
-    load_percent: float | None = None
-    clear_seconds: float = 60.0
-    suspend: frozenset[RuleName] = frozenset()
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Rules:
-        return cls(
-            windows=tuple(parse_window(w) for w in settings.run_windows),
-            tz=settings.windows_tzinfo,
-            on_battery=settings.hold_on_battery,
-            when_active=settings.hold_when_active,
-            active_idle_seconds=settings.active_idle_seconds,
-            load_percent=settings.hold_above_load_percent,
-            clear_seconds=settings.hold_clear_seconds,
-            suspend=frozenset(settings.suspend_when),
-        )
-
-
-CpuCounters = tuple[float, float]  # cumulative (busy, total) CPU seconds of the host, all cores
-
-
-@dataclass
-class Readers:
-    """Where the rules read from. Each may raise or return None: "not measured".
-
-    ``task_cpu`` maps each running task (any stable key, e.g. the lease id) to its cumulative
-    CPU seconds (its cgroup's ``usage_usec``, or its process tree), summed over cores like
-    ``host_cpu``. A task new since the last reading counts in full; a task that ended since loses
-    its last interval (the error of one window at each task end).
-    """
-
-    pause: Callable[[], Pause | None] = lambda: None
-    on_battery: Callable[[], bool | None] = lambda: None
-    idle_seconds: Callable[[], float | None] = lambda: None
-    host_cpu: Callable[[], CpuCounters | None] = lambda: None
-    task_cpu: Callable[[], Mapping[str, float] | None] = dict
-
-
-@dataclass(frozen=True)
-class Hold:
-    """One rule holding claiming, why, what the owner can do about it (``fix``), and whether
-    it also suspends running tasks."""
-
-    # The owner's rules, and the node's own holds: a full disk, the black-hole guard's
-    # quarantine, the backoff after a revoked lease (guard.py).
-    rule: Literal["pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked"]
-    reason: str
-    suspends: bool = False
-    fix: str = ""
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the loop does this turn.
-
-    * ``may_claim``: no rule holds. ``hold_reason`` says why not.
-    * ``suspend_reason``: running tasks must be suspended now (None: let them run, and resume
-      any that were suspended).
-    * ``stop_reason``: running tasks must be stopped now, an ending that is not the task's fault
-      (``flashnode pause --now``); it stays set while that pause lasts.
-    * ``paused``: the owner's explicit pause in force, if any (status, metrics).
-    """
-
-    holds: tuple[Hold, ...] = ()
-    stop_reason: str | None = None
-    paused: Pause | None = None
-
-    @property
-    def may_claim(self) -> bool:
-        return not self.holds
-
-    @property
-    def hold_reason(self) -> str | None:
-        return "; ".join(h.reason for h in self.holds) or None
-
-    @property
-    def suspend_reason(self) -> str | None:
-        return "; ".join(h.reason for h in self.holds if h.suspends) or None
-
-    def holding(self, *more: Hold | None) -> Decision:
-        """This decision with the node's own holds added (those that hold: not None)."""
-        extra = tuple(h for h in more if h is not None)
-        return replace(self, holds=self.holds + extra) if extra else self
-
-    def snapshot(self) -> dict[str, Any]:
-        """For status.json."""
-        return {
-            "paused": self.paused.to_json() if self.paused else None,
-            "held_by": [
-                {"rule": h.rule, "reason": h.reason, "fix": h.fix, "suspends": h.suspends}
-                for h in self.holds
-            ],
-            "stop_reason": self.stop_reason,
-        }
 
 
 class _Latch:

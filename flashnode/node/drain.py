@@ -60,6 +60,8 @@ class Drain:
         None while they may run on."""
         if self.stop_now:
             return Stopped("agent stopping"), 0.0
-        if self.draining and now >= self._deadline:
+        # Only once ``tick`` started the drain: a stop requested later in the same turn has
+        # no deadline yet, and must not stop the attempts at once.
+        if self._started and now >= self._deadline:
             return Stopped("node draining"), settings.kill_grace_seconds
         return None

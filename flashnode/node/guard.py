@@ -28,7 +28,7 @@
   so the node claims nothing for a while (from ``REVOKED_FIRST_S``, doubling with each revocation in
   a row up to ``REVOKED_CAP_S``, reset by a commit), so that another node may take the task.
 
-Both give a ``controls.Hold`` with a reason an owner can read (``flashnode status``, the log, the
+Both give a ``decision.Hold`` with a reason an owner can read (``flashnode status``, the log, the
 metric ``flashnode_claiming_held{rule}``). They are fed from attempt threads, read from the
 loop: each keeps its state under a lock.
 """
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from flashnode.attempt.record import Outcome
 from flashnode.clock import Clock
 from flashnode.coordinator.retry import Backoff, Policy
-from flashnode.node.controls import Hold
+from flashnode.node.decision import Hold
 
 log = logging.getLogger(__name__)
 

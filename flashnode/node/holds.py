@@ -17,7 +17,7 @@ from collections.abc import Callable
 from flashnode.attempt.diskwatch import Reserved, no_room
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
-from flashnode.node.controls import Hold
+from flashnode.node.decision import Hold
 from flashnode.node.guard import Ending, Quarantine, RevokedBackoff
 from flashnode.sandbox.diskuse import Space
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from flashnode.clock import Clock, stamp
 from flashnode.config.settings import Settings
-from flashnode.node.controls import Decision
+from flashnode.node.decision import Decision
 from flashnode.node.session import Problem
 from flashnode.owner import status
 from flashnode.owner.status import StatusSink

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.attempt.record import State
-from flashnode.coordinator.wire import SAFE_ID
+from flashnode.coordinator.ids import SAFE_ID
 from flashnode.sandbox.removal import remove_stale_workspaces
 
 log = logging.getLogger(__name__)

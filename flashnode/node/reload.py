@@ -87,12 +87,13 @@ class Reloader:
         with self._lock:
             return self._current
 
-    def snapshot(self, ctx: AttemptContext) -> AttemptContext:
-        """What an attempt is given: ``ctx``'s edges and the ``Config`` current now, which it
-        keeps whatever reload comes while it runs (the context is frozen, and so are the
-        settings and limits in it). Only ``lent_now`` reads the running configuration: what
-        the owner stopped lending is mounted by no attempt."""
-        config = self.current
+    def snapshot(self, ctx: AttemptContext, config: Config | None = None) -> AttemptContext:
+        """What an attempt is given: ``ctx``'s edges and ``config`` (the one its lease was
+        claimed under; default: the one current now), which it keeps whatever reload comes
+        while it runs (the context is frozen, and so are the settings and limits in it). Only
+        ``lent_now`` reads the running configuration: what the owner stopped lending is
+        mounted by no attempt."""
+        config = config or self.current
         return dataclasses.replace(
             ctx,
             settings=config.settings,

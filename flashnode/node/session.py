@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import NodeHeartbeat, NodeRegistration
+from flashnode.coordinator.messages import NodeHeartbeat, NodeRegistration
 from flashnode.errors import CoordinatorError, CredentialsError, Unregistered
 from flashnode.node.pacing import Pacing
 from flashnode.owner.metrics import MetricsSink
@@ -103,6 +103,12 @@ class Session:
 
     def claim_due(self, now: float) -> bool:
         return self.registered and now >= self._next_claim
+
+    def registered_under(self, settings: Settings) -> bool:
+        """Whether the node is registered with exactly ``settings`` (its pools, its GPUs): a
+        claim goes out only then, so that a reload landing during the heartbeat never claims
+        under the registration it replaces."""
+        return self.registered and self._under is settings
 
     def claim(self, held: Collection[str]) -> dict[str, Any] | None:
         """Ask for work; the lease to run, or None. A lease named in ``held`` (running here

@@ -30,7 +30,7 @@ from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.evidence.gpupool import Device
-from flashnode.node.controls import Decision
+from flashnode.node.decision import Decision
 from flashnode.node.guard import Ending
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,9 @@ The series (all prefixed ``flashnode_``):
 ``info{version}``                  gauge      always 1
 =================================  =========  ===================================================
 
-Why one module of this size: the metrics and their no-op twin mirror each other method for method;
-the HTTP server is ``metricsserver.py``.
+The metrics and their no-op twin take the same calls (``MetricsSink``), and ``HELD_RULES`` names
+every hold a ``Decision`` can carry: tests/owner/test_metrics.py holds both. The HTTP server is
+``metricsserver.py``.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Protocol
 
 from flashnode.clock import Clock, SystemClock
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import Task
+from flashnode.coordinator.lease import Task
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.runners.findings import Finding
 from flashnode.runners.plan import RunnerFacts, TaskPlan, map_work
@@ -125,9 +125,11 @@ class Runner(ABC):
         """Build the runner; raises PrerequisiteError/ConfigError when it cannot run here."""
 
     @abstractmethod
-    def check(self, task: Task) -> None:
+    def check(self, task: Task, settings: Settings) -> None:
         """Raise AttemptFailed (the task's fault) or AttemptLapsed (this node's) when this
-        runner must not run ``task``."""
+        runner must not run ``task``. ``settings``: those its lease was claimed under. What they
+        allowed and the runner's settings now refuse (a reload since the claim) lapses: the
+        owner's latest word wins, and the task is not at fault."""
 
     def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
         """How this runner shows a task in ``slot`` its ``workspace`` (the plan is resolved from

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashnode.coordinator.wire import Lease, Task
+from flashnode.coordinator.lease import Lease, Task
 from flashnode.errors import AttemptLapsed
 from flashnode.evidence.gpupool import Device
 from flashnode.sandbox.limits import Limits

@@ -38,13 +38,13 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from flashnode.caches.envcache import ENVS_DIR, PYTHON_DIR
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import MODULES, Task
+from flashnode.coordinator.lease import MODULES, Task
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.runners.base import Handle, Runner, RunnerEnv
 from flashnode.runners.findings import Finding, Ok, Problem
@@ -267,8 +267,13 @@ class TrustedRunner(Runner):
             group=user.gid if user else None,
         )
 
-    def check(self, task: Task) -> None:
-        self._check_code(task)
+    def check(self, task: Task, settings: Settings) -> None:
+        self._check_code(task, settings.pools)
+        if tuple(self.settings.pools) != tuple(settings.pools):
+            try:
+                self._check_code(task, self.settings.pools)
+            except AttemptFailed as exc:
+                raise AttemptLapsed(f"{exc} since this lease was claimed (a reload)") from None
         if task.local_inputs and not self.sandbox:
             raise AttemptLapsed("this node lends data to tasks only when the agent runs as root")
         if task.dependencies and self.sandbox:
@@ -279,8 +284,7 @@ class TrustedRunner(Runner):
                     f" which get a private {hidden}: move the state dir"
                 )
 
-    def _check_code(self, task: Task) -> None:
-        pools = self.settings.pools
+    def _check_code(self, task: Task, pools: Sequence[str]) -> None:
         if task.module is not None and not task.dependencies:
             # Allowlisted installed code, not the task's own: no sandbox fallback needed, but a
             # task placed for a pool still has to be one of ours.

@@ -1,5 +1,5 @@
 """A task's limits (memory, CPUs, pids): what the settings ask of every task, carried out by the
-runners (the container's limits, or the task's cgroup: ``cgroups.py``).
+runners (the container's limits, or the task's cgroup: ``cgroups/``).
 """
 
 from __future__ import annotations

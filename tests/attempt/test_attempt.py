@@ -11,7 +11,7 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, trusted_runner
 
 from flashnode.attempt import Attempt, LeaseKeeper, Outcome
-from flashnode.coordinator.wire import parse_lease
+from flashnode.coordinator.lease import parse_lease
 from flashnode.errors import CoordinatorUnavailable, LeaseLost
 
 

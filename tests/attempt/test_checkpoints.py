@@ -23,7 +23,8 @@ from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_f
 from flashnode.attempt import Attempt, LeaseKeeper
 from flashnode.attempt.phases import relay, restore
 from flashnode.attempt.record import Staged
-from flashnode.coordinator.wire import CheckpointManifest, CheckpointPart, parse_lease, parse_task
+from flashnode.coordinator.lease import parse_lease, parse_task
+from flashnode.coordinator.messages import CheckpointManifest, CheckpointPart
 from flashnode.errors import CheckpointRefused, CoordinatorUnavailable, LeaseLost
 from flashnode.runners.base import Runner
 from flashnode.sandbox.outputs import list_outputs

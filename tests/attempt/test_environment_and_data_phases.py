@@ -16,7 +16,7 @@ from fakes import FakeClock, FakeCoordinator, FakeHandle, FakeRunner, context, l
 from flashnode.attempt import Attempt, Outcome
 from flashnode.config.settings import Settings
 from flashnode.coordinator.datasets import DatasetEntry
-from flashnode.coordinator.wire import Lease, parse_task
+from flashnode.coordinator.lease import Lease, parse_task
 from flashnode.errors import (
     AttemptFailed,
     AttemptLapsed,
@@ -431,27 +431,29 @@ def test_a_module_task_with_dependencies_runs_the_jobs_own_code_so_it_is_pool_on
 ) -> None:
     runner = _trusted(tmp_path, sandbox=False)
     module = {"argv": None, "module": "flashml_workloads.sgd_trainer", "dependencies": DEPS}
-    runner.check(_task(**module))  # in the pool, fallback allowed: no task_python needed
+    runner.check(
+        _task(**module), runner.settings
+    )  # in the pool, fallback allowed: no task_python needed
     with pytest.raises(AttemptFailed, match="must name a pool"):
-        runner.check(_task(**module, pool=None))
+        runner.check(_task(**module, pool=None), runner.settings)
     with pytest.raises(AttemptFailed, match="does not allow running outside"):
-        runner.check(_task(**module, isolation={"tier": "sandboxed"}))
+        runner.check(_task(**module, isolation={"tier": "sandboxed"}), runner.settings)
     with pytest.raises(AttemptLapsed, match="no module tasks"):
-        runner.check(_task(argv=None, module="flashml_workloads.sgd_trainer"))
+        runner.check(_task(argv=None, module="flashml_workloads.sgd_trainer"), runner.settings)
 
 
 def test_what_the_trusted_runner_cannot_give_a_task_is_not_the_tasks_fault(
     tmp_path: Path,
 ) -> None:
     with pytest.raises(AttemptLapsed, match="only when the agent runs as root"):
-        _trusted(tmp_path, sandbox=False).check(_task(local_inputs=["scans"]))
+        same = _trusted(tmp_path, sandbox=False)
+        same.check(_task(local_inputs=["scans"]), same.settings)
     hidden = _trusted(tmp_path, sandbox=True, state_dir=Path("/tmp/flashnode-x"))
     with pytest.raises(AttemptLapsed, match="hidden from tasks"):
-        hidden.check(_task(dependencies=DEPS))
-    hidden.check(_task())
-    _trusted(tmp_path, sandbox=True, state_dir=Path("/var/lib/flashnode")).check(
-        _task(dependencies=DEPS)
-    )
+        hidden.check(_task(dependencies=DEPS), hidden.settings)
+    hidden.check(_task(), hidden.settings)
+    kept = _trusted(tmp_path, sandbox=True, state_dir=Path("/var/lib/flashnode"))
+    kept.check(_task(dependencies=DEPS), kept.settings)
 
 
 def test_only_the_trusted_runner_says_it_installs_dependencies(tmp_path: Path) -> None:

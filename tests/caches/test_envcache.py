@@ -43,7 +43,7 @@ from flashnode.clock import SystemClock
 from flashnode.coordinator.datasets import OriginPolicy
 from flashnode.errors import AttemptFailed, Cancelled, EnvBuildFailed, EnvUnavailable
 from flashnode.sandbox import cgroups, procs
-from flashnode.sandbox.cgroups import Limits
+from flashnode.sandbox.limits import Limits
 
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 GiB = 1 << 30

@@ -19,7 +19,8 @@ from click.testing import CliRunner
 
 from flashnode.cli.controls import Clean, tail
 from flashnode.cli.main import main
-from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.node.controls import Controls
+from flashnode.node.rules import Readers, Rules
 from flashnode.owner import pausefile
 from flashnode.owner.ledger import Ledger
 from tests.harness import wait_for

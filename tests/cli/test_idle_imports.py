@@ -1,10 +1,11 @@
 """An idle agent does not load what only a feature needs (issue 31's idle memory): a real
 ``flashnode work`` against a real coordinator, idle (registered, heartbeating, claiming nothing),
-reports the modules it holds, and none of the deferred ones is among them.
+reports the modules it holds and the pydantic models it has built, and none of the deferred ones
+is among them.
 
 The report comes from the test's own ``sitecustomize`` (on PYTHONPATH for the agent's process only,
 the product has no such hook): a thread that, once the test says the agent is idle, writes the
-process's ``sys.modules``."""
+process's ``sys.modules`` and which of the models below are built."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ NOT_AT_IDLE = {
     "flashnode.console": "the console on (ui_listen)",
 }
 CONSOLE = {"http.server", "socketserver", "flashnode.console"}  # what the console itself needs
+# Models only a task uses: their validators are built at the first task (``defer_build``).
+NOT_BUILT_AT_IDLE = (
+    "flashnode.coordinator.lease:Lease",
+    "flashnode.coordinator.lease:Task",
+    "flashnode.coordinator.lease:Input",
+    "flashnode.coordinator.lease:Isolation",
+    "flashnode.coordinator.lease:CheckpointPolicy",
+    "flashnode.coordinator.messages:CheckpointManifest",
+    "flashnode.coordinator.messages:CheckpointPart",
+    "flashnode.coordinator.messages:CompleteRequest",
+    "flashnode.coordinator.messages:ExecutionEvidence",
+    "flashnode.attempt.record:AttemptRecord",
+)
 
 SITECUSTOMIZE = """
 import json, os, sys, threading, time
@@ -40,8 +54,13 @@ def _report():
     while not os.path.exists(trigger):
         time.sleep(0.05)
     out = os.path.join(os.environ["IDLE_IMPORTS_DIR"], f"{os.getpid()}.json")
+    built = []
+    for name in os.environ["IDLE_MODELS"].split(","):
+        module, model = name.split(":")
+        if getattr(getattr(sys.modules.get(module), model, None), "__pydantic_complete__", True):
+            built.append(name)
     with open(out + ".tmp", "w") as fh:
-        json.dump(sorted(sys.modules), fh)
+        json.dump({"modules": sorted(sys.modules), "built": built}, fh)
     os.rename(out + ".tmp", out)
 
 if "IDLE_IMPORTS_TRIGGER" in os.environ:
@@ -54,7 +73,9 @@ def _idle_modules(
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     env: dict[str, str],
-) -> set[str]:
+) -> tuple[set[str], list[str]]:
+    """The modules an idle agent holds, and which of ``NOT_BUILT_AT_IDLE`` it has built (a model
+    whose module is not even imported counts as built: the test must see it deferred)."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -63,6 +84,7 @@ def _idle_modules(
         "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
         "IDLE_IMPORTS_TRIGGER": str(trigger),
         "IDLE_IMPORTS_DIR": str(hook),
+        "IDLE_MODELS": ",".join(NOT_BUILT_AT_IDLE),
         "FLASHNODE_HEARTBEAT_SECONDS": "1",
     }
     agent = start_agent(coordinator.url, "--runner", "trusted", "--pool", "idle", env=env)
@@ -85,7 +107,8 @@ def _idle_modules(
     trigger.touch()
     report = hook / f"{agent.proc.pid}.json"
     wait_for("the agent's module report", report.exists, timeout=30)
-    return set(json.loads(report.read_text()))
+    found = json.loads(report.read_text())
+    return set(found["modules"]), found["built"]
 
 
 def _loaded(modules: set[str], name: str) -> bool:
@@ -93,17 +116,20 @@ def _loaded(modules: set[str], name: str) -> bool:
 
 
 @pytest.mark.parametrize("console", ["off", "on"])
-def test_an_idle_agent_has_not_imported_what_only_a_feature_needs(
+def test_an_idle_agent_has_not_imported_or_built_what_only_a_feature_needs(
     tmp_path: Path,
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     console: str,
 ) -> None:
     listen = "off" if console == "off" else f"127.0.0.1:{free_port()}"
-    modules = _idle_modules(tmp_path, coordinator, start_agent, {"FLASHNODE_UI_LISTEN": listen})
+    modules, built = _idle_modules(
+        tmp_path, coordinator, start_agent, {"FLASHNODE_UI_LISTEN": listen}
+    )
     assert "flashnode.node.agent" in modules  # the report is the agent's own
     expected = {k: v for k, v in NOT_AT_IDLE.items() if console == "off" or k not in CONSOLE}
     loaded = {name: why for name, why in expected.items() if _loaded(modules, name)}
     assert not loaded, f"an idle agent imported what only a feature needs: {loaded}"
+    assert not built, f"an idle agent built models only a task uses: {built}"
     if console == "on":
         assert "flashnode.console" in modules  # the console did start

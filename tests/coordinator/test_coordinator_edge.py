@@ -14,7 +14,7 @@ import pytest
 
 from flashnode.coordinator.answers import STATUS, Done
 from flashnode.coordinator.client import Coordinator
-from flashnode.coordinator.wire import (
+from flashnode.coordinator.messages import (
     CheckpointPart,
     ExecutionEvidence,
     NodeCapabilities,

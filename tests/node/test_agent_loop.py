@@ -195,7 +195,7 @@ def test_few_free_inodes_stop_claims_like_low_disk(tmp_path: Path) -> None:
 def test_gpus_are_reserved_at_claim_so_the_next_claim_sees_them_held(tmp_path: Path) -> None:
     import threading as th
 
-    from flashnode.coordinator.wire import GpuInfo
+    from flashnode.coordinator.messages import GpuInfo
     from flashnode.evidence.gpupool import Device, GpuPool
 
     clock = FakeClock()
@@ -661,7 +661,7 @@ def test_a_lease_revoked_by_the_watchdog_is_not_claimed_straight_back(
 def test_gpus_found_after_the_start_add_no_slot_the_runner_never_made(tmp_path: Path) -> None:
     """With ``slots = "auto"`` a slot per GPU, but only as many as at the start: the runner made
     users and sandboxes for those, and a slot past them would fail its task as the node's bug."""
-    from flashnode.coordinator.wire import GpuInfo
+    from flashnode.coordinator.messages import GpuInfo
     from flashnode.evidence.gpupool import Device, GpuPool
 
     clock = FakeClock()

@@ -16,7 +16,8 @@ from flashnode.config.loading import load
 from flashnode.config.schedule import Pause, parse_duration, parse_window
 from flashnode.errors import ConfigError
 from flashnode.evidence import sensors
-from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.node.controls import Controls
+from flashnode.node.rules import Readers, Rules
 from flashnode.owner import pausefile
 
 UTC = timezone.utc

@@ -17,7 +17,8 @@ from flashnode.config.schedule import Pause
 from flashnode.errors import CoordinatorUnavailable
 from flashnode.evidence.inventory import registration
 from flashnode.node.agent import Agent
-from flashnode.node.controls import Controls, Readers, Rules
+from flashnode.node.controls import Controls
+from flashnode.node.rules import Readers, Rules
 
 
 class RecordingMetrics:

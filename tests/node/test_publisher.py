@@ -14,7 +14,7 @@ from fakes import FakeClock
 
 from flashnode.clock import stamp
 from flashnode.config.settings import Settings
-from flashnode.node.controls import Decision, Hold
+from flashnode.node.decision import Decision, Hold
 from flashnode.node.publisher import NodeView, Publisher
 from flashnode.node.session import Problem
 from flashnode.owner import status

@@ -10,7 +10,7 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, lease
 
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import NodeRegistration
+from flashnode.coordinator.messages import NodeRegistration
 from flashnode.errors import CoordinatorUnavailable, Unregistered
 from flashnode.evidence.inventory import registration
 from flashnode.node.pacing import Pacing

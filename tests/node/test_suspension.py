@@ -14,7 +14,7 @@ from fakes import FakeClock, FakeCoordinator, context, lease
 
 from flashnode.attempt import Attempt, Outcome
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import Task
+from flashnode.coordinator.lease import Task
 from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult, SuspendFailed
 from flashnode.runners.findings import Finding
 from flashnode.runners.plan import TaskPlan
@@ -107,7 +107,7 @@ class WorkingRunner(Runner):
     def create(cls, settings: Settings, env: RunnerEnv) -> WorkingRunner:
         raise NotImplementedError
 
-    def check(self, task: Task) -> None:
+    def check(self, task: Task, settings: Settings) -> None:
         pass
 
     def start(self, plan: TaskPlan) -> Handle:

@@ -11,10 +11,10 @@ from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
 from flashnode.attempt import AttemptContext, Outcome
 from flashnode.config.schedule import Pause
-from flashnode.coordinator.wire import GpuInfo
+from flashnode.coordinator.messages import GpuInfo
 from flashnode.errors import Stopped
 from flashnode.evidence.gpupool import Device, GpuPool
-from flashnode.node.controls import Decision, Hold
+from flashnode.node.decision import Decision, Hold
 from flashnode.node.workers import Workers, task_cpu
 
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import pytest
 from harness import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashnode.config.listen import parse_listen
-from flashnode.owner.metrics import Metrics, NullMetrics, create
+from flashnode.node.decision import Hold
+from flashnode.owner.metrics import HELD_RULES, Metrics, MetricsSink, NullMetrics, create
 from flashnode.owner.metricsserver import MAX_SCRAPES, STALL_S
 
 
@@ -232,3 +235,24 @@ def test_off_means_a_no_op_twin_and_no_prometheus_import() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) is False
+
+
+def _calls(cls: type) -> dict[str, inspect.Signature]:
+    return {
+        name: inspect.signature(member)
+        for name, member in vars(cls).items()
+        if callable(member) and not name.startswith("_")
+    }
+
+
+def test_the_no_op_twin_takes_every_call_the_metrics_take_alike() -> None:
+    """What the agent records (``MetricsSink``) is what the no-op twin offers, and the metrics
+    take each call with the same parameters and defaults: neither can drift from the other."""
+    sink = _calls(MetricsSink)
+    assert sink == _calls(NullMetrics)
+    exported = _calls(Metrics)
+    assert {name: exported.get(name) for name in sink} == sink
+
+
+def test_every_hold_a_decision_names_has_its_claiming_held_series() -> None:
+    assert set(HELD_RULES) == set(get_args(get_type_hints(Hold)["rule"]))

@@ -12,7 +12,8 @@ import pytest
 from fakes import lease
 
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import GpuInfo, Lease, Task, parse_task
+from flashnode.coordinator.lease import Lease, Task, parse_task
+from flashnode.coordinator.messages import GpuInfo
 from flashnode.errors import AttemptLapsed
 from flashnode.evidence.gpupool import Device, GpuPool
 from flashnode.runners.base import RunnerEnv

@@ -339,11 +339,11 @@ def test_the_same_user_mode_rewrites_work_to_the_workspace(tmp_path: Path) -> No
     from fakes import lease
 
     from flashnode.config.settings import Settings
-    from flashnode.coordinator.wire import Lease, parse_task
+    from flashnode.coordinator.lease import Lease, parse_task
     from flashnode.evidence.gpupool import GpuPool
     from flashnode.runners.base import RunnerEnv
     from flashnode.runners.plan import resolve
-    from flashnode.sandbox.cgroups import Limits
+    from flashnode.sandbox.limits import Limits
     from flashnode.sandbox.workspace import Workspace
 
     settings = Settings(coordinator="http://127.0.0.1:1", runner="trusted", state_dir=tmp_path)

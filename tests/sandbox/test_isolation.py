@@ -389,7 +389,7 @@ def test_nothing_in_the_state_dir_is_readable_by_another_local_user(
 
 
 def test_a_task_sees_only_its_own_gpu_device_files(tmp_path: Path) -> None:
-    from flashnode.coordinator.wire import GpuInfo
+    from flashnode.coordinator.messages import GpuInfo
     from flashnode.evidence.gpupool import Device
     from flashnode.runners.trusted import hidden_gpus
 

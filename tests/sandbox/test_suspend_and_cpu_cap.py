@@ -19,7 +19,9 @@ from flashnode.runners.base import RunnerEnv
 from flashnode.runners.plan import TaskPlan
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.sandbox import cgroups, procs
-from flashnode.sandbox.cgroups import AttemptCgroup, Hierarchy, Limits
+from flashnode.sandbox.cgroups import AttemptCgroup, Hierarchy
+from flashnode.sandbox.cgroups.files import CFS_PERIOD_US
+from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
 from flashnode.sandbox.procs.task import TaskProcess
 from flashnode.sandbox.workspace import Workspace
@@ -146,9 +148,9 @@ def quota(path: Path, version: int) -> float | None:
     """CPUs of a cgroup's quota, None for none."""
     if version == 2:
         value = (path / "cpu.max").read_text().split()[0]
-        return None if value == "max" else int(value) / cgroups.CFS_PERIOD_US
+        return None if value == "max" else int(value) / CFS_PERIOD_US
     value = (path / "cpu.cfs_quota_us").read_text().strip()
-    return None if int(value) < 0 else int(value) / cgroups.CFS_PERIOD_US
+    return None if int(value) < 0 else int(value) / CFS_PERIOD_US
 
 
 def test_the_cpu_cap_is_the_tasks_parent_quota_and_a_reload_changes_it_live(

@@ -25,7 +25,7 @@ from flashnode.attempt.phases.transfer import transfer
 from flashnode.attempt.record import Finished, Outcome, State
 from flashnode.coordinator import retry, validators
 from flashnode.coordinator.checks import check_fedavg
-from flashnode.coordinator.wire import SAFE_ID
+from flashnode.coordinator.ids import SAFE_ID
 from flashnode.errors import (
     AttemptFailed,
     Cancelled,
@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from flashnode.attempt.context import AttemptContext
     from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
-    from flashnode.coordinator.wire import ExecutionEvidence, Task
+    from flashnode.coordinator.lease import Task
+    from flashnode.coordinator.messages import ExecutionEvidence
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from flashnode.caches import localdata
@@ -51,17 +53,28 @@ def _lend(a: AttemptHooks, staged: Staged) -> tuple[tuple[str, str], ...]:
         return ()
     inputs = {i.dest for i in task.inputs}
     lent = localdata.mounts(list(task.local_inputs), a.ctx.settings.local_data, WORK, inputs)
-    if a.ctx.lent_now is not None:
-        now = a.ctx.lent_now()
-        gone = [m.label for m in lent if now.get(m.label) != m.source]
-        if gone:  # the owner stopped lending it since the claim: never mounted again
-            raise AttemptLapsed(
-                f"local input {gone[0]!r} is no longer lent by this node (the owner reloaded)"
-            )
+    views = tuple((str(m.source), str(m.target)) for m in lent)
+    still_lent(a, views)
     for mount in lent:
         (ws.inputs / mount.label).mkdir(mode=0o700)
     a.facts["local_inputs"] = [m.label for m in lent]
-    return tuple((str(m.source), str(m.target)) for m in lent)
+    return views
+
+
+def still_lent(a: AttemptHooks, views: Sequence[tuple[str, str]]) -> None:
+    """Raise AttemptLapsed when the owner stopped lending a directory of ``views`` (host path,
+    ``/work/inputs/<label>``) since the claim (a reload): such a directory is mounted by no
+    task from then on. Checked when the views are made and again just before the task starts
+    (a dataset fetch between the two can take as long as its timeout)."""
+    if a.ctx.lent_now is None or not views:
+        return
+    now = a.ctx.lent_now()
+    for source, target in views:
+        label = PurePosixPath(target).name
+        if str(now.get(label, "")) != source:
+            raise AttemptLapsed(
+                f"local input {label!r} is no longer lent by this node (the owner reloaded)"
+            )
 
 
 def _fetch(a: AttemptHooks, staged: Staged) -> list[ShardLease]:

@@ -22,7 +22,7 @@ from flashnode.runners.plan import Contribution
 
 if TYPE_CHECKING:
     from flashnode.attempt.hooks import AttemptHooks
-    from flashnode.coordinator.wire import Task
+    from flashnode.coordinator.lease import Task
 
 # A task that names no ``python``: the version of the interpreter the agent runs under.
 DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"

@@ -30,8 +30,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from flashnode.attempt.diskwatch import DiskWatch, Look, full_disk, over_caps
+from flashnode.attempt.phases.data import still_lent
 from flashnode.attempt.record import State
-from flashnode.coordinator.wire import ExecutionEvidence
+from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
 from flashnode.runners import plan as plans
@@ -86,6 +87,7 @@ def run(
         max_file_bytes=caps.bytes + 1,  # a file that size is past the cap already
     )
     plans.write_module_spec(plan, facts.group)
+    still_lent(a, plan.views)  # a fetch since the views were made can take an hour
     a.check()
     cpu.start()
     with a.timed("execute.start", phase=False):

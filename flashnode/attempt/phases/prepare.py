@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flashnode.coordinator.wire import parse_task
+from flashnode.coordinator.lease import parse_task
 from flashnode.errors import AttemptFailed, AttemptLapsed
 
 if TYPE_CHECKING:
     from flashnode.attempt.hooks import AttemptHooks
-    from flashnode.coordinator.wire import Lease, Task
+    from flashnode.coordinator.lease import Lease, Task
 
 
 def run(a: AttemptHooks, lease: Lease) -> Task:
     """The lease's task, checked by the runner, its GPUs held (in ``a.devices``)."""
     task = parse_task(lease)
-    a.ctx.runner.check(task)
+    a.ctx.runner.check(task, a.ctx.settings)
     if len(a.devices) != task.gpus:
         a.ctx.gpus.release(a.devices)
         a.devices = []

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
 
 from flashnode.attempt.phases.transfer import transfer
 from flashnode.coordinator import retry
-from flashnode.coordinator.wire import ARTIFACT_SCHEME, CheckpointPart
+from flashnode.coordinator.ids import ARTIFACT_SCHEME
+from flashnode.coordinator.messages import CheckpointPart
 from flashnode.errors import (
     AttemptFailed,
     Cancelled,

@@ -33,13 +33,9 @@ from flashnode.attempt.phases import stage
 from flashnode.attempt.phases.relay import Relay
 from flashnode.attempt.phases.transfer import Ladder, transfer
 from flashnode.coordinator import manifests
-from flashnode.coordinator.wire import (
-    ARTIFACT_SCHEME,
-    RESUME_INPUT,
-    CheckpointManifest,
-    CheckpointPart,
-    safe_key,
-)
+from flashnode.coordinator.ids import ARTIFACT_SCHEME, safe_key
+from flashnode.coordinator.lease import RESUME_INPUT
+from flashnode.coordinator.messages import CheckpointManifest, CheckpointPart
 from flashnode.errors import AttemptLapsed
 from flashnode.runners.plan import WORK, Contribution
 from flashnode.sandbox.removal import remove_tree
@@ -50,7 +46,7 @@ if TYPE_CHECKING:
 
     from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
-    from flashnode.coordinator.wire import Lease
+    from flashnode.coordinator.lease import Lease
     from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)

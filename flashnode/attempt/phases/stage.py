@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from flashnode.attempt.hooks import AttemptHooks
-    from flashnode.coordinator.wire import Lease, Task
+    from flashnode.coordinator.lease import Lease, Task
 
 
 def make(a: AttemptHooks, lease: Lease, task: Task) -> Staged:

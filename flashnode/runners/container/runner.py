@@ -17,7 +17,7 @@ import docker.errors
 import docker.types
 
 from flashnode.config.settings import Settings
-from flashnode.coordinator.wire import MODULES, Task
+from flashnode.coordinator.lease import MODULES, Task
 from flashnode.errors import AttemptFailed, AttemptLapsed, PrerequisiteError
 from flashnode.runners.base import Handle, Runner, RunnerEnv
 from flashnode.runners.container import (
@@ -154,10 +154,13 @@ class ContainerRunner(Runner):
 
     # --- the contract ----------------------------------------------------------------------
 
-    def check(self, task: Task) -> None:
-        problem = image_problem(task.image, self.allowed)
+    def check(self, task: Task, settings: Settings) -> None:
+        problem = image_problem(task.image, tuple(settings.allowed_images))
         if problem:
             raise AttemptFailed(f"refused: {problem}")
+        problem = image_problem(task.image, self.allowed)
+        if problem:
+            raise AttemptLapsed(f"refused: {problem} since this lease was claimed (a reload)")
         if task.extra_dependencies:
             # The coordinator places these only where can_install_dependencies: never here.
             raise AttemptLapsed("a container node installs no extra_dependencies")

@@ -1,30 +1,27 @@
-"""Pydantic models of every node-side message (docs/protocol.md §4), and task payload parsing.
+"""A claimed lease and its task payload, parsed strictly (docs/protocol.md §4, §5).
 
-Outgoing models mirror the coordinator's own. Incoming data is untrusted: a Lease envelope is
-parsed first (its ids end up in paths and URLs, so they are checked strictly), then its payload is
-parsed into a Task; any problem with the payload becomes an AttemptFailed whose message is the
-reason reported to the coordinator.
+Incoming data is untrusted: a Lease envelope is parsed first (its ids end up in paths and URLs,
+so they are checked strictly), then its payload is parsed into a Task; any problem with the
+payload becomes an AttemptFailed whose message is the reason reported to the coordinator.
 
-Why one module of this size: every message and the payload's strict parsing: one place for what
-crosses the wire.
+Its models are built at their first use (``defer_build``): an idle node does not hold their
+validators.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from flashnode.coordinator.datasets import DatasetEntry, parse_datasets
+from flashnode.coordinator.ids import ARTIFACT_SCHEME, SAFE_ID, safe_key
 from flashnode.coordinator.validators import Validators, parse_validators
 from flashnode.errors import AttemptFailed
 
-SCHEMA_VERSION = "v1alpha1"
-SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
-ARTIFACT_SCHEME = "artifact://"
 MAX_ARGV_BYTES = 128 * 1024
 MAX_ENV_BYTES = 128 * 1024
 # The only modules a module task may run (docs/protocol.md §5.3): installed code, not task code.
@@ -36,107 +33,10 @@ MODULES = (
 )
 
 
-# --- outgoing --------------------------------------------------------------------------------
-
-
-class GpuInfo(BaseModel):
-    index: int
-    name: str = ""
-    memory_total_mb: int | None = None
-    driver_version: str = ""
-    compute_capability: str = ""
-
-
-class NodeCapabilities(BaseModel):
-    cpu_cores: float | None = None
-    memory_bytes: int | None = None
-    gpus: list[GpuInfo] = Field(default_factory=list)
-    dataset_cache_bytes: int = 0
-    pools: list[str] = Field(default_factory=list)
-    os: str = ""
-    architecture: str = ""
-
-
-class NodeRegistration(BaseModel):
-    """What the node tells the coordinator about itself. Security flags fail closed: each is
-    sent, and true only when it holds for this node; ``module_capable`` is always explicit
-    because the coordinator defaults it to true."""
-
-    schema_version: Literal["v1alpha1"] = "v1alpha1"
-    node_id: str
-    kubernetes_node: str = ""
-    hostname: str
-    capabilities: NodeCapabilities
-    environment: Literal["local", "cloud", "edge"] = "local"
-    sandbox_capable: bool = False
-    argv_capable: bool = False
-    unsandboxed_argv_capable: bool = False
-    module_capable: bool = False
-    can_install_dependencies: bool = False
-    local_datasets: list[str] = Field(default_factory=list)
-    runtime_profile: str = "flashnode"
-    labels: dict[str, str] = Field(default_factory=dict)
-    agent_version: str = ""
-
-
-class NodeHeartbeat(BaseModel):
-    """Never carries ``timestamp`` (the server clock is used) nor ``pools`` (that field belongs to a
-    control-plane proxy)."""
-
-    schema_version: Literal["v1alpha1"] = "v1alpha1"
-    node_id: str
-    status: Literal["online", "draining", "terminating"] = "online"
-
-
-class ExecutionEvidence(BaseModel):
-    """None means not measured; 0 means measured zero."""
-
-    wall_seconds: float | None = None
-    cpu_percent_mean: float | None = None
-    gpu_util_percent_mean: float | None = None
-    image_digest: str = ""
-    exit_code: int | None = None
-
-
-class CompleteRequest(BaseModel):
-    output_sha256: str
-    evidence: ExecutionEvidence | None = None
-
-
-class CheckpointPart(BaseModel):
-    """One file of a checkpoint: its artifact key, sha256 and size (docs/protocol.md §8)."""
-
-    key: str
-    sha256: str
-    size_bytes: int
-
-
-class CheckpointManifest(BaseModel):
-    """A committed checkpoint as ``checkpoints/latest`` returns it (the fields the agent uses)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    manifest_id: str = ""
-    step: int
-    storage_prefix: str = ""
-    parts: list[CheckpointPart]
-
-    @classmethod
-    def parse(cls, data: Any) -> CheckpointManifest | None:
-        """The manifest, or None when the answer is not one."""
-        try:
-            return cls.model_validate(data)
-        except ValidationError:
-            return None
-
-
-# --- incoming --------------------------------------------------------------------------------
-
-
 class Lease(BaseModel):
     """The envelope of a claimed lease; ``payload`` is parsed separately by ``parse_task``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
     lease_id: str
     task_id: str
@@ -180,7 +80,7 @@ def parse_lease(data: Any) -> Lease:
 
 
 class Isolation(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, defer_build=True)
 
     tier: str | None = None
     allow_fallback: StrictBool = Field(default=False, alias="allowFallback")
@@ -189,6 +89,8 @@ class Isolation(BaseModel):
 class Input(BaseModel):
     """One staged input: the artifact key, where it lands under ``inputs/``, and whether it is an
     archive to unpack into ``inputs/<name>/``."""
+
+    model_config = ConfigDict(defer_build=True)
 
     name: str
     key: str
@@ -204,12 +106,16 @@ class CheckpointPolicy(BaseModel):
     resume. The numbers are the coordinator's (its silence watchdog), read the way it reads them: a
     value that is not a finite number counts as absent."""
 
+    model_config = ConfigDict(defer_build=True)
+
     interval_seconds: float | None = None
     watchdog_seconds: float | None = None
 
 
 class Task(BaseModel):
     """A parsed task payload: exactly one of ``argv`` and ``module`` is set."""
+
+    model_config = ConfigDict(defer_build=True)
 
     task_id: str
     output_prefix: str
@@ -414,13 +320,6 @@ def _checkpoint(value: Any) -> CheckpointPolicy | None:
     return CheckpointPolicy(
         interval_seconds=number("interval_seconds"), watchdog_seconds=number("watchdog_seconds")
     )
-
-
-def safe_key(key: str) -> bool:
-    """A relative artifact key with no empty, '.' or '..' segment and no backslash or NUL."""
-    if not key or key.startswith("/") or "\\" in key or "\0" in key:
-        return False
-    return all(seg not in ("", ".", "..") for seg in key.split("/"))
 
 
 def _inputs(value: Any, unpack: Any) -> tuple[Input, ...]:

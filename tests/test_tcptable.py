@@ -1,0 +1,38 @@
+"""The kernel's TCP socket tables read: real sockets of the test's own, and tables that are not
+what the kernel writes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from flashnode.coordinator.listener import listener_uids
+from flashnode.tcptable import LISTEN, TcpSocket, tcp_sockets
+
+
+def test_a_listening_socket_and_both_ends_of_a_connection_are_found_with_their_owner() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            peer = client.getsockname()[1]
+            rows = set(tcp_sockets())
+            me = os.geteuid()
+            assert TcpSocket(port, 0, LISTEN, me) in rows
+            assert any(s.local_port == peer and s.remote_port == port and s.uid == me for s in rows)
+            assert listener_uids(port) == {me}
+    assert listener_uids(port) == set()
+
+
+def test_an_unreadable_table_and_rows_that_are_not_sockets_are_passed_over(tmp_path: Path) -> None:
+    table = tmp_path / "tcp"
+    table.write_text(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
+        "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000\n"
+        "   1: 0100007F:ZZZZ 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000\n"
+        "   2: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000  -\n"
+        "   3: short row\n"
+        "   4: 0100007F:1F92 0100007F:1F90 01 00000000:00000000 00:00000000 00000000  0\n"
+    )
+    rows = list(tcp_sockets((str(tmp_path / "missing"), str(table))))
+    assert rows == [TcpSocket(0x1F90, 0, LISTEN, 1000), TcpSocket(0x1F92, 0x1F90, 1, 0)]
