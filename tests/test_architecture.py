@@ -181,3 +181,20 @@ def test_the_graph_reader_sees_an_edge_through_a_function_level_import() -> None
     assert "subprocess" in GRAPH["flashnode.sandbox.lentcheck"][1]
     reached = _reach("flashnode.cli.main")
     assert any("subprocess" in GRAPH[n][1] for n in reached)
+
+
+def test_the_phases_use_the_attempts_hooks_and_never_its_orchestrator() -> None:
+    """Inside the attempt the arrows run one way: the orchestrator imports the phases and the
+    hooks; a phase imports other phases, the hooks and the attempt's parts below them, never the
+    orchestrator nor the package that re-exports it; the hooks import no phase."""
+    phases = [n for n in MODULES if n.startswith("flashnode.attempt.phases.")]
+    assert len(phases) >= 9
+    above = {"flashnode.attempt", "flashnode.attempt.orchestrator"}
+    upward = [f"{n} -> {t}" for n in phases for t in GRAPH[n][0] & above]
+    hooks = GRAPH["flashnode.attempt.hooks"][0]
+    upward += [f"hooks -> {t}" for t in hooks if t.startswith("flashnode.attempt.phases")]
+    upward += [f"hooks -> {t}" for t in hooks & above]
+    assert not upward
+    assert set(phases) <= GRAPH["flashnode.attempt.orchestrator"][0] | {
+        f"flashnode.attempt.phases.{n}" for n in ("relay", "transfer")
+    }

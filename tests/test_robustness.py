@@ -315,9 +315,10 @@ def test_the_ledger_and_workspace_stay_consistent_whatever_a_phase_raises(
     from flashnode.attempt import PHASES
 
     # Each phase's function (the stage phase's downloads: its workspace exists by then).
-    functions = {name: f"flashnode.attempt.{name}.run" for name in PHASES}
+    functions = {name: f"flashnode.attempt.phases.{name}.run" for name in PHASES}
     functions.update(
-        check="flashnode.attempt.commit.check", commit="flashnode.attempt.commit.commit"
+        check="flashnode.attempt.phases.commit.check",
+        commit="flashnode.attempt.phases.commit.commit",
     )
     assert tuple(functions) == PHASES
     for name, function in functions.items():

@@ -6,7 +6,7 @@ exactly one ``Outcome`` (one ledger line). After an agent restart, the state say
 ``finished`` results are committed (their outputs were checked and spooled); anything earlier is
 reaped and left to lapse, since that ending is not the task's fault.
 
-Between phases (``attempt/__init__.py``), what one phase made is the next one's argument:
+Between phases (``attempt/orchestrator.py``), what one phase made is the next one's argument:
 the stage phase makes a ``Staged`` (the lease, its task, the workspace), the check phase a
 ``Finished`` (the run's evidence and its checked outputs) that the commit uploads. A result
 resumed from the outbox reads both back from its record (``Staged.read_back``,

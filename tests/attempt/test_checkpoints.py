@@ -20,7 +20,8 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, trusted_runner
 from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, wait_for
 
-from flashnode.attempt import Attempt, LeaseKeeper, relay, restore
+from flashnode.attempt import Attempt, LeaseKeeper
+from flashnode.attempt.phases import relay, restore
 from flashnode.attempt.record import Staged
 from flashnode.coordinator.lease import parse_lease, parse_task
 from flashnode.coordinator.messages import CheckpointManifest, CheckpointPart

@@ -14,7 +14,7 @@ from typing import Any, cast
 import pytest
 from fakes import FakeClock
 
-from flashnode.attempt.transfer import Ladder, transfer
+from flashnode.attempt.phases.transfer import Ladder, transfer
 from flashnode.coordinator import retry
 from flashnode.errors import (
     AttemptFailed,

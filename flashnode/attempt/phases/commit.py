@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
+from flashnode.attempt.phases.transfer import transfer
 from flashnode.attempt.record import Finished, Outcome, State
-from flashnode.attempt.transfer import transfer
 from flashnode.coordinator import retry, validators
 from flashnode.coordinator.checks import check_fedavg
 from flashnode.coordinator.ids import SAFE_ID
@@ -40,8 +40,8 @@ from flashnode.sandbox.workspace import Workspace
 from flashnode.sanitise import sanitise
 
 if TYPE_CHECKING:
-    from flashnode.attempt import Attempt
     from flashnode.attempt.context import AttemptContext
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
     from flashnode.coordinator.lease import Task
     from flashnode.coordinator.messages import ExecutionEvidence
@@ -57,7 +57,7 @@ T = TypeVar("T")
 # --- check ---------------------------------------------------------------------------------
 
 
-def check(a: Attempt, staged: Staged, evidence: ExecutionEvidence) -> Finished:
+def check(a: AttemptHooks, staged: Staged, evidence: ExecutionEvidence) -> Finished:
     """The outputs of a run that ended well, checked, then the result spooled durably."""
     finished = _finished(a, staged, evidence)
     finished.spool(a.record)
@@ -77,7 +77,7 @@ def check(a: Attempt, staged: Staged, evidence: ExecutionEvidence) -> Finished:
     return finished
 
 
-def recheck(a: Attempt, staged: Staged) -> Finished:
+def recheck(a: AttemptHooks, staged: Staged) -> Finished:
     """For a result found in the outbox after a restart (``staged`` read back from its record):
     the outputs, checked again, must be the ones spooled."""
     evidence = a.record.evidence
@@ -89,14 +89,14 @@ def recheck(a: Attempt, staged: Staged) -> Finished:
     return finished
 
 
-def _finished(a: Attempt, staged: Staged, evidence: ExecutionEvidence) -> Finished:
+def _finished(a: AttemptHooks, staged: Staged, evidence: ExecutionEvidence) -> Finished:
     """The outputs walked and checked, and the sha256 of metrics.json (the last of them)."""
     ws = staged.workspace
     files = _checked_outputs(a, staged.task, ws)
     return Finished(evidence, files, _sha256(ws, files[-1]))
 
 
-def _checked_outputs(a: Attempt, task: Task, ws: Workspace) -> list[OutputFile]:
+def _checked_outputs(a: AttemptHooks, task: Task, ws: Workspace) -> list[OutputFile]:
     s = a.ctx.settings
     files = list_outputs(ws, s.max_output_file_bytes, s.max_output_total_bytes, s.max_output_files)
     by_name = {f.rel: f for f in files}
@@ -149,7 +149,7 @@ def _sha256(ws: Workspace, f: OutputFile) -> str:
 # --- commit --------------------------------------------------------------------------------
 
 
-def commit(a: Attempt, staged: Staged, finished: Finished) -> tuple[Outcome, str]:
+def commit(a: AttemptHooks, staged: Staged, finished: Finished) -> tuple[Outcome, str]:
     """Upload the logs and every output (metrics.json last), then complete: the attempt's
     outcome and its reason."""
     ws, prefix = staged.workspace, staged.task.output_prefix
@@ -185,7 +185,7 @@ def _log_file(ws: Workspace, name: str) -> Opened:
     return open_log(ws, name)
 
 
-def _upload(a: Attempt, key: str, open_file: Callable[[], Opened]) -> str | None:
+def _upload(a: AttemptHooks, key: str, open_file: Callable[[], Opened]) -> str | None:
     """Upload one file (opened anew, and checked, on every try); None when there is nothing."""
 
     def once() -> str | None:
@@ -204,7 +204,7 @@ def _upload(a: Attempt, key: str, open_file: Callable[[], Opened]) -> str | None
         raise AttemptFailed(f"the coordinator refused {key} as too large ({exc})") from None
 
 
-def _retrying(a: Attempt, what: str, call: Callable[[], T]) -> T:
+def _retrying(a: AttemptHooks, what: str, call: Callable[[], T]) -> T:
     """Retry transport errors and 5xx with the shared backoff for as long as the lease lives
     (the keeper says when it is lost) and the attempt is not stopped."""
     return transfer(a, what, call, policy=retry.RESULT)
@@ -213,7 +213,7 @@ def _retrying(a: Attempt, what: str, call: Callable[[], T]) -> T:
 # --- failure ---------------------------------------------------------------------------------
 
 
-def report_failure(a: Attempt, reason: str) -> tuple[Outcome, str]:
+def report_failure(a: AttemptHooks, reason: str) -> tuple[Outcome, str]:
     """Report the task's failure with ``fail`` (and its logs, when it ran), unless the lease is
     already lost."""
     reason = bounded(reason)
@@ -233,7 +233,7 @@ def report_failure(a: Attempt, reason: str) -> tuple[Outcome, str]:
     return Outcome.FAILED, reason
 
 
-def _upload_logs_best_effort(a: Attempt, prefix: str, ws: Workspace) -> None:
+def _upload_logs_best_effort(a: AttemptHooks, prefix: str, ws: Workspace) -> None:
     for name in LOGS:
         try:
             with open_log(ws, name) as opened:

@@ -29,9 +29,9 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from flashnode.attempt import stage
-from flashnode.attempt.relay import Relay
-from flashnode.attempt.transfer import Ladder, transfer
+from flashnode.attempt.phases import stage
+from flashnode.attempt.phases.relay import Relay
+from flashnode.attempt.phases.transfer import Ladder, transfer
 from flashnode.coordinator import manifests
 from flashnode.coordinator.ids import ARTIFACT_SCHEME, safe_key
 from flashnode.coordinator.lease import RESUME_INPUT
@@ -44,7 +44,7 @@ from flashnode.sandbox.workspace import CKPT
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from flashnode.attempt import Attempt
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
     from flashnode.coordinator.lease import Lease
     from flashnode.sandbox.workspace import Workspace
@@ -58,7 +58,7 @@ class Unusable(Exception):
     """The latest manifest cannot be resumed from; the message says why."""
 
 
-def run(a: Attempt, staged: Staged) -> Contribution:
+def run(a: AttemptHooks, staged: Staged) -> Contribution:
     """What the task's start gets for its checkpoints: their variables, and the checkpoint
     restored for it, if any. The relay is set to watch the run."""
     task = staged.task
@@ -97,7 +97,7 @@ def run(a: Attempt, staged: Staged) -> Contribution:
     return Contribution(env=env, module_inputs=inputs)
 
 
-def _latest(a: Attempt, lease: Lease) -> CheckpointManifest | None:
+def _latest(a: AttemptHooks, lease: Lease) -> CheckpointManifest | None:
     ladder = Ladder(
         gave_up=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
         refused=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
@@ -145,7 +145,7 @@ def _layout(
 
 
 def _restore(
-    a: Attempt,
+    a: AttemptHooks,
     ws: Workspace,
     manifest: CheckpointManifest,
     files: list[tuple[CheckpointPart, str]],
@@ -177,7 +177,7 @@ def _flashruntime_layout(name: str, rels: list[str]) -> bool:
 
 
 def _retarget(
-    a: Attempt,
+    a: AttemptHooks,
     ws: Workspace,
     directory: Path,
     manifest: CheckpointManifest,
@@ -204,7 +204,7 @@ def _retarget(
         fh.write(manifests.retarget(data, where))
 
 
-def _fetch(a: Attempt, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -> Path:
+def _fetch(a: AttemptHooks, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -> Path:
     """Download and check every part into .stage/resume/; that directory."""
     fetched = ws.stage / RESUME_INPUT
     try:
@@ -223,7 +223,7 @@ def _fetch(a: Attempt, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -
     return fetched
 
 
-def _download(a: Attempt, part: CheckpointPart, dest: Path) -> int:
+def _download(a: AttemptHooks, part: CheckpointPart, dest: Path) -> int:
     ladder = Ladder(
         missing=lambda _: Unusable(f"part {part.key} is missing from the store"),
         gave_up=lambda e: AttemptLapsed(f"the task's checkpoint could not be fetched: {e}"),

@@ -14,11 +14,11 @@ from flashnode.coordinator.lease import parse_task
 from flashnode.errors import AttemptFailed, AttemptLapsed
 
 if TYPE_CHECKING:
-    from flashnode.attempt import Attempt
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.coordinator.lease import Lease, Task
 
 
-def run(a: Attempt, lease: Lease) -> Task:
+def run(a: AttemptHooks, lease: Lease) -> Task:
     """The lease's task, checked by the runner, its GPUs held (in ``a.devices``)."""
     task = parse_task(lease)
     a.ctx.runner.check(task, a.ctx.settings)

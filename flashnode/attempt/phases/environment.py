@@ -21,14 +21,14 @@ from flashnode.errors import AttemptLapsed
 from flashnode.runners.plan import Contribution
 
 if TYPE_CHECKING:
-    from flashnode.attempt import Attempt
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.coordinator.lease import Task
 
 # A task that names no ``python``: the version of the interpreter the agent runs under.
 DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def run(a: Attempt, task: Task) -> Contribution:
+def run(a: AttemptHooks, task: Task) -> Contribution:
     """What the task's start gets for its job environment (nothing, where it has none); its
     release unpins the environment."""
     ctx = a.ctx

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
 
-from flashnode.attempt.transfer import transfer
+from flashnode.attempt.phases.transfer import transfer
 from flashnode.coordinator import retry
 from flashnode.coordinator.ids import ARTIFACT_SCHEME
 from flashnode.coordinator.messages import CheckpointPart
@@ -58,7 +58,7 @@ from flashnode.sandbox.outputs import OutputFile, open_output
 from flashnode.sandbox.workspace import CKPT
 
 if TYPE_CHECKING:
-    from flashnode.attempt import Attempt
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,9 @@ class Relay:
     ``restored``: the (name, step) of the checkpoint restored into out/ckpt/ for the task, in
     flashruntime's layout: only newer ones are shipped."""
 
-    def __init__(self, a: Attempt, staged: Staged, restored: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self, a: AttemptHooks, staged: Staged, restored: tuple[str, int] | None = None
+    ) -> None:
         self._a = a
         self._lease, self._task, self._ws = staged.lease, staged.task, staged.workspace
         self._lost = a.keeper.lost if a.keeper is not None else threading.Event()
@@ -100,10 +102,10 @@ class Relay:
 
     # --- the watcher ------------------------------------------------------------------------
 
-    def start(self, a: Attempt) -> None:
+    def start(self, a: AttemptHooks) -> None:
         a.ctx.start_thread(self._run, f"relay-{self._lease.lease_id}")
 
-    def finish(self, a: Attempt) -> None:
+    def finish(self, a: AttemptHooks) -> None:
         self._exited = True
         self._wake.set()
         with self._lock:

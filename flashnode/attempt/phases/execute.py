@@ -29,8 +29,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from flashnode.attempt.data import still_lent
 from flashnode.attempt.diskwatch import DiskWatch, Look, full_disk, over_caps
+from flashnode.attempt.phases.data import still_lent
 from flashnode.attempt.record import State
 from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
@@ -42,7 +42,7 @@ from flashnode.sandbox import outputs
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from flashnode.attempt import Attempt
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
     from flashnode.runners.plan import Contribution
     from flashnode.sandbox.workspace import Workspace
@@ -54,7 +54,9 @@ WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
 
 
-def run(a: Attempt, staged: Staged, contributions: Sequence[Contribution]) -> ExecutionEvidence:
+def run(
+    a: AttemptHooks, staged: Staged, contributions: Sequence[Contribution]
+) -> ExecutionEvidence:
     """The task run to its end, started by the plan resolved from what the phases before
     contributed (its module spec written first); the evidence of a run that ended well (also in
     the record)."""
@@ -165,7 +167,7 @@ class _Wait:
 
     def __init__(
         self,
-        a: Attempt,
+        a: AttemptHooks,
         handle: Handle,
         ws: Workspace,
         timeout: float,
@@ -321,7 +323,7 @@ def _verdict(result: RunResult) -> None:
     raise AttemptFailed(f"{what}: {tail}" if tail else what)
 
 
-def release(a: Attempt) -> None:
+def release(a: AttemptHooks) -> None:
     """Whatever way the attempt ends: nothing of the task left running, its GPUs free again."""
     try:
         if a.handle is not None and a.result is None:

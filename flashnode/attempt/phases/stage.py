@@ -7,26 +7,26 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from flashnode.attempt.phases.transfer import Ladder, transfer
 from flashnode.attempt.record import Staged, State
-from flashnode.attempt.transfer import Ladder, transfer
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.sandbox import archives
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from flashnode.attempt import Attempt
+    from flashnode.attempt.hooks import AttemptHooks
     from flashnode.coordinator.lease import Lease, Task
 
 
-def make(a: Attempt, lease: Lease, task: Task) -> Staged:
+def make(a: AttemptHooks, lease: Lease, task: Task) -> Staged:
     """The attempt's workspace, new and empty: the orchestrator holds it before anything is
     downloaded into it, so that it is retired however the attempt ends."""
     a.record.state = State.STAGING  # in memory: no process exists yet (prepare.py)
     return Staged.make(lease, task, a.ctx.settings.state_dir)
 
 
-def run(a: Attempt, staged: Staged) -> None:
+def run(a: AttemptHooks, staged: Staged) -> None:
     """The task's inputs, downloaded into the workspace (archives unpacked)."""
     ws, s = staged.workspace, a.ctx.settings
     budget = s.max_input_bytes
@@ -49,7 +49,7 @@ def run(a: Attempt, staged: Staged) -> None:
             dest.unlink()
 
 
-def fetch(a: Attempt, key: str, dest: Path, max_bytes: int, what: str, ladder: Ladder) -> int:
+def fetch(a: AttemptHooks, key: str, dest: Path, max_bytes: int, what: str, ladder: Ladder) -> int:
     """Download artifact ``key`` into ``dest`` (made here, never through a link), retried with
     the shared backoff while the attempt goes on; counted as staged. How it can end is the
     ``ladder``'s (``transfer.py``)."""
@@ -64,7 +64,7 @@ def fetch(a: Attempt, key: str, dest: Path, max_bytes: int, what: str, ladder: L
     return transfer(a, f"download of {what}", once, ladder=ladder)
 
 
-def _download(a: Attempt, name: str, key: str, dest: Path, budget: int) -> int:
+def _download(a: AttemptHooks, name: str, key: str, dest: Path, budget: int) -> int:
     ladder = Ladder(
         missing=lambda _: AttemptFailed(f"input {name!r} is missing: no artifact at {key}"),
         gave_up=lambda e: AttemptLapsed(f"input {name!r} could not be fetched: {e.__cause__}"),

@@ -1,0 +1,216 @@
+"""The running attempt: what it holds while its phases run, and the hooks they share.
+
+``AttemptHooks`` is the state every phase reads and the agent's loop looks at (its lease, its
+workspace once staged, its GPUs, the task's handle and use, its facts), with the hooks on it: a
+phase checks whether it must stop (``check``; every wait ends on ``stop``), saves the record to
+the outbox (``save``), times itself (``timed``), counts the bytes it moved and reports its facts;
+the loop reads ``snapshot``, asks for a suspension and cancels. The orchestrator
+(``attempt/orchestrator.py``) is the ``Attempt`` built on it; the phases
+(``attempt/phases/``) are handed this and see nothing of the orchestrator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from flashnode.attempt.context import AttemptContext
+from flashnode.attempt.keeper import LeaseKeeper
+from flashnode.attempt.record import AttemptRecord, Outcome, Staged, State
+from flashnode.coordinator.lease import Lease
+from flashnode.errors import AttemptFailed, AttemptLapsed, LeaseLost
+from flashnode.evidence.gpupool import Device
+from flashnode.runners.base import Handle, RunResult
+from flashnode.runners.plan import Contribution
+
+
+class Watcher(Protocol):
+    """Something that runs beside the task (e.g. the checkpoint relay): ``start`` once the task
+    started, ``finish`` once its main process exited (a last sweep; it must not raise)."""
+
+    def start(self, a: AttemptHooks) -> None: ...
+    def finish(self, a: AttemptHooks) -> None: ...
+
+
+class AttemptHooks:
+    """One attempt's state and the hooks its phases and the agent's loop use; the ``Attempt``
+    (``attempt/orchestrator.py``) runs it."""
+
+    def __init__(
+        self,
+        ctx: AttemptContext,
+        lease_data: Any,
+        slot: int = 0,
+        reserved: list[Device] | None = None,
+        record: AttemptRecord | None = None,
+    ) -> None:
+        """``reserved``: GPUs the agent already took for this lease when it claimed it.
+
+        The attempt keeps the context it was claimed under (``Reloader.snapshot``): it is
+        frozen, and so are the settings and per-task limits in it, so a reload, which swaps
+        them for the next claim, never changes them halfway through this attempt (caps,
+        timeouts and grace periods stay what they were)."""
+        self.ctx = ctx
+        self.data = lease_data
+        self.record = record or AttemptRecord(
+            lease=lease_data if isinstance(lease_data, dict) else {},
+            slot=slot,
+            claimed_at=ctx.clock.wall(),
+        )
+        # None until the claim answer's envelope is read (and where it cannot be: ``_drop``).
+        self.lease: Lease | None = None
+        # The workspace once staged (or read back): the attempt's end seals or retires it.
+        self.staged: Staged | None = None
+        self.keeper: LeaseKeeper | None = None  # renews the lease while the phases run
+        self.devices: list[Device] = list(reserved or [])
+        self.handle: Handle | None = None  # the task, once started
+        self.usage: dict[str, float | None] | None = None  # the task's use now, while it runs
+        self.result: RunResult | None = None  # how the task ended, once it has
+        self.output_sha256 = ""  # metrics.json's, as the coordinator acknowledged it
+        self.during_run: list[Watcher] = []  # started with the task, finished after it exits
+        # What the phases before the run contributed to its start: released once it has ended.
+        self._contributions: list[Contribution] = []
+        # What phases report about themselves (env built or reused, bytes fetched, labels lent):
+        # in the attempt's status while it runs, and in its ledger line.
+        self.facts: dict[str, Any] = {}
+        self.wake = threading.Event()  # the execute phase's wait: exit, cancel or loss
+        self.stop = threading.Event()  # every wait of every phase ends when this is set
+        self._ending: AttemptFailed | AttemptLapsed | None = None
+        self.cancel_grace = 0.0
+        self.node_fault = False  # it lapsed through the node's fault (the black-hole guard)
+        self.job_endpoint = False  # ... at an endpoint the job named (AttemptLapsed)
+        self.outgrew_room = False  # ... past the room the disk had for it (OutgrewRoom)
+        self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
+        self.phase = "claimed"
+        self._drop_reason = "malformed lease"
+        # Owner controls (the loop asks, the execute phase acts) and the live view.
+        self.suspend_reason: str | None = None  # why the task should be suspended now
+        self.suspended_since: float | None = None  # monotonic, while the task is suspended
+        self.bytes_staged = 0
+        self.bytes_uploaded = 0
+
+    # --- what the agent sees ------------------------------------------------------------------
+
+    @property
+    def lease_id(self) -> str:
+        return self.lease.lease_id if self.lease else "?"
+
+    def describe(self) -> str:
+        lease = self.lease
+        return f"{lease.lease_id} ({lease.job_id}/{lease.task_id})" if lease else "a new lease"
+
+    def snapshot(self) -> dict[str, Any]:
+        """For status.json (``flashnode status``): times are wall clock, so that a reader can
+        say how long ago or how long from now. Empty for an attempt whose lease is not read."""
+        lease = self.lease
+        if lease is None:
+            return {}
+        clock = self.ctx.clock
+        now, wall = clock.monotonic(), clock.wall()
+        keeper, since = self.keeper, self.suspended_since
+        snap = {
+            "lease_id": lease.lease_id,
+            "job_id": lease.job_id,
+            "task_id": lease.task_id,
+            "attempt_number": lease.attempt_number,
+            "started_at": self.record.claimed_at,
+            "phase": self.phase,
+            "slot": self.record.slot,
+            "gpus": [d.visible for d in self.devices],
+            "checkpoints": self.record.checkpoints_shipped,
+            "checkpoint_step": self.record.checkpoint_step,
+            "resumed_from_step": self.record.resumed_from_step,
+            "lease_expires_at": wall + keeper.deadline - now if keeper else None,
+            "suspended_since": wall - (now - since) if since is not None else None,
+            "suspend_reason": self.suspend_reason if since is not None else None,
+            "bytes_staged": self.bytes_staged,
+            "bytes_uploaded": self.bytes_uploaded,
+            "last_output": self.last_output(),
+            "usage": dict(self.usage) if self.usage is not None else None,
+        }
+        for key, value in list(self.facts.items()):  # phases add to it on their thread
+            snap.setdefault(key, value)
+        return snap
+
+    def last_output(self) -> str:
+        handle = self.handle
+        if handle is None:
+            return ""
+        try:
+            return handle.last_output()
+        except Exception:  # the live view must never break the loop
+            return ""
+
+    def cpu_seconds(self) -> float | None:
+        """The task's CPU seconds so far (0 before it started), None where not measurable."""
+        handle = self.handle
+        if handle is None:
+            return 0.0
+        try:
+            return handle.cpu_seconds()
+        except Exception:
+            return None
+
+    def request_suspension(self, reason: str | None) -> None:
+        """Ask that the task be suspended (``reason``) or run again (None). The execute phase
+        acts on it; a task that is not running yet starts suspended, one that is suspended
+        longer than ``max_suspend_seconds`` gives its lease back."""
+        change = (reason is None) != (self.suspend_reason is None)
+        self.suspend_reason = reason
+        if change:
+            self.wake.set()
+
+    def count_staged(self, nbytes: int) -> None:
+        """Bytes brought in for the task (inputs, data): the live view and the metrics."""
+        self.bytes_staged += nbytes
+        self.ctx.metrics.downloaded(nbytes)
+
+    def count_uploaded(self, nbytes: int) -> None:
+        """Bytes uploaded for the attempt (outputs, logs, checkpoints)."""
+        self.bytes_uploaded += nbytes
+        self.ctx.metrics.uploaded(nbytes)
+
+    def cancel(self, ending: AttemptFailed | AttemptLapsed, grace: float) -> None:
+        """Stop the attempt wherever it is (the task: TERM, ``grace`` seconds, KILL) and end it
+        with ``ending``: AttemptLapsed when it is not the task's fault."""
+        if self._ending is None:
+            self.cancel_grace = grace
+            self._ending = ending
+        self.stop.set()
+        self.wake.set()
+
+    # --- what phases use ----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise if the attempt must stop: its lease is lost, or it was cancelled."""
+        if self.keeper is not None and self.keeper.lost.is_set():
+            raise LeaseLost(self.keeper.reason)
+        if self._ending is not None:
+            raise self._ending
+
+    @property
+    def cancelled(self) -> AttemptFailed | AttemptLapsed | None:
+        return self._ending
+
+    def save(self, state: State, durable: bool = False) -> None:
+        """Move the record to ``state`` and write it to the outbox (what a phase changed in
+        ``record`` with it)."""
+        self.record.state = state
+        self.ctx.outbox.write(self.record, durable=durable)
+
+    @contextlib.contextmanager
+    def timed(self, name: str, phase: bool = True) -> Iterator[None]:
+        """Add the time spent inside to ``timings[name]`` (the ledger's per-phase timers);
+        ``phase``: it is a phase, shown in the live view (else a step inside one)."""
+        start = time.monotonic()
+        if phase:
+            self.phase = name
+        try:
+            yield
+        finally:
+            self.record.timings[name] = round(
+                self.record.timings.get(name, 0.0) + time.monotonic() - start, 4
+            )
