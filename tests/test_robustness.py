@@ -342,6 +342,35 @@ def test_the_ledger_and_workspace_stay_consistent_whatever_a_phase_raises(
         assert not attempts.exists() or not list(attempts.iterdir())
 
 
+def test_an_attempt_whose_task_end_cannot_be_read_still_releases_what_it_holds_and_records_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task's end, read as the attempt ends (its handle's ``result``), raises: the phases'
+    contributions are released all the same, and the attempt ends in one ledger line."""
+    from flashnode.attempt.phases import execute
+
+    released: list[str] = []
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    ctx = context(tmp_path, clock, coord, FakeRunner())
+    a = Attempt(ctx, lease())
+
+    def boom(_: Any) -> None:
+        raise OSError("the task's end cannot be read")
+
+    def held(*_: Any) -> Any:
+        from flashnode.runners.plan import Contribution
+
+        return Contribution(release=lambda: released.append("env"))
+
+    monkeypatch.setattr(execute, "release", boom)
+    monkeypatch.setattr("flashnode.attempt.phases.environment.run", held)
+    outcome = a.run()
+    assert outcome is Outcome.COMMITTED
+    assert released == ["env"]
+    assert len(ctx.ledger.records()) == 1
+
+
 def test_state_files_keep_their_modes_whatever_the_umask(tmp_path: Path) -> None:
     from flashnode import statefile
 

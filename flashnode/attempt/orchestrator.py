@@ -176,7 +176,10 @@ class Attempt(AttemptHooks):
         finally:
             ended = time.monotonic()
             keeper.stop()
-            execute.release(self)
+            try:
+                execute.release(self)
+            except Exception:  # the task's end unread: what the phases hold is released still
+                log.exception("lease %s: ending the task failed", lease.lease_id)
             self._release_contributions()
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
