@@ -4,7 +4,8 @@
   ``flashnode.runners.preflight`` ``flashnode work`` refuses to start on a fatal problem and
   ``flashnode doctor`` prints every finding, so the two can never disagree.
 * ``create(settings, env)`` builds a runner; every runner is built the same way.
-* ``check(task)`` refuses a task this runner must not run, before anything starts.
+* ``check(task, settings)`` refuses a task this runner must not run, before anything starts;
+  ``settings`` are those its lease was claimed under (what only a later reload refuses lapses).
 * ``facts(workspace, slot)`` states how the runner shows a task its workspace (``/work`` or its
   host path, its module interpreter, ``HOME``, its GPUs' numbering, its base ``PATH``), from which
   the agent resolves the task's ``TaskPlan`` (``runners.plan.resolve``) before calling ``start``.
