@@ -195,6 +195,8 @@ class Session:
         known = self.problems.get(what)
         if known is None:
             log.warning("%s failing, retrying with backoff: %s", what, exc)
+        elif known.error != str(exc):  # why it fails changed: a squatter now holds the port...
+            log.warning("%s still failing, now: %s", what, exc)
         since = known.since if known is not None else self._clock.monotonic()
         self.problems[what] = Problem(what, since, str(exc))
 

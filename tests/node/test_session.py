@@ -112,6 +112,27 @@ def test_a_failing_conversation_is_logged_once_and_once_more_when_it_works_again
     assert sum("claim works again" in m for m in messages) == 1
 
 
+def test_a_failing_conversation_whose_cause_changes_says_the_new_cause_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The coordinator's port, first refused, is then held by a local squatter the guard
+    refuses: the log says so (once), not only the first cause."""
+    clock = FakeClock()
+    down = CoordinatorUnavailable("connection refused")
+    squat = CoordinatorUnavailable("held by uid 65534: no credentials are sent there")
+    coord = FakeCoordinator(clock, claims=[down, squat, squat, None])
+    s = session(coord, clock)
+    s.turn(clock.monotonic(), SETTINGS, draining=False)
+    with caplog.at_level(logging.INFO, logger="flashnode.node.session"):
+        for _ in range(4):
+            clock.now = max(clock.now, s.wake_at(may_claim=True))
+            s.claim(held=set())
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("claim failing" in m and "connection refused" in m for m in messages) == 1
+    assert sum("still failing" in m and "no credentials are sent there" in m for m in messages) == 1
+    assert sum("claim works again" in m for m in messages) == 1
+
+
 def test_goodbye_is_said_only_by_a_registered_node() -> None:
     clock = FakeClock()
     coord = FakeCoordinator(clock)
