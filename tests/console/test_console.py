@@ -378,10 +378,13 @@ def test_the_state_shows_the_node_the_running_task_and_the_coordinators_view(
     job = coordinator.submit(argv_job(["sh", "-c", "echo step one; sleep 30"]))
     client, _ = console.session()
     with client:
+        # The node's state is what the loop last published (each turn, at most 0.5 s old); the
+        # task's output is read live: wait for the turn that saw the task started.
         state = wait_for(
             "the task in the console",
             lambda: (
                 (s := client.get("/api/state").json())["running"]
+                and s["running"][0]["phase"] == "execute"
                 and s["running"][0]["output"]["stdout"]
                 and s
             ),
