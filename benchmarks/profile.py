@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -66,10 +68,13 @@ def main() -> int:
     try:
         pool = f"p{random.randrange(10**9)}"
         agent = Agent(args.kind, server.url, pool, "--max-tasks", str(args.n), wrap=wrap)
+        coordinator = psutil.Process(server.proc.pid) if server.proc else None
+        cpu0 = _cpu(agent.ps, coordinator)
         job = server.submit(argv_job(TRIVIAL, pool=pool, params=[{}] * args.n, max_attempts=1))
         start = time.monotonic()
         server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=3600)
         wall = time.monotonic() - start
+        cpu1 = _cpu(agent.ps, coordinator)
         agent.proc.wait(120)  # --max-tasks: it exits by itself (and the profiler writes)
         ledger = agent.state / "ledger.jsonl"
         if ledger.exists():
@@ -79,11 +84,30 @@ def main() -> int:
     finally:
         server.close()
         shutil.rmtree(root, ignore_errors=True)
-    report(args, wall, ev)
+    report(args, wall, ev, cpu0, cpu1)
     return 0
 
 
-def report(args: argparse.Namespace, wall: float, ev: dict[str, dict[str, float]]) -> None:
+def _cpu(agent: psutil.Process, coordinator: psutil.Process | None) -> tuple[float, ...]:
+    """CPU seconds so far: the agent's own, what it started and reaped (the launch chains and
+    tasks: a chain's processes are the agent's children), the coordinator's; NaN once the agent
+    has exited (it exits after its last task, which may come before this is read)."""
+    try:
+        t = agent.cpu_times()
+        own, started = t.user + t.system, t.children_user + t.children_system
+    except psutil.Error:
+        own = started = float("nan")
+    c = coordinator.cpu_times() if coordinator else None
+    return own, started, (c.user + c.system) if c else float("nan")
+
+
+def report(
+    args: argparse.Namespace,
+    wall: float,
+    ev: dict[str, dict[str, float]],
+    cpu0: tuple[float, ...],
+    cpu1: tuple[float, ...],
+) -> None:
     n = args.n
     claims = sorted(v["LEASE_CLAIMED"] for v in ev.values() if "LEASE_CLAIMED" in v)
     commits = sorted(v["TASK_COMMIT_ACCEPTED"] for v in ev.values() if "TASK_COMMIT_ACCEPTED" in v)
@@ -99,6 +123,8 @@ def report(args: argparse.Namespace, wall: float, ev: dict[str, dict[str, float]
         f" {steady * 1000:.1f} ms/task first claim to last commit",
         f"claim->commit p50 {statistics.median(cycles) * 1000:.1f} ms,"
         f" commit->next claim p50 {statistics.median(gaps) * 1000:.1f} ms",
+        "CPU per task (ms), submit to success: agent {:.1f}, what it started {:.1f},"
+        " coordinator {:.1f}".format(*((b - a) / n * 1000 for a, b in zip(cpu0, cpu1))),
     ]
     ledger = args.out / "ledger.jsonl"
     if ledger.exists():

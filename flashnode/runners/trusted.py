@@ -64,7 +64,13 @@ from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
 from flashnode.sandbox.procs.helpers import python_imports
 from flashnode.sandbox.procs.launch import Launch
-from flashnode.sandbox.procs.mounts import PRIVATE_DIRS, Sandbox, cover_fstab, private_fstab
+from flashnode.sandbox.procs.mounts import (
+    PRIVATE_DIRS,
+    EnvsTables,
+    Sandbox,
+    cover_fstab,
+    private_fstab,
+)
 from flashnode.sandbox.procs.task import TaskProcess
 from flashnode.sandbox.workspace import Workspace
 
@@ -111,6 +117,11 @@ class TrustedRunner(Runner):
             for old in settings.state_dir.glob("covers-*.fstab"):
                 if str(old) != self._covers:
                     old.unlink(missing_ok=True)
+            # The job environments' covers, one per set kept: written by this run as its tasks
+            # need them (``_envs``), and only those are used.
+            for old in settings.state_dir.glob("envs-*.fstab"):
+                old.unlink(missing_ok=True)
+        self._envs_tables = EnvsTables(settings.state_dir)
         # Each slot's turnover after its task, and its next chain kept ahead: only where every
         # task gets the same chain (its own user, a cgroup, the sandbox, a state dir outside the
         # private directories).
@@ -225,10 +236,8 @@ class TrustedRunner(Runner):
         if not root.is_dir() or under_private_dir(root) is not None:
             return {}  # none, or out of the task's sight already (its private directory)
         kept = [root / PYTHON_DIR, *([Path(environment)] if environment else [])]
-        return {
-            "envs": str(root),
-            "envs_kept": tuple(str(p) for p in kept if p.is_relative_to(root) and p.is_dir()),
-        }
+        found = tuple(str(p) for p in kept if p.is_relative_to(root) and p.is_dir())
+        return {"envs": str(root), "envs_table": self._envs_tables.table(str(root), found)}
 
     def _apply_cpu_cap(self, settings: Settings) -> None:
         """``task_cpu_percent`` of the machine for all tasks together: the CPU quota of the

@@ -22,6 +22,7 @@ class Hierarchy:
         self.version = version
         self.bases = bases  # controller (or "unified") -> <agent's cgroup>/flashnode
         self.clock = clock or SystemClock()
+        self._real: dict[str, str] | None = None  # each base's real path, once needed
 
     def describe(self) -> str:
         """``cgroup v2 at /system.slice/flashnode.service/flashnode``; v1's controllers grouped
@@ -81,11 +82,16 @@ class Hierarchy:
             self.version, {c: base / name for c, base in self.bases.items()}, self.clock
         )
         made: dict[str, Path] = {}
+        if self._real is None:  # resolved once: the agent's own cgroup does not move
+            self._real = {c: os.path.realpath(base) for c, base in self.bases.items()}
+        made_in: set[str] = set()
         try:
             for controller, path in cg.paths.items():
                 path.parent.mkdir(exist_ok=True)
-                if os.path.realpath(path) in {os.path.realpath(p) for p in made.values()}:
+                real = self._real[controller]
+                if real in made_in:
                     continue  # co-mounted controllers (cpu,cpuacct): one directory
+                made_in.add(real)
                 # Never one that exists: it is another attempt's, or a chain's started ahead (a
                 # lease id is the coordinator's to choose).
                 path.mkdir()

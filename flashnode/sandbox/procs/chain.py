@@ -20,7 +20,13 @@ from pathlib import Path
 
 from flashnode.sandbox.cgroups import AttemptCgroup
 from flashnode.sandbox.procs import TaskUser
-from flashnode.sandbox.procs.mounts import PRIVATE_DIRS, Sandbox, agent_kept, mqueue_mounts
+from flashnode.sandbox.procs.mounts import (
+    ENVS_STAGE,
+    PRIVATE_DIRS,
+    Sandbox,
+    agent_kept,
+    mqueue_mounts,
+)
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The only environment of the privileged steps before the task's own exec.
@@ -88,8 +94,9 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 # read-only views ($3: lines, a source then its target in the working directory, so that paths may
 # hold spaces), bind the working directory with them at /work and enter it there ($7), cover the
 # lent directories ($8: a table; after the views, whose sources they are), cover the job
-# environments' directory ($9) with an empty tmpfs, made in the private /tmp with what is kept of
-# it bound in (${10}: lines) and then moved over it, hide device files ($4), run the rest. Paths
+# environments' directory ($9) with an empty tmpfs, put together in the private /tmp with what is
+# kept of it bound in by one table (${10}: ``envs_fstab``) and then moved over it, hide device
+# files ($4), run the rest. Paths
 # in the working directory are taken from the directory the chain is in, not its path, which a
 # private directory may cover by now (--no-canonicalize). Every step a process fewer where the
 # shell can do it itself: this runs before every task. Each failure goes to stderr: the launch's
@@ -126,20 +133,10 @@ done || exit 125
 [ -z "$7" ] || { mount --no-canonicalize --rbind . /work && cd /work; } \
   || fail "cannot bind the workspace at /work"
 [ -z "$8" ] || mount -a -T "$8" || fail "cannot cover the lent directories"
-[ -z "$9" ] || {
-  s=/tmp/.flashnode-envs
-  mkdir -m 0700 "$s" && mount -t tmpfs -o nosuid,nodev,mode=0711,size=64k flashnode-envs "$s" \
-    || fail "cannot cover the job environments"
-  [ -z "${10}" ] || printf '%s\n' "${10}" | while IFS= read -r kept; do
-    to="$s${kept#"$9"}"
-    umask 022  # this pipeline's subshell only: task users pass through the directories made
-    mkdir -p "$to" && mount --no-canonicalize --bind "$kept" "$to" \
-      && mount --no-canonicalize -o remount,bind,ro,nosuid,nodev "$to" \
-      || fail "cannot bind the job environment $kept read-only"
-  done || exit 125
-  mount -o remount,ro "$s" && mount --no-canonicalize --move "$s" "$9" && rmdir "$s" \
-    || fail "cannot cover the job environments"
-}
+# (The mount points the table makes, task users pass through: a subshell's umask, not the task's.)
+[ -z "$9" ] || { (umask 022 && mount --no-canonicalize -a -T "${10}") \
+  && mount --no-canonicalize --move $ENVS_STAGE "$9" && rmdir $ENVS_STAGE; } \
+  || fail "cannot cover the job environments"
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
 shift 11
 exec "$@"
@@ -205,25 +202,24 @@ def command(
         return cmd
     if sandbox and any("\n" in p for bind in sandbox.read_only_binds for p in bind):
         raise ValueError("a read-only view's path holds a newline")
-    if sandbox and any(
-        "\n" in p or not p.startswith(sandbox.envs + "/") for p in sandbox.envs_kept
-    ):
-        raise ValueError("a kept environment's path holds a newline or lies elsewhere")
     procs = " ".join(cgroup.procs_files) if cgroup else ""
     tmpfs = f"nosuid,nodev,mode=1777,size={sandbox.tmp_bytes}" if sandbox else ""
     binds = "\n".join(f"{s}\n{d}" for s, d in sandbox.read_only_binds) if sandbox else ""
     setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
+    setup = setup.replace("$ENVS_STAGE", ENVS_STAGE)
     hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
     fstab = sandbox.fstab if sandbox else ""
     queues = " ".join(mqueue_mounts()) if sandbox else ""
     work = "1" if sandbox and sandbox.work else ""
     covers = sandbox.covers if sandbox else ""
     envs = sandbox.envs if sandbox else ""
-    kept = "\n".join(sandbox.envs_kept) if sandbox else ""
+    if sandbox and bool(sandbox.envs) != bool(sandbox.envs_table):
+        raise ValueError("the job environments' cover needs its table")
+    envs_table = sandbox.envs_table if sandbox else ""
     agent = ""
     if sandbox and sandbox.keep_agent and not sandbox.fstab:
         agent = "\n".join("\n".join(k) for k in agent_kept())
-    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, kept, agent]
+    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, envs_table, agent]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         net = ["--net"] if sandbox.no_network else []

@@ -20,6 +20,7 @@ import os
 import secrets
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,9 @@ from flashnode.sandbox.workspace import WORK
 # empty tmpfs in the task's mount namespace (those that exist), plus the POSIX message queues of
 # its own IPC namespace.
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+# Where the cover over the job environments is put together before it is moved over them: in
+# the task's private /tmp (``envs_fstab``).
+ENVS_STAGE = "/tmp/.flashnode-envs"
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,7 +83,7 @@ class Sandbox:
     # environment), and what under it is bound back read-only at its same path (the task's own
     # environment, the managed interpreters): shebangs and pyvenv.cfg keep working.
     envs: str = ""
-    envs_kept: tuple[str, ...] = field(default=())
+    envs_table: str = ""  # the table that puts the cover together (``envs_fstab``)
     # The agent's own install (its interpreter, its package, uv), where it lies under a private
     # directory (a checkout under /tmp): bound back read-only in the agent's own helpers' and
     # builds' sandboxes, which run it (``agent_kept``).
@@ -123,6 +127,53 @@ def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         statefile.write(path, table.encode("utf-8", "surrogateescape"), 0o600)
     return str(path)
+
+
+def envs_fstab(directory: Path, envs: str, kept: Iterable[str]) -> str:
+    """Write the table that puts together the cover over the job environments' directory
+    ``envs`` into ``directory``, and return its path for ``Sandbox.envs_table``: an empty tmpfs
+    at ``ENVS_STAGE`` (in the task's private /tmp), each of ``kept`` bound into it read-only at
+    its place under ``envs`` (its mount point made on the way), then the tmpfs made read-only;
+    the chain then moves it over ``envs``. One ``mount -a`` for all of it, where a ``mount``
+    per step cost a process each before every task. Named for what it keeps, so that a chain
+    started under another table can tell; written anew at every call (a file of that name that
+    is there already is never trusted: the caller keeps the tables it wrote). ValueError for a
+    kept path outside ``envs``, with a newline, or not in its plain form (``..``)."""
+    kept = sorted(kept)
+    if any("\n" in k or not k.startswith(envs + "/") or os.path.normpath(k) != k for k in kept):
+        raise ValueError("a kept environment's path holds a newline or lies elsewhere")
+    digest = hashlib.sha256("\0".join([envs, *kept]).encode("utf-8", "surrogateescape")).hexdigest()
+    path = directory / f"envs-{digest[:16]}.fstab"
+    source = f"flashnode-envs-{secrets.token_hex(4)}"
+    opts = "nosuid,nodev,mode=0711,size=64k,X-mount.mkdir=0700"
+    lines = [f"{source} {ENVS_STAGE} tmpfs {opts} 0 0\n"]
+    for k in kept:
+        to = _fstab_escape(ENVS_STAGE + k[len(envs) :])
+        lines.append(f"{_fstab_escape(k)} {to} none bind,ro,nosuid,nodev,X-mount.mkdir 0 0\n")
+    lines.append(f"{source} {ENVS_STAGE} tmpfs remount,ro,nosuid,nodev 0 0\n")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    statefile.write(path, "".join(lines).encode("utf-8", "surrogateescape"), 0o600)
+    return str(path)
+
+
+class EnvsTables:
+    """The job environments' cover tables (``envs_fstab``) one agent run uses, in ``directory``:
+    each written by this run the first time a set of kept directories needs it, under a lock
+    (the slots' chains are made at once), and reused after; a file of that name this run did
+    not write is never used."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._written: dict[tuple[str, tuple[str, ...]], str] = {}
+
+    def table(self, envs: str, kept: Iterable[str]) -> str:
+        key = (envs, tuple(sorted(kept)))
+        with self._lock:
+            path = self._written.get(key)
+            if path is None:
+                path = self._written[key] = envs_fstab(self._directory, envs, key[1])
+            return path
 
 
 def _fstab_escape(path: str) -> str:

@@ -1,0 +1,116 @@
+"""The cover over the job environments' directory, as a root agent's chain puts it together from
+its table (``envs_fstab``): a task sees the directory empty but for what is kept for it, read-only."""
+
+from __future__ import annotations
+
+import pwd
+import shutil
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from harness import wait_for
+
+from flashnode.sandbox import procs
+from flashnode.sandbox.procs.chain import SYSTEM_PATH
+from flashnode.sandbox.procs.mounts import EnvsTables, Sandbox, envs_fstab
+from flashnode.sandbox.procs.task import TaskProcess
+
+
+@pytest.fixture
+def state() -> Iterator[Path]:
+    """A state dir outside the private directories a task gets its own of (as an agent's must
+    be for its chains to cover the job environments)."""
+    root = Path(tempfile.mkdtemp(prefix="flashnode-envs-test-", dir="/var/lib"))
+    root.chmod(0o755)  # task users pass through it
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_table_binds_each_kept_directory_into_the_cover_then_makes_it_read_only(
+    tmp_path: Path,
+) -> None:
+    root = "/state/envs"
+    table = Path(envs_fstab(tmp_path, root, [f"{root}/.python", f"{root}/job env"]))
+    lines = [line.split() for line in table.read_text().splitlines()]
+    assert [(line[1], line[2]) for line in lines] == [
+        ("/tmp/.flashnode-envs", "tmpfs"),
+        ("/tmp/.flashnode-envs/.python", "none"),
+        ("/tmp/.flashnode-envs/job\\040env", "none"),  # fstab's escape for a space
+        ("/tmp/.flashnode-envs", "tmpfs"),
+    ]
+    assert lines[1][3].startswith("bind,ro,") and lines[3][3].startswith("remount,ro,")
+    assert lines[0][0] == lines[3][0] != "flashnode-envs"  # a source no other mount has
+    assert envs_fstab(tmp_path, root, [f"{root}/job env", f"{root}/.python"]) == str(table)
+    assert envs_fstab(tmp_path, root, [f"{root}/.python"]) != str(table)
+
+
+@pytest.mark.parametrize(
+    "kept", ["/state/other/x", "/state/envs/a\nb", "/state/envsx/a", "/state/envs/../x"]
+)
+def test_a_kept_directory_outside_the_environments_or_with_a_newline_is_refused(
+    tmp_path: Path, kept: str
+) -> None:
+    with pytest.raises(ValueError, match="kept environment"):
+        envs_fstab(tmp_path, "/state/envs", [kept])
+
+
+def test_a_table_planted_under_the_name_it_will_have_is_never_used(tmp_path: Path) -> None:
+    """Its name is a digest of paths every task's command line shows: a file someone put there
+    first (a read-write bind of every environment) is written over by the run that needs it."""
+    root, kept = "/state/envs", ["/state/envs/.python"]
+    name = Path(envs_fstab(tmp_path / "probe", root, kept)).name
+    planted = tmp_path / name
+    planted.write_text(f"{root} /tmp/.flashnode-envs none bind 0 0\n")
+    assert EnvsTables(tmp_path).table(root, kept) == str(planted)
+    assert f"{root} /tmp" not in planted.read_text() and "remount,ro" in planted.read_text()
+
+
+def test_tables_made_by_many_chains_at_once_are_each_written_whole_once(tmp_path: Path) -> None:
+    tables, root = EnvsTables(tmp_path), "/state/envs"
+    sets = [[f"{root}/.python"], [f"{root}/.python", f"{root}/k/env"]] * 40
+    with ThreadPoolExecutor(8) as pool:
+        paths = list(pool.map(lambda kept: tables.table(root, kept), sets))
+    assert len(set(paths)) == 2
+    assert all(Path(p).read_text().count("remount,ro") == 1 for p in set(paths))
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(Path(p).name for p in set(paths))
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_task_sees_only_its_own_environment_and_the_interpreters_read_only(
+    tmp_path: Path, state: Path
+) -> None:
+    envs = state / "envs"
+    for name in (".python", "key/its env", "another"):
+        (envs / name).mkdir(parents=True)
+        (envs / name / "file").write_text(name.split("/")[-1])
+    kept = [str(envs / ".python"), str(envs / "key/its env")]  # as the cache keeps them
+    sandbox = Sandbox(1 << 20, envs=str(envs), envs_table=envs_fstab(state, str(envs), kept))
+    script = (
+        'id -u; ls -A "$1" 2>/dev/null || echo unlisted; cat "$1/key/its env/file" "$1/.python/file"; echo;'
+        ' cat "$1/another/file" 2>/dev/null || echo "no other";'
+        ' touch "$1/x" "$1/key/its env/x" 2>/dev/null || echo "read-only";'
+        " ls -A /tmp"
+    )
+    user = pwd.getpwnam("flashnode-task-0")  # what ./scripts/task-users makes
+    proc = TaskProcess(
+        ["sh", "-c", script, "sh", str(envs)],
+        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
+        cwd=state,  # not under /tmp: the task's /tmp is its own
+        stdout=tmp_path / "out",
+        stderr=tmp_path / "err",
+        log_max_bytes=4096,
+        on_exit=lambda: None,
+        user=procs.TaskUser(user.pw_name, user.pw_uid, user.pw_gid),
+        sandbox=sandbox,
+    )
+    wait_for("the task to end", proc.exited.is_set)
+    proc.close()
+    assert proc.launched, proc.setup_failure()
+    out = (tmp_path / "out").read_text().splitlines()
+    assert out == [str(user.pw_uid), "unlisted", "its env.python", "no other", "read-only"]
+    assert not (envs / "x").exists() and not (envs / "key/its env/x").exists()
