@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flashnode import statefile
 from flashnode.caches.envcache import ENVS_DIR, PYTHON_DIR
 from flashnode.config.settings import Settings
 from flashnode.coordinator.lease import MODULES, Task
@@ -65,11 +66,12 @@ from flashnode.sandbox.procs.chain import SYSTEM_PATH
 from flashnode.sandbox.procs.helpers import python_imports
 from flashnode.sandbox.procs.launch import Launch
 from flashnode.sandbox.procs.mounts import (
+    ENVS_TABLE,
     PRIVATE_DIRS,
     EnvsTables,
     Sandbox,
     cover_fstab,
-    private_fstab,
+    private_table,
 )
 from flashnode.sandbox.procs.task import TaskProcess
 from flashnode.sandbox.workspace import Workspace
@@ -105,12 +107,14 @@ class TrustedRunner(Runner):
         self._task_cpus: dict[str, float | None] = {}
         self._cpu_cap: float | None = None
         self._cpu_lock = threading.Lock()
-        # One table of a task's private mounts, for one `mount` per task instead of one each.
-        self._fstab = (
-            private_fstab(settings.state_dir / "sandbox.fstab", PRIVATE_TMP_BYTES)
-            if sandbox
-            else ""
-        )
+        # One table of a task's private mounts, for one `mount` per task instead of one each
+        # (the job environments' cover is put together by a table that adds to it: ``_tables``).
+        private = private_table(PRIVATE_TMP_BYTES)
+        self._fstab = ""
+        if sandbox:
+            self._fstab = str(settings.state_dir / "sandbox.fstab")
+            settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            statefile.write(Path(self._fstab), private.encode(), 0o600)
         # And one of the covers over the lent directories (their set changes on a reload).
         self._covers = self._cover_table(settings)
         if sandbox:
@@ -118,10 +122,10 @@ class TrustedRunner(Runner):
                 if str(old) != self._covers:
                     old.unlink(missing_ok=True)
             # The job environments' covers, one per set kept: written by this run as its tasks
-            # need them (``_envs``), and only those are used.
-            for old in settings.state_dir.glob("envs-*.fstab"):
+            # need them (``_tables``), and only those are used.
+            for old in settings.state_dir.glob(f"{ENVS_TABLE}*.fstab"):
                 old.unlink(missing_ok=True)
-        self._envs_tables = EnvsTables(settings.state_dir)
+        self._envs_tables = EnvsTables(settings.state_dir, private)
         # Each slot's turnover after its task, and its next chain kept ahead: only where every
         # task gets the same chain (its own user, a cgroup, the sandbox, a state dir outside the
         # private directories).
@@ -224,20 +228,20 @@ class TrustedRunner(Runner):
     def _blank_sandbox(self) -> Sandbox:
         """The sandbox of a task with nothing of its own (no read-only views, no hidden GPUs, no
         job environment): a chain kept ahead's."""
-        return Sandbox(
-            PRIVATE_TMP_BYTES, fstab=self._fstab, work=True, covers=self._covers, **self._envs(None)
-        )
+        fstab, envs = self._tables(None)
+        return Sandbox(PRIVATE_TMP_BYTES, fstab=fstab, work=True, covers=self._covers, envs=envs)
 
-    def _envs(self, environment: str | None) -> dict[str, Any]:
-        """The sandbox's cover over the job environments: a task sees only its own (``None``:
-        none) and the managed interpreters, never another job's (whose files are world-readable
-        for task users, and whose paths are in every task's command line)."""
+    def _tables(self, environment: str | None) -> tuple[str, str]:
+        """The sandbox's table of private mounts and the job environments' directory it covers
+        (``Sandbox.fstab``, ``Sandbox.envs``): a task sees only its own environment (``None``:
+        none) and the managed interpreters, never another job's (whose files are
+        world-readable for task users, and whose paths are in every task's command line)."""
         root = self.settings.state_dir / ENVS_DIR
         if not root.is_dir() or under_private_dir(root) is not None:
-            return {}  # none, or out of the task's sight already (its private directory)
+            return self._fstab, ""  # none, or out of the task's sight already (private)
         kept = [root / PYTHON_DIR, *([Path(environment)] if environment else [])]
         found = tuple(str(p) for p in kept if p.is_relative_to(root) and p.is_dir())
-        return {"envs": str(root), "envs_table": self._envs_tables.table(str(root), found)}
+        return self._envs_tables.table(str(root), found), str(root)
 
     def _apply_cpu_cap(self, settings: Settings) -> None:
         """``task_cpu_percent`` of the machine for all tasks together: the CPU quota of the
@@ -349,19 +353,18 @@ class TrustedRunner(Runner):
         binds = tuple((src, dst.removeprefix(f"{WORK}/")) for src, dst in plan.views)
         if any("\n" in path for bind in binds for path in bind):
             raise AttemptLapsed("cannot lend a directory whose path holds a newline")
-        sandbox = (
-            Sandbox(
+        sandbox = None
+        if self.sandbox:
+            fstab, envs = self._tables(plan.environment)
+            sandbox = Sandbox(
                 PRIVATE_TMP_BYTES,
                 binds,
                 hidden_gpus(plan),
-                self._fstab,
+                fstab,
                 work=True,
                 covers=self._covers,
-                **self._envs(plan.environment),
+                envs=envs,
             )
-            if self.sandbox
-            else None
-        )
         launch = None
         name = ws.root.name
         try:

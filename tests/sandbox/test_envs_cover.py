@@ -1,5 +1,6 @@
-"""The cover over the job environments' directory, as a root agent's chain puts it together from
-its table (``envs_fstab``): a task sees the directory empty but for what is kept for it, read-only."""
+"""The cover over the job environments' directory, as a root agent's chain puts it together with
+its private mounts from one table (``envs_fstab``): a task sees the directory empty but for what
+is kept for it, read-only, and its private /tmp as before."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 from harness import wait_for
 
 from flashnode.sandbox import procs
-from flashnode.sandbox.procs.chain import SYSTEM_PATH
-from flashnode.sandbox.procs.mounts import EnvsTables, Sandbox, envs_fstab
+from flashnode.sandbox.procs.chain import SYSTEM_PATH, command
+from flashnode.sandbox.procs.mounts import EnvsTables, Sandbox, envs_fstab, private_table
 from flashnode.sandbox.procs.task import TaskProcess
+
+PRIVATE = private_table(1 << 20)
 
 
 @pytest.fixture
@@ -31,22 +34,25 @@ def state() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_the_table_binds_each_kept_directory_into_the_cover_then_makes_it_read_only(
+def test_the_table_puts_the_cover_together_over_the_private_tmp_after_the_private_mounts(
     tmp_path: Path,
 ) -> None:
     root = "/state/envs"
-    table = Path(envs_fstab(tmp_path, root, [f"{root}/.python", f"{root}/job env"]))
-    lines = [line.split() for line in table.read_text().splitlines()]
+    table = Path(envs_fstab(tmp_path, PRIVATE, root, [f"{root}/.python", f"{root}/job env"]))
+    text = table.read_text()
+    assert text.startswith(PRIVATE)
+    lines = [line.split() for line in text[len(PRIVATE) :].splitlines()]
     assert [(line[1], line[2]) for line in lines] == [
-        ("/tmp/.flashnode-envs", "tmpfs"),
-        ("/tmp/.flashnode-envs/.python", "none"),
-        ("/tmp/.flashnode-envs/job\\040env", "none"),  # fstab's escape for a space
-        ("/tmp/.flashnode-envs", "tmpfs"),
+        ("/tmp", "tmpfs"),
+        ("/tmp/.python", "none"),
+        ("/tmp/job\\040env", "none"),  # fstab's escape for a space
+        ("/tmp", "tmpfs"),
     ]
     assert lines[1][3].startswith("bind,ro,") and lines[3][3].startswith("remount,ro,")
     assert lines[0][0] == lines[3][0] != "flashnode-envs"  # a source no other mount has
-    assert envs_fstab(tmp_path, root, [f"{root}/job env", f"{root}/.python"]) == str(table)
-    assert envs_fstab(tmp_path, root, [f"{root}/.python"]) != str(table)
+    same = envs_fstab(tmp_path, PRIVATE, root, [f"{root}/job env", f"{root}/.python"])
+    assert same == str(table)
+    assert envs_fstab(tmp_path, PRIVATE, root, [f"{root}/.python"]) != str(table)
 
 
 @pytest.mark.parametrize(
@@ -56,22 +62,86 @@ def test_a_kept_directory_outside_the_environments_or_with_a_newline_is_refused(
     tmp_path: Path, kept: str
 ) -> None:
     with pytest.raises(ValueError, match="kept environment"):
-        envs_fstab(tmp_path, "/state/envs", [kept])
+        envs_fstab(tmp_path, PRIVATE, "/state/envs", [kept])
+
+
+def test_a_kept_directory_reached_through_a_link_is_refused(tmp_path: Path) -> None:
+    envs = tmp_path / "envs"
+    (tmp_path / "elsewhere").mkdir()
+    envs.mkdir()
+    (envs / "job").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="kept environment"):
+        envs_fstab(tmp_path, PRIVATE, str(envs), [str(envs / "job")])
+
+
+def test_no_cover_is_put_together_without_a_private_tmp_under_it(tmp_path: Path) -> None:
+    """Moved over the environments, the cover uncovers what lies under it at /tmp: never the
+    host's /tmp, only the task's own."""
+    without_tmp = "".join(line + "\n" for line in PRIVATE.splitlines() if " /tmp " not in line)
+    with pytest.raises(ValueError, match="no /tmp"):
+        envs_fstab(tmp_path, without_tmp, "/state/envs", ["/state/envs/.python"])
+    private = tmp_path / "sandbox.fstab"
+    private.write_text(PRIVATE)
+    table = envs_fstab(tmp_path, PRIVATE, "/state/envs", ["/state/envs/.python"])
+    for mismatched in (
+        Sandbox(1 << 20, envs="/state/envs"),
+        Sandbox(1 << 20, fstab=str(private), envs="/state/envs"),
+        Sandbox(1 << 20, fstab=table),
+    ):
+        with pytest.raises(ValueError, match="put together by the sandbox's table"):
+            command(None, None, mismatched)
+
+
+@pytest.mark.usefixtures("as_root")
+@pytest.mark.parametrize("mismatch", ["private table, envs named", "envs table, none named"])
+def test_a_chain_whose_table_and_cover_do_not_match_runs_nothing(
+    tmp_path: Path, state: Path, mismatch: str
+) -> None:
+    """Past ``command``'s own check (a caller that built the sandbox wrong): the chain itself
+    refuses to move the private /tmp over the environments (the task would see the host's
+    /tmp) or to run a task on the cover left on its /tmp (it would see every environment)."""
+    envs = state / "envs"
+    (envs / ".python").mkdir(parents=True)
+    if mismatch.startswith("private"):
+        (state / "envs-private.fstab").write_text(PRIVATE)  # named as a cover's, holding none
+        sandbox = Sandbox(1 << 20, fstab=str(state / "envs-private.fstab"), envs=str(envs))
+    else:
+        table = Path(envs_fstab(state, PRIVATE, str(envs), [str(envs / ".python")]))
+        named = table.rename(state / "sandbox.fstab")  # a cover's table, named as the private
+        sandbox = Sandbox(1 << 20, fstab=str(named))
+    ran = state / "ran"
+    proc = TaskProcess(
+        ["touch", str(ran)],
+        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
+        cwd=state,
+        stdout=tmp_path / "out",
+        stderr=tmp_path / "err",
+        log_max_bytes=1024,
+        on_exit=lambda: None,
+        sandbox=sandbox,
+    )
+    wait_for("the chain to end", proc.exited.is_set)
+    proc.close()
+    assert not proc.launched and not ran.exists()
+    assert proc.setup_failure() in (
+        "cannot cover the job environments",
+        "the private /tmp is not in place",
+    ), proc.setup_failure()
 
 
 def test_a_table_planted_under_the_name_it_will_have_is_never_used(tmp_path: Path) -> None:
     """Its name is a digest of paths every task's command line shows: a file someone put there
     first (a read-write bind of every environment) is written over by the run that needs it."""
     root, kept = "/state/envs", ["/state/envs/.python"]
-    name = Path(envs_fstab(tmp_path / "probe", root, kept)).name
+    name = Path(envs_fstab(tmp_path / "probe", PRIVATE, root, kept)).name
     planted = tmp_path / name
-    planted.write_text(f"{root} /tmp/.flashnode-envs none bind 0 0\n")
-    assert EnvsTables(tmp_path).table(root, kept) == str(planted)
+    planted.write_text(f"{root} /tmp none bind 0 0\n")
+    assert EnvsTables(tmp_path, PRIVATE).table(root, kept) == str(planted)
     assert f"{root} /tmp" not in planted.read_text() and "remount,ro" in planted.read_text()
 
 
 def test_tables_made_by_many_chains_at_once_are_each_written_whole_once(tmp_path: Path) -> None:
-    tables, root = EnvsTables(tmp_path), "/state/envs"
+    tables, root = EnvsTables(tmp_path, PRIVATE), "/state/envs"
     sets = [[f"{root}/.python"], [f"{root}/.python", f"{root}/k/env"]] * 40
     with ThreadPoolExecutor(8) as pool:
         paths = list(pool.map(lambda kept: tables.table(root, kept), sets))
@@ -89,12 +159,13 @@ def test_a_task_sees_only_its_own_environment_and_the_interpreters_read_only(
         (envs / name).mkdir(parents=True)
         (envs / name / "file").write_text(name.split("/")[-1])
     kept = [str(envs / ".python"), str(envs / "key/its env")]  # as the cache keeps them
-    sandbox = Sandbox(1 << 20, envs=str(envs), envs_table=envs_fstab(state, str(envs), kept))
+    table = envs_fstab(state, PRIVATE, str(envs), kept)
+    sandbox = Sandbox(1 << 20, fstab=table, envs=str(envs))
     script = (
-        'id -u; ls -A "$1" 2>/dev/null || echo unlisted; cat "$1/key/its env/file" "$1/.python/file"; echo;'
-        ' cat "$1/another/file" 2>/dev/null || echo "no other";'
+        'id -u; ls -A "$1" 2>/dev/null || echo unlisted; cat "$1/key/its env/file"'
+        ' "$1/.python/file"; echo; cat "$1/another/file" 2>/dev/null || echo "no other";'
         ' touch "$1/x" "$1/key/its env/x" 2>/dev/null || echo "read-only";'
-        " ls -A /tmp"
+        " touch /tmp/mine && ls -A /tmp && stat -c %a /tmp"
     )
     user = pwd.getpwnam("flashnode-task-0")  # what ./scripts/task-users makes
     proc = TaskProcess(
@@ -112,5 +183,7 @@ def test_a_task_sees_only_its_own_environment_and_the_interpreters_read_only(
     proc.close()
     assert proc.launched, proc.setup_failure()
     out = (tmp_path / "out").read_text().splitlines()
-    assert out == [str(user.pw_uid), "unlisted", "its env.python", "no other", "read-only"]
+    # Its own /tmp: empty, writable, sticky, as the private mounts made it.
+    expected = [str(user.pw_uid), "unlisted", "its env.python", "no other", "read-only"]
+    assert out == [*expected, "mine", "1777"], (tmp_path / "err").read_text()
     assert not (envs / "x").exists() and not (envs / "key/its env/x").exists()

@@ -22,6 +22,7 @@ from flashnode.sandbox.cgroups import AttemptCgroup
 from flashnode.sandbox.procs import TaskUser
 from flashnode.sandbox.procs.mounts import (
     ENVS_STAGE,
+    ENVS_TABLE,
     PRIVATE_DIRS,
     Sandbox,
     agent_kept,
@@ -94,9 +95,9 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 # read-only views ($3: lines, a source then its target in the working directory, so that paths may
 # hold spaces), bind the working directory with them at /work and enter it there ($7), cover the
 # lent directories ($8: a table; after the views, whose sources they are), cover the job
-# environments' directory ($9) with an empty tmpfs, put together in the private /tmp with what is
-# kept of it bound in by one table (${10}: ``envs_fstab``) and then moved over it, hide device
-# files ($4), run the rest. Paths
+# environments' directory ($9) with the empty tmpfs that $5's table put together over the private
+# /tmp, with what is kept of it bound in (``envs_fstab``): moved over it, it uncovers the private
+# /tmp again; hide device files ($4), run the rest. Paths
 # in the working directory are taken from the directory the chain is in, not its path, which a
 # private directory may cover by now (--no-canonicalize). Every step a process fewer where the
 # shell can do it itself: this runs before every task. Each failure goes to stderr: the launch's
@@ -104,17 +105,19 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
 SETUP = r"""
 fail() { echo "flashnode: $*" >&2; exit 125; }
 for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
-[ -z "$5" ] || mount -a -T "$5" || fail "cannot mount the private directories"
+# (The mount points the table makes, task users pass through: a subshell's umask, not the task's.)
+[ -z "$5" ] || (umask 022 && mount --no-canonicalize -a -T "$5") \
+  || fail "cannot mount the private directories"
 for d in $PRIVATE; do
   case "
-${11}
+${10}
 " in *"
 $d
 "*) continue ;; esac  # put together below, with the agent's own install kept in it
   [ -n "$5" ] || [ ! -d "$d" ] || mount -t tmpfs -o "$2" flashnode-private "$d" \
     || fail "cannot mount $d"
 done
-[ -z "${11}" ] || printf '%s\n' "${11}" | while IFS= read -r d && IFS= read -r s \
+[ -z "${10}" ] || printf '%s\n' "${10}" | while IFS= read -r d && IFS= read -r s \
     && IFS= read -r kept; do
   to="$s${kept#"$d"}"
   mount -t tmpfs -o "$2" flashnode-private "$s" && mkdir "$to" \
@@ -133,12 +136,13 @@ done || exit 125
 [ -z "$7" ] || { mount --no-canonicalize --rbind . /work && cd /work; } \
   || fail "cannot bind the workspace at /work"
 [ -z "$8" ] || mount -a -T "$8" || fail "cannot cover the lent directories"
-# (The mount points the table makes, task users pass through: a subshell's umask, not the task's.)
-[ -z "$9" ] || { (umask 022 && mount --no-canonicalize -a -T "${10}") \
-  && mount --no-canonicalize --move $ENVS_STAGE "$9" && rmdir $ENVS_STAGE; } \
+# The cover is what lies on /tmp (its 0711, where the private /tmp is sticky), and once moved
+# the task's own /tmp is back: sticky and writable (shell tests, not a process each).
+[ -z "$9" ] || { [ ! -k $ENVS_STAGE ] && mount --no-canonicalize --move $ENVS_STAGE "$9"; } \
   || fail "cannot cover the job environments"
+[ -z "$5" ] || { [ -k /tmp ] && [ -w /tmp ]; } || fail "the private /tmp is not in place"
 for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 11
+shift 10
 exec "$@"
 """
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
@@ -213,13 +217,12 @@ def command(
     work = "1" if sandbox and sandbox.work else ""
     covers = sandbox.covers if sandbox else ""
     envs = sandbox.envs if sandbox else ""
-    if sandbox and bool(sandbox.envs) != bool(sandbox.envs_table):
-        raise ValueError("the job environments' cover needs its table")
-    envs_table = sandbox.envs_table if sandbox else ""
+    if sandbox and bool(sandbox.envs) != os.path.basename(sandbox.fstab).startswith(ENVS_TABLE):
+        raise ValueError("the job environments' cover is put together by the sandbox's table")
     agent = ""
     if sandbox and sandbox.keep_agent and not sandbox.fstab:
         agent = "\n".join("\n".join(k) for k in agent_kept())
-    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, envs_table, agent]
+    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, agent]
     cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
     if sandbox is not None:
         net = ["--net"] if sandbox.no_network else []

@@ -32,9 +32,10 @@ from flashnode.sandbox.workspace import WORK
 # empty tmpfs in the task's mount namespace (those that exist), plus the POSIX message queues of
 # its own IPC namespace.
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-# Where the cover over the job environments is put together before it is moved over them: in
-# the task's private /tmp (``envs_fstab``).
-ENVS_STAGE = "/tmp/.flashnode-envs"
+# Where the cover over the job environments is put together before it is moved over them: over
+# the task's private /tmp, which the move uncovers again (``envs_fstab``).
+ENVS_STAGE = "/tmp"
+ENVS_TABLE = "envs-"  # how such a table's name starts
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,7 +76,9 @@ class Sandbox:
     # (host path, target relative to the working directory: bound before it is bound at /work)
     read_only_binds: tuple[tuple[str, str], ...] = field(default=())
     hidden_devices: tuple[str, ...] = field(default=())  # device files the task sees as /dev/null
-    fstab: str = ""  # the private tmpfs mounts as one table (``private_fstab``), if written
+    # The private tmpfs mounts as one table (``private_table``), if written; with ``envs``, the
+    # table that also puts their cover together (``envs_fstab``).
+    fstab: str = ""
     work: bool = False  # bind the chain's working directory at /work and enter it there
     covers: str = ""  # the lent directories' covers as one table (``cover_fstab``), if any
     no_network: bool = False  # a network namespace of its own: no interface but a down loopback
@@ -83,24 +86,19 @@ class Sandbox:
     # environment), and what under it is bound back read-only at its same path (the task's own
     # environment, the managed interpreters): shebangs and pyvenv.cfg keep working.
     envs: str = ""
-    envs_table: str = ""  # the table that puts the cover together (``envs_fstab``)
     # The agent's own install (its interpreter, its package, uv), where it lies under a private
     # directory (a checkout under /tmp): bound back read-only in the agent's own helpers' and
     # builds' sandboxes, which run it (``agent_kept``).
     keep_agent: bool = False
 
 
-def private_fstab(path: Path, tmp_bytes: int) -> str:
-    """Write the table of a task's private tmpfs mounts (those of ``PRIVATE_DIRS`` that exist
-    here, ``tmp_bytes`` each) to ``path``, readable by this user only, and return its path for
-    ``Sandbox.fstab``. Each mount's source name is new (``mount -a`` skips a mount it finds
-    already there: never one of the host's)."""
+def private_table(tmp_bytes: int) -> str:
+    """The table of a task's private tmpfs mounts (those of ``PRIVATE_DIRS`` that exist here,
+    ``tmp_bytes`` each), for ``Sandbox.fstab`` once written. Each mount's source name is new
+    (``mount -a`` skips a mount it finds already there: never one of the host's)."""
     source = f"flashnode-private-{secrets.token_hex(4)}"
     options = f"nosuid,nodev,mode=1777,size={tmp_bytes}"
-    table = "".join(f"{source} {d} tmpfs {options} 0 0\n" for d in PRIVATE_DIRS if os.path.isdir(d))
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    statefile.write(path, table.encode(), 0o600)
-    return str(path)
+    return "".join(f"{source} {d} tmpfs {options} 0 0\n" for d in PRIVATE_DIRS if os.path.isdir(d))
 
 
 def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
@@ -129,24 +127,32 @@ def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
     return str(path)
 
 
-def envs_fstab(directory: Path, envs: str, kept: Iterable[str]) -> str:
-    """Write the table that puts together the cover over the job environments' directory
-    ``envs`` into ``directory``, and return its path for ``Sandbox.envs_table``: an empty tmpfs
-    at ``ENVS_STAGE`` (in the task's private /tmp), each of ``kept`` bound into it read-only at
-    its place under ``envs`` (its mount point made on the way), then the tmpfs made read-only;
-    the chain then moves it over ``envs``. One ``mount -a`` for all of it, where a ``mount``
-    per step cost a process each before every task. Named for what it keeps, so that a chain
-    started under another table can tell; written anew at every call (a file of that name that
-    is there already is never trusted: the caller keeps the tables it wrote). ValueError for a
-    kept path outside ``envs``, with a newline, or not in its plain form (``..``)."""
+def envs_fstab(directory: Path, private: str, envs: str, kept: Iterable[str]) -> str:
+    """Write the table of a task's private mounts (``private``: ``private_table``'s lines, which
+    mount its private /tmp) that also puts together the cover over the job environments'
+    directory ``envs`` into ``directory``, and return its path for ``Sandbox.fstab``: after the
+    private mounts, an empty tmpfs over the private /tmp (``ENVS_STAGE``), each of ``kept``
+    bound into it read-only at its place under ``envs`` (its mount point made on the way), then
+    the tmpfs made read-only; the chain then moves it over ``envs``, which uncovers the private
+    /tmp. One ``mount -a`` for all of it, where a ``mount`` per step cost a process each before
+    every task. Named for what it holds, so that a chain started under another table can tell;
+    written anew at every call (a file of that name that is there already is never trusted:
+    ``EnvsTables`` keeps the tables it wrote). ValueError for a kept path outside ``envs``, with
+    a newline, or that leaves it on the way (``..``, a link), or for private mounts without a
+    /tmp."""
     kept = sorted(kept)
-    if any("\n" in k or not k.startswith(envs + "/") or os.path.normpath(k) != k for k in kept):
+    real = os.path.realpath(envs)
+    if any(
+        "\n" in k or not k.startswith(envs + "/") or os.path.realpath(k) != real + k[len(envs) :]
+        for k in kept
+    ):
         raise ValueError("a kept environment's path holds a newline or lies elsewhere")
-    digest = hashlib.sha256("\0".join([envs, *kept]).encode("utf-8", "surrogateescape")).hexdigest()
-    path = directory / f"envs-{digest[:16]}.fstab"
+    if not any(line.split()[1:2] == [ENVS_STAGE] for line in private.splitlines()):
+        raise ValueError(f"the private mounts have no {ENVS_STAGE} to put the cover together on")
+    digest = hashlib.sha256("\0".join([private, envs, *kept]).encode("utf-8", "surrogateescape"))
+    path = directory / f"{ENVS_TABLE}{digest.hexdigest()[:16]}.fstab"
     source = f"flashnode-envs-{secrets.token_hex(4)}"
-    opts = "nosuid,nodev,mode=0711,size=64k,X-mount.mkdir=0700"
-    lines = [f"{source} {ENVS_STAGE} tmpfs {opts} 0 0\n"]
+    lines = [private, f"{source} {ENVS_STAGE} tmpfs nosuid,nodev,mode=0711,size=64k 0 0\n"]
     for k in kept:
         to = _fstab_escape(ENVS_STAGE + k[len(envs) :])
         lines.append(f"{_fstab_escape(k)} {to} none bind,ro,nosuid,nodev,X-mount.mkdir 0 0\n")
@@ -157,13 +163,13 @@ def envs_fstab(directory: Path, envs: str, kept: Iterable[str]) -> str:
 
 
 class EnvsTables:
-    """The job environments' cover tables (``envs_fstab``) one agent run uses, in ``directory``:
-    each written by this run the first time a set of kept directories needs it, under a lock
-    (the slots' chains are made at once), and reused after; a file of that name this run did
-    not write is never used."""
+    """The tables one agent run's sandboxes cover the job environments with (``envs_fstab``),
+    in ``directory``, each over the same ``private`` mounts: written by this run the first time
+    a set of kept directories needs it, under a lock (the slots' chains are made at once), and
+    reused after; a file of that name this run did not write is never used."""
 
-    def __init__(self, directory: Path) -> None:
-        self._directory = directory
+    def __init__(self, directory: Path, private: str) -> None:
+        self._directory, self._private = directory, private
         self._lock = threading.Lock()
         self._written: dict[tuple[str, tuple[str, ...]], str] = {}
 
@@ -172,7 +178,7 @@ class EnvsTables:
         with self._lock:
             path = self._written.get(key)
             if path is None:
-                path = self._written[key] = envs_fstab(self._directory, envs, key[1])
+                path = self._written[key] = envs_fstab(self._directory, self._private, envs, key[1])
             return path
 
 
