@@ -138,6 +138,15 @@ def _state_dir(s: Settings) -> Iterator[Finding]:
     if not os.access(path, os.W_OK | os.X_OK):
         yield Problem("state dir", f"{path} is not writable", f"chmod u+rwx {path}")
         return
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        # Another user could put files in it that the agent reads as its own (its records,
+        # its launch chains' mount tables).
+        yield Problem(
+            "state dir",
+            f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})",
+            f"chmod go-w {path}",
+        )
+        return
     space = diskuse.space(path)
     if space is None:
         yield Problem(

@@ -356,6 +356,41 @@ def test_preflight_refuses_trusted_without_a_user_to_switch_to(
 # --- 6. the state dir is the agent's ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", [0o770, 0o757, 0o1777])
+def test_a_state_dir_other_users_can_write_to_is_refused(tmp_path: Path, mode: int) -> None:
+    """Another user could put files in it that the agent reads as its own: its records, and
+    the mount tables its launch chains run as root."""
+    from flashnode.config.settings import Settings
+    from flashnode.runners import preflight
+
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(mode)
+    s = Settings(coordinator="http://127.0.0.1:1", runner="trusted", pools=("p",), state_dir=state)
+    [problem] = [p for p in preflight.problems(s) if p.what == "state dir"]
+    assert problem.fatal and "writable by other users" in problem.why
+    assert problem.fix == f"chmod go-w {state}"
+    state.chmod(0o755)
+    assert not [p for p in preflight.problems(s) if p.what == "state dir"]
+
+
+def test_a_covers_table_planted_under_the_name_it_will_have_is_written_over(
+    tmp_path: Path,
+) -> None:
+    from flashnode.sandbox.procs.mounts import cover_fstab
+
+    lent = [Path("/srv/data")]
+    name = Path(cover_fstab(tmp_path / "probe", lent)).name
+    planted = tmp_path / name
+    planted.write_text("/ /srv/data none bind 0 0\n")
+    assert cover_fstab(tmp_path, lent) == str(planted)
+    assert planted.read_text().split()[1:4] == [
+        "/srv/data",
+        "tmpfs",
+        "ro,nosuid,nodev,noexec,mode=0555,size=4k",
+    ]
+
+
 @pytest.mark.usefixtures("as_root")
 def test_nothing_in_the_state_dir_is_readable_by_another_local_user(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]

@@ -104,7 +104,8 @@ def private_table(tmp_bytes: int) -> str:
 def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
     """Write the table of the covers of the ``lent`` directories (an empty read-only tmpfs over
     each, by its resolved path) into ``directory``, and return its path for ``Sandbox.covers``:
-    named for what it covers, so that a chain started under another table can tell; "" when
+    named for what it covers, so that a chain started under another table can tell, and written
+    anew at every call (a file of that name that is there already is never trusted); "" when
     there is nothing to cover. Deepest first (a cover over a parent would hide the child's
     mount point); none under the private directories or ``/work``, which the task gets its own
     of anyway. Paths are written the way fstab escapes them."""
@@ -118,12 +119,11 @@ def cover_fstab(directory: Path, lent: Iterable[Path]) -> str:
     ordered = sorted(targets, key=lambda t: (-t.count("/"), t))
     digest = hashlib.sha256("\0".join(ordered).encode("utf-8", "surrogateescape")).hexdigest()
     path = directory / f"covers-{digest[:16]}.fstab"
-    if not path.exists():
-        source = f"flashnode-cover-{secrets.token_hex(4)}"
-        options = "ro,nosuid,nodev,noexec,mode=0555,size=4k"
-        table = "".join(f"{source} {_fstab_escape(t)} tmpfs {options} 0 0\n" for t in ordered)
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        statefile.write(path, table.encode("utf-8", "surrogateescape"), 0o600)
+    source = f"flashnode-cover-{secrets.token_hex(4)}"
+    options = "ro,nosuid,nodev,noexec,mode=0555,size=4k"
+    table = "".join(f"{source} {_fstab_escape(t)} tmpfs {options} 0 0\n" for t in ordered)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    statefile.write(path, table.encode("utf-8", "surrogateescape"), 0o600)
     return str(path)
 
 
