@@ -459,3 +459,27 @@ class NotifySocket:
     def close(self) -> None:
         self._stop.set()
         self.sock.close()
+
+
+def ended_in_sandbox(argv: list[str], sandbox: Any, cwd: Path, logs: Path, user: Any = None) -> Any:
+    """Run ``argv`` by a launch chain in ``sandbox`` (a ``procs.mounts.Sandbox``), as ``user``
+    (a ``procs.TaskUser``; None: root), in ``cwd``, its output in ``logs``/out and ``logs``/err;
+    the ``TaskProcess`` once its chain has ended."""
+    from flashnode.sandbox import procs
+    from flashnode.sandbox.procs.chain import SYSTEM_PATH
+    from flashnode.sandbox.procs.task import TaskProcess
+
+    proc = TaskProcess(
+        argv,
+        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
+        cwd=cwd,
+        stdout=logs / "out",
+        stderr=logs / "err",
+        log_max_bytes=4096,
+        on_exit=lambda: None,
+        user=user,
+        sandbox=sandbox,
+    )
+    wait_for("the chain to end", proc.exited.is_set)
+    proc.close()
+    return proc

@@ -12,12 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from harness import wait_for
+from harness import ended_in_sandbox
 
 from flashnode.sandbox import procs
-from flashnode.sandbox.procs.chain import SYSTEM_PATH, command
+from flashnode.sandbox.procs.chain import command
 from flashnode.sandbox.procs.mounts import EnvsTables, Sandbox, envs_fstab, private_table
-from flashnode.sandbox.procs.task import TaskProcess
 
 PRIVATE = private_table(1 << 20)
 
@@ -110,18 +109,7 @@ def test_a_chain_whose_table_and_cover_do_not_match_runs_nothing(
         named = table.rename(state / "sandbox.fstab")  # a cover's table, named as the private
         sandbox = Sandbox(1 << 20, fstab=str(named))
     ran = state / "ran"
-    proc = TaskProcess(
-        ["touch", str(ran)],
-        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
-        cwd=state,
-        stdout=tmp_path / "out",
-        stderr=tmp_path / "err",
-        log_max_bytes=1024,
-        on_exit=lambda: None,
-        sandbox=sandbox,
-    )
-    wait_for("the chain to end", proc.exited.is_set)
-    proc.close()
+    proc = ended_in_sandbox(["touch", str(ran)], sandbox, state, tmp_path)
     assert not proc.launched and not ran.exists()
     assert proc.setup_failure() in (
         "cannot cover the job environments",
@@ -168,19 +156,10 @@ def test_a_task_sees_only_its_own_environment_and_the_interpreters_read_only(
         " touch /tmp/mine && ls -A /tmp && stat -c %a /tmp"
     )
     user = pwd.getpwnam("flashnode-task-0")  # what ./scripts/task-users makes
-    proc = TaskProcess(
-        ["sh", "-c", script, "sh", str(envs)],
-        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
-        cwd=state,  # not under /tmp: the task's /tmp is its own
-        stdout=tmp_path / "out",
-        stderr=tmp_path / "err",
-        log_max_bytes=4096,
-        on_exit=lambda: None,
-        user=procs.TaskUser(user.pw_name, user.pw_uid, user.pw_gid),
-        sandbox=sandbox,
-    )
-    wait_for("the task to end", proc.exited.is_set)
-    proc.close()
+    task_user = procs.TaskUser(user.pw_name, user.pw_uid, user.pw_gid)
+    # Not under /tmp: the task's /tmp is its own.
+    argv = ["sh", "-c", script, "sh", str(envs)]
+    proc = ended_in_sandbox(argv, sandbox, state, tmp_path, task_user)
     assert proc.launched, proc.setup_failure()
     out = (tmp_path / "out").read_text().splitlines()
     # Its own /tmp: empty, writable, sticky, as the private mounts made it.

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 from conftest import TokenCoordinator
-from harness import AgentProcess, CoordinatorServer, argv_job, pid_alive, processes_with, wait_for
+from harness import (
+    AgentProcess,
+    CoordinatorServer,
+    argv_job,
+    ended_in_sandbox,
+    pid_alive,
+    processes_with,
+    wait_for,
+)
 
 from flashnode.sandbox import cgroups
 from flashnode.sandbox.limits import Limits
@@ -341,26 +349,12 @@ def test_the_task_holds_no_descriptor_of_its_launchs_fault_channel(tmp_path: Pat
 
 @pytest.mark.usefixtures("as_root")
 def test_a_launch_whose_setup_fails_says_why_and_runs_nothing(tmp_path: Path) -> None:
-    from flashnode.sandbox import procs
-    from flashnode.sandbox.procs.chain import SYSTEM_PATH
     from flashnode.sandbox.procs.mounts import Sandbox
-    from flashnode.sandbox.procs.task import TaskProcess
 
     ran = tmp_path / "ran"
     (tmp_path / "view").mkdir()
     sandbox = Sandbox(1 << 20, read_only_binds=((str(tmp_path / "vanished"), "view"),))
-    proc = TaskProcess(
-        ["touch", str(ran)],
-        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
-        cwd=tmp_path,
-        stdout=tmp_path / "out",
-        stderr=tmp_path / "err",
-        log_max_bytes=1024,
-        on_exit=lambda: None,
-        sandbox=sandbox,
-    )
-    wait_for("the chain to end", proc.exited.is_set)
-    proc.close()
+    proc = ended_in_sandbox(["touch", str(ran)], sandbox, tmp_path, tmp_path)
     assert not proc.launched and not ran.exists()
     why = proc.setup_failure()
     assert why.startswith("cannot mount /work/view read-only: mount: "), why
