@@ -21,6 +21,15 @@ since the last walk may have been the task's. Once that is half of what the task
 write, the task is walked at once, frozen (it cannot write on meanwhile); so is a walk that
 would last long enough, at the rate the disk loses space, for the task to write that much.
 
+The watch sees the disk late on a busy machine (its thread waits for a core), and no kernel
+limit caps a task's inodes as ``RLIMIT_FSIZE`` caps a file's bytes: a task racing towards a cap
+the disk's free space set could take the owner's disk past its floor before it is seen. So the
+watch reckons with how late it has been (``DiskWatch.horizon``: twice the longest gap between
+its readings lately, at least ``SPACE_S``): a task that would use up what it may still write
+within that time is walked at once, frozen, and a task left fewer inodes under a cap the disk's
+free inodes set than it makes in that time is stopped there (``DiskWatch.outrun``), as if past
+it: the node was short of inodes, its lease lapses.
+
 A full disk that the task's own files do not explain (a task within its caps cannot have filled
 it) is the node's fault: ``full_disk``, a lapse.
 """
@@ -183,12 +192,12 @@ def over_caps(
     return None
 
 
-def _short(had: str, cap: str, then: str) -> AttemptLapsed:
+def _short(had: str, cap: str, then: str, grew: str = "grew past that") -> AttemptLapsed:
     """A task stopped at a cap the disk's free space set: the node's lack of disk. It may as
     well be the job's doing (it writes much): counted like a job's endpoint, across jobs."""
     return OutgrewRoom(
         f"the state dir's disk had only {had} when the task started (less than {cap}), and"
-        f" the task's files grew past that{then}"
+        f" the task's files {grew}{then}"
     )
 
 
@@ -221,6 +230,7 @@ class DiskWatch:
         self._prev: tuple[float, Space] | None = None  # the last reading of the disk
         self._rate = (0.0, 0.0)  # bytes and inodes the disk lost per second, lately
         self._walk_s = 0.0  # how long the last walk took
+        self._gap = 0.0  # the longest time between two readings of the disk, lately
 
     def walked(self, look: Look, now: float, seconds: float) -> None:
         """A walk: the task's use and the disk then (read first), ``seconds`` long."""
@@ -235,6 +245,7 @@ class DiskWatch:
         self._prev = (now, space)
         if prev is not None and now > prev[0]:
             seconds = now - prev[0]
+            self._gap = max(seconds, self._gap / 2)
             lost = _lost(prev[1], space)
             self._rate = (
                 max(lost[0] / seconds, self._rate[0] / 2),
@@ -243,7 +254,35 @@ class DiskWatch:
         if space.full():
             return True
         lost, room = _lost(last.space, space), self._room(last, space)
-        return any(gone * 2 > whole for gone, whole in zip(lost, room, strict=True))
+        if any(gone * 2 > whole for gone, whole in zip(lost, room, strict=True)):
+            return True
+        soon = self.horizon()
+        left = self._left(last, space)
+        return any(rate * soon > room for rate, room in zip(self._rate, left, strict=True))
+
+    def horizon(self) -> float:
+        """Seconds the watch may take to see the disk again and freeze the task: twice the
+        longest gap between its readings lately, at least ``SPACE_S``."""
+        return 2 * max(SPACE_S, self._gap)
+
+    def outrun(self, look: Look, s: Settings, then: str) -> AttemptLapsed | None:
+        """The ending of a task whose walk (``look``, frozen) left it fewer inodes under a cap
+        the disk's free inodes set than it would make, at the rate the disk lost them lately,
+        before the watch could stop it (``horizon``): stopped now, as if past that cap. None
+        otherwise; for the cap the owner set (a task is blamed only past it); and for bytes,
+        which the kernel caps per file (``RLIMIT_FSIZE``) and ``min_free_bytes`` keeps wide
+        (no disk writes the floor's breadth in the watch's horizon): a task that writes fast up
+        to just below the room it was given goes on."""
+        soon, rate, left = self.horizon(), self._rate[1], self.caps.files - look.files
+        if self.caps.files_by == DiskCaps.files_by or left >= rate * soon:
+            return None
+        return _short(
+            f"{self.caps.files} inodes free above min_free_bytes' share",
+            f"task_disk_files, {s.task_disk_files}",
+            then,
+            f"were about to grow past that ({max(0, left)} inodes left, at {rate:.0f} a second:"
+            f" fewer than it makes in the {soon * 1000:.0f} ms the watch may take to stop it)",
+        )
 
     def next_in(self, space: Space | None) -> float:
         """Seconds until the next reading: ``SPACE_S``, or sooner while the disk loses what

@@ -240,10 +240,11 @@ def test_a_task_cannot_use_up_the_owners_inodes(
     """Empty files cost ``task_disk_bytes`` nothing: a task makes them in its tmp/ as fast as
     it can. Its files and directories are capped by the inodes the disk had free above
     min_free_bytes' share of them (16 MiB of 256 MiB: 1,875 of 30,000) when it started: it is
-    stopped there, and the owner's disk is never full of inodes (no kernel limit caps a task's
-    inodes as RLIMIT_FSIZE caps a file's bytes: what it makes in the milliseconds before it is
-    frozen may go past the floor, never to the disk's end). That cap is less than
-    task_disk_files: the node was short of inodes, so the lease lapses (it used to fail)."""
+    stopped there, and the owner's disk is never full of inodes. No kernel limit caps a task's
+    inodes as RLIMIT_FSIZE caps a file's bytes, and on a busy machine the agent sees the disk
+    late: a task that would make the rest of its room before the watch, as late as it has been,
+    could see it again is stopped then. That cap is less than task_disk_files: the node was short
+    of inodes, so the lease lapses (it used to fail)."""
     job = coordinator.submit(argv_job(["python3", "-c", INODES], max_attempts=1))
     env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
     agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=few_inodes / "state")

@@ -250,11 +250,16 @@ class _Wait:
         if over is not None:
             handle.terminate(0.0)
             return over
+        look = Look(space, usage.disk_bytes + held, usage.disk_files) if space else None
         if frozen:
             full = full_disk(space)  # within its caps, the task cannot have filled it
             if full is not None:
                 handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
                 return full
+            outrun = self.disk.outrun(look, s, "; the task was stopped") if look else None
+            if outrun is not None:
+                handle.terminate(0.0)
+                return outrun
         if froze:
             try:
                 handle.resume()
@@ -262,10 +267,8 @@ class _Wait:
                 handle.terminate(0.0)
                 return AttemptLapsed(f"{exc}, after its files were measured")
         now = clock.monotonic()
-        if space is not None:
-            self.disk.walked(
-                Look(space, usage.disk_bytes + held, usage.disk_files), now, now - started
-            )
+        if look is not None:
+            self.disk.walked(look, now, now - started)
         self.a.ctx.reserved.held(self.a.lease_id, usage.disk_bytes + held, usage.disk_files)
         self.next_watch = now + max(WATCH_S, (now - started) * WATCH_COST)
         return None
