@@ -23,12 +23,14 @@ would last long enough, at the rate the disk loses space, for the task to write 
 
 The watch sees the disk late on a busy machine (its thread waits for a core), and no kernel
 limit caps a task's inodes as ``RLIMIT_FSIZE`` caps a file's bytes: a task racing towards a cap
-the disk's free space set could take the owner's disk past its floor before it is seen. So the
-watch reckons with how late it has been (``DiskWatch.horizon``: twice the longest gap between
-its readings lately, at least ``SPACE_S``): a task that would use up what it may still write
-within that time is walked at once, frozen, and a task left fewer inodes under a cap the disk's
-free inodes set than it makes in that time is stopped there (``DiskWatch.outrun``), as if past
-it: the node was short of inodes, its lease lapses.
+the disk's free inodes set could take the owner's disk past its floor before it is seen. So at
+each frozen walk the watch weighs the task's own pace (the files it made since its last walk,
+over the time it ran meanwhile) against how late the watch has lately been (``horizon``): a
+task left fewer inodes under such a cap than it would make before the watch could look again is
+stopped there (``DiskWatch.outrun``), as if past it: the node was short of inodes, its lease
+lapses. Only the task's own files count: what others make on the disk never stops it. This
+narrows the race, it does not close it: a task that bursts after a quiet spell, on a machine
+the agent cannot keep up with, may still go a little past the floor before it is frozen.
 
 A full disk that the task's own files do not explain (a task within its caps cannot have filled
 it) is the node's fault: ``full_disk``, a lapse.
@@ -51,6 +53,7 @@ SPACE_S = 0.02  # how often the state dir's free space and inodes are read while
 SPACE_MIN_S = 0.001  # ... at most this often, while they go fast
 MIN_ROOM_BYTES = 1 << 20  # a task with less room than this on the disk does not start
 MIN_ROOM_FILES = 64  # ... nor one with fewer inodes to make its files in
+GAP_MAX_S = 0.5  # the longest lateness of the watch a task is stopped for (see horizon)
 
 
 @dataclass(frozen=True)
@@ -224,17 +227,24 @@ class DiskWatch:
     """The disk between walks of the task's files (see the module docstring). Inactive (no
     sample is suspect, none is asked for sooner than ``SPACE_S``) while the disk is unknown."""
 
-    def __init__(self, caps: DiskCaps, first: Look | None) -> None:
+    def __init__(self, caps: DiskCaps, first: Look | None, since: float = 0.0) -> None:
+        """``first``: the task's use and the disk when it started, at ``since``."""
         self.caps = caps
         self.last = first  # the last walk
         self._prev: tuple[float, Space] | None = None  # the last reading of the disk
         self._rate = (0.0, 0.0)  # bytes and inodes the disk lost per second, lately
         self._walk_s = 0.0  # how long the last walk took
         self._gap = 0.0  # the longest time between two readings of the disk, lately
+        self._ran_from = since  # since when the task has run unwatched: its last count
 
-    def walked(self, look: Look, now: float, seconds: float) -> None:
-        """A walk: the task's use and the disk then (read first), ``seconds`` long."""
-        self.last, self._prev, self._walk_s = look, (now, look.space), seconds
+    def walked(
+        self, look: Look, started: float, ended: float, after: Space | None, frozen: bool
+    ) -> None:
+        """A walk from ``started`` to ``ended``: the task's use and the disk read first
+        (``look``), the disk read again at its end (``after``); ``frozen``: the task was."""
+        self.last, self._walk_s = look, ended - started
+        self._prev = (ended, after or look.space)
+        self._ran_from = ended if frozen else started
 
     def sample(self, now: float, space: Space | None) -> bool:
         """A reading of the disk; whether the task must be walked at once, frozen: the disk is
@@ -245,7 +255,7 @@ class DiskWatch:
         self._prev = (now, space)
         if prev is not None and now > prev[0]:
             seconds = now - prev[0]
-            self._gap = max(seconds, self._gap / 2)
+            self._gap = max(min(seconds, GAP_MAX_S), self._gap / 2)
             lost = _lost(prev[1], space)
             self._rate = (
                 max(lost[0] / seconds, self._rate[0] / 2),
@@ -254,34 +264,34 @@ class DiskWatch:
         if space.full():
             return True
         lost, room = _lost(last.space, space), self._room(last, space)
-        if any(gone * 2 > whole for gone, whole in zip(lost, room, strict=True)):
-            return True
-        soon = self.horizon()
-        left = self._left(last, space)
-        return any(rate * soon > room for rate, room in zip(self._rate, left, strict=True))
+        return any(gone * 2 > whole for gone, whole in zip(lost, room, strict=True))
 
     def horizon(self) -> float:
         """Seconds the watch may take to see the disk again and freeze the task: twice the
-        longest gap between its readings lately, at least ``SPACE_S``."""
+        longest gap between its readings lately (one stall counts for at most ``GAP_MAX_S``,
+        and less with every reading after it), at least twice ``SPACE_S``."""
         return 2 * max(SPACE_S, self._gap)
 
-    def outrun(self, look: Look, s: Settings, then: str) -> AttemptLapsed | None:
-        """The ending of a task whose walk (``look``, frozen) left it fewer inodes under a cap
-        the disk's free inodes set than it would make, at the rate the disk lost them lately,
-        before the watch could stop it (``horizon``): stopped now, as if past that cap. None
-        otherwise; for the cap the owner set (a task is blamed only past it); and for bytes,
-        which the kernel caps per file (``RLIMIT_FSIZE``) and ``min_free_bytes`` keeps wide
-        (no disk writes the floor's breadth in the watch's horizon): a task that writes fast up
-        to just below the room it was given goes on."""
-        soon, rate, left = self.horizon(), self._rate[1], self.caps.files - look.files
-        if self.caps.files_by == DiskCaps.files_by or left >= rate * soon:
+    def outrun(self, look: Look, started: float, s: Settings, then: str) -> AttemptLapsed | None:
+        """The ending of a task whose walk (``look``, frozen, from ``started``) left it fewer
+        inodes under a cap the disk's free inodes set than it would make, at its own pace since
+        its last walk, before the watch could stop it (``horizon``): stopped now, as if past that
+        cap. None otherwise; for the cap the owner set (a task is blamed only past it); and for
+        bytes, whose floor (``min_free_bytes``) is wide and which the kernel caps file by file
+        (``RLIMIT_FSIZE``): a task that writes fast up to just below its room goes on."""
+        last, ran = self.last, started - self._ran_from
+        if self.caps.files_by == DiskCaps.files_by or last is None or ran <= 0:
+            return None
+        pace, soon = (look.files - last.files) / ran, self.horizon()
+        left = self.caps.files - look.files
+        if left >= pace * soon:
             return None
         return _short(
             f"{self.caps.files} inodes free above min_free_bytes' share",
             f"task_disk_files, {s.task_disk_files}",
             then,
-            f"were about to grow past that ({max(0, left)} inodes left, at {rate:.0f} a second:"
-            f" fewer than it makes in the {soon * 1000:.0f} ms the watch may take to stop it)",
+            f"were about to grow past that ({max(0, left)} inodes left; it made {pace:.0f} a"
+            f" second, more than that in the {soon * 1000:.0f} ms the watch may take to stop it)",
         )
 
     def next_in(self, space: Space | None) -> float:

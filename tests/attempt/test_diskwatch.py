@@ -1,6 +1,6 @@
-"""The disk watch between walks of a task's files, on readings of the disk at given times (no
-task, no clock): a late watch freezes a fast task sooner, and a task that would outrun the room
-the disk set before the watch could stop it is stopped at its walk."""
+"""The disk watch between walks of a task's files, on readings of the disk and walks at given
+times (no task, no clock): a task that would make the rest of the inodes the disk left it before
+a watch as late as this one could look again is stopped at its walk, on its own pace only."""
 
 from __future__ import annotations
 
@@ -28,65 +28,82 @@ def settings(tmp_path: Path) -> Settings:
     return Settings(coordinator="http://127.0.0.1:1", state_dir=tmp_path)
 
 
-def watched(caps: DiskCaps) -> DiskWatch:
-    """A watch whose task was walked at 0 s with no files, on a disk with 20,000 inodes free."""
+def watched(caps: DiskCaps, files: int = 0) -> DiskWatch:
+    """A watch whose task was walked at 0 s with ``files``, on a disk with 20,000 inodes free."""
     watch = DiskWatch(caps, None)
-    watch.walked(Look(space(20_000), 0, 0), now=0.0, seconds=0.0)
+    watch.walked(Look(space(20_000), 0, files), 0.0, 0.0, None, frozen=False)
     return watch
 
 
-def test_a_watch_on_time_leaves_a_task_with_room_running() -> None:
-    watch = watched(ROOM)
-    assert not watch.sample(0.02, space(19_000))  # 50,000 inodes a second, 9,000 left
-    assert not watch.sample(0.04, space(18_000))
+def late(watch: DiskWatch, free: list[int]) -> None:
+    """Readings 20 ms apart, then one 100 ms late (the agent waited for a core)."""
+    at = 0.0
+    for i, inodes in enumerate(free):
+        at += 0.1 if i == len(free) - 1 else 0.02
+        watch.sample(at, space(inodes))
 
 
-def test_a_watch_that_saw_the_disk_late_freezes_a_fast_task_while_it_has_room_left() -> None:
-    """A reading 100 ms after the last (the agent waited for a core): the task made 4,000 files
-    meanwhile and has 5,000 left, half of its room. At 40,000 a second it would make them
-    before a watch as late as that looked again: it is walked now, frozen."""
-    watch = watched(ROOM)
-    assert not watch.sample(0.02, space(19_000))
-    assert watch.sample(0.12, space(15_000))
-
-
-def test_a_task_that_would_outrun_the_disks_room_before_the_watch_sees_it_is_stopped(
+def test_a_task_making_files_faster_than_a_late_watch_could_stop_it_is_stopped_at_its_walk(
     tmp_path: Path,
 ) -> None:
+    """5,000 files in 120 ms (about 42,000 a second) with 5,000 left: a watch 100 ms late
+    could see it again only after it made them all."""
     watch = watched(ROOM)
-    watch.sample(0.02, space(19_000))
-    watch.sample(0.12, space(15_000))  # 40,000 inodes a second; the watch 100 ms late
-    ending = watch.outrun(Look(space(15_000), 0, 5_000), settings(tmp_path), "; stopped")
+    late(watch, [19_000, 15_000])
+    ending = watch.outrun(Look(space(15_000), 0, 5_000), 0.12, settings(tmp_path), "; stopped")
     assert isinstance(ending, OutgrewRoom)
-    assert "about to grow past that (5000 inodes left" in str(ending), ending
+    assert "about to grow past that (5000 inodes left; it made 41667 a second" in str(ending)
     assert str(ending).endswith("; stopped")
+
+
+def test_what_others_make_on_the_disk_never_stops_a_task(tmp_path: Path) -> None:
+    """The disk loses 40,000 inodes a second to another slot's task (or the owner's programs);
+    this task holds 4,000 of its 10,000 and makes none."""
+    watch = watched(ROOM, files=4_000)
+    late(watch, [19_000, 15_000])
+    assert watch.outrun(Look(space(15_000), 0, 4_000), 0.12, settings(tmp_path), "") is None
 
 
 def test_a_task_is_blamed_only_past_the_owners_cap_never_before(tmp_path: Path) -> None:
     """The same race under task_disk_files: the disk has room for what the task may make, so
     nothing is at stake but the task's own cap, and a task fails only past it."""
     watch = watched(OWN)
-    watch.sample(0.02, space(19_000))
-    watch.sample(0.12, space(15_000))
-    assert watch.outrun(Look(space(15_000), 0, 5_000), settings(tmp_path), "") is None
+    late(watch, [19_000, 15_000])
+    assert watch.outrun(Look(space(15_000), 0, 5_000), 0.12, settings(tmp_path), "") is None
 
 
-def test_a_task_writing_slowly_near_the_disks_room_goes_on(tmp_path: Path) -> None:
-    watch = watched(ROOM)
-    watch.sample(1.0, space(19_990))
-    watch.sample(2.0, space(19_980))  # 10 inodes a second, 20 left of its room
-    watch.walked(Look(space(19_980), 0, 9_980), now=2.0, seconds=0.0)
-    assert not watch.sample(2.02, space(19_980))
-    assert watch.outrun(Look(space(19_980), 0, 9_980), settings(tmp_path), "") is None
+def test_a_task_making_files_slowly_near_the_disks_room_goes_on(tmp_path: Path) -> None:
+    watch = watched(ROOM, files=9_970)
+    late(watch, [19_999, 19_998])
+    assert watch.outrun(Look(space(19_998), 0, 9_972), 0.12, settings(tmp_path), "") is None
+
+
+def test_one_stall_of_the_watch_does_not_stop_a_task_with_seconds_of_room(tmp_path: Path) -> None:
+    """A 2 s stall (swap, a burst of load) counts for at most half a second: a task that made
+    about 1,000 files a second through it, with 2,980 left (3 s of them), goes on."""
+    watch = watched(ROOM, files=5_000)
+    watch.sample(2.0, space(17_980))
+    looked = Look(space(17_980), 0, 7_020)
+    assert watch.outrun(looked, 2.0, settings(tmp_path), "") is None
 
 
 def test_a_task_writing_fast_up_to_just_below_the_disks_room_in_bytes_goes_on(
     tmp_path: Path,
 ) -> None:
-    """Bytes are held by the kernel per file and by min_free_bytes' breadth: a task writing
+    """Bytes have min_free_bytes' breadth and the kernel's cap on each file: a task writing
     2 GB a second into 10 GiB of room, walked with 100 MB of it left, is not stopped."""
     watch = watched(BYTES)
     watch.sample(0.02, space(20_000, 50 * GiB - (40 << 20)))
     watch.sample(0.12, space(20_000, 50 * GiB - (240 << 20)))
     left = Look(space(20_000, 40 * GiB + (100 << 20)), 10 * GiB - (100 << 20), 2)
-    assert watch.outrun(left, settings(tmp_path), "") is None
+    assert watch.outrun(left, 0.12, settings(tmp_path), "") is None
+
+
+def test_a_long_walk_does_not_make_the_disk_look_faster_than_it_is() -> None:
+    """A walk of 1 s (the task not frozen, making 1,000 files a second meanwhile), then a
+    reading 20 ms after it: the disk lost 20 inodes in those 20 ms, not the walk's 1,000 too.
+    At its true pace a walk as long again leaves the task most of its room: not frozen for it."""
+    watch = DiskWatch(ROOM, None)
+    watch.walked(Look(space(20_000), 0, 0), 0.0, 1.0, space(19_000), frozen=False)
+    assert not watch.sample(1.02, space(18_980))
+    assert not watch.risky(space(18_980))

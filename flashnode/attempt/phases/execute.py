@@ -112,7 +112,7 @@ def run(
     stopped: Exception | None = None
     first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
     max_suspend = s.max_suspend_seconds or lease.window
-    waited = _Wait(a, handle, ws, timeout, max_suspend, t0, DiskWatch(caps, first))
+    waited = _Wait(a, handle, ws, timeout, max_suspend, t0, DiskWatch(caps, first, t0))
     try:
         with a.timed("execute.wait", phase=False):
             stopped = waited.run()
@@ -232,7 +232,6 @@ class _Wait:
         must not write on) or the disk is full and the task's files do not explain it."""
         a, handle = self.a, self.handle
         clock, s = a.ctx.clock, a.ctx.settings
-        started = clock.monotonic()
         froze = False
         if frozen and self.suspended_at is None:
             try:
@@ -240,6 +239,7 @@ class _Wait:
                 froze = True
             except SuspendFailed as exc:  # walked all the same, only not frozen
                 log.warning("lease %s: %s, to measure its files", a.lease_id, exc)
+        started = clock.monotonic()
         try:
             space = a.ctx.space()  # first: what the task writes during the walk counts twice
             usage, held = outputs.usage(self.ws), handle.disk_bytes()
@@ -256,10 +256,12 @@ class _Wait:
             if full is not None:
                 handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
                 return full
-            outrun = self.disk.outrun(look, s, "; the task was stopped") if look else None
+        if froze and look is not None:
+            outrun = self.disk.outrun(look, started, s, "; the task was stopped")
             if outrun is not None:
                 handle.terminate(0.0)
                 return outrun
+        after = a.ctx.space() if look is not None else None
         if froze:
             try:
                 handle.resume()
@@ -268,7 +270,7 @@ class _Wait:
                 return AttemptLapsed(f"{exc}, after its files were measured")
         now = clock.monotonic()
         if look is not None:
-            self.disk.walked(look, now, now - started)
+            self.disk.walked(look, started, now, after, froze)
         self.a.ctx.reserved.held(self.a.lease_id, usage.disk_bytes + held, usage.disk_files)
         self.next_watch = now + max(WATCH_S, (now - started) * WATCH_COST)
         return None
