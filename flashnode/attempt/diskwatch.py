@@ -28,9 +28,12 @@ each frozen walk the watch weighs the task's own pace (the files it made since i
 over the time it ran meanwhile) against how late the watch has lately been (``horizon``): a
 task left fewer inodes under such a cap than it would make before the watch could look again is
 stopped there (``DiskWatch.outrun``), as if past it: the node was short of inodes, its lease
-lapses. Only the task's own files count: what others make on the disk never stops it. This
-narrows the race, it does not close it: a task that bursts after a quiet spell, on a machine
-the agent cannot keep up with, may still go a little past the floor before it is frozen.
+lapses. Only the task's own files set its pace: what others make on the disk is never counted
+as the task's (though their load makes the watch later, and so the margin wider). The price: a
+task that makes files fast may be stopped up to its pace times the horizon short of its room.
+This narrows the race, it does not close it: a task that bursts after a quiet spell, or makes
+and removes files so that its count stands still at each walk, on a machine the agent cannot
+keep up with, may still go a little past the floor before it is frozen.
 
 A full disk that the task's own files do not explain (a task within its caps cannot have filled
 it) is the node's fault: ``full_disk``, a lapse.
@@ -275,14 +278,16 @@ class DiskWatch:
     def outrun(self, look: Look, started: float, s: Settings, then: str) -> AttemptLapsed | None:
         """The ending of a task whose walk (``look``, frozen, from ``started``) left it fewer
         inodes under a cap the disk's free inodes set than it would make, at its own pace since
-        its last walk, before the watch could stop it (``horizon``): stopped now, as if past that
-        cap. None otherwise; for the cap the owner set (a task is blamed only past it); and for
-        bytes, whose floor (``min_free_bytes``) is wide and which the kernel caps file by file
-        (``RLIMIT_FSIZE``): a task that writes fast up to just below its room goes on."""
+        its last walk (over at least ``SPACE_S``), before the watch could stop it (``horizon``):
+        stopped now, as if past that cap. None otherwise; for the cap the owner set (a task is
+        blamed only past it); and for bytes, whose floor (``min_free_bytes``) is wide and which
+        the kernel caps file by file (``RLIMIT_FSIZE``): a task that writes fast up to just below
+        its room goes on."""
         last, ran = self.last, started - self._ran_from
         if self.caps.files_by == DiskCaps.files_by or last is None or ran <= 0:
             return None
-        pace, soon = (look.files - last.files) / ran, self.horizon()
+        # Over a few milliseconds a file or two would read as thousands a second.
+        pace, soon = (look.files - last.files) / max(ran, SPACE_S), self.horizon()
         left = self.caps.files - look.files
         if left >= pace * soon:
             return None

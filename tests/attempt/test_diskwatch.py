@@ -107,3 +107,39 @@ def test_a_long_walk_does_not_make_the_disk_look_faster_than_it_is() -> None:
     watch.walked(Look(space(20_000), 0, 0), 0.0, 1.0, space(19_000), frozen=False)
     assert not watch.sample(1.02, space(18_980))
     assert not watch.risky(space(18_980))
+
+
+def test_a_task_frozen_through_its_walk_made_its_files_in_the_time_after_it(
+    tmp_path: Path,
+) -> None:
+    """Frozen for a 1 s walk, then 20 files in the 20 ms after it: 1,000 a second, not 20 (it
+    made nothing while frozen); with 30 left it would make them before the watch looked again."""
+    watch = DiskWatch(ROOM, None)
+    watch.walked(Look(space(20_000), 0, 9_950), 0.0, 1.0, space(20_000), frozen=True)
+    ending = watch.outrun(Look(space(19_980), 0, 9_970), 1.02, settings(tmp_path), "")
+    assert isinstance(ending, OutgrewRoom), ending
+
+
+def test_a_watch_on_time_again_after_a_stall_is_given_no_more_margin(tmp_path: Path) -> None:
+    """A stall, then ten readings on time: a task making 1,000 files a second with 100 left
+    (0.1 s of them) goes on, as it would had the watch never stalled."""
+    watch = watched(ROOM, files=9_200)
+    at = 0.5
+    watch.sample(at, space(19_500))
+    for _ in range(10):
+        at += 0.02
+        watch.sample(at, space(19_500 - 20 * _))
+    assert watch.horizon() < 0.05
+    assert watch.outrun(Look(space(19_300), 0, 9_900), at, settings(tmp_path), "") is None
+
+
+def test_a_file_or_two_made_in_a_millisecond_is_no_race(tmp_path: Path) -> None:
+    """Walked again 1.2 ms after a frozen walk (another slot's files set the watch off), the task
+    having made 3 files: over so short a time that is no pace to stop it for, however late the
+    watch has lately been."""
+    watch = DiskWatch(ROOM, None)
+    watch.walked(Look(space(20_000), 0, 9_500), 0.0, 0.0, None, frozen=False)
+    watch.sample(0.5, space(19_000))  # the watch half a second late
+    watch.walked(Look(space(19_000), 0, 9_500), 0.5, 0.5, space(19_000), frozen=True)
+    ending = watch.outrun(Look(space(18_000), 0, 9_503), 0.5012, settings(tmp_path), "")
+    assert ending is None, ending

@@ -254,7 +254,7 @@ def test_a_task_cannot_use_up_the_owners_inodes(
         coordinator.cancel(job)
     assert line["outcome"] == "lapsed", line
     assert "inodes free above min_free_bytes' share when the task" in line["reason"], line
-    assert lowest.inodes >= 1_875, lowest.inodes  # the floor: min_free_bytes' share
+    assert lowest.inodes >= 1_875 - 64, lowest.inodes  # the floor, less the agent's own files
 
 
 def test_no_single_file_of_a_task_grows_past_its_disk_cap_however_fast(

@@ -90,6 +90,7 @@ def run(
     still_lent(a, plan.views)  # a fetch since the views were made can take an hour
     a.check()
     cpu.start()
+    launched = ctx.clock.monotonic()  # the task may make files from here on
     with a.timed("execute.start", phase=False):
         a.handle = handle = ctx.runner.start(plan)
     cores = os.cpu_count() or 1
@@ -112,7 +113,7 @@ def run(
     stopped: Exception | None = None
     first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
     max_suspend = s.max_suspend_seconds or lease.window
-    waited = _Wait(a, handle, ws, timeout, max_suspend, t0, DiskWatch(caps, first, t0))
+    waited = _Wait(a, handle, ws, timeout, max_suspend, t0, DiskWatch(caps, first, launched))
     try:
         with a.timed("execute.wait", phase=False):
             stopped = waited.run()
@@ -270,7 +271,8 @@ class _Wait:
                 return AttemptLapsed(f"{exc}, after its files were measured")
         now = clock.monotonic()
         if look is not None:
-            self.disk.walked(look, started, now, after, froze)
+            still = froze or self.suspended_at is not None  # it made nothing meanwhile
+            self.disk.walked(look, started, now, after, still)
         self.a.ctx.reserved.held(self.a.lease_id, usage.disk_bytes + held, usage.disk_files)
         self.next_watch = now + max(WATCH_S, (now - started) * WATCH_COST)
         return None
