@@ -244,7 +244,8 @@ class DiskWatch:
         self, look: Look, started: float, ended: float, after: Space | None, frozen: bool
     ) -> None:
         """A walk from ``started`` to ``ended``: the task's use and the disk read first
-        (``look``), the disk read again at its end (``after``); ``frozen``: the task was."""
+        (``look``), the disk read again at its end (``after``); ``frozen``: the task made
+        nothing meanwhile (frozen for the walk, or suspended by the owner's controls)."""
         self.last, self._walk_s = look, ended - started
         self._prev = (ended, after or look.space)
         self._ran_from = ended if frozen else started
