@@ -187,6 +187,23 @@ def overhead_run(server: CoordinatorServer, kind: str, n: int) -> dict[str, floa
     }
 
 
+def register_bare(c: httpx.Client, api: str, pool: str, name: str) -> str:
+    """Register a bare client (no agent) as a node of ``pool`` that runs argv tasks; its id."""
+    node = f"{name}-{random.randrange(10**9)}"
+    c.post(
+        api + "/nodes/register",
+        json={
+            "node_id": node,
+            "kubernetes_node": "",
+            "hostname": name,
+            "capabilities": {"pools": [pool]},
+            "unsandboxed_argv_capable": True,
+            "module_capable": False,
+        },
+    )
+    return node
+
+
 def floor_client(url: str, pool: str, n: int, isolated: bool = False) -> None:
     """No agent: claim -> spawn the task -> PUT metrics.json -> complete, nothing else.
 
@@ -203,19 +220,8 @@ def floor_client(url: str, pool: str, n: int, isolated: bool = False) -> None:
         wrap += [f"--regid={user.pw_gid}", "--clear-groups", "--"]
 
     api = url + "/v1alpha1"
-    node = f"floor-{random.randrange(10**9)}"
     with httpx.Client() as c:
-        c.post(
-            api + "/nodes/register",
-            json={
-                "node_id": node,
-                "kubernetes_node": "",
-                "hostname": "floor",
-                "capabilities": {"pools": [pool]},
-                "unsandboxed_argv_capable": True,
-                "module_capable": False,
-            },
-        )
+        node = register_bare(c, api, pool, "floor")
         done = 0
         work = Path(tempfile.mkdtemp(prefix="bench-floor-", dir=state_parent()))
         work.chmod(0o711)  # the task user passes through to out/

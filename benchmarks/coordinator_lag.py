@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bench import TRIVIAL, CoordinatorServer, events_by_task
+from bench import TRIVIAL, CoordinatorServer, events_by_task, register_bare
 from harness import argv_job
 
 
@@ -34,23 +34,13 @@ def main() -> int:
     server = CoordinatorServer(Path(tempfile.mkdtemp(prefix="flashnode-lag-")))
     server.start()
     try:
-        pool, node = f"p{random.randrange(10**9)}", f"lag-{random.randrange(10**9)}"
+        pool = f"p{random.randrange(10**9)}"
         params = [{} for _ in range(args.n)]
         job = server.submit(argv_job(TRIVIAL, pool=pool, params=params, max_attempts=1))
         api = server.url + "/v1alpha1"
         calls: dict[str, tuple[float, float, float, float]] = {}
         with httpx.Client() as c:
-            c.post(
-                api + "/nodes/register",
-                json={
-                    "node_id": node,
-                    "kubernetes_node": "",
-                    "hostname": "lag",
-                    "capabilities": {"pools": [pool]},
-                    "unsandboxed_argv_capable": True,
-                    "module_capable": False,
-                },
-            )
+            node = register_bare(c, api, pool, "lag")
             while len(calls) < args.n:
                 sent = time.time()
                 r = c.post(api + "/leases/claim", json={"node_id": node})
