@@ -86,6 +86,12 @@ class AttemptFailed(FlashnodeError):
     """
 
 
+class OverBudget(AttemptFailed):
+    """What a job brings (its inputs, unpacked or not) would take what the agent holds on disk
+    for its attempt past ``task_disk_bytes`` or ``task_disk_files``: the job's fault, decided
+    before the write; the reason names the size and the cap."""
+
+
 class AttemptLapsed(FlashnodeError):
     """The attempt ends for a reason that is not the task's fault (the node drains, stops or
     restarted; it cannot reach what the task needs; it should not have been given the lease): the
@@ -107,6 +113,19 @@ class NoRoom(AttemptLapsed):
     would start: the node is short of disk, the task is not at fault. The disk hold answers it
     (the node claims only while a task would have room), so the black-hole guard does not
     count it: a task of any job holding the disk near the floor must not bench the node."""
+
+
+class ShortOfRoom(NoRoom):
+    """What the agent was about to write for an attempt before its task started (an input, a
+    checkpoint to restore) does not fit above ``min_free_bytes`` on the state dir's disk now:
+    the node is short of disk, decided before the write (never read off an ENOSPC), and the
+    job is not at fault. Not counted by the black-hole guard; the node holds its claims for a
+    while (``node/holds.py``), so that it does not take the same task straight back.
+    ``needed``: the bytes and inodes the attempt would have held then."""
+
+    def __init__(self, *args: object, needed: tuple[int, int] = (0, 0)) -> None:
+        super().__init__(*args)
+        self.needed = needed
 
 
 class OutgrewRoom(AttemptLapsed):

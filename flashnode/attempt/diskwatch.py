@@ -48,7 +48,15 @@ from dataclasses import dataclass
 
 from flashnode.config.settings import Settings
 from flashnode.config.sizes import format_size
-from flashnode.errors import AttemptFailed, AttemptLapsed, DiskFull, NoRoom, OutgrewRoom
+from flashnode.errors import (
+    AttemptFailed,
+    AttemptLapsed,
+    DiskFull,
+    NoRoom,
+    OutgrewRoom,
+    OverBudget,
+    ShortOfRoom,
+)
 from flashnode.sandbox.diskuse import FULL_BELOW_BYTES, Space
 from flashnode.sandbox.outputs import Usage
 
@@ -69,12 +77,15 @@ class DiskCaps:
     files_by: str = "task_disk_files"
 
 
-def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
-    """``task_disk_bytes`` and ``task_disk_files``, or less: what the workspace holds already
-    (a restored checkpoint) and what the disk has free above ``min_free_bytes`` and its share of
-    the inodes. AttemptLapsed when the disk leaves the task (next to) no room: the node is short
-    of disk, the task is not at fault."""
-    caps = DiskCaps(s.task_disk_bytes, s.task_disk_files)
+def disk_caps(
+    s: Settings, use: Usage, space: Space | None, staged: tuple[int, int] = (0, 0)
+) -> DiskCaps:
+    """``task_disk_bytes`` and ``task_disk_files``, less what the agent staged for the attempt
+    outside the task's files (``staged``: its inputs, bytes and inodes; ``diskbudget.py``), or
+    less still: what the workspace holds already (a restored checkpoint) and what the disk has
+    free above ``min_free_bytes`` and its share of the inodes. AttemptLapsed when the disk
+    leaves the task (next to) no room: the node is short of disk, the task is not at fault."""
+    caps = DiskCaps(max(0, s.task_disk_bytes - staged[0]), max(0, s.task_disk_files - staged[1]))
     if space is None:
         return caps
     short = no_room(space, s.min_free_bytes)
@@ -92,23 +103,85 @@ def disk_caps(s: Settings, use: Usage, space: Space | None) -> DiskCaps:
 
 
 class Reserved:
-    """What the tasks running now may still write on the state dir's disk: each one's caps less
-    what it held at its last walk. A task that starts gets its caps from the room they leave
-    (``start``), and the node claims only while that room is enough for a task (the ``disk``
-    hold): tasks side by side never together take the disk below ``min_free_bytes``. One per
-    agent, shared by its attempts (``AttemptContext.reserved``), under a lock."""
+    """What the attempts running now hold and may still write on the state dir's disk: each
+    task's caps less what it held at its last walk, and what the agent staged for each attempt
+    before its task started (``stage``: inputs, a restored checkpoint), which counts toward that
+    attempt's caps. A task that starts gets its caps from the room the others leave (``start``),
+    a write staged for an attempt is refused past its caps or past that room (``stage``), and the
+    node claims only while that room is enough for a task (the ``disk`` hold): attempts side by
+    side never together take the disk below ``min_free_bytes``. One per agent, shared by its
+    attempts (``AttemptContext.reserved``), under a lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tasks: dict[str, tuple[DiskCaps, int, int]] = {}  # caps, bytes and files held
+        self._staged: dict[str, tuple[int, int]] = {}  # bytes and inodes staged outside them
 
     def start(self, key: str, s: Settings, use: Usage, space: Space | None) -> DiskCaps:
         """The caps of the task ``key`` starts with (``disk_caps`` on the room the running
-        tasks leave), reserved until ``end``."""
+        tasks leave, less what was staged for it), reserved until ``end``."""
         with self._lock:
-            caps = disk_caps(s, use, self._left(space))
+            caps = disk_caps(s, use, self._left(space), self._staged.get(key, (0, 0)))
             self._tasks[key] = (caps, use.disk_bytes, use.disk_files)
             return caps
+
+    def stage(
+        self, key: str, s: Settings, space: Space | None, nbytes: int, inodes: int, what: str
+    ) -> None:
+        """Count ``nbytes`` and ``inodes`` that the agent is about to write for attempt ``key``
+        before its task starts. OverBudget when they take what was staged for it past
+        ``task_disk_bytes`` or ``task_disk_files`` (the job's); ShortOfRoom when the disk has
+        not that much above ``min_free_bytes`` and its share of the inodes, less what the
+        running tasks may still write (the node's, now)."""
+        with self._lock:
+            held_bytes, held_inodes = self._staged.get(key, (0, 0))
+            total_bytes, total_inodes = held_bytes + nbytes, held_inodes + inodes
+            if total_bytes > s.task_disk_bytes:
+                raise OverBudget(
+                    f"{what} would take what the attempt holds on disk to"
+                    f" {format_size(total_bytes)}, past task_disk_bytes"
+                    f" ({format_size(s.task_disk_bytes)})"
+                )
+            if total_inodes > s.task_disk_files:
+                raise OverBudget(
+                    f"{what} would take what the attempt holds on disk to {total_inodes} files"
+                    f" and directories, past task_disk_files ({s.task_disk_files})"
+                )
+            left = self._left(space)
+            if left is not None:
+                beside = (
+                    " (what the running tasks may still write set aside)" if self._tasks else ""
+                )
+                room = left.free_bytes - s.min_free_bytes
+                files = left.free_inodes - left.inode_floor(s.min_free_bytes)
+                if nbytes > room:
+                    raise ShortOfRoom(
+                        f"low disk: {what} does not fit: {format_size(nbytes)} more would take"
+                        f" the state dir's disk below min_free_bytes"
+                        f" ({format_size(max(0, room))} above it{beside})",
+                        needed=(total_bytes, total_inodes),
+                    )
+                if left.total_inodes and inodes > files:
+                    raise ShortOfRoom(
+                        f"low disk: {what} does not fit: {inodes} more files and directories"
+                        " would take the state dir's disk below min_free_bytes' share of its"
+                        f" inodes ({max(0, files)} above it{beside})",
+                        needed=(total_bytes, total_inodes),
+                    )
+            self._staged[key] = (total_bytes, total_inodes)
+
+    def unstage(self, key: str, nbytes: int, inodes: int) -> None:
+        """What was staged for attempt ``key`` and is no longer on disk outside its task's files
+        (removed, or moved under out/ where the task's walk counts it)."""
+        with self._lock:
+            if key in self._staged:
+                b, f = self._staged[key]
+                self._staged[key] = (max(0, b - nbytes), max(0, f - inodes))
+
+    def staged(self, key: str) -> tuple[int, int]:
+        """The bytes and inodes staged for attempt ``key`` and still counted."""
+        with self._lock:
+            return self._staged.get(key, (0, 0))
 
     def held(self, key: str, disk_bytes: int, disk_files: int) -> None:
         """What the task ``key`` held at its latest walk."""
@@ -119,6 +192,7 @@ class Reserved:
     def end(self, key: str) -> None:
         with self._lock:
             self._tasks.pop(key, None)
+            self._staged.pop(key, None)
 
     def left(self, space: Space | None) -> Space | None:
         """The disk as a task that starts now has it: what the running tasks may still write

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from flashnode.attempt.context import AttemptContext
+from flashnode.attempt.diskbudget import Budget
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, Staged, State
 from flashnode.coordinator.lease import Lease
@@ -83,6 +84,7 @@ class AttemptHooks:
         self.node_fault = False  # it lapsed through the node's fault (the black-hole guard)
         self.job_endpoint = False  # ... at an endpoint the job named (AttemptLapsed)
         self.outgrew_room = False  # ... past the room the disk had for it (OutgrewRoom)
+        self.short_of_room: tuple[int, int] | None = None  # bytes, inodes (ShortOfRoom)
         self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
@@ -183,6 +185,13 @@ class AttemptHooks:
         self.wake.set()
 
     # --- what phases use ----------------------------------------------------------------------
+
+    @property
+    def budget(self) -> Budget:
+        """The attempt's disk budget for what the agent writes for it before its task starts
+        (``diskbudget.py``); the execute phase's ``release`` ends it with the task's."""
+        ctx = self.ctx
+        return Budget(ctx.reserved, self.lease_id, ctx.settings, ctx.space)
 
     def check(self) -> None:
         """Raise if the attempt must stop: its lease is lost, or it was cancelled."""

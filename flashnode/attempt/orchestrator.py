@@ -48,6 +48,7 @@ from flashnode.errors import (
     LeaseLost,
     NoRoom,
     OutgrewRoom,
+    ShortOfRoom,
     Stopped,
     disk_full,
     disk_full_error,
@@ -259,6 +260,8 @@ class Attempt(AttemptHooks):
         self.node_fault = not isinstance(ending, (Stopped, NoRoom))
         self.job_endpoint = ending.job_endpoint
         self.outgrew_room = isinstance(ending, OutgrewRoom)
+        if isinstance(ending, ShortOfRoom):
+            self.short_of_room = ending.needed
         log.warning("lease %s: %s; letting the lease lapse", self.lease_id, ending)
         return Outcome.LAPSED, str(ending)
 

@@ -66,6 +66,9 @@ class Ending:
     seconds: float | None = None  # claim to end
     job_endpoint: bool = False  # ... at an endpoint the job named (a data origin, an index)
     outgrew_room: bool = False  # ... past the room the disk had for it (job_endpoint too)
+    # What the agent was about to write for it did not fit the disk's room (bytes, inodes):
+    # not this node's fault, and no sign of its health (node_fault is False).
+    short_of_room: tuple[int, int] | None = None
 
 
 def same_reason(reason: str) -> str:

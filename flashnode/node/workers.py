@@ -75,6 +75,7 @@ class Ended:
             self.seconds,
             job_endpoint=attempt.job_endpoint,
             outgrew_room=attempt.outgrew_room,
+            short_of_room=attempt.short_of_room,
         )
 
 

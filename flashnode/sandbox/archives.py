@@ -3,13 +3,12 @@
 Members with absolute paths or ``..`` segments, links, devices and FIFOs, more than
 ``MAX_MEMBERS`` members, more files and directories than ``max_entries`` (every directory made
 counts, the parents a member's path needs too) or more than the byte budget are refused with a
-reason (AttemptFailed), and a refused archive leaves nothing behind. One that would take the disk
-below ``min_free_bytes`` free (or its share of the inodes) is stopped there too (the agent unpacks
-as root, and a few KiB of archive may stand for many inodes); within the task's own caps, that is
-this node's room falling short: its lease lapses (AttemptLapsed, counted by the black-hole guard
-only across jobs), as for a task whose files outgrow the room the disk had for it. Files are
-created with ``O_EXCL | O_NOFOLLOW``, so nothing is written through a link or over an earlier
-member.
+reason (AttemptFailed), and a refused archive leaves nothing behind. Every file and directory,
+and every chunk of bytes, is handed to ``room`` before it is made or written: the attempt's disk
+budget (``attempt/diskbudget.py``), which refuses what would take the disk below
+``min_free_bytes`` (the agent unpacks as root, and a few KiB of archive may stand for many
+inodes). Files are created with ``O_EXCL | O_NOFOLLOW``, so nothing is written through a link or
+over an earlier member.
 """
 
 from __future__ import annotations
@@ -18,11 +17,11 @@ import errno
 import os
 import stat
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from flashnode.errors import AttemptFailed, AttemptLapsed, OutgrewRoom, disk_full, disk_full_error
-from flashnode.sandbox.diskuse import space
+from flashnode.errors import AttemptFailed, AttemptLapsed, disk_full, disk_full_error
 from flashnode.sandbox.removal import remove_tree
 
 MAX_MEMBERS = 100_000
@@ -35,15 +34,15 @@ def unpack(
     name: str,
     max_bytes: int,
     max_entries: int = MAX_MEMBERS,
-    min_free_bytes: int | None = None,
+    room: Callable[[int, int], None] | None = None,
 ) -> None:
     """Extract a tar or zip archive into ``dest`` (made here) without letting anything escape,
-    into at most ``max_bytes`` and ``max_entries`` files and directories, never taking the disk
-    below ``min_free_bytes`` free (None: not looked at)."""
+    into at most ``max_bytes`` and ``max_entries`` files and directories, each byte and inode
+    handed to ``room`` (which raises when it does not fit) before it is written."""
     import tarfile  # here, not at the top: an idle agent need not load it
 
     dest.mkdir(mode=0o755)
-    budget = _Budget(name, max_bytes, min(max_entries, MAX_MEMBERS), dest, min_free_bytes)
+    budget = _Budget(name, max_bytes, min(max_entries, MAX_MEMBERS), dest, room)
     try:
         if zipfile.is_zipfile(archive):
             _unzip(archive, dest, budget)
@@ -77,11 +76,16 @@ def _member_path(dest: Path, raw: str, name: str) -> Path:
 
 class _Budget:
     def __init__(
-        self, name: str, max_bytes: int, max_entries: int, dest: Path, floor: int | None
+        self,
+        name: str,
+        max_bytes: int,
+        max_entries: int,
+        dest: Path,
+        room: Callable[[int, int], None] | None,
     ) -> None:
         self.name, self.left, self.max, self.members = name, max_bytes, max_bytes, 0
         self.entries, self.max_entries = 0, max_entries
-        self.dest, self.floor = dest, floor
+        self.dest, self.room = dest, room
         self.dirs: set[Path] = {dest}  # directories known to exist
 
     def member(self) -> None:
@@ -97,33 +101,15 @@ class _Budget:
                 f"input {self.name!r} unpacks to more than {self.max_entries} files and"
                 " directories (directories its members' paths need count too)"
             )
-        self._room(0, 1)
+        if self.room is not None:
+            self.room(0, 1)
 
     def spend(self, n: int) -> None:
         self.left -= n
         if self.left < 0:
             raise AttemptFailed(f"input {self.name!r} unpacks to more than {self.max} bytes")
-        self._room(n, 0)
-
-    def _room(self, n: int, inodes: int) -> None:
-        """Refuse the archive before ``n`` bytes and ``inodes`` more take the disk below the
-        floor the owner keeps free."""
-        if self.floor is None:
-            return
-        disk = space(self.dest)
-        if disk is None:
-            return
-        if disk.free_bytes - n < self.floor:
-            left = f"{disk.free_bytes >> 20} MiB free"
-        elif disk.total_inodes and disk.free_inodes - inodes < disk.inode_floor(self.floor):
-            left = f"{disk.free_inodes} inodes free, min_free_bytes' share of them"
-        else:
-            return
-        raise OutgrewRoom(  # within the task's own caps: this node's room is short
-            f"input {self.name!r} does not fit: unpacking it would take the state dir's disk"
-            f" below min_free_bytes ({left}; {self.entries} files and directories and"
-            f" {self.max - self.left} bytes unpacked by then)"
-        )
+        if self.room is not None:
+            self.room(n, 0)
 
     def make_dirs(self, path: Path, raw: str) -> None:
         """Make ``path`` and its missing parents under ``dest``, each counted."""

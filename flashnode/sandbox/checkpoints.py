@@ -21,6 +21,7 @@ from flashnode.sandbox.workspace import CKPT, Workspace
 # A complete checkpoint's name under out/ckpt/: step-<N>, or step-<N>.<ext> (a file).
 CHECKPOINT_NAME = re.compile(r"^step-([0-9]{1,15})(?:\.[A-Za-z0-9][A-Za-z0-9._-]{0,63})?$")
 MAX_CHECKPOINT_FILES = 1000
+MAX_CHECKPOINT_DEPTH = 16  # directories a checkpoint's file may lie below its own
 MAX_CKPT_ENTRIES = 10 * MAX_CHECKPOINT_FILES  # what one look at out/ckpt/ reads at most
 
 
@@ -183,6 +184,8 @@ def _checkpoint(
             problem = problem or f"ckpt/{rel} is a symlink"
         elif not stat.S_ISREG(mode):
             problem = problem or f"ckpt/{rel} is not a regular file ({kind(mode)})"
+        elif rel.count("/") > MAX_CHECKPOINT_DEPTH:
+            problem = problem or f"ckpt/{rel} lies deeper than {MAX_CHECKPOINT_DEPTH} directories"
         elif task_uid is not None and st.st_uid != task_uid:
             problem = problem or f"ckpt/{rel} was not written by the task"
         files.append(OutputFile(f"{CKPT}/{rel}", st.st_size, st.st_dev, st.st_ino))

@@ -437,7 +437,7 @@ def test_an_input_archive_cannot_take_the_owners_disk_below_its_floor_of_inodes(
         f" ({line['outcome']}: {line['reason']})"
     )
     assert line["outcome"] == "lapsed", line["reason"]
-    assert "does not fit: unpacking it would take the state dir's disk" in line["reason"]
+    assert "low disk: input 'bomb' does not fit" in line["reason"]
 
 
 def test_one_job_cannot_bench_a_node_with_input_archives_that_use_up_its_inodes(

@@ -15,10 +15,18 @@ it). Either way ``FLASHML_RESUME`` (and a module task's ``inputs.resume``) names
 
 Every part of that manifest is downloaded and checked against its size and sha256; a manifest
 that does not hold up (a part missing, altered, outside the task's output prefix, larger than
-``max_checkpoint_bytes``, not one file or one directory, a flashruntime manifest that does not
-match its parts) is not used: the attempt starts from scratch and says why. A coordinator that
-cannot be asked lets the lease lapse (not the task's fault), so the next attempt can still
+``max_checkpoint_bytes``, more parts than the relay ships (``MAX_CHECKPOINT_FILES``) or deeper
+than it (``MAX_CHECKPOINT_DEPTH``), not one file or one directory, a flashruntime manifest that
+does not match its parts) is not used: the attempt starts from scratch and says why. A coordinator
+that cannot be asked lets the lease lapse (not the task's fault), so the next attempt can still
 resume.
+
+The checkpoint is written within the attempt's disk budget (``attempt/diskbudget.py``): all of
+it (its bytes, and its files and directories as inodes) is weighed before its first byte is
+fetched. One past the job's own caps (``task_disk_bytes``, ``task_disk_files``) is not used
+either (the attempt starts from scratch); one that fits them but not the room the state dir's
+disk has now lets the lease lapse (``ShortOfRoom``: the node's shortage; another node, or this
+one later, can still resume from it).
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from flashnode.coordinator import manifests
 from flashnode.coordinator.ids import ARTIFACT_SCHEME, safe_key
 from flashnode.coordinator.lease import RESUME_INPUT
 from flashnode.coordinator.messages import CheckpointManifest, CheckpointPart
-from flashnode.errors import AttemptLapsed
+from flashnode.errors import AttemptLapsed, OverBudget
 from flashnode.runners.plan import WORK, Contribution
+from flashnode.sandbox.checkpoints import MAX_CHECKPOINT_DEPTH, MAX_CHECKPOINT_FILES
 from flashnode.sandbox.removal import remove_tree
 from flashnode.sandbox.workspace import CKPT
 
@@ -118,6 +127,8 @@ def _layout(
     agent's layout), elsewhere only their base name (a single-file checkpoint of flashnode 0.4)."""
     if not manifest.parts:
         raise Unusable("it has no parts")
+    if len(manifest.parts) > MAX_CHECKPOINT_FILES:
+        raise Unusable(f"it has {len(manifest.parts)} parts, more than {MAX_CHECKPOINT_FILES}")
     prefix = ""
     if manifest.storage_prefix.startswith(ARTIFACT_SCHEME):
         prefix = manifest.storage_prefix[len(ARTIFACT_SCHEME) :]
@@ -131,6 +142,10 @@ def _layout(
         rel = key[len(prefix) :] if prefix and key.startswith(prefix) else key.rsplit("/", 1)[-1]
         if not safe_key(rel) or not rel.isprintable():
             raise Unusable(f"part {key[:200]!r} has an unusable name")
+        if rel.count("/") > MAX_CHECKPOINT_DEPTH:
+            raise Unusable(
+                f"part {key[:200]!r} lies deeper than {MAX_CHECKPOINT_DEPTH} directories"
+            )
         files.append((part, rel))
     rels = [rel for _, rel in files]
     dirs = {rel.rsplit("/", i)[0] for rel in rels for i in range(1, rel.count("/") + 1)}
@@ -151,20 +166,40 @@ def _restore(
     files: list[tuple[CheckpointPart, str]],
 ) -> tuple[str, tuple[str, int] | None]:
     """Fetch the checkpoint and put it in place for the task: the ``/work`` path it has there,
-    and, for flashruntime's layout, its (name, step) under out/ckpt/."""
-    fetched = _fetch(a, ws, files)
+    and, for flashruntime's layout, its (name, step) under out/ckpt/. All of it is weighed
+    against the attempt's disk budget first."""
+    budget = a.budget
+    what = f"the checkpoint of step {manifest.step}"
+    try:
+        budget.fits(sum(p.size_bytes for p, _ in files), _inodes(files), what)
+    except OverBudget as exc:
+        raise Unusable(str(exc)) from None
+    held = budget.mark()
+    try:
+        fetched = _fetch(a, ws, files)
+    except Unusable:
+        budget.give_back(*budget.since(held))  # removed: no longer the attempt's
+        raise
     name = files[0][1].split("/", 1)[0]
     try:
         if _flashruntime_layout(name, [rel for _, rel in files]):
             _retarget(a, ws, fetched / name, manifest, files)
             os.rename(fetched / name, ws.out / CKPT / name)
             remove_tree(fetched)
+            budget.give_back(*budget.since(held))  # the task's files now: its caps count them
             return f"{WORK}/out/{CKPT}/{name}", (name, manifest.step)
     except BaseException:
         remove_tree(fetched)
+        budget.give_back(*budget.since(held))
         raise
     os.rename(fetched, ws.inputs / RESUME_INPUT)
     return f"{WORK}/inputs/{RESUME_INPUT}/{name}", None
+
+
+def _inodes(files: list[tuple[CheckpointPart, str]]) -> int:
+    """The files and directories the checkpoint is fetched into (its staging directory too)."""
+    dirs = {rel.rsplit("/", i)[0] for _, rel in files for i in range(1, rel.count("/") + 1)}
+    return len(files) + len(dirs) + 1
 
 
 def _flashruntime_layout(name: str, rels: list[str]) -> bool:
@@ -207,11 +242,18 @@ def _retarget(
 def _fetch(a: AttemptHooks, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -> Path:
     """Download and check every part into .stage/resume/; that directory."""
     fetched = ws.stage / RESUME_INPUT
+    budget = a.budget
+    made: set[Path] = set()
     try:
         for part, rel in files:
             a.check()
             dest = fetched / rel
+            parts = rel.split("/")[:-1]
+            dirs = [fetched.joinpath(*parts[:i]) for i in range(len(parts) + 1)]
+            missing = [d for d in dirs if d not in made]
+            budget.take(0, len(missing), f"the checkpoint's directories for {rel}")
             dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            made.update(missing)
             size = _download(a, part, dest)
             if size != part.size_bytes:
                 raise Unusable(f"part {rel} has {size} bytes, not {part.size_bytes}")

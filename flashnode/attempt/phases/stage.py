@@ -4,6 +4,7 @@ during downloads."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from flashnode.sandbox import archives
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from flashnode.attempt.diskbudget import Budget
     from flashnode.attempt.hooks import AttemptHooks
     from flashnode.coordinator.lease import Lease, Task
 
@@ -27,7 +29,8 @@ def make(a: AttemptHooks, lease: Lease, task: Task) -> Staged:
 
 
 def run(a: AttemptHooks, staged: Staged) -> None:
-    """The task's inputs, downloaded into the workspace (archives unpacked)."""
+    """The task's inputs, downloaded into the workspace (archives unpacked), each byte and inode
+    taken from the attempt's disk budget before it is written (``diskbudget.py``)."""
     ws, s = staged.workspace, a.ctx.settings
     budget = s.max_input_bytes
     for inp in staged.task.inputs:
@@ -36,28 +39,46 @@ def run(a: AttemptHooks, staged: Staged) -> None:
         size = _download(a, inp.name, inp.key, dest, budget)
         budget -= size
         if inp.unpack:
-            # What it unpacks to is the task's: within its own disk caps, and never below the
-            # owner's floor (the agent unpacks as root).
+            # What it unpacks to is the task's: within the attempt's budget (its own caps, and
+            # never below the owner's floor: the agent unpacks as root), each member taken
+            # before it is written.
+            room = functools.partial(_take, a.budget, f"input {inp.name!r}")
             archives.unpack(
                 dest,
                 ws.inputs / inp.name,
                 inp.name,
                 min(budget, s.task_disk_bytes),
                 max_entries=s.task_disk_files,
-                min_free_bytes=s.min_free_bytes,
+                room=room,
             )
             dest.unlink()
+            a.budget.give_back(size, 1)
+
+
+def _take(budget: Budget, what: str, nbytes: int, inodes: int) -> None:
+    budget.take(nbytes, inodes, what)
 
 
 def fetch(a: AttemptHooks, key: str, dest: Path, max_bytes: int, what: str, ladder: Ladder) -> int:
     """Download artifact ``key`` into ``dest`` (made here, never through a link), retried with
-    the shared backoff while the attempt goes on; counted as staged. How it can end is the
-    ``ladder``'s (``transfer.py``)."""
+    the shared backoff while the attempt goes on; counted as staged. Its inode and every chunk
+    are taken from the attempt's disk budget before they are written (a chunk that does not fit
+    ends the download: ``OverBudget``, ``ShortOfRoom``). How it can end is the ``ladder``'s
+    (``transfer.py``)."""
+    budget = a.budget
+    budget.take(0, 1, what)
+    written = 0  # by the last try: a retry writes the file anew
 
     def once() -> int:
+        nonlocal written
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            size = a.ctx.coordinator.download(key, out, max_bytes, a.stop)
+        budget.give_back(written, 0)
+        written = 0
+        with budget.open(fd, what) as out:
+            try:
+                size = a.ctx.coordinator.download(key, out, max_bytes, a.stop)
+            finally:
+                written = out.written
         a.count_staged(size)
         return size
 
