@@ -56,10 +56,10 @@ from flashnode.runners.trustedhandle import TrustedHandle
 from flashnode.runners.trustedhost import (
     make_work_dir,
     passable,
-    slot_users,
     under_private_dir,
     users_and_sandbox,
 )
+from flashnode.runners.userlocks import UserLocks
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
@@ -97,6 +97,7 @@ class TrustedRunner(Runner):
     ) -> None:
         self.env = env
         self.users = users
+        self.user_locks: UserLocks | None = None  # what holds ``users`` for this agent
         self.hierarchy = hierarchy
         self.sandbox = sandbox
         self.agent_env = dict(os.environ if agent_env is None else agent_env)
@@ -172,10 +173,12 @@ class TrustedRunner(Runner):
     @classmethod
     def create(cls, settings: Settings, env: RunnerEnv) -> TrustedRunner:
         users = None
+        locks = None
         sandbox = False
         if os.geteuid() == 0:
             assert settings.task_user
-            users = slot_users(settings.task_user, env.slots)
+            locks = UserLocks(settings.task_user)  # held for the agent's whole life
+            users = locks.take(env.slots, settings.state_dir)
             sandbox = True
             for d in (settings.state_dir, settings.state_dir / "attempts"):
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -197,6 +200,7 @@ class TrustedRunner(Runner):
         else:
             log.info("per-task cgroups in %s", hierarchy.describe())
         runner = cls(settings, env, users, hierarchy, sandbox)
+        runner.user_locks = locks
         runner.reconfigure(settings)
         return runner
 
@@ -204,8 +208,9 @@ class TrustedRunner(Runner):
         self.settings = settings
         self._covers = self._cover_table(settings)  # the next chain covers the new set
         self._apply_cpu_cap(settings)
-        if self.users is not None and settings.task_user and len(self.users) < self.env.slots:
-            self.users = slot_users(settings.task_user, self.env.slots)
+        locks = self.user_locks
+        if self.users is not None and locks is not None and len(self.users) < self.env.slots:
+            self.users = locks.take(self.env.slots, settings.state_dir)
         python = settings.task_python
         capable = False
         if python:

@@ -19,6 +19,7 @@ from flashnode.config.settings import Settings
 from flashnode.errors import ConfigError, ExitCode, PrerequisiteError
 from flashnode.owner.unitview import SERVICE_UNIT
 from flashnode.runners.findings import Finding, Ok, Problem
+from flashnode.runners.userlocks import MAX_USERS, held_elsewhere
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs.helpers import sandbox_works
 from flashnode.sandbox.procs.mounts import PRIVATE_DIRS
@@ -93,6 +94,7 @@ def users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
         )
         return
     yield Ok("task user", ", ".join(f"{u.name} (uid {u.uid})" for u in users))
+    yield _users_held(s, slots)
     yield _own_users({u.uid for u in users})
     if not all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
         yield Problem(
@@ -202,6 +204,34 @@ def make_work_dir(work: Path = Path(WORK)) -> None:
         ) from None
     os.chmod(work, 0o755)  # whatever the umask
     log.info("made %s, where each task's workspace is bound in its own mount namespace", work)
+
+
+def _users_held(s: Settings, slots: int) -> Finding:
+    """Whether other agents (of other state dirs) hold the task users this one would take."""
+    assert s.task_user
+    held = held_elsewhere(s.task_user, s.state_dir)
+    exist = sum(1 for n in range(MAX_USERS) if _exists(f"{s.task_user}-{n}"))
+    if exist - len(held) < slots:
+        return Problem(
+            "task users held",
+            f"other agents hold {', '.join(held[:4])}{' …' if len(held) > 4 else ''}: too few"
+            f" of the {exist} {s.task_user}-N users are left for {slots} slot(s)",
+            "stop that agent, or give this one task users of its own (other users, and"
+            " task_user naming them): two agents must never run tasks as one user",
+        )
+    if held:
+        return Ok(
+            "task users held", f"by other agents: {', '.join(held[:4])}; this one takes others"
+        )
+    return Ok("task users held", "by no other agent")
+
+
+def _exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
 
 
 def slot_users(task_user: str, slots: int) -> list[procs.TaskUser]:

@@ -102,9 +102,7 @@ def test_a_checkpoint_of_many_deep_parts_is_not_restored_and_the_task_starts_fro
     attempt runs from scratch and commits."""
     job = coordinator.submit(checkpoint_job(COMMITS))
     deep = "/".join(["d"] * 700)
-    first_attempt_plants(
-        coordinator, job, [(f"step-5/p{i}/{deep}/f", EMPTY, 0) for i in range(70)]
-    )
+    first_attempt_plants(coordinator, job, [(f"step-5/p{i}/{deep}/f", EMPTY, 0) for i in range(70)])
     agent = start_agent(coordinator.url, *TRUSTED, env=ENV, state_dir=small_disk / "state")
     with lowest_free(small_disk, agent.done) as lowest:
         assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"

@@ -1,0 +1,106 @@
+"""Task users belong to one agent: a second agent never runs tasks as a user the first holds."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import AgentProcess, CoordinatorServer, argv_job
+
+from flashnode.runners.userlocks import UserLocks, UsersHeld, held_elsewhere
+
+USER = "flashnode-task"  # ./scripts/task-users makes flashnode-task-0 to -15
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="task users are an agent as root's")
+
+
+@pytest.fixture
+def lock_dir(tmp_path: Path) -> Path:
+    try:
+        pwd.getpwnam(f"{USER}-1")
+    except KeyError:
+        pytest.skip("the task users are missing (./scripts/task-users)")
+    d = tmp_path / "locks"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_a_second_agent_takes_task_users_the_first_does_not_hold(
+    lock_dir: Path, tmp_path: Path
+) -> None:
+    first, second = UserLocks(USER, lock_dir), UserLocks(USER, lock_dir)
+    a = first.take(2, tmp_path / "state-a")
+    b = second.take(2, tmp_path / "state-b")
+    assert [u.name for u in a] == [f"{USER}-0", f"{USER}-1"]
+    assert not {u.uid for u in a} & {u.uid for u in b}
+    first.release()
+    third = UserLocks(USER, lock_dir)
+    assert [u.name for u in third.take(1, tmp_path / "state-c")] == [f"{USER}-0"]
+
+
+def test_an_agent_whose_task_users_are_all_held_refuses_naming_the_holder_and_a_way_out(
+    lock_dir: Path, tmp_path: Path
+) -> None:
+    # Another process holds all sixteen, as another agent would.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from flashnode.runners.userlocks import"
+            " UserLocks; UserLocks(sys.argv[1], Path(sys.argv[2])).take(16, Path('/srv/a'));"
+            " print('held', flush=True); sys.stdin.read()",
+            USER,
+            str(lock_dir),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(UsersHeld) as refused:
+            UserLocks(USER, lock_dir).take(1, tmp_path / "state")
+        why = str(refused.value)
+        assert f"{USER}-0 (the agent of pid {holder.pid}, state dir /srv/a)" in why
+        assert f'task_user = "{USER}-x"' in why  # users of its own, never the same ones
+        held = held_elsewhere(USER, tmp_path / "state", lock_dir)
+        assert len(held) == 16 and held[0].startswith(f"{USER}-0 (the agent of pid")
+        assert held_elsewhere(USER, Path("/srv/a"), lock_dir) == []  # its own agent's
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(10)
+    assert [u.name for u in UserLocks(USER, lock_dir).take(1, tmp_path / "s")] == [f"{USER}-0"]
+
+
+def test_a_lock_dir_others_can_write_to_is_refused(lock_dir: Path, tmp_path: Path) -> None:
+    lock_dir.chmod(0o733)
+    with pytest.raises(Exception, match="is not root's alone"):
+        UserLocks(USER, lock_dir).take(1, tmp_path / "state")
+
+
+def test_two_agents_with_the_same_task_user_never_run_two_tasks_under_one_uid(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], drop_dir: Path
+) -> None:
+    """Two agents of two state dirs, both with task_user = flashnode-task and one slot: each
+    runs one task of a job, both at the same moment (each waits until the other started)."""
+    script = (
+        f"id -u > {drop_dir}/uid-{{n}}.tmp && mv {drop_dir}/uid-{{n}}.tmp {drop_dir}/uid-{{n}};"
+        f" for i in $(seq 300); do [ -e {drop_dir}/uid-0 ] && [ -e {drop_dir}/uid-1 ] && break;"
+        " sleep 0.1; done; echo '{{}}' > metrics.json"
+    )
+    job = coordinator.submit(argv_job(["sh", "-c", script], params=[{"n": 0}, {"n": 1}]))
+    env = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_TASK_USER": USER}
+    trusted = ("--runner", "trusted", "--pool", "team-a", "--max-tasks", "1")
+    one = start_agent(coordinator.url, *trusted, env=env, name="one")
+    two = start_agent(coordinator.url, *trusted, env=env, name="two")
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED", (
+        one.log + two.log
+    )
+    uids = {(drop_dir / f"uid-{n}").read_text().strip() for n in (0, 1)}
+    assert len(uids) == 2, f"both agents ran their tasks as uid {uids}"
