@@ -241,7 +241,9 @@ def _locked_run(
         if why:
             log.warning("tasks share this agent's session keyring (%s)", why)
     try:
-        served = metrics.create(settings.metrics_listen, settings.metrics_allow_remote)
+        served = metrics.create(
+            settings.metrics_listen, settings.metrics_allow_remote, _task_uids(settings)
+        )
     except ValueError as exc:
         raise ConfigError(f"metrics_listen: {exc}") from None
     except OSError as exc:

@@ -13,20 +13,18 @@ is the ``App``'s business (``app.py``); this module only moves bytes.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from flashnode.tcptable import tcp_sockets
+from flashnode.httpguard import Connections, client, deadline_reader, peer_uid
 
 log = logging.getLogger(__name__)
 
@@ -87,49 +85,27 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], family: int, refused_uids: frozenset[int]) -> None:
         self.address_family = family
         self.refused_uids = refused_uids
-        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self._lock = threading.Lock()
-        self._per_client: dict[int | str, int] = {}
+        self._slots = Connections(MAX_CLIENTS, MAX_PER_CLIENT)
         super().__init__(address, _Handler)
 
-    def _client(self, client_address: Any) -> int | str | None:
-        """Who a new connection is (its user, else its address); None: refused."""
-        uid = peer_uid(client_address[1], self.server_address[1])
-        if uid is not None and uid in self.refused_uids:
-            return None
-        return uid if uid is not None else str(client_address[0])
-
     def process_request(self, request: Any, client_address: Any) -> None:
-        client = self._client(client_address)
-        with self._lock:
-            taken = self._per_client.get(client, 0) if client is not None else MAX_PER_CLIENT
-            if taken >= MAX_PER_CLIENT or not self._slots.acquire(blocking=False):
-                client = None
-            else:
-                self._per_client[client] = taken + 1  # type: ignore[index]
-        if client is None:
+        who = client(request, client_address, self.server_address[1])
+        if (isinstance(who, int) and who in self.refused_uids) or not self._slots.take(who):
             self.shutdown_request(request)  # refused, or too many at once: closed unanswered
             return
         try:
             threading.Thread(
-                target=self._serve_one, args=(request, client_address, client), daemon=True
+                target=self._serve_one, args=(request, client_address, who), daemon=True
             ).start()
         except BaseException:
-            self._done(client)
+            self._slots.give(who)
             raise
 
-    def _serve_one(self, request: Any, client_address: Any, client: int | str) -> None:
+    def _serve_one(self, request: Any, client_address: Any, who: int | str) -> None:
         try:
             self.process_request_thread(request, client_address)
         finally:
-            self._done(client)
-
-    def _done(self, client: int | str) -> None:
-        with self._lock:
-            left = self._per_client.pop(client, 1) - 1
-            if left > 0:
-                self._per_client[client] = left
-        self._slots.release()
+            self._slots.give(who)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -144,7 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
         # One deadline for the whole request, not one per read (no thread: each read is given
         # what is left of it).
         self.rfile.close()  # the file setup made: it would hold the socket open after its close
-        self.rfile = io.BufferedReader(_Deadline(self.connection, READ_TIMEOUT_S))
+        self.rfile = deadline_reader(self.connection, READ_TIMEOUT_S)
 
     def do_GET(self) -> None:
         self._dispatch()
@@ -201,32 +177,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # requests are not logged: a login link's token is in one
-
-
-class _Deadline(io.RawIOBase):
-    """A socket's reads, each given what is left of one deadline for them all."""
-
-    def __init__(self, sock: socket.socket, seconds: float) -> None:
-        self._sock, self._until = sock, time.monotonic() + seconds
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = self._until - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request did not arrive in time")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
-
-
-def peer_uid(peer_port: int, port: int) -> int | None:
-    """The user owning the client end of a TCP connection to ``port`` from ``peer_port`` on
-    this machine (the kernel's socket tables), None when it is not found."""
-    for s in tcp_sockets():
-        if s.local_port == peer_port and s.remote_port == port:
-            return s.uid
-    return None
 
 
 class ConsoleServer:

@@ -227,18 +227,18 @@ class Metrics:
 
     # --- serving -------------------------------------------------------------------------------
 
-    def serve(self, listen: Listen) -> str:
+    def serve(self, listen: Listen, refused_uids: frozenset[int] = frozenset()) -> str:
         """Start serving on a daemon thread; return the address actually bound."""
         # here, not at the top: an agent without metrics never loads http.server
         from flashnode.owner import metricsserver
 
         if listen.path is not None:
             path = listen.path
-            unix = metricsserver.serve_unix(path, self.registry)
+            unix = metricsserver.serve_unix(path, self.registry, refused_uids)
             self.address = f"unix:{path}"
             self._close.append(lambda: metricsserver.close_unix(unix, path))
         else:
-            tcp = metricsserver.serve_tcp(listen.host, listen.port, self.registry)
+            tcp = metricsserver.serve_tcp(listen.host, listen.port, self.registry, refused_uids)
             self.address = str(Listen(host=listen.host, port=tcp.server_address[1]))
             self._close.append(lambda: metricsserver.close_tcp(tcp))
         log.info("metrics served at %s", self.address)
@@ -250,8 +250,11 @@ class Metrics:
                 self._close.pop()()
 
 
-def create(listen: str | None, allow_remote: bool = False) -> Metrics | NullMetrics:
-    """Metrics served at ``listen``, or the no-op twin when it is None.
+def create(
+    listen: str | None, allow_remote: bool = False, refused_uids: frozenset[int] = frozenset()
+) -> Metrics | NullMetrics:
+    """Metrics served at ``listen``, or the no-op twin when it is None; connections of
+    ``refused_uids`` (the task users) are closed unanswered.
 
     Raises ValueError for an address settings validation would refuse, and OSError when the
     address cannot be bound.
@@ -265,7 +268,7 @@ def create(listen: str | None, allow_remote: bool = False) -> Metrics | NullMetr
         )
     metrics = Metrics()
     try:
-        metrics.serve(parsed)
+        metrics.serve(parsed, refused_uids)
     except BaseException:
         metrics.close()
         raise

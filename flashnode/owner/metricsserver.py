@@ -2,10 +2,13 @@
 (``"unix:PATH"``). ``metrics.py`` imports this module only when metrics are on, so that an agent
 without them does not load ``http.server`` and ``socketserver``.
 
-Each connection has a thread of its own, at most ``MAX_SCRAPES`` at once: one more is closed at
-once, so that nobody on the machine (a trusted task shares its network) can have the agent start
-thread after thread. A read waits ``STALL_S`` at most: a client that connects and says nothing
-is dropped then."""
+Each connection has a thread of its own, at most ``MAX_SCRAPES`` at once and
+``MAX_PER_CLIENT`` of them from one client (a user, by the kernel's socket tables or the unix
+socket's credentials; else an address); more are closed at once, and so is every connection of
+a task user: nobody on the machine (a trusted task shares its network) can have the agent start
+thread after thread, nor hold the owner's scrapes out. A request must arrive whole within
+``REQUEST_S`` (one deadline for all its reads: a client that drips a byte now and then is cut
+off at it)."""
 
 from __future__ import annotations
 
@@ -21,39 +24,51 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flashnode.httpguard import Connections, client, deadline_reader
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 
 log = logging.getLogger(__name__)
-STALL_S = 10
+REQUEST_S = 2.0
 MAX_SCRAPES = 8
+MAX_PER_CLIENT = 2
 
 
 class _Serving(socketserver.ThreadingMixIn):
     daemon_threads = True
     registry: CollectorRegistry
+    refused_uids: frozenset[int] = frozenset()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._scrapes = threading.BoundedSemaphore(MAX_SCRAPES)
+        self._scrapes = Connections(MAX_SCRAPES, MAX_PER_CLIENT)
+        self._clients: dict[int, int | str] = {}  # who each connection under way is
         super().__init__(*args, **kwargs)
 
+    def _port(self) -> int | None:
+        address = getattr(self, "server_address", None)
+        return int(address[1]) if isinstance(address, tuple) else None
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._scrapes.acquire(blocking=False):
+        who = client(request, client_address, self._port())
+        if (isinstance(who, int) and who in self.refused_uids) or not self._scrapes.take(who):
             with contextlib.suppress(OSError):
                 request.close()
             return
+        self._clients[id(request)] = who
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._scrapes.release()
+            self._clients.pop(id(request), None)
+            self._scrapes.give(who)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._scrapes.release()
+            self._scrapes.give(self._clients.pop(id(request)))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], OSError):  # the scraper hung up or stalled: not ours
@@ -72,7 +87,12 @@ class _UnixServer(_Serving, socketserver.UnixStreamServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _TCPServer | _UnixServer
-    timeout = STALL_S
+    timeout = REQUEST_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the file setup made: it would hold the socket open after its close
+        self.rfile = deadline_reader(self.connection, REQUEST_S)
 
     def do_GET(self) -> None:
         from prometheus_client.exposition import choose_encoder
@@ -97,12 +117,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_tcp(host: str, port: int, registry: CollectorRegistry) -> _TCPServer:
+def serve_tcp(
+    host: str, port: int, registry: CollectorRegistry, refused_uids: frozenset[int] = frozenset()
+) -> _TCPServer:
     """Bind ``host``:``port`` (0: any free port) and serve on a daemon thread."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server_class = type("_Bound", (_TCPServer,), {"address_family": family})
     server: _TCPServer = server_class((host, port), _Handler)
-    server.registry = registry
+    server.registry, server.refused_uids = registry, refused_uids
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
 
@@ -112,7 +134,9 @@ def close_tcp(server: _TCPServer) -> None:
     server.server_close()
 
 
-def serve_unix(path: Path, registry: CollectorRegistry) -> _UnixServer:
+def serve_unix(
+    path: Path, registry: CollectorRegistry, refused_uids: frozenset[int] = frozenset()
+) -> _UnixServer:
     """Bind ``path`` (mode 0660: the agent's user and group may scrape), replacing only a stale
     socket: a live one or anything that is not a socket is an error, never removed."""
     try:
@@ -147,7 +171,7 @@ def serve_unix(path: Path, registry: CollectorRegistry) -> _UnixServer:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    server.registry = registry
+    server.registry, server.refused_uids = registry, refused_uids
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
 

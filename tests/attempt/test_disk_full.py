@@ -445,28 +445,31 @@ def test_one_job_cannot_bench_a_node_with_input_archives_that_use_up_its_inodes(
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
 ) -> None:
-    """The same archive as the input of five tasks of one job: each lapses for want of room
-    (never as the node's full disk), and one job's lapses never quarantine the node."""
+    """The same archive as the input of two tasks of one job, on a node that would quarantine
+    itself at the first ending its guard counts: each lapses for want of room (never as the
+    node's full disk), the node holds its claims for a while after the first, and one job's
+    lapses never quarantine the node."""
     coordinator.put_artifact("review2/inodes.tar.gz", _inode_bomb(300, 100))
     job = coordinator.submit(
         argv_job(
             ["true"],
-            params=[{"n": i} for i in range(5)],
+            params=[{"n": i} for i in range(2)],
             max_attempts=1,
             inputs={"bomb": "artifact://review2/inodes.tar.gz"},
             unpack_inputs=["bomb"],
         )
     )
-    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M"}
+    env = {**FAST, "FLASHNODE_MIN_FREE_BYTES": "16M", "FLASHNODE_QUARANTINE_AFTER": "1"}
     agent = start_agent(coordinator.url, *TRUSTED, env=env, state_dir=few_inodes / "state")
     try:
-        lines = agent.wait_ledger(5, timeout=180)
+        lines = agent.wait_ledger(2, timeout=120)
     finally:
         coordinator.cancel(job)
     held = [line for line in agent.log.splitlines() if "quarantined" in line]
     outcomes = [(line["outcome"], line["reason"]) for line in lines]
     assert held == [], f"one job's inputs benched the node: {held}; its attempts: {outcomes}"
     assert all(o == "lapsed" and "does not fit" in r for o, r in outcomes), outcomes
+    assert "not claiming for up to" in agent.log
 
 
 def test_a_task_holding_the_disk_just_above_the_floor_cannot_bench_a_healthy_node(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import inspect
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flashnode.config.listen import parse_listen
 from flashnode.node.decision import Hold
 from flashnode.owner.metrics import HELD_RULES, Metrics, MetricsSink, NullMetrics, create
-from flashnode.owner.metricsserver import MAX_SCRAPES, STALL_S
+from flashnode.owner.metricsserver import MAX_PER_CLIENT, REQUEST_S
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -46,8 +47,8 @@ def record(m: Metrics | NullMetrics) -> None:
     m.set_controls(paused=True, held=["pause", "battery"])
 
 
-def scrape_tcp(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+def scrape_tcp(address: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout) as r:
         return str(r.read().decode())
 
 
@@ -128,17 +129,17 @@ def test_a_unix_socket_serves_the_same_exposition(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("where", ["tcp", "unix"])
 def test_a_scraper_that_stalls_is_dropped(where: str, tmp_path: Path) -> None:
-    """A client connects, sends half a request line and waits: after ``STALL_S`` the agent
+    """A client connects, sends half a request line and waits: after ``REQUEST_S`` the agent
     hangs up on it (it holds one of the agent's threads while it waits), and scrapes go on."""
     path = tmp_path / "metrics.sock"
     m = create("127.0.0.1:0" if where == "tcp" else f"unix:{path}")
     assert isinstance(m, Metrics) and m.address is not None
     if where == "tcp":
         host, port = m.address.rsplit(":", 1)
-        stalled = socket.create_connection((host, int(port)), timeout=STALL_S * 3)
+        stalled = socket.create_connection((host, int(port)), timeout=REQUEST_S * 3)
     else:
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        stalled.settimeout(STALL_S * 3)
+        stalled.settimeout(REQUEST_S * 3)
         stalled.connect(str(path))
     try:
         stalled.sendall(b"GET /metr")
@@ -152,20 +153,20 @@ def test_a_scraper_that_stalls_is_dropped(where: str, tmp_path: Path) -> None:
         m.close()
 
 
-def test_connections_past_the_most_at_once_are_closed_at_once() -> None:
+def test_connections_past_a_clients_share_are_closed_at_once() -> None:
     """A local user (or a trusted task, which shares the host's network) opening connection
-    after connection gets at most ``MAX_SCRAPES`` of the agent's threads: one more is closed at
-    once, not given a thread that waits ``STALL_S``; once those go, scrapes are answered."""
+    after connection gets at most ``MAX_PER_CLIENT`` of the agent's threads: one more is closed
+    at once, not given a thread that waits ``REQUEST_S``; once those go, scrapes are answered."""
     m = create("127.0.0.1:0")
     assert isinstance(m, Metrics) and m.address is not None
     host, port = m.address.rsplit(":", 1)
-    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_SCRAPES)]
+    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_PER_CLIENT)]
     try:
         for sock in held:
             sock.sendall(b"GET /metr")
-        one_more = socket.create_connection((host, int(port)), timeout=STALL_S / 2)
+        one_more = socket.create_connection((host, int(port)), timeout=REQUEST_S / 2)
         try:
-            assert one_more.recv(1) == b"", "a connection past the most at once got a thread"
+            assert one_more.recv(1) == b"", "a connection past the client's share got a thread"
         finally:
             one_more.close()
     finally:
@@ -174,6 +175,52 @@ def test_connections_past_the_most_at_once_are_closed_at_once() -> None:
     try:
         assert "flashnode_paused" in wait_for_scrape(m.address)
     finally:
+        m.close()
+
+
+DRIP = """
+import socket, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+conns = []
+for _ in range(8):
+    try:
+        conns.append(socket.create_connection((host, port), timeout=5))
+    except OSError:
+        pass
+print("connected", flush=True)
+end = time.monotonic() + 8
+while time.monotonic() < end:
+    for c in conns:
+        try:
+            c.send(b"G")
+        except OSError:
+            pass
+    time.sleep(0.5)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the dripping clients run as another user")
+def test_eight_dripping_connections_of_a_local_user_never_hold_the_owners_scrape() -> None:
+    """Another local user opens eight connections and drips a byte into each every half
+    second (each read within any per-read timeout): the owner's scrapes are answered within
+    2 s all along, and the dripping connections are cut off at the request's deadline."""
+    m = create("127.0.0.1:0")
+    assert isinstance(m, Metrics) and m.address is not None
+    host, port = m.address.rsplit(":", 1)
+    dripper = subprocess.Popen(
+        ["/usr/bin/python3", "-c", DRIP, host, port],
+        user="nobody",
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    try:
+        assert dripper.stdout is not None and dripper.stdout.readline() == "connected\n"
+        for _ in range(6):
+            assert "flashnode_paused" in scrape_tcp(m.address, timeout=2.0)
+    finally:
+        dripper.kill()
+        dripper.wait(10)
         m.close()
 
 
@@ -186,7 +233,7 @@ def wait_for_scrape(address: str) -> str:
         except OSError:  # closed at once: the held threads are still ending
             return None
 
-    return wait_for("a scrape answered", scrape, timeout=STALL_S * 2)
+    return wait_for("a scrape answered", scrape, timeout=REQUEST_S * 2)
 
 
 def test_a_stale_socket_is_replaced_but_a_live_one_or_a_file_is_not(tmp_path: Path) -> None:
