@@ -3,14 +3,18 @@
 The link is minted from the key the agent wrote for the level this user may read (``console.json``
 for root, the owner; ``console-view.json`` for group ``flashnode``, who may only look), good for
 ten minutes and one login. It is printed, and opened in a browser where one is available: not as
-root (a browser should not run as root) and not with ``--print-url``.
+root (a browser should not run as root) and not with ``--print-url``. The browser is handed a
+page of the user's own (0600, in a 0700 directory) that leads on to the link, never the link
+itself: a browser's command line is readable by every local user, and the link is a login.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -72,7 +76,38 @@ def ui(config_file: Path | None, state_dir: Path | None, print_url: bool) -> Non
     if not print_url and _may_open_browser():
         import webbrowser
 
-        webbrowser.open(link)
+        open_privately(link, webbrowser.open)
+
+
+def open_privately(link: str, opener: Callable[[str], object]) -> Path:
+    """Hand ``opener`` (a browser) a ``file://`` page that leads on to ``link``, written where
+    only this user can read it (``$XDG_RUNTIME_DIR``, else a new private temporary directory):
+    its path, not the link, goes on the browser's command line. The page's path."""
+    import html
+    import tempfile
+
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = (
+        Path(runtime) / "flashnode-ui"
+        if runtime
+        else Path(tempfile.mkdtemp(prefix="flashnode-ui-"))
+    )
+    base.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        base = Path(tempfile.mkdtemp(prefix="flashnode-ui-"))  # not ours alone: a new one
+    page = base / "login.html"
+    fd = os.open(page, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    target = html.escape(link, quote=True)
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fh.fileno(), 0o600)
+        fh.write(
+            '<!doctype html><meta charset="utf-8"><meta name="referrer" content="no-referrer">'
+            f'<meta http-equiv="refresh" content="0;url={target}">'
+            f'<title>flashnode console</title><a href="{target}">Open the console</a>\n'
+        )
+    opener(page.as_uri())
+    return page
 
 
 def _may_open_browser() -> bool:

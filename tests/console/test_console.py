@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -585,3 +586,26 @@ def test_one_user_holding_connections_open_cannot_lock_the_owner_out(
     finally:
         nobody.kill()
         nobody.wait()
+
+
+def test_the_browser_is_handed_a_private_page_never_the_login_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A browser's command line is readable by every local user: ``flashnode ui`` hands it the
+    path of a page only this user can read, which leads on to the link."""
+    from flashnode.cli.ui import open_privately
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    link = "http://127.0.0.1:7469/login?token=owner.123.secret-part"
+    opened: list[str] = []
+    page = open_privately(link, opened.append)
+    [url] = opened
+    assert "secret-part" not in url and url == page.as_uri()
+    assert stat.S_IMODE(page.stat().st_mode) == 0o600
+    assert stat.S_IMODE(page.parent.stat().st_mode) == 0o700
+    assert page.stat().st_uid == os.geteuid()
+    assert 'content="0;url=http://127.0.0.1:7469/login?token=owner.123.secret-part"' in (
+        page.read_text()
+    )
