@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flashnode.errors import AttemptFailed, AttemptLapsed, OutOfDescriptors
+from flashnode.errors import AttemptFailed, OutOfDescriptors, ShortOfRoom
 from flashnode.sandbox import archives, dirwalk
 from flashnode.sandbox.dirwalk import MAX_OPEN_DIRS
 from flashnode.sandbox.outputs import list_outputs, usage
@@ -143,19 +143,31 @@ def test_an_archive_stops_at_the_tasks_own_file_cap(ws: Workspace, tmp_path: Pat
     archives.unpack(archive, ws.inputs / "ok", "ok", 1 << 20, max_entries=30 * 102)
 
 
-def test_an_archive_that_would_take_the_disk_below_min_free_bytes_stops_as_the_nodes_shortage(
+def test_every_member_and_chunk_of_an_archive_is_handed_to_its_room_before_it_is_written(
     ws: Workspace, tmp_path: Path
 ) -> None:
-    """Within its own caps, an archive the disk has no room for is this node's shortage (the
-    lease lapses, counted by the guard only across jobs), and leaves nothing behind."""
-    st = os.statvfs(tmp_path)
-    free = st.f_bavail * st.f_frsize
+    """Each file and directory (one inode) and each chunk of bytes goes to ``room`` before it is
+    made or written: a room that refuses stops the archive there, leaving nothing behind."""
     archive = deep_files(tmp_path / "few.tar.gz", 3, 2)
-    with pytest.raises(AttemptLapsed, match="would take the state dir's disk below min_free") as e:
-        archives.unpack(archive, ws.inputs / "data", "data", 1 << 20, min_free_bytes=free + 1)
-    assert e.value.job_endpoint
+    asked: list[tuple[int, int]] = []
+    archives.unpack(
+        archive, ws.inputs / "ok", "ok", 1 << 20, room=lambda b, i: asked.append((b, i))
+    )
+    made = sum(1 for _ in (ws.inputs / "ok").rglob("*"))
+    assert sum(i for _, i in asked) == made
+    assert sum(b for b, _ in asked) == sum(
+        p.stat().st_size for p in (ws.inputs / "ok").rglob("*") if p.is_file()
+    )
+
+    def refuse(nbytes: int, inodes: int) -> None:
+        if len(asked) > 3:
+            raise ShortOfRoom("low disk: input 'data' does not fit")
+        asked.append((nbytes, inodes))
+
+    asked.clear()
+    with pytest.raises(ShortOfRoom, match="does not fit"):
+        archives.unpack(archive, ws.inputs / "data", "data", 1 << 20, room=refuse)
     assert not (ws.inputs / "data").exists()
-    archives.unpack(archive, ws.inputs / "ok", "ok", 1 << 20, min_free_bytes=free >> 1)
 
 
 def test_not_an_archive(ws: Workspace, tmp_path: Path) -> None:
