@@ -15,33 +15,53 @@ import threading
 import time
 from typing import Any
 
-from flashnode.tcptable import tcp_sockets
+from flashnode.tcptable import ESTABLISHED, hex_address, tcp_sockets
+
+AMBIGUOUS = "ambiguous"  # a connection whose user the tables do not tell apart: refused
 
 
-def peer_uid(peer_port: int, port: int) -> int | None:
-    """The user owning the client end of a TCP connection to ``port`` from ``peer_port`` on
-    this machine (the kernel's socket tables), None when it is not found."""
-    for s in tcp_sockets():
-        if s.local_port == peer_port and s.remote_port == port:
-            return s.uid
-    return None
+def peer_uid(peer: tuple[str, int], server: tuple[str, int]) -> int | str | None:
+    """The user owning the client end of the TCP connection from ``peer`` to ``server`` (each
+    an address and a port) on this machine, by the kernel's tables: the established socket
+    whose local end is ``peer`` and whose remote end is ``server``, matched on both addresses
+    and ports (a port alone can be made to match another socket). None when none is found;
+    ``AMBIGUOUS`` when sockets of several users match."""
+    local, remote = hex_address(peer[0]), hex_address(server[0])
+    uids = {
+        s.uid
+        for s in tcp_sockets()
+        if s.state == ESTABLISHED
+        and (s.local_port, s.remote_port) == (peer[1], server[1])
+        and (s.local_address, s.remote_address) == (local, remote)
+    }
+    if len(uids) > 1:
+        return AMBIGUOUS
+    return uids.pop() if uids else None
 
 
-def client(request: Any, client_address: Any, port: int | None) -> int | str:
-    """Who a new connection is: its user (a unix socket's peer, or a TCP peer on this machine
-    to ``port``), else its address."""
+def client(request: Any, client_address: Any) -> int | str:
+    """Who a new connection is: its user (a unix socket's peer, or a TCP peer on this
+    machine), else its address; ``AMBIGUOUS`` (to be refused) when the tables cannot tell."""
     if isinstance(request, socket.socket) and request.family == socket.AF_UNIX:
         try:
             creds = request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         except OSError:
             return "unix"
         return int(struct.unpack("3i", creds)[1])
-    if port is not None and isinstance(client_address, tuple) and len(client_address) >= 2:
-        uid = peer_uid(client_address[1], port)
-        if uid is not None:
-            return uid
-        return str(client_address[0])
+    if isinstance(client_address, tuple) and len(client_address) >= 2:
+        try:
+            server = request.getsockname()
+        except (AttributeError, OSError):
+            return str(client_address[0])
+        uid = peer_uid((str(client_address[0]), int(client_address[1])), (server[0], server[1]))
+        return uid if uid is not None else str(client_address[0])
     return str(client_address)
+
+
+def refused(who: int | str, uids: frozenset[int]) -> bool:
+    """A connection to close unanswered: one of ``uids`` (the task users), or one whose user
+    the tables cannot tell."""
+    return who == AMBIGUOUS or (isinstance(who, int) and who in uids)
 
 
 class Connections:

@@ -6,21 +6,38 @@ socket on this machine. The loopback coordinator's guard asks who listens on a p
 
 from __future__ import annotations
 
+import socket
+import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+ESTABLISHED = 0x01  # the kernel's TCP_ESTABLISHED state
 LISTEN = 0x0A  # the kernel's TCP_LISTEN state
 
 
 @dataclass(frozen=True)
 class TcpSocket:
-    """One row of a table: the local and remote ports, the TCP state and the owner's uid."""
+    """One row of a table: the local and remote ports, the TCP state and the owner's uid; the
+    local and remote addresses as the table writes them (``hex_address``)."""
 
     local_port: int
     remote_port: int
     state: int
     uid: int
+    local_address: str = field(default="", compare=False)
+    remote_address: str = field(default="", compare=False)
+
+
+def hex_address(ip: str) -> str:
+    """An address as the tables write it: each 32-bit word of it in this machine's byte order,
+    in upper-case hex ("" when ``ip`` is none)."""
+    try:
+        packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+    except (OSError, ValueError):
+        return ""
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return "".join(f"{w:08X}" for w in words)
 
 
 def tcp_sockets(tables: tuple[str, ...] = TABLES) -> Iterator[TcpSocket]:
@@ -50,6 +67,8 @@ def _row(line: str) -> TcpSocket | None:
             remote_port=int(fields[2].rpartition(":")[2], 16),
             state=int(fields[3], 16),
             uid=int(fields[7]),
+            local_address=fields[1].rpartition(":")[0].upper(),
+            remote_address=fields[2].rpartition(":")[0].upper(),
         )
     except ValueError:
         return None

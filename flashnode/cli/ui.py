@@ -84,18 +84,8 @@ def open_privately(link: str, opener: Callable[[str], object]) -> Path:
     only this user can read it (``$XDG_RUNTIME_DIR``, else a new private temporary directory):
     its path, not the link, goes on the browser's command line. The page's path."""
     import html
-    import tempfile
 
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = (
-        Path(runtime) / "flashnode-ui"
-        if runtime
-        else Path(tempfile.mkdtemp(prefix="flashnode-ui-"))
-    )
-    base.mkdir(mode=0o700, exist_ok=True)
-    st = os.lstat(base)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        base = Path(tempfile.mkdtemp(prefix="flashnode-ui-"))  # not ours alone: a new one
+    base = _private_dir(os.environ.get("XDG_RUNTIME_DIR"))
     page = base / "login.html"
     fd = os.open(page, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     target = html.escape(link, quote=True)
@@ -108,6 +98,25 @@ def open_privately(link: str, opener: Callable[[str], object]) -> Path:
         )
     opener(page.as_uri())
     return page
+
+
+def _private_dir(runtime: str | None) -> Path:
+    """``$XDG_RUNTIME_DIR/flashnode-ui`` when it is this user's alone, else a new private
+    temporary directory (an inherited runtime dir of another user, after ``su``, included)."""
+    import tempfile
+
+    if runtime:
+        base = Path(runtime) / "flashnode-ui"
+        try:
+            base.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(base)
+        except OSError:
+            pass
+        else:
+            mine = st.st_uid == os.geteuid() and not st.st_mode & 0o077
+            if stat.S_ISDIR(st.st_mode) and mine:
+                return base
+    return Path(tempfile.mkdtemp(prefix="flashnode-ui-"))
 
 
 def _may_open_browser() -> bool:

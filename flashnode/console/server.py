@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from flashnode.httpguard import Connections, client, deadline_reader, peer_uid
+from flashnode.httpguard import Connections, client, deadline_reader, peer_uid, refused
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ SECURITY_HEADERS = (
 
 
 class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # a burst of connections waits to be refused, not dropped
     daemon_threads = True
     allow_reuse_address = True
     app: App
@@ -89,8 +90,8 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        who = client(request, client_address, self.server_address[1])
-        if (isinstance(who, int) and who in self.refused_uids) or not self._slots.take(who):
+        who = client(request, client_address)
+        if refused(who, self.refused_uids) or not self._slots.take(who):
             self.shutdown_request(request)  # refused, or too many at once: closed unanswered
             return
         try:
@@ -156,7 +157,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(Response(400, b'{"error": "too many query fields"}'))
             return
         peer = self.client_address[:2]
-        uid = peer_uid(peer[1], self.server.server_address[1])
+        found = peer_uid(peer, self.connection.getsockname()[:2])
+        uid = found if isinstance(found, int) else None
         request = Request(self.command, parts.path, query, headers, body, peer, uid)
         try:
             response = self.server.app.handle(request)

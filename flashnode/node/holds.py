@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable
 
 from flashnode.attempt.diskwatch import Reserved, no_room
-from flashnode.attempt.record import Outcome
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.retry import Backoff, Policy
@@ -53,12 +52,12 @@ class DiskHold:
         """How an attempt ended: one whose inputs or checkpoint did not fit the disk's room has
         the node claim nothing until that much is free above the floor or, at the latest, for a
         backoff (``SHORT_FIRST_S``, doubling with each such ending in a row up to
-        ``SHORT_CAP_S``; reset by a commit): a claim cannot exclude a job (docs/protocol.md
+        ``SHORT_CAP_S``; any other ending resets it): a claim cannot exclude a job (docs/protocol.md
         §3.4), and claiming at once would most likely get that task back."""
         with self._lock:
-            if ending.outcome is Outcome.COMMITTED:
-                self._backoff.reset()
-            elif ending.short_of_room is not None:
+            if ending.short_of_room is None:
+                self._backoff.reset()  # any other ending breaks the row
+            else:
                 wait = self._backoff.next()
                 why = (
                     f"a task of job {ending.job_id} needed more of the disk than it has above"

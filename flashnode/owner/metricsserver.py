@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flashnode.httpguard import Connections, client, deadline_reader
+from flashnode.httpguard import Connections, client, deadline_reader, refused
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -46,13 +46,9 @@ class _Serving(socketserver.ThreadingMixIn):
         self._clients: dict[int, int | str] = {}  # who each connection under way is
         super().__init__(*args, **kwargs)
 
-    def _port(self) -> int | None:
-        address = getattr(self, "server_address", None)
-        return int(address[1]) if isinstance(address, tuple) else None
-
     def process_request(self, request: Any, client_address: Any) -> None:
-        who = client(request, client_address, self._port())
-        if (isinstance(who, int) and who in self.refused_uids) or not self._scrapes.take(who):
+        who = client(request, client_address)
+        if refused(who, self.refused_uids) or not self._scrapes.take(who):
             with contextlib.suppress(OSError):
                 request.close()
             return
@@ -79,9 +75,11 @@ class _Serving(socketserver.ThreadingMixIn):
 
 class _TCPServer(_Serving, socketserver.TCPServer):
     allow_reuse_address = True
+    request_queue_size = 128  # a burst of connections waits to be refused, not dropped
 
 
 class _UnixServer(_Serving, socketserver.UnixStreamServer):
+    request_queue_size = 128
     inode = 0  # of the socket file in the file system, to remove only our own at close
 
 

@@ -3,7 +3,8 @@ user it runs tasks as, for its whole life, in ``LOCK_DIR`` (one directory for th
 whatever each agent's state dir): two agents never run tasks of different jobs under one uid,
 where they could signal and read each other.
 
-An agent takes the first ``task_user``-N users (N from 0) that exist and that no other agent
+Locks are the uids' (``uid-<N>.lock``): two names of one uid are one user. An agent takes the
+first ``task_user``-N users (N from 0) that exist and that no other agent
 holds, as many as it has slots; so a second agent with the same ``task_user`` runs as users
 the first does not hold, and one that finds too few free refuses to start (``UsersHeld``),
 naming the holders and the way out (more users, or ``task_user`` naming a set of its own).
@@ -63,20 +64,18 @@ class UserLocks:
                     continue
                 if pw.pw_uid == 0 or pw.pw_gid == 0:
                     raise ConfigError(f"task user {name!r} is root or in group root")
-                holder = self._lock(dir_fd, name, state_dir)
+                if any(u.uid == pw.pw_uid or u.gid == pw.pw_gid for u in self.users):
+                    # A shared uid or group would let one slot's task read another's workspace.
+                    raise ConfigError(
+                        f"the {self.task_user}-N task users must have distinct uids and groups"
+                    )
+                holder = self._lock(dir_fd, f"uid-{pw.pw_uid}", state_dir)
                 if holder is not None:
                     held.append(f"{name} ({holder})")
                     continue
                 self.users.append(procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid))
         finally:
             os.close(dir_fd)
-        if len({u.uid for u in self.users}) != len(self.users) or len(
-            {u.gid for u in self.users}
-        ) != len(self.users):
-            # A shared uid or group would let one slot's task read another's workspace.
-            raise ConfigError(
-                f"the {self.task_user}-N task users must have distinct uids and groups"
-            )
         if len(self.users) < slots:
             if not held:
                 raise ConfigError(
@@ -123,7 +122,8 @@ class UserLocks:
         return fd
 
     def _lock(self, dir_fd: int, name: str, state_dir: Path) -> str | None:
-        """Lock ``name``'s file: None when this agent holds it now, else who does."""
+        """Lock the file ``name`` (a uid's: two names of one uid are one user): None when this
+        agent holds it now, else who does."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(f"{name}.lock", flags, 0o600, dir_fd=dir_fd)
         try:
@@ -170,10 +170,9 @@ def held_elsewhere(task_user: str, state_dir: Path, lock_dir: Path = LOCK_DIR) -
         for n in range(MAX_USERS):
             name = f"{task_user}-{n}"
             try:
-                fd = os.open(
-                    f"{name}.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
-                )
-            except OSError:
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(f"uid-{pwd.getpwnam(name).pw_uid}.lock", flags, dir_fd=dir_fd)
+            except (KeyError, OSError):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

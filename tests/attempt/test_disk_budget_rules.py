@@ -140,7 +140,7 @@ def test_after_a_task_that_did_not_fit_the_node_holds_its_claims_for_a_while(
     assert hold.hold(s) is not None  # doubled in a row
     free[0] = disk(450)  # that much room now: claims resume at once
     assert hold.hold(s) is None
-    hold.record(Ending(Outcome.COMMITTED, "", "job-2"))  # a commit resets the doubling
+    hold.record(Ending(Outcome.FAILED, "exit 1", "job-2"))  # any other ending ends the row
     free[0] = disk(300)
     hold.record(short)
     clock.now += SHORT_FIRST_S

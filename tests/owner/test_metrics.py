@@ -6,6 +6,7 @@ import http.client
 import inspect
 import json
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -303,3 +304,45 @@ def test_the_no_op_twin_takes_every_call_the_metrics_take_alike() -> None:
 
 def test_every_hold_a_decision_names_has_its_claiming_held_series() -> None:
     assert set(HELD_RULES) == set(get_args(get_type_hints(Hold)["rule"]))
+
+
+SPOOF = """
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+for source in (None, "127.0.7.9"):
+    s = socket.socket()
+    s.settimeout(5)
+    if source:  # the metrics port as its own, on another loopback address
+        s.bind((source, port))
+    s.connect((host, port))
+    try:
+        s.sendall(b"GET /metrics HTTP/1.0\\r\\n\\r\\n")
+        print("answered" if s.recv(1) else "closed", flush=True)
+    except ConnectionResetError:
+        print("closed", flush=True)
+    s.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the task user's client runs as another user")
+def test_a_task_users_connection_is_refused_even_from_a_port_that_matches_the_agents() -> None:
+    """The task users' connections are closed unanswered, also one whose source port is the
+    metrics port itself (on another loopback address), which a lookup by ports alone mistook
+    for the agent's own socket."""
+    nobody = pwd.getpwnam("nobody").pw_uid
+    m = create("127.0.0.1:0", refused_uids=frozenset({nobody}))
+    assert isinstance(m, Metrics) and m.address is not None
+    host, port = m.address.rsplit(":", 1)
+    try:
+        done = subprocess.run(
+            ["/usr/bin/python3", "-c", SPOOF, host, port],
+            user="nobody",
+            capture_output=True,
+            text=True,
+            cwd="/",
+            timeout=30,
+        )
+        assert done.stdout.split() == ["closed", "closed"], done.stdout + done.stderr
+        assert "flashnode_paused" in scrape_tcp(m.address, timeout=2.0)
+    finally:
+        m.close()
