@@ -147,28 +147,45 @@ class Reserved:
                     f"{what} would take what the attempt holds on disk to {total_inodes} files"
                     f" and directories, past task_disk_files ({s.task_disk_files})"
                 )
-            left = self._left(space)
-            if left is not None:
-                beside = (
-                    " (what the running tasks may still write set aside)" if self._tasks else ""
-                )
-                room = left.free_bytes - s.min_free_bytes
-                files = left.free_inodes - left.inode_floor(s.min_free_bytes)
-                if nbytes > room:
-                    raise ShortOfRoom(
-                        f"low disk: {what} does not fit: {format_size(nbytes)} more would take"
-                        f" the state dir's disk below min_free_bytes"
-                        f" ({format_size(max(0, room))} above it{beside})",
-                        needed=(total_bytes, total_inodes),
-                    )
-                if left.total_inodes and inodes > files:
-                    raise ShortOfRoom(
-                        f"low disk: {what} does not fit: {inodes} more files and directories"
-                        " would take the state dir's disk below min_free_bytes' share of its"
-                        f" inodes ({max(0, files)} above it{beside})",
-                        needed=(total_bytes, total_inodes),
-                    )
+            self._room(s, space, nbytes, inodes, what, (total_bytes, total_inodes))
             self._staged[key] = (total_bytes, total_inodes)
+
+    def room(self, s: Settings, space: Space | None, nbytes: int, inodes: int, what: str) -> None:
+        """ShortOfRoom when the disk has not ``nbytes`` and ``inodes`` above ``min_free_bytes``
+        and its share of the inodes, less what the running tasks may still write: for what
+        the agent writes outside any attempt's workspace (a dataset slice into its cache)."""
+        with self._lock:
+            self._room(s, space, nbytes, inodes, what, (nbytes, inodes))
+
+    def _room(
+        self,
+        s: Settings,
+        space: Space | None,
+        nbytes: int,
+        inodes: int,
+        what: str,
+        needed: tuple[int, int],
+    ) -> None:
+        left = self._left(space)
+        if left is None:
+            return
+        beside = " (what the running tasks may still write set aside)" if self._tasks else ""
+        room = left.free_bytes - s.min_free_bytes
+        files = left.free_inodes - left.inode_floor(s.min_free_bytes)
+        if nbytes > room:
+            raise ShortOfRoom(
+                f"low disk: {what} does not fit: {format_size(nbytes)} more would take"
+                f" the state dir's disk below min_free_bytes"
+                f" ({format_size(max(0, room))} above it{beside})",
+                needed=needed,
+            )
+        if left.total_inodes and inodes > files:
+            raise ShortOfRoom(
+                f"low disk: {what} does not fit: {inodes} more files and directories"
+                " would take the state dir's disk below min_free_bytes' share of its"
+                f" inodes ({max(0, files)} above it{beside})",
+                needed=needed,
+            )
 
     def unstage(self, key: str, nbytes: int, inodes: int) -> None:
         """What was staged for attempt ``key`` and is no longer on disk outside its task's files

@@ -20,7 +20,7 @@ import os
 import re
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,9 @@ class Fetcher:
         if ca_file is not None:
             verify = ssl.create_default_context(cafile=str(ca_file))
         self.timeout_seconds = timeout_seconds
+        # Asked before each chunk is written (its size, what it is for): raises when the disk
+        # has not that much room above the owner's floor (set by the agent's wiring).
+        self.room: Callable[[int, str], None] | None = None
         self.retry_delays = tuple(retry_delays)
         self.clock = clock or SystemClock()
         self.policy = policy or OriginPolicy()
@@ -281,6 +284,8 @@ class Fetcher:
             for chunk in response.iter_raw():  # as they arrive: at most one read's worth
                 if progress.offset + len(chunk) > entry.size:
                     raise DataIntegrityError(f"{where}: {NOT_THE_SIZE}")
+                if self.room is not None:  # the owner's floor, before the write
+                    self.room(len(chunk), where)
                 _write_all(fd, chunk, where)
                 progress.hasher.update(chunk)
                 progress.offset += len(chunk)

@@ -300,11 +300,19 @@ def _run_agent(
         later=janitor.submit,
     )
 
+    floor = [settings]  # the running configuration's min_free_bytes, for the dataset cache
+
+    def room(nbytes: int, what: str) -> None:
+        ctx.reserved.room(floor[0], ctx.space(), nbytes, 0, what)
+
+    data.fetcher.room = room
+
     def limits_of(new: Settings) -> Limits:
         return task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
 
     def on_settings(new: Settings, limits: Limits) -> None:
         data.budget_bytes = new.dataset_cache_bytes
+        floor[0] = new
         data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)
         data.prune()
         if envs is not None:

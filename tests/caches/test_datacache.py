@@ -29,7 +29,7 @@ from flashnode.caches.datacache import (
     parse_datasets,
 )
 from flashnode.caches.fetcher import Fetcher
-from flashnode.errors import AttemptFailed, DataIntegrityError, DataUnavailable
+from flashnode.errors import AttemptFailed, DataIntegrityError, DataUnavailable, ShortOfRoom
 
 GiB = 1 << 30
 
@@ -838,3 +838,24 @@ def test_a_1_gb_shard_is_fetched_and_verified_in_bounded_memory(
         assert peak - base < 64 * 1024 * 1024, f"RSS grew by {(peak - base) >> 20} MiB"
     finally:
         shutil.rmtree(tmp_path / "data")  # a GiB is too much to leave in pytest's kept tmp dirs
+
+
+def test_a_shard_the_disk_has_no_room_for_stops_before_the_chunk_that_would_pass_the_floor(
+    origin: Origin, fetcher: Fetcher, tmp_path: Path
+) -> None:
+    """Each chunk is weighed against the owner's floor before it is written: one that does
+    not fit ends the fetch as the node's shortage, and nothing of the shard is left."""
+    data = os.urandom(3 << 20)
+    origin.add("/big", data)
+    weighed: list[int] = []
+
+    def room(nbytes: int, what: str) -> None:
+        if sum(weighed) + nbytes > 1 << 20:
+            raise ShortOfRoom(f"low disk: {what} does not fit")
+        weighed.append(nbytes)
+
+    fetcher.room = room
+    with pytest.raises(ShortOfRoom, match="dataset entry .* does not fit"):
+        fetcher.fetch(entry(origin.url("/big"), data), tmp_path / "x", stop=threading.Event())
+    assert not (tmp_path / "x").exists()
+    assert 0 < sum(weighed) <= 1 << 20
