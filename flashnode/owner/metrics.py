@@ -187,13 +187,14 @@ class Metrics:
     ) -> None:
         """One attempt reached its final outcome (call it where the ledger record is written).
         A figure that was not measured (None) is left out, never counted as zero."""
-        self._attempts.labels(outcome=_label(outcome)).inc()
         if _usable(seconds):
             self._duration.observe(max(float(seconds), 0.0))  # type: ignore[arg-type]
         if _usable(cpu_percent):
             self._cpu.observe(max(float(cpu_percent), 0.0))  # type: ignore[arg-type]
         if _usable(gpu_percent):
             self._gpu.observe(max(float(gpu_percent), 0.0))  # type: ignore[arg-type]
+        # Counted last: a scrape that sees the attempt counted sees its figures too.
+        self._attempts.labels(outcome=_label(outcome)).inc()
 
     def claim_finished(self, seconds: float, result: str) -> None:
         self._claim.labels(result=_label(result)).observe(max(seconds, 0.0))
