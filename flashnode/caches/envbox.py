@@ -32,6 +32,9 @@ def size(n: int) -> str:
     return f"{n} B"
 
 
+BUDGET_BOUND = "env_cache_bytes"  # a build's room when the budget, not the disk, set it
+
+
 @dataclass(frozen=True)
 class DiskRoom:
     """What a build may write (its directory and uv's cache together): ``bytes``, and which

@@ -26,7 +26,8 @@ Privileges. No code of a job runs as root, as the agent, or as any user somethin
   user's own (another owner, a second link).
 * A build's disk is bounded while it runs: no file may grow past its room (``prlimit --fsize``),
   and its whole tree (uv's cache with it) is watched against the room; past it the build is
-  stopped and fails as the job's.
+  stopped and fails as the job's, or, where the room was the free space above ``min_free_bytes``
+  (less than ``env_cache_bytes``), lapses as the node's shortage (``ShortOfRoom``).
 
 uv reads no configuration and no credentials from the host (``UV_NO_CONFIG``, its own ``HOME``,
 no keyring); the only index credentials it ever sees are those in the job's own lines, which are
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from flashnode.caches.envbox import POLL_S, BuildBox, BuildWatch, DiskRoom
+from flashnode.caches.envbox import BUDGET_BOUND, POLL_S, BuildBox, BuildWatch, DiskRoom
 from flashnode.caches.envfaults import classify, summarize, unreachable
 from flashnode.caches.envlines import (
     URL_LINE,
@@ -64,7 +65,7 @@ from flashnode.caches.envlines import (
 from flashnode.caches.envtree import copy_tree, others_can_run, reclaim, remove
 from flashnode.clock import Clock, SystemClock
 from flashnode.coordinator.datasets import OriginPolicy
-from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable
+from flashnode.errors import Cancelled, EnvBuildFailed, EnvUnavailable, ShortOfRoom
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs.helpers import popen_as
@@ -480,7 +481,10 @@ class _Runner:
             or proc.returncode == -signal.SIGXFSZ
             or (proc.returncode not in ok and box.watch.over(now=True))
         ):
-            raise EnvBuildFailed(box.watch.room.exceeded())
+            room = box.watch.room
+            if room.bound != BUDGET_BOUND:  # the disk set it: this node is short of disk now
+                raise ShortOfRoom(f"low disk: {room.exceeded()}", needed=(room.bytes, 0))
+            raise EnvBuildFailed(room.exceeded())
         if proc.returncode not in ok:
             text = err.text() + ("" if capture else out.text())
             tail = summarize(text, self.spec.hidden())

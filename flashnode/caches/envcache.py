@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from flashnode.caches.envbox import POLL_S, DiskRoom, size
+from flashnode.caches.envbox import BUDGET_BOUND, POLL_S, DiskRoom, size
 from flashnode.caches.envbuild import FORMAT, Builder, EnvSpec, UvBuilder, platform_tag
 from flashnode.caches.envfailed import FailedBuilds
 from flashnode.caches.envrecords import EnvInfo, fsync_dir, write_json
@@ -355,7 +355,7 @@ class EnvCache:
                 f" {size(self.min_free_bytes)}"
             )
         if self.budget <= above:
-            return DiskRoom(self.budget, "env_cache_bytes")
+            return DiskRoom(self.budget, BUDGET_BOUND)
         return DiskRoom(above, "the free disk space above min_free_bytes")
 
     def _pinned_from_exclusive(self, key: str, fd: int, built: bool, seconds: float) -> EnvHandle:

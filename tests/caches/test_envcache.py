@@ -41,7 +41,13 @@ from flashnode.caches.envcache import EnvCache
 from flashnode.caches.envrecords import describe
 from flashnode.clock import SystemClock
 from flashnode.coordinator.datasets import OriginPolicy
-from flashnode.errors import AttemptFailed, Cancelled, EnvBuildFailed, EnvUnavailable
+from flashnode.errors import (
+    AttemptFailed,
+    Cancelled,
+    EnvBuildFailed,
+    EnvUnavailable,
+    ShortOfRoom,
+)
 from flashnode.sandbox import cgroups, procs
 from flashnode.sandbox.limits import Limits
 
@@ -311,6 +317,24 @@ def test_a_build_is_bounded_by_the_budget_while_it_runs(root: Path, index: Packa
     stopped and fails as the job's, and leaves nothing."""
     cache, _ = make_cache(root, budget=64 * 1024, negative_ttl_s=0)
     with pytest.raises(EnvBuildFailed, match=r"grew past 64.0 KiB \(env_cache_bytes\)"):
+        acquire(cache, lines(index, A))
+    assert cache.entries() == [] and list((root / ".tmp").iterdir()) == []
+
+
+def test_a_build_past_the_room_the_disk_set_is_the_nodes_shortage(
+    root: Path, index: PackageIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the free space above ``min_free_bytes`` is less than ``env_cache_bytes``, a build
+    past it is stopped as the node's shortage of disk (a lapse the black-hole guard does not
+    count), never as the job's failure."""
+    from flashnode.caches import envcache
+
+    # A disk with 64 KiB above a 1 GiB floor, whatever else writes to the real one meanwhile.
+    monkeypatch.setattr(
+        envcache.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(4 * GiB, 0, GiB + 65536)
+    )
+    cache, _ = make_cache(root, min_free_bytes=GiB, negative_ttl_s=0)
+    with pytest.raises(ShortOfRoom, match=r"low disk: .*grew past .*above min_free_bytes"):
         acquire(cache, lines(index, A))
     assert cache.entries() == [] and list((root / ".tmp").iterdir()) == []
 
