@@ -69,9 +69,14 @@ class Budget:
         now = self._reserved.staged(self._key)
         return max(0, now[0] - mark[0]), max(0, now[1] - mark[1])
 
+    def room(self, what: str) -> Callable[[int, int], None]:
+        """``take`` for ``what``, to hand to a writer (bytes, inodes)."""
+        return lambda nbytes, inodes: self.take(nbytes, inodes, what)
+
     def open(self, fd: int, what: str) -> BudgetedFile:
         """A file to write through (taking ownership of ``fd``), each write taken first."""
-        return BudgetedFile(fd, lambda n: self.take(n, 0, what))
+        room = self.room(what)
+        return BudgetedFile(fd, lambda n: room(n, 0))
 
 
 class BudgetedFile(io.FileIO):

@@ -170,16 +170,15 @@ class Reserved:
         if left is None:
             return
         beside = " (what the running tasks may still write set aside)" if self._tasks else ""
-        room = left.free_bytes - s.min_free_bytes
-        files = left.free_inodes - left.inode_floor(s.min_free_bytes)
-        if nbytes > room:
+        bytes_fit, inodes_fit, room, files = left.fits(s.min_free_bytes, nbytes, inodes)
+        if not bytes_fit:
             raise ShortOfRoom(
                 f"low disk: {what} does not fit: {format_size(nbytes)} more would take"
                 f" the state dir's disk below min_free_bytes"
                 f" ({format_size(max(0, room))} above it{beside})",
                 needed=needed,
             )
-        if left.total_inodes and inodes > files:
+        if not inodes_fit:
             raise ShortOfRoom(
                 f"low disk: {what} does not fit: {inodes} more files and directories"
                 " would take the state dir's disk below min_free_bytes' share of its"

@@ -100,11 +100,9 @@ class DiskHold:
             if self._short is None:
                 return None
             until, (nbytes, inodes), why = self._short
-            room = left.free_bytes - settings.min_free_bytes
-            files = left.free_inodes - left.inode_floor(settings.min_free_bytes)
-            fits = room >= nbytes and (not left.total_inodes or files >= inodes)
+            bytes_fit, inodes_fit, _, _ = left.fits(settings.min_free_bytes, nbytes, inodes)
             now = self._clock.monotonic()
-            if fits or now >= until:
+            if (bytes_fit and inodes_fit) or now >= until:
                 self._short = None
                 log.info("claiming again after a task that did not fit the disk")
                 return None

@@ -133,7 +133,7 @@ class UserLocks:
                 text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
             finally:
                 os.close(fd)
-            return _describe(text)
+            return _holder(text)[1]
         data = f"{os.getpid()}\n{state_dir}\n".encode()
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
@@ -142,8 +142,9 @@ class UserLocks:
         return None
 
 
-def _describe(text: str) -> str:
-    """Who holds a lock, from what its holder wrote in it (its pid, its state dir)."""
+def _holder(text: str) -> tuple[str, str]:
+    """What the holder of a lock wrote in it (its pid, its state dir): its state dir, and who
+    it is in the owner's words."""
     from flashnode.owner.statelock import systemd_unit
 
     lines = text.splitlines()
@@ -155,7 +156,7 @@ def _describe(text: str) -> str:
         who += f", systemd unit {unit}"
     if where:
         who += f", state dir {where}"
-    return who
+    return where, who
 
 
 def held_elsewhere(task_user: str, state_dir: Path, lock_dir: Path = LOCK_DIR) -> list[str]:
@@ -177,10 +178,9 @@ def held_elsewhere(task_user: str, state_dir: Path, lock_dir: Path = LOCK_DIR) -
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-                lines = text.splitlines()
-                if len(lines) < 2 or lines[1] != str(state_dir):
-                    found.append(f"{name} ({_describe(text)})")
+                where, who = _holder(os.pread(fd, 4096, 0).decode("utf-8", "replace").strip())
+                if where != str(state_dir):
+                    found.append(f"{name} ({who})")
             finally:
                 os.close(fd)
     finally:

@@ -85,7 +85,7 @@ class _Budget:
     ) -> None:
         self.name, self.left, self.max, self.members = name, max_bytes, max_bytes, 0
         self.entries, self.max_entries = 0, max_entries
-        self.dest, self.room = dest, room
+        self.room = room
         self.dirs: set[Path] = {dest}  # directories known to exist
 
     def member(self) -> None:

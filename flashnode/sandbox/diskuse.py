@@ -44,6 +44,14 @@ class Space:
         share = min(min_free_bytes, self.total_bytes) / self.total_bytes
         return math.ceil(self.total_inodes * share)
 
+    def fits(self, min_free_bytes: int, nbytes: int, inodes: int) -> tuple[bool, bool, int, int]:
+        """Whether ``nbytes`` and ``inodes`` more stay above the floor (``min_free_bytes``, and
+        the same share of the inodes): (bytes fit, inodes fit, bytes above it, inodes above
+        it). Inodes always fit where there is no fixed number of them."""
+        room = self.free_bytes - min_free_bytes
+        files = self.free_inodes - self.inode_floor(min_free_bytes)
+        return nbytes <= room, not self.total_inodes or inodes <= files, room, files
+
     def full(self) -> bool:
         """Nothing more fits: under ``FULL_BELOW_BYTES`` free, or ``FULL_BELOW_INODES`` inodes."""
         if self.free_bytes < FULL_BELOW_BYTES:

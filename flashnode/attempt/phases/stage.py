@@ -4,7 +4,6 @@ during downloads."""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -16,7 +15,6 @@ from flashnode.sandbox import archives
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from flashnode.attempt.diskbudget import Budget
     from flashnode.attempt.hooks import AttemptHooks
     from flashnode.coordinator.lease import Lease, Task
 
@@ -42,21 +40,16 @@ def run(a: AttemptHooks, staged: Staged) -> None:
             # What it unpacks to is the task's: within the attempt's budget (its own caps, and
             # never below the owner's floor: the agent unpacks as root), each member taken
             # before it is written.
-            room = functools.partial(_take, a.budget, f"input {inp.name!r}")
             archives.unpack(
                 dest,
                 ws.inputs / inp.name,
                 inp.name,
                 min(budget, s.task_disk_bytes),
                 max_entries=s.task_disk_files,
-                room=room,
+                room=a.budget.room(f"input {inp.name!r}"),
             )
             dest.unlink()
             a.budget.give_back(size, 1)
-
-
-def _take(budget: Budget, what: str, nbytes: int, inodes: int) -> None:
-    budget.take(nbytes, inodes, what)
 
 
 def fetch(a: AttemptHooks, key: str, dest: Path, max_bytes: int, what: str, ladder: Ladder) -> int:
