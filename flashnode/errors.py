@@ -206,6 +206,11 @@ class EnvUnavailable(AttemptLapsed):
     """
 
 
+class Detached(Exception):
+    """The agent let go of the running task (it restarts): the attempt goes on under the next
+    agent, which rejoins it. Nothing of it is ended, removed or recorded here."""
+
+
 class Cancelled(FlashnodeError):
     """The agent stopped waiting (drain, stop, a lost lease): what was under way was undone.
 

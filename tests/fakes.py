@@ -174,6 +174,9 @@ class FakeHandle:
     def last_output(self) -> str:
         return ""
 
+    def detach(self) -> bool:
+        return False
+
 
 class FakeRunner(Runner):
     """Runs nothing: writes ``metrics`` to out/ and reports ``code``."""

@@ -22,7 +22,7 @@ from flashnode.attempt.diskbudget import Budget
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import AttemptRecord, Outcome, Staged, State
 from flashnode.coordinator.lease import Lease
-from flashnode.errors import AttemptFailed, AttemptLapsed, LeaseLost
+from flashnode.errors import AttemptFailed, AttemptLapsed, LeaseLost, Stopped
 from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.plan import Contribution
@@ -34,6 +34,8 @@ class Watcher(Protocol):
 
     def start(self, a: AttemptHooks) -> None: ...
     def finish(self, a: AttemptHooks) -> None: ...
+    def stop(self) -> None:
+        """The agent let go of the task (``Detached``): stop watching, nothing more."""
 
 
 class AttemptHooks:
@@ -81,6 +83,7 @@ class AttemptHooks:
         self.stop = threading.Event()  # every wait of every phase ends when this is set
         self._ending: AttemptFailed | AttemptLapsed | None = None
         self.cancel_grace = 0.0
+        self.detaching = False  # the agent restarts: a running task is let go of, not ended
         self.node_fault = False  # it lapsed through the node's fault (the black-hole guard)
         self.job_endpoint = False  # ... at an endpoint the job named (AttemptLapsed)
         self.outgrew_room = False  # ... past the room the disk had for it (OutgrewRoom)
@@ -183,6 +186,12 @@ class AttemptHooks:
             self._ending = ending
         self.stop.set()
         self.wake.set()
+
+    def detach(self, grace: float) -> None:
+        """The agent restarts: a running task is let go of (``Handle.detach``) for the next
+        agent to rejoin; an attempt anywhere else is cancelled as ``Stopped`` with ``grace``."""
+        self.detaching = True
+        self.cancel(Stopped("agent stopping"), grace)
 
     # --- what phases use ----------------------------------------------------------------------
 

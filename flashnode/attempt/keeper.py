@@ -32,8 +32,12 @@ class LeaseKeeper:
         clock: Clock,
         on_lost: Callable[[], None],
         rng: random.Random | None = None,
+        renew_now: bool = False,
     ) -> None:
+        """``renew_now``: the first renewal at once (a lease rejoined after a restart, last
+        renewed who knows when), not one interval after the claim."""
         self._coordinator, self._lease, self._clock = coordinator, lease, clock
+        self._renew_now = renew_now
         self._on_lost = on_lost
         self._rng = rng or random.Random()
         self._stop = threading.Event()
@@ -55,7 +59,7 @@ class LeaseKeeper:
         interval, window = self._lease.renew_interval, self._lease.window
         backoff = Backoff(Policy(first=1.0, cap=interval, jitter=(0.9, 1.0)), self._rng)
         now = self._clock.monotonic()
-        next_renewal, deadline = now + interval, now + window
+        next_renewal, deadline = now + (0.0 if self._renew_now else interval), now + window
         self.deadline = deadline
         while not self._clock.wait(self._stop, next_renewal - self._clock.monotonic()):
             try:

@@ -45,6 +45,7 @@ from flashnode.errors import (
     AttemptLapsed,
     Cancelled,
     CredentialsError,
+    Detached,
     LeaseLost,
     NoRoom,
     OutgrewRoom,
@@ -53,6 +54,7 @@ from flashnode.errors import (
     disk_full,
     disk_full_error,
 )
+from flashnode.runners.base import Handle
 from flashnode.sandbox import logcap
 from flashnode.sandbox.removal import remove_tree
 
@@ -95,6 +97,18 @@ class Attempt(AttemptHooks):
         log.info("lease %s: resuming the commit of a finished attempt", self.lease_id)
         return self._guarded(lease, self._resumed)
 
+    def rejoin(self, handle: Handle) -> Outcome:
+        """Carry on an attempt whose task an earlier run of the agent let go of at a restart
+        (``handle``: that task, rejoined): its lease renewed at once, the task watched to its
+        end, then checked and committed as if nothing happened."""
+        lease = self._parse()
+        if lease is None:
+            handle.terminate(0.0)
+            handle.result()
+            return self._drop()
+        log.info("lease %s: rejoined its running task after a restart", self.lease_id)
+        return self._guarded(lease, lambda lease: self._rejoined(lease, handle), renew_now=True)
+
     def abandon(self, reason: str) -> Outcome:
         """End an attempt a previous run of the agent left unfinished (its processes were
         reaped): not the task's fault, so its lease is left to lapse; nothing is run."""
@@ -120,6 +134,14 @@ class Attempt(AttemptHooks):
         got.append(self._phase("environment", environment.run, self, task))
         got.append(self._phase("data", data.run, self, staged))
         evidence = self._phase("execute", execute.run, self, staged, tuple(got))
+        finished = self._phase("check", commit.check, self, staged, evidence)
+        return self._phase("commit", commit.commit, self, staged, finished)
+
+    def _rejoined(self, lease: Lease, handle: Handle) -> tuple[Outcome, str]:
+        """A task rejoined: what the first path staged read back from its record, the task
+        watched to its end (``execute.rejoin``), then checked and committed."""
+        self.staged = staged = Staged.read_back(lease, self.record, self.ctx.settings.state_dir)
+        evidence = self._phase("execute", execute.rejoin, self, staged, handle)
         finished = self._phase("check", commit.check, self, staged, evidence)
         return self._phase("commit", commit.commit, self, staged, finished)
 
@@ -151,14 +173,27 @@ class Attempt(AttemptHooks):
             self._drop_reason = str(exc)
         return self.lease
 
-    def _guarded(self, lease: Lease, phases: Callable[[Lease], tuple[Outcome, str]]) -> Outcome:
+    def _guarded(
+        self,
+        lease: Lease,
+        phases: Callable[[Lease], tuple[Outcome, str]],
+        renew_now: bool = False,
+    ) -> Outcome:
         self.keeper = keeper = LeaseKeeper(
-            self.ctx.coordinator, lease, self.ctx.clock, self._lost, self.ctx.rng
+            self.ctx.coordinator, lease, self.ctx.clock, self._lost, self.ctx.rng, renew_now
         )
         self.ctx.start_thread(keeper.run, f"keeper-{lease.lease_id}")
         outcome, reason = Outcome.FAILED, ""
         try:
             outcome, reason = phases(lease)
+        except Detached:
+            # Its task runs on for the next agent: nothing ended, removed or recorded here.
+            keeper.stop()
+            self._release_contributions()
+            self.ctx.gpus.release(self.devices)
+            self.ctx.reserved.end(lease.lease_id)
+            self.ended = (Outcome.DETACHED, "agent restarting")
+            return Outcome.DETACHED
         except (LeaseLost, CredentialsError) as exc:
             outcome, reason = self._lost_reason(exc)
         except Cancelled:

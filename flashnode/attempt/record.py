@@ -44,6 +44,7 @@ class Outcome(str, enum.Enum):
     LAPSED = "lapsed"  # not the task's fault: the lease was left to lapse, reason in the ledger
     LOST = "lost"  # the lease died: nothing more was uploaded or reported
     DROPPED = "dropped"  # a claim answer too malformed to report at all
+    DETACHED = "detached"  # let go of at a restart, its task running on: the next agent's
 
 
 class AttemptRecord(BaseModel):
@@ -65,6 +66,8 @@ class AttemptRecord(BaseModel):
     resumed_from_step: int | None = None  # the checkpoint this attempt started from
     checkpoints_shipped: int = 0  # committed by the relay while the task ran (progress)
     checkpoint_step: int | None = None  # the step of the newest one shipped
+    relayed: tuple[str, int] | None = None  # the relay's newest (name, step): shipped or resumed
+    task_started_at: float | None = None  # wall clock: when the task was handed its script
 
     @property
     def lease_id(self) -> str:

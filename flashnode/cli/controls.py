@@ -25,7 +25,7 @@ CHUNK = 64 * 1024
 
 
 def register(main: click.Group) -> None:
-    for command in (pause, resume, logs):
+    for command in (pause, resume, drain, logs):
         main.add_command(command)
 
 
@@ -101,6 +101,62 @@ def resume(config_file: Path | None, state_dir: Path | None) -> None:
         click.echo(f"told the running agent (pid {told}): it takes work again within a second")
     elif removed:
         _tell(directory)
+
+
+# --- drain ---------------------------------------------------------------------------------
+
+
+@click.command()
+@config_option
+@state_dir_option
+@click.option("--wait", is_flag=True, help="Wait until the agent has stopped, saying what runs.")
+def drain(config_file: Path | None, state_dir: Path | None, wait: bool) -> None:
+    """Stop taking work, let running tasks finish, then stop the agent.
+
+    Running tasks get drain_seconds (300 by default) to finish and commit; those still running
+    then are stopped (their leases lapse: not the tasks' failure). Asked twice, they are stopped
+    now. Under systemd the service stays stopped until `systemctl start flashnode`. A plain
+    `systemctl stop` or `restart` does not wait: running tasks run on for the next start to
+    re-attach (reattach_seconds)."""
+    directory = state_dir_of(config_file, state_dir)
+    snapshot = status.read(directory)
+    pid = _signal(directory, "drain")
+    if snapshot is None or pid is None:
+        click.echo("no agent is running on this state dir")
+        return
+    running = snapshot.get("running") or []
+    click.echo(f"the agent (pid {pid}) drains: it takes no new work; {len(running)} task(s) run")
+    for attempt in running:
+        if isinstance(attempt, dict):
+            click.echo(f"  {status.attempt_line(attempt, time.time())}")
+    if not wait:
+        return
+    shown = ""
+    while _alive(pid):
+        now = status.read(directory)
+        text = str(now.get("state") or "") if now is not None and now.get("pid") else ""
+        if text and text != shown:
+            click.echo(f"  {sanitise(text)}")
+            shown = text
+        time.sleep(1.0)
+    click.echo("the agent has stopped")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _tell(directory: Path) -> None:

@@ -43,7 +43,7 @@ from flashnode.owner import ledgerview, metrics, pausefile, statelock
 from flashnode.owner.ledger import Ledger
 from flashnode.owner.ledgerview import LedgerView
 from flashnode.owner.status import Sinks, TerminalLine
-from flashnode.owner.systemd import Notifier
+from flashnode.owner.systemd import Notifier, machine_stopping
 from flashnode.runners import preflight
 from flashnode.runners.background import Background
 from flashnode.runners.base import Runner, RunnerEnv, runner_class
@@ -52,6 +52,10 @@ from flashnode.sandbox import cgroups, diskuse
 from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs.helpers import json_schema_problem
 from flashnode.sandbox.procs.keyrings import private_session_keyring
+
+# What the owner's commands send a running agent (listed in status.json, so that a command never
+# signals an agent that does not handle it): the pause file's, and `flashnode drain`'s.
+SIGNALS = {**pausefile.SIGNALS, "drain": signal.SIGRTMIN + 2}
 
 log = logging.getLogger("flashnode")
 
@@ -360,7 +364,8 @@ def _run_agent(
         limits=limits_of,
         controls=controls,
         health=health,
-        status_extra={"signals": {k: int(v) for k, v in pausefile.SIGNALS.items()}},
+        status_extra={"signals": {k: int(v) for k, v in SIGNALS.items()}},
+        machine_stopping=machine_stopping,
         totals=given.totals,
     )
     readers.task_cpu = agent.task_cpu  # every running task, containers included
@@ -376,6 +381,9 @@ def _run_agent(
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         agent.request_stop()
+
+    def on_drain(signum: int, frame: FrameType | None) -> None:
+        agent.request_drain()
 
     def on_hangup(signum: int, frame: FrameType | None) -> None:
         agent.request_reload()
@@ -394,6 +402,7 @@ def _run_agent(
         (pausefile.SIGNALS["pause"], on_pause("drain")),
         (pausefile.SIGNALS["pause_now"], on_pause("now")),
         (pausefile.SIGNALS["resume"], on_resume),
+        (SIGNALS["drain"], on_drain),  # `flashnode drain`
     ]
     previous = [(sig, signal.signal(sig, handler)) for sig, handler in handlers]
     console = _console(settings, agent, coordinator, ring, source, given)

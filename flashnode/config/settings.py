@@ -80,6 +80,10 @@ class Settings(BaseModel):
     max_task_seconds: float = Field(default=24 * 3600.0, gt=0)
     kill_grace_seconds: float = Field(default=10.0, ge=0)
     drain_seconds: float = Field(default=300.0, ge=0)
+    # How long a running task waits for the agent to come back after it went (a restart, a
+    # crash) before its supervisor ends it: well inside the leases the coordinator gives (60 s
+    # and more), so that a returning agent still renews them.
+    reattach_seconds: float = Field(default=30.0, ge=0, le=3600)
     allowed_images: tuple[str, ...] = ()
     pull_images: bool = False
     container_user: str | None = None
@@ -182,6 +186,7 @@ class Settings(BaseModel):
         "max_task_seconds",
         "kill_grace_seconds",
         "drain_seconds",
+        "reattach_seconds",
     )
     @classmethod
     def _finite(cls, value: float) -> float:

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from flashnode.attempt import AttemptContext
+from flashnode.attempt import AttemptContext, Outcome
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.messages import NodeRegistration
@@ -62,6 +62,14 @@ __all__ = ["Agent", "AgentCoordinator", "effective_slots"]
 log = logging.getLogger(__name__)
 
 TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
+# A stop lets go of running tasks in seconds: an attempt elsewhere than its task's run (staging,
+# an upload) is stopped with at most this grace, and the agent waits at most this long in all.
+DETACH_GRACE_S = 3.0
+DETACH_WAIT_S = 7.0
+# While the machine shuts down, tasks get at most this grace, and the agent waits this long in
+# all (the relay's last sweep ships the newest checkpoint meanwhile).
+POWEROFF_GRACE_S = 8.0
+POWEROFF_WAIT_S = 13.0
 
 
 class Agent:
@@ -80,6 +88,7 @@ class Agent:
         status_extra: dict[str, Any] | None = None,
         totals: Callable[[], dict[str, Any]] | None = None,
         limits: Callable[[Settings], Limits] | None = None,
+        machine_stopping: Callable[[], bool] | None = None,
     ) -> None:
         """``ctx``: the edges every attempt is given, and the configuration the agent starts
         with (``settings``, ``limits``; after a reload the current one is ``reloader.current``,
@@ -91,7 +100,11 @@ class Agent:
         settings, as one line per problem (the preflight; none: always healthy).
         ``status_extra``: more for status.json (what owners' commands may use to reach it).
         ``totals``: what this node gave, today and all time (from the ledger: it survives
-        restarts), for status.json. Counts go to ``ctx.metrics``."""
+        restarts), for status.json. ``machine_stopping``: whether the machine is shutting down
+        (a stop then ends running tasks instead of letting go of them). Counts go to
+        ``ctx.metrics``."""
+        self._machine_stopping = machine_stopping or (lambda: False)
+        self.rejoined = 0  # tasks an earlier run let go of, rejoined at the start
         self.ctx = ctx
         self.clock = clock or ctx.clock
         self.controls = controls
@@ -144,8 +157,14 @@ class Agent:
     # --- control (safe to call from a signal handler: sets flags only) ------------------------
 
     def request_stop(self) -> None:
-        """First call: drain. Second call: stop now, still cleaning up."""
+        """Leave now (SIGTERM): running tasks are let go of for the next start of the agent to
+        rejoin, or, while the machine shuts down, stopped with their grace (``shutdown``)."""
         self.drain.request_stop()
+
+    def request_drain(self) -> None:
+        """``flashnode drain``: no new claims, running attempts may finish for
+        ``drain_seconds``; a second request stops them now, still cleaning up."""
+        self.drain.request_drain()
 
     def request_reload(self) -> None:
         """Re-read the configuration (pools, limits) and register again."""
@@ -172,14 +191,21 @@ class Agent:
             raise fatal
 
     def startup(self) -> None:
-        """Before any claim: reap what an earlier run of this agent left running, commit the
-        results it finished (the outbox), let the rest lapse, and remove workspaces no record
-        names."""
-        recover(self.reloader.snapshot(self.ctx), self.workers.count)
+        """Before any claim: rejoin the tasks an earlier run of this agent let go of, commit
+        the results it finished (the outbox), reap and let lapse the rest, and remove
+        workspaces no record names."""
+        rejoined = recover(self.reloader.snapshot(self.ctx), self.workers.count)
+        for attempt, handle in rejoined:
+            self.workers.adopt(attempt, handle)
+        self.rejoined = len(rejoined)
+        if rejoined:
+            log.info("re-attached %d task(s) after a restart", len(rejoined))
         self.sink.send(READY=1)
 
     def _loop(self) -> None:
         while True:
+            if self.drain.leaving:
+                return
             self.sink.tick()
             now = self.clock.monotonic()
             self._take_endings()
@@ -216,21 +242,40 @@ class Agent:
             self._wake.clear()
 
     def shutdown(self, abrupt: bool = False) -> None:
-        """Stop every running attempt (left to lapse: not the tasks' fault), wait for each to
-        end and be recorded, say goodbye to the coordinator, publish the final status."""
-        s = self.settings
+        """End the loop's work in seconds. After a stop (SIGTERM), running tasks are let go of
+        for the next start of the agent to rejoin (an attempt elsewhere than its task's run is
+        stopped); while the machine shuts down, or after a drain or a fatal error, every running
+        attempt is stopped (left to lapse: not the tasks' fault; the relay ships the newest
+        checkpoint its task left). Then each is waited for and recorded, the coordinator told
+        goodbye (unless tasks run on), the final status published."""
+        s, now = self.settings, self.clock.monotonic()
         left = self.workers.running()
         if left:
-            log.info("stopping %d running attempt(s)", left)
-            self.workers.cancel_all(
-                Stopped("agent stopping"), 0.0 if abrupt else s.kill_grace_seconds
-            )
-            deadline = self.clock.monotonic() + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
+            if self.drain.leaving and not abrupt and not self._machine_stopping():
+                log.info("leaving %d running attempt(s) to the next start of the agent", left)
+                self.workers.detach_all(min(s.kill_grace_seconds, DETACH_GRACE_S))
+                deadline = now + DETACH_WAIT_S
+            elif self.drain.leaving and not abrupt:
+                log.info("the machine shuts down: stopping %d running attempt(s)", left)
+                grace = min(s.kill_grace_seconds, POWEROFF_GRACE_S)
+                self.workers.cancel_all(Stopped("the machine shuts down"), grace)
+                deadline = now + POWEROFF_WAIT_S
+            else:
+                log.info("stopping %d running attempt(s)", left)
+                grace = 0.0 if abrupt else s.kill_grace_seconds
+                self.workers.cancel_all(Stopped("agent stopping"), grace)
+                deadline = now + s.kill_grace_seconds + SHUTDOWN_MARGIN_S
             late = self.workers.wait_all(deadline, self._wake, self.sink.tick)
             if late:
                 log.error("%d attempt(s) did not end in time", late)
-        self._take_endings()
-        if not abrupt:
+        detached = self._take_endings()
+        if detached:
+            log.info(
+                "%d task(s) run on for the next start (reattach_seconds %g)",
+                detached,
+                s.reattach_seconds,
+            )
+        elif not abrupt:
             self.session.goodbye()
         try:
             self.ctx.runner.close()
@@ -250,12 +295,17 @@ class Agent:
         self.workers.obey(d, self.settings.kill_grace_seconds)
         self.ctx.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
 
-    def _take_endings(self) -> None:
+    def _take_endings(self) -> int:
         """Act on the attempts that ended: the node's own holds learn how, and the node
-        claims again at once."""
+        claims again at once. How many were let go of (their tasks run on)."""
+        detached = 0
         for ended in self.workers.ended():
+            if ended.outcome is Outcome.DETACHED:
+                detached += 1
+                continue
             self.holds.ended(ended.ending, ended.attempt.lease_id)
             self.session.attempt_ended(ended.at)
+        return detached
 
     def _quota_spent(self) -> bool:
         m = self.settings.max_tasks
@@ -315,4 +365,5 @@ class Agent:
             decision=self.decision,
             last_ended=self.workers.last_ended,
             reload_refused=self.reloader.refused,
+            rejoined=self.rejoined,
         )

@@ -1,8 +1,10 @@
-"""The node's stop: a drain first (no new claims, running attempts given ``drain_seconds``), then
-the attempts left stopped; a second stop request stops them at once.
+"""The node's stops. A stop (SIGTERM: a restart, an upgrade, a shutdown) leaves at once: the
+loop ends and the agent's shutdown lets go of running tasks, or stops them when the machine shuts
+down. A drain (``flashnode drain``, a package's removal): no new claims, running attempts given
+``drain_seconds``, then the attempts left stopped; a second drain request stops them at once.
 
-``Drain`` owns the stop requests (set from a signal handler: flags only) and the drain's clock:
-when it started, when it stops what is left, and telling systemd the stop takes longer.
+``Drain`` owns the requests (set from a signal handler: flags only) and the drain's clock: when
+it started, when it stops what is left, and telling systemd the stop takes longer.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ SHUTDOWN_MARGIN_S = 30.0  # for the last reports of stopped attempts
 class Drain:
     def __init__(self) -> None:
         self.draining = False
+        self.leaving = False  # a stop: the loop ends now
         self.stop_now = False
         self._started = False
         self._deadline = 0.0
         self._extend_at = 0.0
 
     def request_stop(self) -> None:
-        """First call: drain. Second call: stop now, still cleaning up."""
+        """Leave now (the agent's shutdown says what becomes of running attempts)."""
+        self.leaving = True
+
+    def request_drain(self) -> None:
+        """First call: drain. Second call: stop the running attempts now, still cleaning up."""
         if self.draining:
             self.stop_now = True
         self.draining = True

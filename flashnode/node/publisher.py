@@ -43,6 +43,7 @@ class NodeView:
     decision: Decision
     last_ended: Mapping[str, Any] | None
     reload_refused: Mapping[str, Any] | None
+    rejoined: int = 0  # tasks an earlier run let go of, re-attached at this run's start
 
 
 class _Quiet:
@@ -104,6 +105,7 @@ class Publisher:
             "controls": view.decision.snapshot(),
             "last_ended": None if view.last_ended is None else dict(view.last_ended),
             "reload_refused": None if view.reload_refused is None else dict(view.reload_refused),
+            "rejoined": view.rejoined,
             "updated_at": self.clock.wall(),
             **self._extra,
         }

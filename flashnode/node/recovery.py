@@ -1,8 +1,9 @@
 """What an earlier run of this agent left, dealt with before the first claim.
 
-``recover`` commits the results an earlier run finished (the outbox), lets the rest lapse (their
-processes reaped first), has the runner reconcile what it left, and removes the workspaces no
-record names, with a ledger line each.
+``recover`` rejoins the tasks an earlier run let go of at a restart (their attempts are handed
+back, to go on in their slots), commits the results it finished (the outbox), lets the rest
+lapse (their processes reaped first), has the runner reconcile what it left, and removes the
+workspaces no record names, with a ledger line each.
 """
 
 from __future__ import annotations
@@ -11,23 +12,29 @@ import logging
 from collections.abc import Callable
 
 from flashnode.attempt import Attempt, AttemptContext, Outcome
-from flashnode.attempt.record import State
+from flashnode.attempt.record import State, workspace_of
 from flashnode.coordinator.ids import SAFE_ID
+from flashnode.runners.base import Handle
 from flashnode.sandbox.removal import remove_stale_workspaces
 
 log = logging.getLogger(__name__)
 
 
-def recover(ctx: AttemptContext, count: Callable[[Outcome], None]) -> None:
+def recover(ctx: AttemptContext, count: Callable[[Outcome], None]) -> list[tuple[Attempt, Handle]]:
     """Deal with every leftover, each ending ``count``ed; ``ctx`` is what a recovered attempt
-    is given. One bad leftover does not keep the agent from starting."""
+    is given. The attempts whose tasks run on, rejoined, are returned to be carried on. One bad
+    leftover does not keep the agent from starting."""
     outbox = ctx.outbox
+    rejoined: list[tuple[Attempt, Handle]] = []
     for lease_id in outbox.leases():
         try:
-            _recover(ctx, lease_id, count)
+            found = _recover(ctx, lease_id, count)
         except Exception:
             log.exception("lease %s: recovery failed; dropping its record", lease_id)
             outbox.remove(lease_id)
+            continue
+        if found is not None:
+            rejoined.append(found)
     try:
         ctx.runner.reconcile()
         keep = set(outbox.leases())
@@ -37,20 +44,29 @@ def recover(ctx: AttemptContext, count: Callable[[Outcome], None]) -> None:
                 count(Outcome.LAPSED)
     except Exception:
         log.exception("cleaning up after an earlier run failed")
+    return rejoined
 
 
-def _recover(ctx: AttemptContext, lease_id: str, count: Callable[[Outcome], None]) -> None:
+def _recover(
+    ctx: AttemptContext, lease_id: str, count: Callable[[Outcome], None]
+) -> tuple[Attempt, Handle] | None:
     record = ctx.outbox.read(lease_id)
     if record is None:
         ctx.outbox.remove(lease_id)
-        return
+        return None
+    attempt = Attempt(ctx, record.lease, record.slot, record=record)
+    if record.state is State.RUNNING and record.process and SAFE_ID.match(lease_id):
+        workspace = workspace_of(ctx.settings.state_dir, lease_id, record.task_uid)
+        handle = ctx.runner.rejoin(record.process, record.slot, workspace, attempt.wake.set)
+        if handle is not None:
+            return attempt, handle
     if record.process:
         ctx.runner.reap(record.process)
-    attempt = Attempt(ctx, record.lease, record.slot, record=record)
     if record.state is State.FINISHED:
         count(attempt.resume())
     else:
         count(attempt.abandon("agent restarted"))
+    return None
 
 
 def _ledger_lapsed(ctx: AttemptContext, lease_id: str, reason: str) -> bool:

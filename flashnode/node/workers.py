@@ -32,6 +32,7 @@ from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 from flashnode.evidence.gpupool import Device
 from flashnode.node.decision import Decision
 from flashnode.node.guard import Ending
+from flashnode.runners.base import Handle
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,15 @@ class Workers:
             self._running[key] = attempt
         self._ctx.start_thread(lambda: self._run(key, attempt), f"attempt-{key}")
 
+    def adopt(self, attempt: Attempt, handle: Handle) -> None:
+        """Carry on, in its recorded slot, an attempt whose task an earlier run of the agent
+        let go of (``handle``: that task, rejoined)."""
+        with self._lock:
+            self.stats.started += 1
+            key = self.stats.started
+            self._running[key] = attempt
+        self._ctx.start_thread(lambda: self._run(key, attempt, handle), f"attempt-{key}")
+
     def _reserve_gpus(self, lease: dict[str, Any]) -> list[Device]:
         """Take the GPUs a lease asks for now, in the loop, so that the next claim already
         sees them held; the attempt checks the request properly (and ends it with a reason)."""
@@ -170,11 +180,11 @@ class Workers:
         except AttemptFailed:
             return []
 
-    def _run(self, key: int, attempt: Attempt) -> None:
+    def _run(self, key: int, attempt: Attempt, rejoined: Handle | None = None) -> None:
         outcome = Outcome.FAILED
         started = self._clock.monotonic()
         try:
-            outcome = attempt.run()
+            outcome = attempt.run() if rejoined is None else attempt.rejoin(rejoined)
         finally:
             now = self._clock.monotonic()
             with self._lock:
@@ -229,6 +239,11 @@ class Workers:
     def cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
         for attempt in self.attempts():
             attempt.cancel(ending, grace)
+
+    def detach_all(self, grace: float) -> None:
+        """The agent restarts: running tasks are let go of; other attempts are stopped."""
+        for attempt in self.attempts():
+            attempt.detach(grace)
 
     def wait_all(self, deadline: float, wake: threading.Event, tick: Callable[[], None]) -> int:
         """Wait until every attempt has ended or ``deadline`` (monotonic) passes, calling

@@ -1,4 +1,6 @@
-"""sd_notify: the datagram protocol on ``$NOTIFY_SOCKET``; a no-op outside systemd.
+"""sd_notify: the datagram protocol on ``$NOTIFY_SOCKET``; a no-op outside systemd. And
+whether the machine is shutting down (``machine_stopping``), which makes a stop end the tasks
+instead of letting go of them.
 
 The main loop calls ``tick`` on every turn; it sends ``WATCHDOG=1`` at half the watchdog interval
 (``$WATCHDOG_USEC``), so a loop that stops turning is restarted by systemd.
@@ -9,10 +11,30 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from flashnode.sanitise import sanitise
+
+
+def machine_stopping(booted: Path = Path("/run/systemd/system")) -> bool:
+    """Whether the machine is shutting down: systemd's manager says ``stopping`` (a shutdown
+    target is queued). False without systemd, or when it cannot be asked."""
+    if not booted.is_dir():
+        return False
+    try:
+        done = subprocess.run(
+            ["systemctl", "is-system-running"],
+            capture_output=True,
+            text=True,
+            timeout=3,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.stdout.strip() == "stopping"
 
 
 class Notifier:

@@ -16,8 +16,11 @@
   the RunResult: data, not an exception. ``suspend()``/``resume()`` freeze and thaw the whole
   task for the owner's controls (the cgroup freezer or SIGSTOP; a container's pause); a
   suspended task is resumed before it is terminated.
-* ``reconcile`` runs at agent start and removes what an earlier run of this agent left behind;
-  ``reap`` does it for one recorded task.
+* A Handle's ``detach()`` lets go of a running task when the agent restarts; the next agent's
+  ``rejoin`` takes it over from its recorded identity (a runner that cannot returns False and
+  None: the task is ended and its lease lapses).
+* ``reconcile`` runs at agent start (after every ``rejoin``) and removes what an earlier run of
+  this agent left behind; ``reap`` does it for one recorded task.
 
 Runners are chosen by name from ``RUNNERS`` and imported only when chosen (the Docker SDK costs
 an agent that never uses it memory).
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -90,6 +93,11 @@ class Handle(Protocol):
     def last_output(self) -> str:
         """The last line the task printed (stdout or stderr, whichever was latest), escaped for
         a terminal; "" before any."""
+
+    def detach(self) -> bool:
+        """Let go of the running task without ending it (the agent restarts): True when it runs
+        on, for the next agent to ``rejoin`` by its recorded identity until
+        ``reattach_seconds`` pass; False when it cannot (the caller ends it)."""
 
 
 class SuspendFailed(Exception):
@@ -154,6 +162,18 @@ class Runner(ABC):
 
     def reconfigure(self, settings: Settings) -> None:  # noqa: B027 - optional hook
         """Take a reloaded configuration (pools, limits). Runs off the main loop's thread."""
+
+    def rejoin(
+        self,
+        identity: Mapping[str, Any],
+        slot: int,
+        workspace: Workspace,
+        on_exit: Callable[[], None],
+    ) -> Handle | None:
+        """The task an earlier run of this agent started and let go of (``Handle.detach``),
+        from its recorded identity, taken over as if this run had started it; None when it is
+        gone (then ``reap`` it). ``on_exit``: called once its main process has exited."""
+        return None
 
     def reap(self, identity: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Remove what an earlier run of this agent left of one task, from its recorded

@@ -169,11 +169,12 @@ class SlotPool:
         if old is not None:
             old.discard()
 
-    def reconcile(self) -> None:
+    def reconcile(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
         """Remove the cgroups of the chains an earlier run of this agent kept ahead (a crash
-        left them; the chains themselves exit with their pipe)."""
+        left them; the chains themselves end with their supervisor), but those in ``keep``
+        (tasks started in them that this run rejoined)."""
         if self._hierarchy is not None:
-            swept = self._hierarchy.sweep(self.prefix)
+            swept = self._hierarchy.sweep(self.prefix, keep)
             if swept:
                 log.info("removed %d cgroup(s) an earlier run made ahead", swept)
 

@@ -34,11 +34,12 @@ flashnode.runners.trustedhandle.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,15 @@ from flashnode.sandbox.procs.mounts import (
     cover_fstab,
     private_table,
 )
+from flashnode.sandbox.procs.supervisor import Gone, Supervised
 from flashnode.sandbox.procs.task import TaskProcess
+from flashnode.sandbox.removal import remove_tree
 from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
 LOCALE = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
+SUPERVISORS = "tasks"  # <state dir>/tasks/<dir>: each running task's supervisor
 PRIVATE_TMP_BYTES = 256 * 1024 * 1024
 
 
@@ -135,7 +139,10 @@ class TrustedRunner(Runner):
             hierarchy,
             self._blank_sandbox,
             ahead=sandbox and users is not None and under_private_dir(settings.state_dir) is None,
+            launcher=self._chain,
         )
+        self._rejoined: set[str] = set()  # the supervisors' directories of rejoined tasks
+        self._rejoined_cgroups: set[str] = set()  # ... and their cgroups' names
 
     # --- construction -----------------------------------------------------------------------
 
@@ -342,7 +349,17 @@ class TrustedRunner(Runner):
         self.slots.turn_over(slot, user, cgroup)
 
     def reconcile(self) -> None:
-        self.slots.reconcile()
+        keep = {Path(home).name for home in self._rejoined}
+        self.slots.reconcile(keep=self._rejoined_cgroups)
+        supervisors = self.settings.state_dir / SUPERVISORS
+        with contextlib.suppress(OSError):
+            for home in supervisors.iterdir():
+                if home.name in keep:
+                    continue
+                try:  # one that answers ends its task by itself when no agent comes back
+                    Supervised.connect(home).detach()
+                except Gone:
+                    remove_tree(home)
 
     def close(self) -> None:
         self.slots.close()
@@ -463,13 +480,48 @@ class TrustedRunner(Runner):
             except OSError as exc:
                 raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
         try:
-            return Launch(cwd, cgroup, user, sandbox)
+            return self._chain(cwd, cgroup, user, sandbox)
         except OSError as exc:  # its programs are the node's (unshare, setpriv, sh)
             if cgroup is not None:
                 cgroup.remove()
             raise AttemptLapsed(
                 f"cannot start the launch of {program[:100]!r}: {exc.strerror or exc}"
             ) from None
+
+    def _chain(
+        self,
+        cwd: Path,
+        cgroup: cgroups.AttemptCgroup | None,
+        user: procs.TaskUser | None,
+        sandbox: Sandbox | None,
+    ) -> Launch:
+        """A chain under its supervisor, in the state dir: it outlives this agent's restart."""
+        s = self.settings
+        return Launch(cwd, cgroup, user, sandbox, s.state_dir / SUPERVISORS, s.reattach_seconds)
+
+    def rejoin(
+        self,
+        identity: Mapping[str, Any],
+        slot: int,
+        workspace: Workspace,
+        on_exit: Callable[[], None],
+    ) -> Handle | None:
+        user = self.users[slot] if self.users and slot < len(self.users) else None
+        if identity.get("uid") != (user.uid if user else os.geteuid()):
+            return None  # not a user this agent holds for that slot now: it cannot be turned over
+        proc = TaskProcess.rejoin(identity, on_exit, self.env.clock)
+        if proc is None:
+            return None
+        cgroup = proc.cgroup
+        name = next(iter(cgroup.paths.values())).name if cgroup else workspace.root.name
+        self._rejoined.add(str(identity.get("supervisor")))
+        self._rejoined_cgroups.add(name)
+        return TrustedHandle(
+            proc,
+            lambda: self._after(slot, user, name, cgroup),
+            private=PRIVATE_DIRS if self.sandbox else (),
+            workspace=workspace.root,
+        )
 
     def _forget(self, name: str) -> None:
         with self._cpu_lock:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.sandbox import diskuse
-from flashnode.sandbox.logcap import latest_line
 from flashnode.sandbox.procs.task import TaskProcess
 
 
@@ -42,13 +41,16 @@ class TrustedHandle:
         if self._result is not None:
             return self._result
         self._proc.kill()  # whatever the task left running
+        lost = self._proc.lost
         self._proc.close()
         oom = self._proc.cgroup.oom_killed() if self._proc.cgroup is not None else False
         self._on_result()
         code = self._proc.returncode
-        tail = self._proc.stderr.tail.decode("utf-8", "replace")
+        tail = self._proc.stderr_tail().decode("utf-8", "replace")
         cause = None
-        if not self._proc.launched:  # no code of the task ran: whatever ended it is the node's
+        if lost:  # how it ended is not known: not held against the task
+            cause = "the task's supervisor ended before the task did"
+        elif not self._proc.launched:  # no code of the task ran: whatever ended it is the node's
             how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
             why = self._proc.setup_failure() or f"it ended before the task started, {how}"
             cause = f"task setup failed ({why})"
@@ -89,4 +91,8 @@ class TrustedHandle:
         self._proc.resume()
 
     def last_output(self) -> str:
-        return latest_line(self._proc.stdout.file, self._proc.stderr.file)
+        return self._proc.last_line()
+
+    def detach(self) -> bool:
+        self._proc.detach()  # it runs on under its supervisor
+        return True

@@ -32,7 +32,7 @@ def test_nothing_happens_until_a_stop_is_requested() -> None:
 
 def test_a_drain_lets_attempts_run_until_its_deadline_then_stops_them_with_the_grace() -> None:
     drain, sink = Drain(), Sink()
-    drain.request_stop()
+    drain.request_drain()
     assert drain.tick(100.0, SETTINGS, sink, running=1) is True
     assert drain.tick(101.0, SETTINGS, sink, running=1) is False  # started once
     assert drain.deadline == 160.0
@@ -46,7 +46,7 @@ def test_a_drain_lets_attempts_run_until_its_deadline_then_stops_them_with_the_g
 
 def test_systemd_is_told_every_five_seconds_how_long_the_stop_may_still_take() -> None:
     drain, sink = Drain(), Sink()
-    drain.request_stop()
+    drain.request_drain()
     for t in range(100, 111):
         drain.tick(float(t), SETTINGS, sink, running=1)
     extends = [f["EXTEND_TIMEOUT_USEC"] for f in sink.sent if "EXTEND_TIMEOUT_USEC" in f]
@@ -57,9 +57,9 @@ def test_systemd_is_told_every_five_seconds_how_long_the_stop_may_still_take() -
 
 def test_a_second_stop_request_stops_the_attempts_at_once_without_grace() -> None:
     drain, sink = Drain(), Sink()
-    drain.request_stop()
+    drain.request_drain()
     drain.tick(100.0, SETTINGS, sink, running=1)
-    drain.request_stop()
+    drain.request_drain()
     ending = drain.stopping(100.0, SETTINGS)
     assert ending is not None
     assert str(ending[0]) == "agent stopping" and ending[1] == 0.0

@@ -111,7 +111,7 @@ def test_a_reload_that_lands_while_the_heartbeat_is_in_flight_claims_nothing_und
 def test_a_stop_requested_while_the_turn_weighs_the_owner_controls_still_drains(
     tmp_path: Path,
 ) -> None:
-    """SIGTERM (systemd's stop, ``flashnode`` upgrades) is a drain: running attempts get
+    """``flashnode drain`` (a package's removal) is a drain: running attempts get
     ``drain_seconds`` to finish. The signal handler only sets a flag, at any moment of a turn.
     Arriving after ``Drain.tick`` but before ``Drain.stopping`` (while the owner controls are
     evaluated, or the ledger flushed), ``stopping`` sees a drain whose deadline was never set
@@ -137,7 +137,7 @@ def test_a_stop_requested_while_the_turn_weighs_the_owner_controls_still_drains(
         def evaluate(self) -> Decision:
             if agent.workers.running() and not asked:
                 asked.append(clock.now)
-                agent.request_stop()  # SIGTERM lands while the rules are weighed
+                agent.request_drain()  # `flashnode drain` lands while the rules are weighed
             return Decision()
 
         def reconfigure(self, rules: object) -> None:

@@ -84,6 +84,9 @@ class WorkingHandle:
     def last_output(self) -> str:
         return f"{self.done:.0f} s of work done"
 
+    def detach(self) -> bool:
+        return False
+
 
 class WorkingRunner(Runner):
     name = "fake"

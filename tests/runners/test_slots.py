@@ -52,7 +52,7 @@ class FakeHierarchy(cgroups.Hierarchy):
         self.events.append(f"create {name}")
         return FakeCgroup(name, self.events)
 
-    def sweep(self, prefix: str) -> int:
+    def sweep(self, prefix: str, keep: object = frozenset()) -> int:
         self.swept.append(prefix)
         return 1
 

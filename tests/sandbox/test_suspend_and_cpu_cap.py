@@ -64,24 +64,33 @@ def states(proc: TaskProcess) -> dict[int, str]:
     return found
 
 
+def unchanged(path: Path, window: float) -> bool:
+    before = path.stat().st_size
+    time.sleep(window)  # a measurement window
+    return path.stat().st_size == before
+
+
 def test_sigstop_suspends_the_whole_tree_detached_children_included(tmp_path: Path) -> None:
     proc = start(tmp_path)
+    stdout = tmp_path / "stdout.txt"
     try:
         members = wait_for(
             "the detached grandchild", lambda: len(states(proc)) >= 2 and states(proc)
         )
         assert len(members) == 2  # the main process and its grandchild, in another session
-        wait_for("a printed line", lambda: "tick" in proc.stdout.file.last_line)
+        wait_for("a printed line", lambda: "tick" in proc.last_line())
         proc.suspend()
         assert set(states(proc).values()) == {"T"}, states(proc)
-        printed = proc.stdout.file.total
         ticks = {pid: procs.cpu_ticks(pid) for pid in members}
+        # What it printed before it stopped reaches the file through its supervisor's pipe.
+        wait_for("its pipe drained into the file", lambda: unchanged(stdout, 0.1))
+        printed = stdout.stat().st_size
         time.sleep(0.5)  # a measurement window, not a synchronisation
-        assert proc.stdout.file.total == printed
+        assert stdout.stat().st_size == printed
         assert {pid: procs.cpu_ticks(pid) for pid in members} == ticks
         proc.resume()
         assert "T" not in set(states(proc).values())
-        wait_for("output again", lambda: proc.stdout.file.total > printed, timeout=5)
+        wait_for("output again", lambda: stdout.stat().st_size > printed, timeout=5)
         # Suspended again, then terminated: the stopped tree still goes at once.
         proc.suspend()
         t0 = time.monotonic()

@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from flashnode.attempt.diskwatch import DiskWatch, Look, full_disk, over_caps
 from flashnode.attempt.phases.data import still_lent
+from flashnode.attempt.phases.relay import Relay
 from flashnode.attempt.record import State
 from flashnode.coordinator.messages import ExecutionEvidence
-from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
+from flashnode.errors import AttemptFailed, AttemptLapsed, Detached, Stopped
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
 from flashnode.runners import plan as plans
 from flashnode.runners.base import Handle, RunResult, SuspendFailed
@@ -42,9 +43,13 @@ from flashnode.sandbox import outputs
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from flashnode.attempt.diskwatch import DiskCaps
     from flashnode.attempt.hooks import AttemptHooks
     from flashnode.attempt.record import Staged
+    from flashnode.evidence.sampler import CpuWindow
     from flashnode.runners.plan import Contribution
+    from flashnode.sandbox.diskuse import Space
+    from flashnode.sandbox.outputs import Usage
     from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -67,6 +72,7 @@ def run(
 
     def record(identity: dict[str, Any]) -> None:
         a.record.process, a.record.task_uid = identity, ws.task_uid
+        a.record.task_started_at = ctx.clock.wall()
         a.save(State.RUNNING)
 
     space, use = ctx.space(), outputs.usage(ws)
@@ -93,6 +99,41 @@ def run(
     launched = ctx.clock.monotonic()  # the task may make files from here on
     with a.timed("execute.start", phase=False):
         a.handle = handle = ctx.runner.start(plan)
+    return _watch(a, staged, handle, (space, use, caps), timeout, cpu, launched)
+
+
+def rejoin(a: AttemptHooks, staged: Staged, handle: Handle) -> ExecutionEvidence:
+    """The task an earlier run of the agent started and let go of, rejoined (``handle``):
+    watched from here to its end as ``run`` watches it, its timeout counted from its start, its
+    checkpoints relayed on from the newest one shipped."""
+    ctx, s, task, ws = a.ctx, a.ctx.settings, staged.task, staged.workspace
+    timeout = min(task.timeout_seconds or s.max_task_seconds, s.max_task_seconds)
+    cpu = ctx.cpu_window()
+    space, use = ctx.space(), outputs.usage(ws)
+    caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
+    a.handle = handle
+    if task.checkpoint is not None:
+        a.during_run.append(Relay(a, staged, a.record.relayed))
+    started = a.record.task_started_at
+    ran = max(ctx.clock.wall() - started, 0.0) if started is not None else 0.0
+    cpu.start()
+    return _watch(a, staged, handle, (space, use, caps), timeout, cpu, ctx.clock.monotonic(), ran)
+
+
+def _watch(
+    a: AttemptHooks,
+    staged: Staged,
+    handle: Handle,
+    disk: tuple[Space | None, Usage, DiskCaps],
+    timeout: float,
+    cpu: CpuWindow,
+    launched: float,
+    ran: float = 0.0,
+) -> ExecutionEvidence:
+    """From the task's start (``ran`` seconds ago: it was rejoined) to its end, sampled and
+    watched; its evidence once it ended well."""
+    ctx, s, lease, ws = a.ctx, a.ctx.settings, staged.lease, staged.workspace
+    space, use, caps = disk
     cores = os.cpu_count() or 1
     sampler = Sampler(
         ctx.clock,
@@ -110,6 +151,8 @@ def run(
         watcher.start(a)
     log.info("lease %s: running (%s runner, timeout %g s)", a.lease_id, ctx.runner.name, timeout)
     t0, cpu0 = sampler.cpu_start
+    if ran:  # its CPU so far is all its own, over all the time it ran
+        t0, cpu0 = t0 - ran, 0.0
     stopped: Exception | None = None
     first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
     max_suspend = s.max_suspend_seconds or lease.window
@@ -117,6 +160,8 @@ def run(
     try:
         with a.timed("execute.wait", phase=False):
             stopped = waited.run()
+        if isinstance(stopped, Detached):
+            raise stopped
         wall = ctx.clock.monotonic() - t0
         with a.timed("execute.result", phase=False):
             host_gpu, task_gpu = sampler.finish()
@@ -127,7 +172,10 @@ def run(
         a.usage = None
         sampler.finish()
         for watcher in a.during_run:
-            watcher.finish(a)
+            if isinstance(stopped, Detached):
+                watcher.stop()
+            else:
+                watcher.finish(a)
     suspended = waited.suspended_total(t0 + wall)
     active = wall - suspended
     if suspended > 0:
@@ -196,6 +244,9 @@ class _Wait:
             if a.keeper is not None and a.keeper.lost.is_set():
                 handle.terminate(min(s.kill_grace_seconds, LOST_GRACE_S))
                 return None
+            if a.detaching and handle.detach():
+                log.info("lease %s: its task runs on for the next agent", a.lease_id)
+                return Detached()
             if a.cancelled is not None:
                 handle.terminate(a.cancel_grace)
                 return a.cancelled

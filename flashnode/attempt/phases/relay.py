@@ -105,6 +105,10 @@ class Relay:
     def start(self, a: AttemptHooks) -> None:
         a.ctx.start_thread(self._run, f"relay-{self._lease.lease_id}")
 
+    def stop(self) -> None:
+        self._exited = True
+        self._wake.set()
+
     def finish(self, a: AttemptHooks) -> None:
         self._exited = True
         self._wake.set()
@@ -247,6 +251,11 @@ class Relay:
         record = self._a.record
         record.checkpoints_shipped += 1
         record.checkpoint_step = c.step
+        record.relayed = (c.name, c.step)
+        try:  # what an agent that rejoins the task relays from
+            self._a.ctx.outbox.write(record)
+        except OSError as exc:
+            log.warning("lease %s: cannot keep the shipped step: %s", lease.lease_id, exc)
         log.info(
             "lease %s: checkpoint step %d shipped (%d file(s), %d bytes)",
             lease.lease_id,

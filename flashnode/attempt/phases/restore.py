@@ -95,6 +95,7 @@ def run(a: AttemptHooks, staged: Staged) -> Contribution:
             if task.module is not None:
                 inputs[RESUME_INPUT] = path
             a.record.resumed_from_step = manifest.step
+            a.record.relayed = restored
             log.info(
                 "lease %s: resuming from step %d (%d file(s), %d bytes)",
                 a.lease_id,

@@ -91,6 +91,9 @@ class ContainerHandle:
             raise SuspendFailed(f"cannot unpause the container ({brief(exc)})") from None
         self._paused = False
 
+    def detach(self) -> bool:
+        return False  # not yet: the agent stops the container, and its lease lapses
+
     def last_output(self) -> str:
         return latest_line(*(capped.file for capped in self._logs))
 

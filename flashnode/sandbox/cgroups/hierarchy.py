@@ -64,13 +64,15 @@ class Hierarchy:
             with contextlib.suppress(OSError):
                 write_cpu(path, self.version, target)
 
-    def sweep(self, prefix: str) -> int:
+    def sweep(self, prefix: str, keep: set[str] | frozenset[str] = frozenset()) -> int:
         """Remove the attempt cgroups whose names start with ``prefix`` (what an earlier run of
-        this agent made ahead and never used: see runners/slots.py); how many."""
+        this agent made ahead and never used: see runners/slots.py), but those in ``keep``; how
+        many."""
         names: set[str] = set()
         for base in self.bases.values():
             with contextlib.suppress(OSError):
                 names.update(p.name for p in base.iterdir() if p.name.startswith(prefix))
+        names -= keep
         for name in names:
             AttemptCgroup(
                 self.version, {c: base / name for c, base in self.bases.items()}, self.clock

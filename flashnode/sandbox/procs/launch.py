@@ -5,27 +5,32 @@ The chain is started first and its last step waits on a pipe; the agent records 
 task runs before the record exists, and one record suffices. The chain can be started ahead,
 before its task is known (the trusted runner starts the next one of a slot while the last task's
 result is committed): nothing of a task is in it until ``go``. A chain whose pipe closes without
-the whole script (the agent gone, ``discard``) exits with ``SETUP_FAILED`` and runs nothing.
+the whole script (the agent gone, ``discard``) exits with ``SETUP_FAILED`` and runs nothing. The
+chain's parent is its supervisor (``supervisor.py``), not the agent: it outlives an agent's
+restart.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
-import subprocess
 from pathlib import Path
 
 from flashnode.sandbox.cgroups import AttemptCgroup
-from flashnode.sandbox.procs import TaskUser, start_time
+from flashnode.sandbox.procs import TaskUser
 from flashnode.sandbox.procs.chain import PRIVILEGED_ENV, command
 from flashnode.sandbox.procs.mounts import Sandbox
+from flashnode.sandbox.procs.supervisor import Supervised, new_home
 
 
 class Launch:
     """A task's chain, started and waiting for its script (see the module docstring): in
     ``cgroup`` and ``sandbox``, as ``user``, in ``cwd`` (bound at ``/work`` where the sandbox
-    says so), its pipes open. ``TaskProcess`` takes it over."""
+    says so), under a supervisor of its own (``supervisor.py``: in a new directory under
+    ``homes``, or a temporary one; it keeps the task ``reattach_seconds`` for an agent that went
+    away to come back). ``TaskProcess`` takes it over."""
 
     def __init__(
         self,
@@ -33,59 +38,75 @@ class Launch:
         cgroup: AttemptCgroup | None = None,
         user: TaskUser | None = None,
         sandbox: Sandbox | None = None,
+        homes: Path | None = None,
+        reattach_seconds: float = 0.0,
     ) -> None:
         self.cgroup, self.user, self.sandbox = cgroup, user, sandbox
         script_r, self.script_w = os.pipe()
-        self.out_r, out_w = os.pipe()
-        self.err_r, err_w = os.pipe()
-        self.fault_r, fault_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        fault_r, fault_w = os.pipe()
+        home = None
         try:
             if user is not None:  # the last step opens these by name, as the user
                 os.fchown(script_r, user.uid, user.gid)
                 os.fchown(err_w, user.uid, user.gid)
-            self.popen = subprocess.Popen(
+            home = new_home(homes)
+            fds = {
+                "script_r": script_r,
+                "out_w": out_w,
+                "err_w": err_w,
+                "fault_w": fault_w,
+                "out_r": out_r,
+                "err_r": err_r,
+                "fault_r": fault_r,
+            }
+            self.supervised = Supervised.start(
                 command(cgroup, user, sandbox, err_w),
-                env=PRIVILEGED_ENV,
-                cwd=cwd,
-                stdin=script_r,
-                stdout=out_w,
-                stderr=fault_w,
-                pass_fds=(err_w,),
-                start_new_session=True,
-                close_fds=True,
-                umask=0o077,
+                cwd,
+                PRIVILEGED_ENV,
+                fds,
+                home,
+                reattach_seconds,
             )
         except BaseException:
-            for fd in (self.script_w, self.out_r, self.err_r, self.fault_r):
-                os.close(fd)
+            os.close(self.script_w)
+            if home is not None:
+                with contextlib.suppress(OSError):
+                    for p in home.iterdir():
+                        p.unlink()
+                    home.rmdir()
             raise
         finally:
-            for fd in (script_r, out_w, err_w, fault_w):
+            for fd in (script_r, out_w, err_w, fault_w, out_r, err_r, fault_r):
                 os.close(fd)
-        self.pid = self.popen.pid
-        self.start_time = start_time(self.pid)
+        self.pid = self.supervised.pid
+        self.start_time = self.supervised.start_time
 
     def alive(self) -> bool:
         """Still waiting (a chain whose setup failed has exited)."""
-        return self.popen.poll() is None
+        sup = self.supervised
+        if not sup.ended and select.select([sup], [], [], 0)[0]:
+            sup.hear()
+        return not sup.ended
 
-    def take(self) -> tuple[int, int, int, int]:
-        """Hand the pipes (script, stdout, stderr, fault channel) to the task that runs in this
-        chain: from here on they are its to close, and ``discard`` leaves them."""
-        fds = (self.script_w, self.out_r, self.err_r, self.fault_r)
-        self.script_w = self.out_r = self.err_r = self.fault_r = -1
-        return fds
+    def take(self) -> int:
+        """Hand the script's pipe to the task that runs in this chain: from here on it is its to
+        close (and the supervisor its to end), and ``discard`` leaves them."""
+        fd, self.script_w = self.script_w, -1
+        return fd
 
     def discard(self) -> None:
         """End a launch no task took: its pipe closes (it exits without running anything), its
-        group is killed, its cgroup removed."""
-        for fd in (self.script_w, self.out_r, self.err_r, self.fault_r):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self.script_w = self.out_r = self.err_r = self.fault_r = -1
+        group is killed, its supervisor ends, its cgroup is removed."""
+        if self.script_w < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.close(self.script_w)
+        self.script_w = -1
         with contextlib.suppress(OSError):
             os.killpg(self.pid, signal.SIGKILL)
-        self.popen.wait()
+        self.supervised.done()
+        self.supervised.remove()
         if self.cgroup is not None:
             self.cgroup.remove()

@@ -2,17 +2,18 @@
 how it is suspended and ended.
 
 Whose fault (``TaskProcess.launched``): until the task's own exec, the chain's stderr is its
-fault channel, a pipe only the agent reads; every step writes why it failed there, and the last
-step writes ``LAUNCHED`` there just before it execs the task, with the task's stderr put in its
-place. No descriptor of that channel is left to the task, so nothing the task prints or exits
-with can make its failure look like its launch's, and a chain that ended without saying
+fault channel, a pipe only the task's supervisor reads; every step writes why it failed there,
+and the last step writes ``LAUNCHED`` there just before it execs the task, with the task's stderr
+put in its place. No descriptor of that channel is left to the task, so nothing the task prints or
+exits with can make its failure look like its launch's, and a chain that ended without saying
 ``LAUNCHED`` never ran any code of the task: the node's fault.
 
 Termination is TERM → grace → KILL over the group, the token holders and the cgroup, repeated
-until nothing of the task is left, on an injected clock. Output goes through pipes to one thread
-per task that keeps a size-capped head and a short tail on disk and sees the main process exit;
-the attempt never waits for a pipe held open by a detached descendant: it ends when the main
-process exits.
+until nothing of the task is left, on an injected clock. The task's supervisor
+(``supervisor.py``), not the agent, is the chain's parent: it copies the output pipes into
+size-capped files, sees the main process exit and keeps its status, so that the agent can go
+away and come back (``detach``, ``rejoin``). The attempt never waits for a pipe held open by a
+detached descendant: it ends when the main process exits.
 
 Suspension (an owner control) freezes the task's cgroup where it has a freezer, else stops its
 tree with SIGSTOP (group and token holders, in rounds until none runs; SIGCONT resumes it). A
@@ -27,12 +28,10 @@ import select
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from flashnode.clock import Clock, SystemClock
 from flashnode.sandbox.cgroups import AttemptCgroup
-from flashnode.sandbox.logcap import CappedFile
 from flashnode.sandbox.procs import (
     KILL_ROUNDS_S,
     OWNER_ENV,
@@ -45,35 +44,23 @@ from flashnode.sandbox.procs import (
 from flashnode.sandbox.procs.chain import LAUNCHED, env_script
 from flashnode.sandbox.procs.launch import Launch
 from flashnode.sandbox.procs.mounts import Sandbox
+from flashnode.sandbox.procs.supervisor import Gone, Supervised
 
-READ_CHUNK = 64 * 1024
 STOP_ROUNDS_S = 2.0  # SIGSTOP rounds: until no process of the task is left running
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-FAULT_BYTES = 4096  # what is kept of a fault channel
-
-
-@dataclass(frozen=True)
-class Stream:
-    """One of the task's output streams as captured: its size-capped file and its tail."""
-
-    file: CappedFile
-
-    @property
-    def tail(self) -> bytes:
-        return self.file.tail
-
-
 GO_TIMEOUT_S = 30.0  # the longest the chain may take to read its script
+WATCH_S = 0.2  # how often the watcher looks whether it is to stop watching
 
 
 class TaskProcess:
-    """A started task: its main process, its group, its token, its cgroup and its output.
+    """A started task: its main process, its group, its token, its cgroup and its supervisor.
 
     ``launch``: a chain started ahead for it (else one is started here, in ``cwd``, ``cgroup``
-    and ``sandbox``, as ``user``). ``workdir``: where the task starts, as it sees it (default
-    ``cwd``). ``hold``: do not send the task its script yet (``go``): the caller first records
-    ``identity()``. ``max_file_bytes``: the largest file the task may make
-    (``env_script``)."""
+    and ``sandbox``, as ``user``, its supervisor in a new directory under ``homes``). ``workdir``:
+    where the task starts, as it sees it (default ``cwd``). ``hold``: do not send the task its
+    script yet (``go``): the caller first records ``identity()``. ``max_file_bytes``: the largest
+    file the task may make (``env_script``). Its output goes to ``stdout`` and ``stderr``, each
+    capped at ``log_max_bytes``, written by its supervisor."""
 
     def __init__(
         self,
@@ -92,41 +79,86 @@ class TaskProcess:
         hold: bool = False,
         workdir: Path | None = None,
         max_file_bytes: int | None = None,
+        homes: Path | None = None,
+        reattach_seconds: float = 0.0,
     ) -> None:
         # First: a script that cannot be made (what cannot be encoded) fails before any chain.
         script = env_script(env, argv, workdir or cwd, max_file_bytes)
         if launch is None:
-            launch = Launch(cwd, cgroup, user, sandbox)
-        self.token = env[OWNER_ENV]
-        self.uid = launch.user.uid if launch.user else os.geteuid()
+            launch = Launch(cwd, cgroup, user, sandbox, homes, reattach_seconds)
+        uid = launch.user.uid if launch.user else os.geteuid()
         # Without a cgroup, a child that drops the token and leaves the group is found only by
         # its uid: a slot's own user runs nothing but this slot's task, so all of its processes
         # are the task's (one agent per set of task users: README).
-        self.whole_uid = launch.user is not None and launch.cgroup is None
-        self._uid_filter = self.uid if self.whole_uid else None
-        self.cgroup = launch.cgroup
-        self._clock = clock or SystemClock()
+        whole_uid = launch.user is not None and launch.cgroup is None
+        self._watch_over(
+            launch.supervised, env[OWNER_ENV], uid, whole_uid, launch.cgroup, clock, on_exit
+        )
         self._script: bytes | None = script
-        self._popen = launch.popen
-        self.pid = launch.pid
-        self.start_time = launch.start_time
+        self._script_w = launch.take()
+        with contextlib.suppress(OSError):  # the supervisor went: the watcher sees it
+            self._sup.tell_task(stdout, stderr, log_max_bytes, self.identity())
+        self._start_watcher()
+        if not hold:
+            self.go()
+
+    def _watch_over(
+        self,
+        sup: Supervised,
+        token: str,
+        uid: int,
+        whole_uid: bool,
+        cgroup: AttemptCgroup | None,
+        clock: Clock | None,
+        on_exit: Callable[[], None],
+    ) -> None:
+        self._sup = sup
+        self.token, self.uid, self.whole_uid, self.cgroup = token, uid, whole_uid, cgroup
+        self._uid_filter = uid if whole_uid else None
+        self._clock = clock or SystemClock()
+        self.pid = sup.pid
+        self.start_time = sup.start_time
         self._ticks: dict[tuple[int, int], int] = {}
         self.exited = threading.Event()
         self.suspended = False
         self._on_exit = on_exit
         self._closing = threading.Event()
-        self.stdout = Stream(CappedFile(stdout, log_max_bytes))
-        self.stderr = Stream(CappedFile(stderr, log_max_bytes))
-        self._fault = bytearray()  # what the chain said on its fault channel (FAULT_BYTES)
-        self._fault_end = b""  # and its last bytes
-        self._script_w, out_r, err_r, fault_r = launch.take()
-        self._watcher = threading.Thread(
-            target=self._watch, args=(out_r, err_r, fault_r), name=f"task-{self.pid}"
-        )
-        self._watcher.daemon = True
+        self._script = None
+        self._script_w = -1
+
+    def _start_watcher(self) -> None:
+        self._watcher = threading.Thread(target=self._watch, name=f"task-{self.pid}", daemon=True)
         self._watcher.start()
-        if not hold:
-            self.go()
+
+    @classmethod
+    def rejoin(
+        cls,
+        identity: Mapping[str, object],
+        on_exit: Callable[[], None],
+        clock: Clock | None = None,
+    ) -> TaskProcess | None:
+        """The task an earlier run of the agent started (its recorded ``identity``), taken over
+        from its supervisor; None when its supervisor is gone or holds another process."""
+        home, token, uid = identity.get("supervisor"), identity.get("token"), identity.get("uid")
+        if not isinstance(home, str) or not isinstance(token, str) or not isinstance(uid, int):
+            return None
+        try:
+            sup = Supervised.connect(Path(home))
+        except Gone:
+            return None
+        if sup.pid != identity.get("pid") or sup.start_time != identity.get("start_time"):
+            sup.detach()
+            return None
+        paths, version = identity.get("cgroup"), identity.get("cgroup_version")
+        cgroup = None
+        if isinstance(paths, dict) and version in (1, 2):
+            cgroup = AttemptCgroup(version, {k: Path(v) for k, v in paths.items()}, clock)
+        proc = cls.__new__(cls)
+        whole = identity.get("whole_uid") is True
+        proc._watch_over(sup, token, uid, whole, cgroup, clock, on_exit)
+        proc.suspended = cgroup is not None and cgroup.frozen()
+        proc._start_watcher()
+        return proc
 
     def go(self) -> None:
         """Send the task its script: from here on, the task's own code runs. A chain that ended
@@ -147,6 +179,7 @@ class TaskProcess:
             pass
         finally:
             os.close(fd)
+            self._script_w = -1
 
     def pids(self) -> set[int]:
         """The task's live processes now (its cgroup, else its group and token holders); each
@@ -170,7 +203,8 @@ class TaskProcess:
         return sum(self._ticks.values()) / CLOCK_TICKS
 
     def identity(self) -> dict[str, object]:
-        """What a restarted agent needs to find this task's processes again."""
+        """What a restarted agent needs to find this task's processes again, and its
+        supervisor."""
         return {
             "whole_uid": self.whole_uid,
             "pid": self.pid,
@@ -179,18 +213,19 @@ class TaskProcess:
             "uid": self.uid,
             "cgroup": {k: str(v) for k, v in self.cgroup.paths.items()} if self.cgroup else None,
             "cgroup_version": self.cgroup.version if self.cgroup else None,
+            "supervisor": str(self._sup.home),
         }
-
-    def _wait(self) -> None:
-        self._popen.wait()
-        self.exited.set()
-        self._on_exit()
 
     @property
     def launched(self) -> bool:
         """Whether the chain reached the task's exec (said so on its fault channel); once the
-        main process exited and ``close`` was called. False: no code of the task ever ran."""
-        return self._fault_end == LAUNCHED
+        main process exited. False: no code of the task ever ran."""
+        return self._sup.blob("fault_end").endswith(LAUNCHED)
+
+    @property
+    def lost(self) -> bool:
+        """Its supervisor went without saying how the task ended."""
+        return self._sup.lost
 
     def setup_failure(self) -> str:
         """Why the chain ended before the task's exec, from its fault channel: its last
@@ -198,7 +233,7 @@ class TaskProcess:
         first is its error); "" when it said nothing. Control characters replaced."""
         lines = [
             "".join(c if c.isprintable() else "?" for c in line).strip()
-            for line in bytes(self._fault).decode("utf-8", "replace").splitlines()
+            for line in self._sup.blob("fault").decode("utf-8", "replace").splitlines()
         ]
         lines = [line for line in lines if line]
         ours = [i for i, line in enumerate(lines) if line.startswith("flashnode: ")]
@@ -208,64 +243,28 @@ class TaskProcess:
         tools = [line for line in lines[: ours[-1]] if not line.startswith("flashnode: ")]
         return f"{why}: {tools[0][:200]}" if tools else why
 
-    def _keep_fault(self, chunk: bytes) -> None:
-        room = FAULT_BYTES - len(self._fault)
-        if room > 0:
-            self._fault += chunk[:room]
-        self._fault_end = (self._fault_end + chunk)[-len(LAUNCHED) :]
+    def stderr_tail(self) -> bytes:
+        """The last bytes the task printed on stderr, once it has exited."""
+        return self._sup.blob("stderr_tail")
 
-    def _watch(self, out_fd: int, err_fd: int, fault_fd: int) -> None:
-        """One thread per task: copy both pipes into their files until their writers close
-        them, or, once ``close`` was called, until nothing more is there (a detached descendant
-        holding a pipe never keeps the attempt waiting), and keep what the chain says on its
-        fault channel; and see the main process exit, through a pidfd (where there is none, a
-        thread of its own waits for it)."""
-        streams: dict[int, CappedFile | None] = {
-            out_fd: self.stdout.file,
-            err_fd: self.stderr.file,
-            fault_fd: None,
-        }
-        pidfd: int | None = None
-        try:
-            pidfd = os.pidfd_open(self.pid)
-        except OSError:
-            threading.Thread(target=self._wait, name=f"wait-{self.pid}", daemon=True).start()
+    def last_line(self) -> str:
+        """The last line the task printed (its supervisor writes it about once a second)."""
+        return self._sup.last_line()
+
+    def _watch(self) -> None:
+        """One thread per task: what its supervisor says, until the main process exited (or
+        the supervisor went), or the agent lets go of the task (``close``, ``detach``)."""
         poller = select.poll()
-        for fd in [*streams, *([pidfd] if pidfd is not None else [])]:
-            poller.register(fd, select.POLLIN)
-        try:
-            while streams or pidfd is not None:
-                ready = [fd for fd, _ in poller.poll(200)]
-                if not ready and self._closing.is_set() and pidfd is None:
-                    return
-                for fd in ready:
-                    if fd != pidfd and fd not in streams:
-                        continue
-                    if fd == pidfd:
-                        poller.unregister(pidfd)
-                        os.close(pidfd)
-                        pidfd = None
-                        self._wait()
-                        continue
-                    chunk = os.read(fd, READ_CHUNK)
-                    sink = streams[fd]
-                    if chunk and sink is None:
-                        self._keep_fault(chunk)
-                    elif chunk and sink is not None:
-                        sink.write(chunk)
-                    else:
-                        del streams[fd]
-                        poller.unregister(fd)
-                        os.close(fd)
-        finally:
-            for fd in [*streams, *([pidfd] if pidfd is not None else [])]:
-                os.close(fd)
-            self.stdout.file.close()
-            self.stderr.file.close()
+        poller.register(self._sup.fileno(), select.POLLIN)
+        while not self._closing.is_set():
+            if poller.poll(WATCH_S * 1000) and self._sup.hear():
+                self.exited.set()
+                self._on_exit()
+                return
 
     @property
     def returncode(self) -> int | None:
-        return self._popen.returncode if self.exited.is_set() else None
+        return self._sup.returncode if self.exited.is_set() else None
 
     def suspend(self) -> None:
         """Stop the task from running: its cgroup's freezer, else SIGSTOP to its group and every
@@ -330,12 +329,22 @@ class TaskProcess:
         self._clock.wait(self.exited, KILL_ROUNDS_S)
 
     def close(self) -> None:
+        """The task's end is read: its supervisor ends."""
         if self._script is not None:  # never sent: the chain, if still there, runs nothing
             self._script = None
             with contextlib.suppress(OSError):
                 os.close(self._script_w)
         self._closing.set()
         self._watcher.join(2.0)
+        self._sup.done()
+        self._sup.remove()
+
+    def detach(self) -> None:
+        """Let go of the running task without ending it (the agent restarts): its supervisor
+        keeps it for an agent that comes back (``rejoin``)."""
+        self._closing.set()
+        self._watcher.join(2.0)
+        self._sup.detach()
 
     def _alive(self) -> bool:
         return not self.exited.is_set() or any(True for _ in self.members())

@@ -1,0 +1,552 @@
+"""A task's supervisor: the process that holds a trusted task while the agent comes and goes.
+
+The agent starts one per launch chain (``Launch``), in a session of its own. The supervisor is
+the chain's parent, so it is what learns the task's exit status; it copies the task's output
+pipes into their size-capped files (``logcap.CappedFile``) and keeps what the chain says on its
+fault channel; and it keeps the task only while an agent is there for it. Its first agent is
+connected through a socket pair from the start; a later agent on the same state dir connects to
+``sock`` in the supervisor's directory (``home``: in the agent's state dir, root's alone; only a
+peer of the supervisor's own user is accepted). With no agent connected for ``reattach_seconds``
+(none came back after a restart or a crash), it ends the task (every process in its cgroup, its
+group, its token holders), removes its cgroup, and exits. A chain no task took yet (one kept
+ahead) is ended as soon as its agent goes.
+
+Lines on the socket. The supervisor says ``pid <pid> <start time>`` to every agent that
+connects, and ``exit`` once the task's main process has exited and ``status.json`` holds how
+(its exit status, the fault channel, the last bytes of its stderr). An agent says ``task
+<json>`` (where the task's output goes, its cap, and the task's identity: what to end when no
+agent comes back) and ``done`` (it has read the task's end: the supervisor exits). The last line
+the task printed is written to ``last`` at most once a second, for the owner's live view.
+
+Run as ``python -I -m flashnode.sandbox.procs.supervisor SPEC``; ``Supervised`` is the agent's
+side.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SOCK = "sock"
+STATUS = "status.json"
+LAST = "last"
+FAULT_BYTES = 4096  # what is kept of a fault channel
+FAULT_END = 64  # and of its last bytes (the chain's last word)
+READ_CHUNK = 64 * 1024
+DRAIN_S = 0.2  # after the main process exits, output is read while it keeps coming this often
+DRAIN_MAX_S = 2.0  # ... and no longer than this (a detached descendant may hold a pipe)
+LAST_EVERY_S = 1.0
+ANSWER_S = 10.0  # the longest an agent waits for a supervisor's first line
+
+
+# --- the supervisor's process ------------------------------------------------------------------
+
+
+class _Supervisor:
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        from flashnode.sandbox.procs import start_time
+
+        fds: dict[str, int] = spec["fds"]
+        self.home = spec["home"]
+        self.reattach_s = float(spec["reattach_seconds"])
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SOCK)
+        self.listener.bind(SOCK)
+        self.listener.listen(8)
+        life = socket.socket(fileno=fds["life"])
+        self.conns: dict[int, tuple[socket.socket, bytearray]] = {
+            life.fileno(): (life, bytearray())
+        }
+        self.popen = subprocess.Popen(
+            spec["command"],
+            env=spec["env"],
+            cwd=spec["cwd"],
+            stdin=fds["script_r"],
+            stdout=fds["out_w"],
+            stderr=fds["fault_w"],
+            pass_fds=(fds["err_w"],),
+            start_new_session=True,
+            close_fds=True,
+            umask=0o077,
+        )
+        for name in ("script_r", "out_w", "err_w", "fault_w"):
+            os.close(fds[name])
+        self.pid = self.popen.pid
+        self.start_time = start_time(self.pid)
+        self.pidfd: int | None = os.pidfd_open(self.pid)
+        self.outs: dict[int, Any] = {}  # output pipe -> its CappedFile, once the task is told
+        self.closed: list[Any] = []  # the CappedFiles of pipes read to their end
+        self.err_tail = b""
+        self.pipes = {"out": fds["out_r"], "err": fds["err_r"]}
+        self.fault_fd: int | None = fds["fault_r"]
+        self.fault = bytearray()
+        self.fault_end = b""
+        self.task: dict[str, Any] | None = None
+        self.returncode: int | None = None
+        self.exited_at: float | None = None
+        self.done = False
+        self.alone_since: float | None = None
+        self.last_written = 0.0
+        self.last_dirty = False
+        self._say(f"pid {self.pid} {self.start_time}\n".encode())
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = select.poll()
+        while not self.done:
+            now = time.monotonic()
+            if self._abandoned(now):
+                self._end_task()
+                break
+            watched = self._watched()
+            for fd in watched:
+                poller.register(fd, select.POLLIN)
+            try:
+                ready = poller.poll(self._timeout(now) * 1000)
+            finally:
+                for fd in watched:
+                    poller.unregister(fd)
+            for fd, _ in ready:
+                self._ready(fd)
+            if self.exited_at is not None and self.returncode is None:
+                self._finish_exit()
+            self._write_last()
+        if self.returncode is None:  # told it is done before the chain ended (a chain discarded)
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.popen.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(SOCK)
+
+    def _watched(self) -> list[int]:
+        fds = [self.listener.fileno(), *self.conns]
+        if self.pidfd is not None:
+            fds.append(self.pidfd)
+        if self.fault_fd is not None:
+            fds.append(self.fault_fd)
+        fds.extend(self.outs)
+        return fds
+
+    def _timeout(self, now: float) -> float:
+        waits = [1.0]
+        if self.exited_at is not None and self.returncode is None:
+            waits.append(DRAIN_S)
+        return max(0.01, min(waits))
+
+    def _abandoned(self, now: float) -> bool:
+        """No agent for long enough: for a task, ``reattach_seconds``; for a chain no task
+        took, at once (no agent can use it)."""
+        if self.conns:
+            self.alone_since = None
+            return False
+        if self.alone_since is None:
+            self.alone_since = now
+        limit = self.reattach_s if self.task is not None else 0.0
+        return now - self.alone_since >= limit
+
+    def _ready(self, fd: int) -> None:
+        if fd == self.listener.fileno():
+            self._accept()
+        elif fd in self.conns:
+            self._hear(fd)
+        elif fd == self.pidfd:
+            os.close(fd)
+            self.pidfd = None
+            self.exited_at = time.monotonic()
+        elif fd == self.fault_fd:
+            chunk = os.read(fd, READ_CHUNK)
+            if not chunk:
+                os.close(fd)
+                self.fault_fd = None
+            else:
+                self.fault += chunk[: max(FAULT_BYTES - len(self.fault), 0)]
+                self.fault_end = (self.fault_end + chunk)[-FAULT_END:]
+        elif fd in self.outs:
+            chunk = os.read(fd, READ_CHUNK)
+            if chunk:
+                self.outs[fd].write(chunk)
+                self.last_dirty = True
+            else:
+                self._close_output(fd)
+
+    # --- agents -----------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.geteuid():
+            conn.close()
+            return
+        self.conns[conn.fileno()] = (conn, bytearray())
+        self._say(f"pid {self.pid} {self.start_time}\n".encode(), conn)
+        if self.returncode is not None:
+            self._say(b"exit\n", conn)
+
+    def _hear(self, fd: int) -> None:
+        conn, buf = self.conns[fd]
+        try:
+            chunk = conn.recv(READ_CHUNK)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            conn.close()
+            del self.conns[fd]
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, _, rest = bytes(buf).partition(b"\n")
+            buf[:] = rest
+            word, _, arg = line.decode("utf-8", "replace").partition(" ")
+            if word == "task" and self.task is None:
+                self._take_task(json.loads(arg))
+            elif word == "done":
+                self.done = True
+
+    def _say(self, data: bytes, only: socket.socket | None = None) -> None:
+        for fd, (conn, _) in list(self.conns.items()):
+            if only is not None and conn is not only:
+                continue
+            try:
+                conn.sendall(data)
+            except OSError:
+                conn.close()
+                del self.conns[fd]
+
+    # --- the task ---------------------------------------------------------------------------
+
+    def _take_task(self, task: dict[str, Any]) -> None:
+        from flashnode.sandbox.logcap import CappedFile
+
+        self.task = task
+        cap = int(task["cap"])
+        for name in ("out", "err"):
+            fd = self.pipes[name]
+            os.set_blocking(fd, False)
+            self.outs[fd] = CappedFile(Path(task[f"std{name}"]), cap)
+
+    def _close_output(self, fd: int) -> None:
+        capped = self.outs.pop(fd)
+        if fd == self.pipes["err"]:
+            self.err_tail = capped.tail
+        self.closed.append(capped)
+        capped.close()
+        os.close(fd)
+
+    def _finish_exit(self) -> None:
+        """The main process has exited: its output read while it keeps coming (bounded), then
+        its status written and told."""
+        assert self.exited_at is not None
+        quiet = time.monotonic() - self.exited_at >= DRAIN_MAX_S
+        if self.outs and not quiet:
+            ready = select.poll()
+            for fd in self.outs:
+                ready.register(fd, select.POLLIN)
+            if ready.poll(0):
+                return  # the loop reads it, and comes back
+        rc = self.popen.wait()
+        while self.fault_fd is not None:  # the chain's fault channel: closed by now, or soon
+            chunk = b""
+            with contextlib.suppress(BlockingIOError):
+                os.set_blocking(self.fault_fd, False)
+                chunk = os.read(self.fault_fd, READ_CHUNK)
+            if not chunk:
+                os.close(self.fault_fd)
+                self.fault_fd = None
+                break
+            self.fault += chunk[: max(FAULT_BYTES - len(self.fault), 0)]
+            self.fault_end = (self.fault_end + chunk)[-FAULT_END:]
+        for fd in list(self.outs):
+            self._close_output(fd)
+        self.last_dirty = True
+        self._write_last(force=True)
+        status = {
+            "returncode": rc,
+            "fault": base64.b64encode(bytes(self.fault)).decode(),
+            "fault_end": base64.b64encode(self.fault_end).decode(),
+            "stderr_tail": base64.b64encode(self.err_tail).decode(),
+        }
+        _write_file(Path(STATUS), json.dumps(status).encode())
+        self.returncode = rc
+        self._say(b"exit\n")
+
+    def _write_last(self, force: bool = False) -> None:
+        from flashnode.sandbox.logcap import latest_line
+
+        now = time.monotonic()
+        if not self.last_dirty or (not force and now - self.last_written < LAST_EVERY_S):
+            return
+        files = [*self.outs.values(), *self.closed]
+        if not files:
+            return
+        self.last_dirty, self.last_written = False, now
+        with contextlib.suppress(OSError):
+            _write_file(Path(LAST), latest_line(*files).encode())
+
+    def _end_task(self) -> None:
+        """No agent came back: nothing of the task is left, its cgroup removed."""
+        from flashnode.sandbox.cgroups import AttemptCgroup
+        from flashnode.sandbox.procs import reap
+
+        identity = dict(self.task["identity"]) if self.task else {}
+        identity.setdefault("pid", self.pid)
+        identity.setdefault("start_time", self.start_time)
+        cgroup = None
+        paths, version = identity.get("cgroup"), identity.get("cgroup_version")
+        if isinstance(paths, dict) and version in (1, 2):
+            cgroup = AttemptCgroup(version, {k: Path(v) for k, v in paths.items()})
+        with contextlib.suppress(OSError):
+            os.killpg(self.pid, signal.SIGKILL)
+        if cgroup is not None:
+            cgroup.kill()
+        reap(identity)
+        if self.returncode is None:
+            self.popen.wait()
+        if cgroup is not None:
+            cgroup.remove()
+        for fd in list(self.outs):
+            self._close_output(fd)
+        # No agent reads its end: the directory goes (the next agent reaps by the record).
+        for name in (SOCK, STATUS, LAST, STATUS + ".tmp", LAST + ".tmp", "supervisor.log"):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.home)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    pass
+
+
+def main(argv: Sequence[str]) -> int:
+    spec = json.loads(argv[1])
+    os.chdir(spec["home"])
+    # The agent's terminal and its stop are not the supervisor's: it goes when its task does.
+    # Caught, not ignored: an ignored signal stays ignored across exec, in the task.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, _ignore)
+    _Supervisor(spec).run()
+    return 0
+
+
+# --- the agent's side --------------------------------------------------------------------------
+
+
+class Gone(Exception):
+    """No supervisor answers (it ended, or was never there)."""
+
+
+class Supervised:
+    """The agent's end of a supervisor: its chain's pid, the task's end once it came. Built by
+    ``start`` (a new chain) or ``connect`` (a task an earlier run of the agent started)."""
+
+    def __init__(self, sock: socket.socket, home: Path, popen: subprocess.Popen[bytes] | None):
+        self._sock = sock
+        self.home = home
+        self._popen = popen
+        self._buf = bytearray()
+        self.returncode: int | None = None
+        self.ended = False  # the main process exited (``status`` says how), or the supervisor went
+        self.lost = False  # the supervisor went without telling the end
+        self.status: dict[str, Any] = {}
+        sock.settimeout(ANSWER_S)
+        line = self._line()
+        sock.settimeout(None)
+        if line is None:
+            raise Gone(f"the task's supervisor in {home} did not answer")
+        word, pid, started = [*line.split(" "), "", ""][:3]
+        if word != "pid" or not pid.isdigit():
+            raise Gone(f"the task's supervisor in {home} said {line[:60]!r}")
+        self.pid = int(pid)
+        self.start_time = int(started) if started.isdigit() else None
+
+    @classmethod
+    def start(
+        cls,
+        command: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        fds: Mapping[str, int],
+        home: Path,
+        reattach_seconds: float,
+    ) -> Supervised:
+        """Start a supervisor of ``command`` (the launch chain), handing it ``fds`` (the chain's
+        ends of its pipes and the agent's ends it reads: kept at their numbers)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        spec = {
+            "home": str(home),
+            "command": list(command),
+            "cwd": str(cwd),
+            "env": dict(env),
+            "fds": {**fds, "life": theirs.fileno()},
+            "reattach_seconds": reattach_seconds,
+        }
+        try:
+            with open(home / "supervisor.log", "ab") as log:
+                popen = subprocess.Popen(
+                    [sys.executable, "-I", "-m", __name__, json.dumps(spec)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    pass_fds=(*fds.values(), theirs.fileno()),
+                    start_new_session=True,
+                    close_fds=True,
+                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        try:
+            return cls(ours, home, popen)
+        except Gone:
+            ours.close()
+            popen.kill()
+            popen.wait()
+            raise
+
+    @classmethod
+    def connect(cls, home: Path) -> Supervised:
+        """The supervisor an earlier run of the agent started in ``home``; Gone when none
+        answers there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dirfd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            sock.connect(f"/proc/self/fd/{dirfd}/{SOCK}")  # a state dir's path may be long
+        except OSError as exc:
+            sock.close()
+            raise Gone(f"no supervisor answers in {home} ({exc.strerror or exc})") from None
+        finally:
+            os.close(dirfd)
+        try:
+            return cls(sock, home, None)
+        except (Gone, OSError) as exc:
+            sock.close()
+            raise Gone(str(exc)) from None
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def _line(self) -> str | None:
+        while b"\n" not in self._buf:
+            try:
+                chunk = self._sock.recv(4096)
+            except (TimeoutError, OSError):
+                return None
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, rest = bytes(self._buf).partition(b"\n")
+        self._buf[:] = rest
+        return line.decode("utf-8", "replace")
+
+    def tell_task(
+        self, stdout: Path, stderr: Path, cap: int, identity: Mapping[str, object]
+    ) -> None:
+        """Where the task's output goes (capped at ``cap`` bytes each), and what to end when no
+        agent comes back."""
+        task = {"stdout": str(stdout), "stderr": str(stderr), "cap": cap, "identity": identity}
+        self._sock.sendall(f"task {json.dumps(task)}\n".encode())
+
+    def hear(self) -> bool:
+        """Read what the supervisor said (its socket is readable); whether the task has ended
+        (or the supervisor went without saying how: ``lost``)."""
+        try:
+            chunk = self._sock.recv(4096)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.lost = not self.ended
+            self.ended = True
+            return True
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, _, rest = bytes(self._buf).partition(b"\n")
+            self._buf[:] = rest
+            if line == b"exit":
+                self._read_status()
+        return self.ended
+
+    def _read_status(self) -> None:
+        try:
+            status = json.loads((self.home / STATUS).read_bytes())
+            rc = status["returncode"]
+        except (OSError, ValueError, KeyError):
+            self.ended = self.lost = True
+            return
+        self.status = status if isinstance(status, dict) else {}
+        self.returncode = rc if isinstance(rc, int) else None
+        self.ended = True
+
+    def blob(self, key: str) -> bytes:
+        """One of the status's byte strings (``fault``, ``fault_end``, ``stderr_tail``)."""
+        try:
+            return base64.b64decode(str(self.status.get(key, "")))
+        except ValueError:
+            return b""
+
+    def last_line(self) -> str:
+        try:
+            return (self.home / LAST).read_text("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def done(self) -> None:
+        """The task's end is read: the supervisor exits (its directory goes with ``remove``)."""
+        with contextlib.suppress(OSError):
+            self._sock.sendall(b"done\n")
+        self._sock.close()
+        if self._popen is not None:
+            try:
+                self._popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self._popen.kill()
+                self._popen.wait()
+
+    def detach(self) -> None:
+        """Let go of the task without ending it: the supervisor waits ``reattach_seconds`` for
+        an agent to come back."""
+        self._sock.close()
+
+    def remove(self) -> None:
+        for name in (SOCK, STATUS, LAST, STATUS + ".tmp", LAST + ".tmp", "supervisor.log"):
+            with contextlib.suppress(OSError):
+                (self.home / name).unlink()
+        with contextlib.suppress(OSError):
+            self.home.rmdir()
+
+
+def new_home(parent: Path | None) -> Path:
+    """A new directory for one supervisor, root's alone: under ``parent`` (the agent's state
+    dir's ``tasks/``), or a temporary one."""
+    if parent is None:
+        return Path(tempfile.mkdtemp(prefix="flashnode-task-"))
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=parent))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
