@@ -304,6 +304,9 @@ def argv_job(
     return spec
 
 
+DRAIN = signal.SIGRTMIN + 2  # what `flashnode drain` sends (status.json lists it)
+
+
 class AgentProcess:
     """``python -m flashnode work`` as a subprocess, its log in a file."""
 
@@ -371,12 +374,13 @@ class AgentProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            # Drain, then (once the agent says it drains: two signals at once coalesce) stop now.
-            self.proc.send_signal(signal.SIGTERM)
+            # Drain, then (once the agent says it drains: two signals at once coalesce) stop
+            # its tasks now: a SIGTERM would leave them running for the next start.
+            self.proc.send_signal(DRAIN)
             with contextlib.suppress(AssertionError):
                 wait_for("the agent to drain", lambda: "draining" in self.log or self._dead(), 10)
             if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(DRAIN)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:

@@ -301,11 +301,11 @@ def test_a_stop_during_staging_ends_the_attempt_before_the_task_starts(
     ]
     agent = start_agent(bad.url, *TRUSTED, env={**FAST, "FLASHNODE_DRAIN_SECONDS": "1"})
     wait_for("the download", lambda: bad.count("/artifacts/shared/slow.bin"))
-    agent.signal(signal.SIGTERM)
+    agent.signal(signal.SIGTERM)  # a stop: what has not started its task is stopped at once
     assert agent.wait(30) == 0, agent.log
     assert not marker.exists()
     [entry] = agent.ledger()
-    assert (entry["outcome"], entry["reason"]) == ("lapsed", "node draining")
+    assert (entry["outcome"], entry["reason"]) == ("lapsed", "agent stopping")
     assert bad.fails == [] and bad.completes == []
 
 

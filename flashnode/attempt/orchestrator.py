@@ -187,13 +187,7 @@ class Attempt(AttemptHooks):
         try:
             outcome, reason = phases(lease)
         except Detached:
-            # Its task runs on for the next agent: nothing ended, removed or recorded here.
-            keeper.stop()
-            self._release_contributions()
-            self.ctx.gpus.release(self.devices)
-            self.ctx.reserved.end(lease.lease_id)
-            self.ended = (Outcome.DETACHED, "agent restarting")
-            return Outcome.DETACHED
+            outcome = Outcome.DETACHED
         except (LeaseLost, CredentialsError) as exc:
             outcome, reason = self._lost_reason(exc)
         except Cancelled:
@@ -212,11 +206,16 @@ class Attempt(AttemptHooks):
         finally:
             ended = time.monotonic()
             keeper.stop()
+            if outcome is Outcome.DETACHED:  # its task runs on: only what this agent holds goes
+                self.handle = None
             try:
                 execute.release(self)
             except Exception:  # the task's end unread: what the phases hold is released still
                 log.exception("lease %s: ending the task failed", lease.lease_id)
             self._release_contributions()
+        if outcome is Outcome.DETACHED:  # the next agent's: nothing removed or recorded
+            self.ended = (outcome, "agent stopping")
+            return outcome
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
             log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)

@@ -250,6 +250,8 @@ class Agent:
         goodbye (unless tasks run on), the final status published."""
         s, now = self.settings, self.clock.monotonic()
         left = self.workers.running()
+        if self.drain.leaving:
+            self.sink.send(STOPPING=1)
         if left:
             if self.drain.leaving and not abrupt and not self._machine_stopping():
                 log.info("leaving %d running attempt(s) to the next start of the agent", left)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
+from harness import DRAIN, AgentProcess, CoordinatorServer, argv_job, shared_dir, wait_for
 from proxy import Proxy
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
@@ -84,25 +84,25 @@ def test_agent_killed_before_its_commit_commits_after_restart(
     assert "resuming the commit" in second.log
 
 
-def test_sigterm_lets_a_running_task_finish_and_commit(
+def test_a_drain_lets_a_running_task_finish_and_commit(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
     job = coordinator.submit(argv_job(slow_task(5)))
     agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
     wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
-    agent.signal(signal.SIGTERM)
+    agent.signal(DRAIN)
     assert agent.wait(30) == 0, agent.log
     assert coordinator.job(job)["state"] == "SUCCEEDED"
     assert "draining" in agent.log
 
 
-def test_sigterm_past_the_drain_deadline_lets_the_lease_lapse_without_spending_failures(
+def test_a_drain_past_its_deadline_lets_the_lease_lapse_without_spending_failures(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
     job = coordinator.submit(argv_job(slow_task(60), max_attempts=2))
     agent = start_agent(coordinator.url, *TRUSTED, env={**FAST, "FLASHNODE_DRAIN_SECONDS": "1"})
     wait_for("the task to be leased", lambda: coordinator.tasks(job)[0]["state"] == "LEASED")
-    agent.signal(signal.SIGTERM)
+    agent.signal(DRAIN)
     assert agent.wait(30) == 0, agent.log
     # Draining is the node's doing, not the task's: no `fail` (which would spend the task's
     # failure budget); the lease lapses (the expiry budget, meant for churn) and the ledger says

@@ -314,9 +314,9 @@ class _Supervisor:
             os.killpg(self.pid, signal.SIGKILL)
         if cgroup is not None:
             cgroup.kill()
-        reap(identity)
         if self.returncode is None:
-            self.popen.wait()
+            self.popen.wait()  # first: a zombie of its own would look alive to ``reap``
+        reap(identity)
         if cgroup is not None:
             cgroup.remove()
         for fd in list(self.outs):
