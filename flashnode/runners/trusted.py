@@ -34,7 +34,6 @@ flashnode.runners.trustedhandle.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -74,15 +73,13 @@ from flashnode.sandbox.procs.mounts import (
     cover_fstab,
     private_table,
 )
-from flashnode.sandbox.procs.supervisor import Gone, Supervised
+from flashnode.sandbox.procs.supervisor import HOMES, sweep_homes
 from flashnode.sandbox.procs.task import TaskProcess
-from flashnode.sandbox.removal import remove_tree
 from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
 LOCALE = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
-SUPERVISORS = "tasks"  # <state dir>/tasks/<dir>: each running task's supervisor
 PRIVATE_TMP_BYTES = 256 * 1024 * 1024
 
 
@@ -349,17 +346,8 @@ class TrustedRunner(Runner):
         self.slots.turn_over(slot, user, cgroup)
 
     def reconcile(self) -> None:
-        keep = {Path(home).name for home in self._rejoined}
         self.slots.reconcile(keep=self._rejoined_cgroups)
-        supervisors = self.settings.state_dir / SUPERVISORS
-        with contextlib.suppress(OSError):
-            for home in supervisors.iterdir():
-                if home.name in keep:
-                    continue
-                try:  # one that answers ends its task by itself when no agent comes back
-                    Supervised.connect(home).detach()
-                except Gone:
-                    remove_tree(home)
+        sweep_homes(self.settings.state_dir, self._rejoined)
 
     def close(self) -> None:
         self.slots.close()
@@ -497,7 +485,7 @@ class TrustedRunner(Runner):
     ) -> Launch:
         """A chain under its supervisor, in the state dir: it outlives this agent's restart."""
         s = self.settings
-        return Launch(cwd, cgroup, user, sandbox, s.state_dir / SUPERVISORS, s.reattach_seconds)
+        return Launch(cwd, cgroup, user, sandbox, s.state_dir / HOMES, s.reattach_seconds)
 
     def rejoin(
         self,

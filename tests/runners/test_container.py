@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 from badcoord import BadCoordinator, lease_answer
 from boxes import IMAGE, LABEL, box_job, import_image, ours, start, unique
-from harness import AgentProcess, CoordinatorServer, wait_for
+from harness import AgentProcess, CoordinatorServer, processes_with, wait_for
 from proxy import Proxy
 
 docker = pytest.importorskip("docker")
@@ -151,6 +152,9 @@ def test_restarted_agent_removes_its_leftover_container_and_nothing_else(
         [leftover] = wait_for("the container", lambda: ours(engine, node))
         first.proc.kill()
         first.proc.wait()
+        # A crash that took the container's watch too: nothing for the next start to rejoin.
+        for pid in processes_with(str(first.state_dir)):
+            os.kill(pid, signal.SIGKILL)
         assert [c.id for c in ours(engine, node)] == [leftover.id]
         second = start(start_agent, coordinator.url, node, state_dir=first.state_dir)
         second.wait_log("registered as node")
@@ -160,6 +164,54 @@ def test_restarted_agent_removes_its_leftover_container_and_nothing_else(
     finally:
         for b in bystanders:
             b.remove(force=True)
+
+
+COUNTING = (
+    "for i in $(seq 1 8); do echo line $i; sleep 1; done; echo '{\"lines\": 8}' > metrics.json"
+)
+
+
+def test_a_stop_mid_task_leaves_its_container_running_and_the_next_start_commits_it(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    job = coordinator.submit(box_job(["sh", "-c", COUNTING]))
+    node = unique("dock-rejoin")
+    first = start(start_agent, coordinator.url, node)
+    [container] = wait_for("the container", lambda: ours(engine, node))
+    wait_for("its second line", lambda: b"line 2" in container.logs(), timeout=30)
+    stopped_at = time.monotonic()
+    first.signal(signal.SIGTERM)
+    assert first.wait(15) == 0, first.log
+    assert time.monotonic() - stopped_at <= 10, first.log
+    container.reload()
+    assert container.status == "running"  # the engine runs it on while no agent is there
+
+    second = start(start_agent, coordinator.url, node, state_dir=first.state_dir)
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
+    assert coordinator.tasks(job)[0]["attempts"] == 1
+    [entry] = second.wait_ledger(1)
+    assert entry["outcome"] == "committed", entry
+    kept = second.state_dir / "logs" / entry["lease_id"] / "stdout.txt"
+    assert kept.read_text().splitlines() == [f"line {i}" for i in range(1, 9)]
+    wait_for("its container removed", lambda: ours(engine, node) == [])
+
+
+def test_a_container_left_with_no_agent_back_is_removed_after_reattach_seconds(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    coordinator.submit(box_job(["sleep", "600"]))
+    node = unique("dock-gone")
+    agent = start(start_agent, coordinator.url, node, env={"FLASHNODE_REATTACH_SECONDS": "2"})
+    wait_for("the container", lambda: ours(engine, node))
+    agent.proc.kill()
+    agent.proc.wait()
+    wait_for("its container removed", lambda: ours(engine, node) == [], timeout=20)
 
 
 @pytest.fixture

@@ -8,32 +8,49 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.runners.container import ENGINE_ERRORS, brief
 from flashnode.sandbox import diskuse
 from flashnode.sandbox.logcap import Pump, latest_line
+from flashnode.sandbox.procs.supervisor import Supervised
 
 if TYPE_CHECKING:
     from flashnode.runners.container.runner import ContainerRunner
-    from flashnode.runners.plan import TaskPlan
 
 WAIT_POLL_S = 30
 
 
 class ContainerHandle:
-    def __init__(self, runner: ContainerRunner, container: Any, image_id: str, plan: TaskPlan):
+    """``watch``: the container's watch (``supervisor.py``), which removes it when the agent
+    went and none came back within ``reattach_seconds``. Its output is read from the engine's
+    copy from the start (a rejoined container's whole output again) into ``stdout`` and
+    ``stderr``, capped."""
+
+    def __init__(
+        self,
+        runner: ContainerRunner,
+        container: Any,
+        image_id: str,
+        on_exit: Callable[[], None],
+        logs: tuple[Path, Path],
+        workspace: Path,
+        watch: Supervised,
+    ):
         self._runner = runner
         self._container = container
         self._image_id = image_id
-        self._on_exit = plan.on_exit
+        self._watch = watch
+        self._on_exit = on_exit
         self._code: int | None = None
         self._cause: str | None = None
         self._done = threading.Event()
         self._paused = False
         self._result: RunResult | None = None
-        self._dev = os.stat(plan.workspace.root).st_dev
+        self._dev = os.stat(workspace).st_dev
         self._main_pid: int | None = None  # the container's first process, on the host
         self._logs = [
             Pump(
@@ -43,7 +60,7 @@ class ContainerHandle:
                 "container-log",
                 ENGINE_ERRORS,
             )
-            for out, path in ((True, plan.stdout), (False, plan.stderr))
+            for out, path in ((True, logs[0]), (False, logs[1]))
         ]
         threading.Thread(target=self._wait, name=f"wait-{container.short_id}", daemon=True).start()
 
@@ -92,7 +109,8 @@ class ContainerHandle:
         self._paused = False
 
     def detach(self) -> bool:
-        return False  # not yet: the agent stops the container, and its lease lapses
+        self._watch.detach()  # the engine runs it on; its watch waits for the next agent
+        return True
 
     def last_output(self) -> str:
         return latest_line(*(capped.file for capped in self._logs))
@@ -108,6 +126,8 @@ class ContainerHandle:
         for capped in self._logs:
             capped.join(5.0)
         self._runner.remove(self._container.id)
+        self._watch.done()
+        self._watch.remove()
         code = self._code
         self._result = RunResult(
             exit_code=code,

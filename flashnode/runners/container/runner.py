@@ -9,7 +9,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import docker
@@ -32,6 +33,7 @@ from flashnode.runners.container.preflight import engine_and_images
 from flashnode.runners.findings import Finding
 from flashnode.runners.plan import RunnerFacts, TaskPlan
 from flashnode.runners.spec import machine_cpus, min_cpus
+from flashnode.sandbox.procs.supervisor import HOMES, Gone, Supervised, new_home, sweep_homes
 from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class ContainerRunner(Runner):
         self._checked_at = time.monotonic()
         self._unremoved: set[str] = set()
         self._lock = threading.Lock()
+        self._rejoined: set[str] = set()  # containers an earlier run let go of, rejoined
+        self._rejoined_homes: set[str] = set()  # ... and their watches' directories
         self.module_images: set[str] = set()
         self._apply(settings)
 
@@ -257,13 +261,53 @@ class ContainerRunner(Runner):
             container = self.client.containers.create(**kwargs)
         except ENGINE_ERRORS as exc:
             raise self._engine_failure("cannot create the container", exc) from None
-        plan.record({"container": container.id})
         try:
-            container.start()
-            return ContainerHandle(self, container, str(image.id), plan)
-        except ENGINE_ERRORS as exc:
+            # Its watch first: no container runs that nothing removes once the agent is gone.
+            home = new_home(s.state_dir / HOMES)
+            watch = Supervised.watch(container.id, s.docker_host, home, s.reattach_seconds)
+        except (OSError, Gone) as exc:
             self.remove(container.id)
-            raise self._engine_failure("cannot start the container", exc) from None
+            raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
+        try:
+            plan.record({"container": container.id, "supervisor": str(home)})
+            container.start()
+            logs = (plan.stdout, plan.stderr)
+            return ContainerHandle(
+                self, container, str(image.id), plan.on_exit, logs, ws.root, watch
+            )
+        except BaseException as exc:
+            self.remove(container.id)
+            watch.done()
+            watch.remove()
+            if isinstance(exc, ENGINE_ERRORS):
+                raise self._engine_failure("cannot start the container", exc) from None
+            raise
+
+    def rejoin(
+        self,
+        identity: Mapping[str, Any],
+        slot: int,
+        workspace: Workspace,
+        on_exit: Callable[[], None],
+    ) -> Handle | None:
+        cid, home = identity.get("container"), identity.get("supervisor")
+        if not isinstance(cid, str) or not isinstance(home, str):
+            return None
+        try:
+            container = self.client.containers.get(cid)
+        except ENGINE_ERRORS:
+            return None
+        if container.labels.get(LABEL_NODE) != self.node_id:
+            return None
+        try:
+            watch = Supervised.connect(Path(home))
+        except Gone:
+            return None
+        self._rejoined.add(container.id)
+        self._rejoined_homes.add(home)
+        logs = (workspace.logs / "stdout.txt", workspace.logs / "stderr.txt")
+        image = str(container.attrs.get("Image", ""))
+        return ContainerHandle(self, container, image, on_exit, logs, workspace.root, watch)
 
     def _engine_failure(self, what: str, exc: BaseException) -> Exception:
         if self.engine_answers():
@@ -296,10 +340,12 @@ class ContainerRunner(Runner):
             self.remove(cid)
 
     def reconcile(self) -> None:
-        """Remove this node's labelled containers: at start no attempt is live yet."""
-        self.remove_labelled(LABEL_NODE)
+        """Remove this node's labelled containers but those rejoined: at start no other attempt
+        is live yet."""
+        self.remove_labelled(LABEL_NODE, keep=self._rejoined)
+        sweep_homes(self.settings.state_dir, self._rejoined_homes)
 
-    def remove_labelled(self, label: str) -> None:
+    def remove_labelled(self, label: str, keep: set[str] | frozenset[str] = frozenset()) -> None:
         try:
             leftovers = self.client.containers.list(
                 all=True, filters={"label": f"{label}={self.node_id}"}, ignore_removed=True
@@ -308,7 +354,7 @@ class ContainerRunner(Runner):
             log.warning("cannot list leftover containers: %s", brief(exc))
             return
         for container in leftovers:
-            if container.labels.get(label) == self.node_id:
+            if container.labels.get(label) == self.node_id and container.id not in keep:
                 log.info(
                     "removing leftover container %s (%s)",
                     container.short_id,

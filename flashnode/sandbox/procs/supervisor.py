@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+HOMES = "tasks"  # <state dir>/tasks/<dir>: each running task's supervisor
 SOCK = "sock"
 STATUS = "status.json"
 LAST = "last"
@@ -55,11 +56,11 @@ ANSWER_S = 10.0  # the longest an agent waits for a supervisor's first line
 # --- the supervisor's process ------------------------------------------------------------------
 
 
-class _Supervisor:
-    def __init__(self, spec: Mapping[str, Any]) -> None:
-        from flashnode.sandbox.procs import start_time
+class _Lifeline:
+    """The agents connected: the first one's socket pair, then whoever connects to ``sock``
+    (only the supervisor's own user); what they say, line by line (``heard``)."""
 
-        fds: dict[str, int] = spec["fds"]
+    def __init__(self, spec: Mapping[str, Any]) -> None:
         self.home = spec["home"]
         self.reattach_s = float(spec["reattach_seconds"])
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -67,10 +68,127 @@ class _Supervisor:
             os.unlink(SOCK)
         self.listener.bind(SOCK)
         self.listener.listen(8)
-        life = socket.socket(fileno=fds["life"])
+        life = socket.socket(fileno=spec["fds"]["life"])
         self.conns: dict[int, tuple[socket.socket, bytearray]] = {
             life.fileno(): (life, bytearray())
         }
+        self.alone_since: float | None = None
+        self.done = False
+
+    def hello(self, conn: socket.socket) -> None:
+        """What an agent that connects is told first."""
+
+    def heard(self, word: str, arg: str) -> None:
+        if word == "done":
+            self.done = True
+
+    def alone_for(self, now: float) -> float:
+        """How long no agent has been connected (0 while one is)."""
+        if self.conns:
+            self.alone_since = None
+            return 0.0
+        if self.alone_since is None:
+            self.alone_since = now
+        return now - self.alone_since
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.geteuid():
+            conn.close()
+            return
+        self.conns[conn.fileno()] = (conn, bytearray())
+        self.hello(conn)
+
+    def _hear(self, fd: int) -> None:
+        conn, buf = self.conns[fd]
+        try:
+            chunk = conn.recv(READ_CHUNK)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            conn.close()
+            del self.conns[fd]
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, _, rest = bytes(buf).partition(b"\n")
+            buf[:] = rest
+            word, _, arg = line.decode("utf-8", "replace").partition(" ")
+            self.heard(word, arg)
+
+    def _say(self, data: bytes, only: socket.socket | None = None) -> None:
+        for fd, (conn, _) in list(self.conns.items()):
+            if only is not None and conn is not only:
+                continue
+            try:
+                conn.sendall(data)
+            except OSError:
+                conn.close()
+                del self.conns[fd]
+
+    def _remove_home(self) -> None:
+        """No agent reads what is here any more: the directory goes (the next agent reaps by
+        the record)."""
+        for name in (SOCK, STATUS, LAST, STATUS + ".tmp", LAST + ".tmp", "supervisor.log"):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.home)
+
+
+class _ContainerWatch(_Lifeline):
+    """A container's watch: the engine runs the container; this only removes it when no agent
+    came back within ``reattach_seconds``."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        super().__init__(spec)
+        self.container = str(spec["container"])
+        self.engine = str(spec["docker_host"])
+        self._say(b"pid 0 0\n")
+
+    def hello(self, conn: socket.socket) -> None:
+        self._say(b"pid 0 0\n", conn)
+
+    def run(self) -> None:
+        poller = select.poll()
+        while not self.done:
+            alone = self.alone_for(time.monotonic())
+            if not self.conns and alone >= self.reattach_s:
+                self._remove_container()
+                self._remove_home()
+                return
+            watched = [self.listener.fileno(), *self.conns]
+            for fd in watched:
+                poller.register(fd, select.POLLIN)
+            try:
+                ready = poller.poll(1000)
+            finally:
+                for fd in watched:
+                    poller.unregister(fd)
+            for fd, _ in ready:
+                if fd == self.listener.fileno():
+                    self._accept()
+                elif fd in self.conns:
+                    self._hear(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(SOCK)
+
+    def _remove_container(self) -> None:
+        import docker
+
+        with contextlib.suppress(Exception):  # gone already, or the engine away: nothing more
+            client = docker.DockerClient(base_url=self.engine, timeout=30)
+            client.containers.get(self.container).remove(force=True)
+
+
+class _Supervisor(_Lifeline):
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        from flashnode.sandbox.procs import start_time
+
+        super().__init__(spec)
+        fds: dict[str, int] = spec["fds"]
         self.popen = subprocess.Popen(
             spec["command"],
             env=spec["env"],
@@ -98,8 +216,6 @@ class _Supervisor:
         self.task: dict[str, Any] | None = None
         self.returncode: int | None = None
         self.exited_at: float | None = None
-        self.done = False
-        self.alone_since: float | None = None
         self.last_written = 0.0
         self.last_dirty = False
         self._say(f"pid {self.pid} {self.start_time}\n".encode())
@@ -151,13 +267,9 @@ class _Supervisor:
     def _abandoned(self, now: float) -> bool:
         """No agent for long enough: for a task, ``reattach_seconds``; for a chain no task
         took, at once (no agent can use it)."""
-        if self.conns:
-            self.alone_since = None
-            return False
-        if self.alone_since is None:
-            self.alone_since = now
+        alone = self.alone_for(now)
         limit = self.reattach_s if self.task is not None else 0.0
-        return now - self.alone_since >= limit
+        return not self.conns and alone >= limit
 
     def _ready(self, fd: int) -> None:
         if fd == self.listener.fileno():
@@ -186,47 +298,15 @@ class _Supervisor:
 
     # --- agents -----------------------------------------------------------------------------
 
-    def _accept(self) -> None:
-        conn, _ = self.listener.accept()
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        if uid != os.geteuid():
-            conn.close()
-            return
-        self.conns[conn.fileno()] = (conn, bytearray())
+    def hello(self, conn: socket.socket) -> None:
         self._say(f"pid {self.pid} {self.start_time}\n".encode(), conn)
         if self.returncode is not None:
             self._say(b"exit\n", conn)
 
-    def _hear(self, fd: int) -> None:
-        conn, buf = self.conns[fd]
-        try:
-            chunk = conn.recv(READ_CHUNK)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            conn.close()
-            del self.conns[fd]
-            return
-        buf += chunk
-        while b"\n" in buf:
-            line, _, rest = bytes(buf).partition(b"\n")
-            buf[:] = rest
-            word, _, arg = line.decode("utf-8", "replace").partition(" ")
-            if word == "task" and self.task is None:
-                self._take_task(json.loads(arg))
-            elif word == "done":
-                self.done = True
-
-    def _say(self, data: bytes, only: socket.socket | None = None) -> None:
-        for fd, (conn, _) in list(self.conns.items()):
-            if only is not None and conn is not only:
-                continue
-            try:
-                conn.sendall(data)
-            except OSError:
-                conn.close()
-                del self.conns[fd]
+    def heard(self, word: str, arg: str) -> None:
+        if word == "task" and self.task is None:
+            self._take_task(json.loads(arg))
+        super().heard(word, arg)
 
     # --- the task ---------------------------------------------------------------------------
 
@@ -321,12 +401,7 @@ class _Supervisor:
             cgroup.remove()
         for fd in list(self.outs):
             self._close_output(fd)
-        # No agent reads its end: the directory goes (the next agent reaps by the record).
-        for name in (SOCK, STATUS, LAST, STATUS + ".tmp", LAST + ".tmp", "supervisor.log"):
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.home)
+        self._remove_home()
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -347,7 +422,10 @@ def main(argv: Sequence[str]) -> int:
     # Caught, not ignored: an ignored signal stays ignored across exec, in the task.
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, _ignore)
-    _Supervisor(spec).run()
+    if "container" in spec:
+        _ContainerWatch(spec).run()
+    else:
+        _Supervisor(spec).run()
     return 0
 
 
@@ -394,19 +472,37 @@ class Supervised:
     ) -> Supervised:
         """Start a supervisor of ``command`` (the launch chain), handing it ``fds`` (the chain's
         ends of its pipes and the agent's ends it reads: kept at their numbers)."""
+        spec = {"command": list(command), "cwd": str(cwd), "env": dict(env)}
+        return cls._spawn(spec, fds, home, reattach_seconds)
+
+    @classmethod
+    def watch(
+        cls, container: str, docker_host: str, home: Path, reattach_seconds: float
+    ) -> Supervised:
+        """Start a watch of a container (the engine runs it): it removes the container when no
+        agent came back within ``reattach_seconds``."""
+        spec = {"container": container, "docker_host": docker_host}
+        return cls._spawn(spec, {}, home, reattach_seconds)
+
+    @classmethod
+    def _spawn(
+        cls,
+        spec: Mapping[str, Any],
+        fds: Mapping[str, int],
+        home: Path,
+        reattach_seconds: float,
+    ) -> Supervised:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        spec = {
+        full = {
+            **spec,
             "home": str(home),
-            "command": list(command),
-            "cwd": str(cwd),
-            "env": dict(env),
             "fds": {**fds, "life": theirs.fileno()},
             "reattach_seconds": reattach_seconds,
         }
         try:
             with open(home / "supervisor.log", "ab") as log:
                 popen = subprocess.Popen(
-                    [sys.executable, "-I", "-m", __name__, json.dumps(spec)],
+                    [sys.executable, "-I", "-m", __name__, json.dumps(full)],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=log,
@@ -537,6 +633,22 @@ class Supervised:
                 (self.home / name).unlink()
         with contextlib.suppress(OSError):
             self.home.rmdir()
+
+
+def sweep_homes(state_dir: Path, keep: set[str]) -> None:
+    """Remove the directories of supervisors that no longer answer (their tasks ended while no
+    agent was there) but those of ``keep`` (rejoined). One that answers ends its task by
+    itself when no agent comes back."""
+    from flashnode.sandbox.removal import remove_tree
+
+    with contextlib.suppress(OSError):
+        for home in (state_dir / HOMES).iterdir():
+            if str(home) in keep:
+                continue
+            try:
+                Supervised.connect(home).detach()
+            except Gone:
+                remove_tree(home)
 
 
 def new_home(parent: Path | None) -> Path:
