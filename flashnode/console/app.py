@@ -433,8 +433,10 @@ def _why(
             "fix": clean(last_exit.get("fix"), 1000),
             "before_start": isinstance(started, (int, float)) and last_exit["at"] < started,
         }
+    rejoined = snapshot.get("rejoined")
     return {
         "holds": holds,
+        "rejoined": rejoined if isinstance(rejoined, int) and not isinstance(rejoined, bool) else 0,
         "coordinator": problems,
         "last_exit": exited,
         "reload_fix": status.RELOAD_FIX,

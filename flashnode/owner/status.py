@@ -170,6 +170,9 @@ def render(
     ]
     if _number(snapshot.get("started_at")):
         lines.append(f"started     {moment(snapshot['started_at'], now)}")
+    rejoined = snapshot.get("rejoined")
+    if isinstance(rejoined, int) and not isinstance(rejoined, bool) and rejoined > 0:
+        lines.append(f"restarted   re-attached {rejoined} task(s) after a restart")
     lines.append(f"heartbeat   {_heartbeat(snapshot)}")
     lines += _given(snapshot.get("totals"))
     for problem in snapshot.get("coordinator_problems") or []:

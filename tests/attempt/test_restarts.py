@@ -10,7 +10,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import AgentProcess, CoordinatorServer, argv_job, processes_with, wait_for
+from harness import (
+    AgentProcess,
+    CoordinatorServer,
+    argv_job,
+    processes_with,
+    run_flashnode,
+    wait_for,
+)
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -61,6 +68,8 @@ def test_a_stop_mid_task_returns_in_seconds_and_the_next_start_commits_it_in_its
     # Its output whole: what it printed while no agent was there too.
     assert kept_stdout(second, entry["lease_id"]) == [f"line {i}" for i in range(1, 13)]
     assert entry["evidence"]["wall_seconds"] >= 12  # its run counted from its own start
+    shown = run_flashnode("status", "--state-dir", str(second.state_dir)).stdout
+    assert "re-attached 1 task(s) after a restart" in shown, shown
 
 
 def test_a_crashed_agent_started_again_rejoins_its_task_and_commits_it(
@@ -109,3 +118,19 @@ def test_a_crashed_agent_never_back_leaves_nothing_running(
     agent.proc.kill()
     agent.proc.wait()
     wait_for("nothing of the task", lambda: not processes_with(marker), timeout=20)
+
+
+def test_flashnode_drain_lets_the_running_task_finish_then_stops_the_agent(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    job = coordinator.submit(argv_job(counting(4), lease_seconds=60))
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    wait_for("the task's first line", lambda: printed(agent, "line 1"), timeout=60)
+    done = run_flashnode("drain", "--wait", "--state-dir", str(agent.state_dir))
+    assert done.returncode == 0, done.stderr
+    assert "drains: it takes no new work; 1 task(s) run" in done.stdout, done.stdout
+    assert done.stdout.rstrip().endswith("the agent has stopped"), done.stdout
+    assert agent.wait(5) == 0
+    assert coordinator.job(job)["state"] == "SUCCEEDED"
+    [entry] = agent.ledger()
+    assert entry["outcome"] == "committed"

@@ -109,6 +109,10 @@ function renderWhy(why, a) {
     items.push(li);
   }
   if (why.stop_reason) items.push(el("li", {}, "running tasks are stopped: ", why.stop_reason));
+  if (why.rejoined) {
+    items.push(el("li", { "data-rule": "rejoined" },
+      "re-attached " + why.rejoined + " task(s) after a restart"));
+  }
   if (why.reload_refused) {
     items.push(el("li", { "data-rule": "reload" }, el("strong", {}, "reload refused"), " at ",
       when(why.reload_refused.at), " (the running configuration is kept): ", why.reload_refused.reason,
