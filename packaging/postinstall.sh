@@ -69,18 +69,14 @@ fi
 # What `flashnode login` writes, root's alone (the package makes it 0700; an old one may differ).
 chown root:root /etc/flashnode/credentials
 chmod 0700 /etc/flashnode/credentials
-# How long a running agent may take to stop: its drain (drain_seconds, 300 by default).
-drain=$(sed -n 's/^[[:space:]]*drain_seconds[[:space:]]*=[[:space:]]*\([0-9.]*\).*/\1/p' \
-  /etc/flashnode/flashnode.toml 2>/dev/null | tail -1)
-drain=${drain:-300}
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload || true
-  # An upgrade replaces the code under a running agent: restart it (it drains first), in the
-  # background so that the package manager does not wait for the drain.
+  # An upgrade replaces the code under a running agent: restart it. That takes seconds: running
+  # tasks run on under their supervisors and the new agent re-attaches them.
   if [ -n "$upgrade" ] && systemctl is-active --quiet flashnode.service; then
-    echo "flashnode: restarting the agent on the new version in the background: running tasks"
-    echo "  may finish first, for up to ${drain} s (drain_seconds); journalctl -u flashnode -f shows it"
-    systemctl try-restart --no-block flashnode.service || true
+    echo "flashnode: restarting the agent on the new version: running tasks run on and are"
+    echo "  re-attached by it (journalctl -u flashnode shows it)"
+    systemctl try-restart flashnode.service || true
   fi
 fi
 # Installed again after a removal (deb passes the old version then, as for an upgrade): removing

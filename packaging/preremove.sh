@@ -1,7 +1,7 @@
 #!/bin/sh
-# Before removal (deb: "remove"; rpm: 0) stop the agent (it drains) and disable it; before an
-# upgrade (deb: "upgrade"; rpm: 1) leave it running: the new package's postinstall restarts it.
-# A stop waits for running tasks: it says so, and for how long at most.
+# Before removal (deb: "remove"; rpm: 0) drain the agent (`flashnode drain --wait`: running tasks
+# may finish first) and disable it; before an upgrade (deb: "upgrade"; rpm: 1) leave it running:
+# the new package's postinstall restarts it. The drain says so, and for how long at most.
 set -e
 case "$1" in
   remove | 0)
@@ -15,10 +15,11 @@ case "$1" in
           /etc/flashnode/flashnode.toml 2>/dev/null | tail -1)
         if [ "${running:-0}" -gt 0 ]; then
           echo "flashnode: stopping the agent: $running running task(s) may finish first, for up to"
-          echo "  ${drain:-300} s (drain_seconds); sudo flashnode pause --now elsewhere stops them at once"
+          echo "  ${drain:-300} s (drain_seconds); sudo flashnode drain in another shell stops them at once"
         else
           echo "flashnode: stopping the agent"
         fi
+        /usr/bin/flashnode drain --wait >/dev/null 2>&1 || true
       fi
       systemctl disable --now flashnode.service >/dev/null 2>&1 || true
     elif command -v systemctl >/dev/null 2>&1; then

@@ -5,7 +5,9 @@ systemd as PID 1 (docs/design.md §8), on the host's network so that it reaches 
 this test starts on 127.0.0.1. Inside, as an owner would: `dpkg -i` the .deb ./packaging/build
 made, `flashnode login` with the token and join code on standard input, a config for the trusted
 runner, `systemctl enable --now flashnode`; a pool job commits as a task user, `flashnode status`
-as root shows the agent, `pools join` reaches it, `systemctl stop` drains a running task,
+as root shows the agent, `pools join` reaches it, `systemctl restart` mid-task returns in seconds
+and the task commits (re-attached), a removal drains a running task, `systemctl poweroff`
+mid-task is quick and keeps the newest checkpoint,
 `systemd-analyze security` rates the unit at least OK, and `dpkg -P` leaves nothing behind.
 """
 
@@ -246,8 +248,9 @@ def test_the_owners_path_from_the_package_under_systemd(
     # Tasks log no complaint from the privilege drop.
     assert "setpriv" not in booted.sh("journalctl -u flashnode --no-pager").stdout
 
-    # Stop while a task runs: the agent drains, the task finishes and commits.
-    slow = server.submit(argv_job(["sh", "-c", "sleep 4; echo '{}' > metrics.json"]))
+    # A restart while a task runs returns in seconds: the task runs on under its supervisor,
+    # the new agent re-attaches it, and it commits in its first attempt.
+    slow = server.submit(argv_job(["sh", "-c", "sleep 8; echo '{}' > metrics.json"]))
 
     def running() -> bool:
         # This task's attempt (not the last one's, in a status read before it was rewritten).
@@ -257,9 +260,13 @@ def test_the_owners_path_from_the_package_under_systemd(
         return any(a.get("job_id") == slow for a in json.loads(r.stdout).get("running") or [])
 
     wait_for("the slow task to run", running, timeout=60)
-    booted.ok("systemctl stop flashnode", timeout=120)
-    assert server.job(slow)["state"] == "SUCCEEDED", booted.journal()
-    assert "draining" in booted.journal()
+    restarted_at = time.monotonic()
+    booted.ok("systemctl restart flashnode", timeout=60)
+    assert time.monotonic() - restarted_at <= 10, booted.journal()
+    assert server.wait_state(slow, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
+    assert server.tasks(slow)[0]["attempts"] == 1, booted.journal()
+    assert "re-attached 1 task(s) after a restart" in booted.journal()
+    booted.ok("systemctl stop flashnode", timeout=60)
     assert booted.sh("flashnode status").returncode == 3
 
     analysis = booted.ok("systemd-analyze security flashnode --no-pager")
@@ -271,8 +278,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     # a reinstall says the service is left disabled and how to enable it.
     booted.ok("systemctl start flashnode")
     upgraded = booted.ok("dpkg -i /tmp/flashnode.deb")
-    assert "restarting the agent on the new version in the background" in upgraded, upgraded
-    assert "for up to 300 s (drain_seconds)" in upgraded
+    assert "restarting the agent on the new version: running tasks run on" in upgraded, upgraded
     wait_for("the restarted agent", lambda: booted.sh("flashnode status").returncode == 0, 60)
     held = server.submit(argv_job(["sh", "-c", "sleep 3; echo '{}' > metrics.json"]))
 
@@ -305,6 +311,57 @@ def test_the_owners_path_from_the_package_under_systemd(
     )
     assert left == [], left
     assert booted.ok("ls /etc/systemd/system/multi-user.target.wants").count("flashnode") == 0
+
+
+# A task that checkpoints (flashruntime's older file layout): a step a second up to 4, then
+# nothing for long; each step's file is named in the journal (the step the coordinator must get).
+STEPPING = """
+import json, os, time
+ckpt = os.environ["FLASHML_CHECKPOINT_DIR"]
+for step in range(1, 5):
+    tmp = os.path.join(ckpt, ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"step": step}, f)
+    os.rename(tmp, os.path.join(ckpt, "step-%d.json" % step))
+    time.sleep(1)
+time.sleep(600)
+"""
+
+
+def test_a_poweroff_mid_task_is_quick_and_the_coordinator_keeps_the_newest_checkpoint(
+    booted: Booted, packages: list[Path], token_coordinator: TokenCoordinator
+) -> None:
+    server = token_coordinator.server
+    [deb] = [p for p in packages if p.suffix == ".deb"]
+    subprocess.run(["docker", "cp", str(deb), f"{booted.name}:/tmp/flashnode.deb"], check=True)
+    booted.ok("dpkg -i /tmp/flashnode.deb")
+    booted.ok(
+        f"flashnode login --coordinator {server.url}",
+        stdin=f"{token_coordinator.token}\n{token_coordinator.join_code}\n",
+    )
+    booted.ok(
+        "cat > /etc/flashnode/flashnode.toml",
+        stdin=(
+            f'coordinator = "{server.url}"\nrunner = "trusted"\npools = ["team-a"]\n'
+            'task_user = "flashnode-task"\n'
+            # Only the shutdown's last sweep ships what the task wrote last.
+            "checkpoint_scan_seconds = 300\n"
+        ),
+    )
+    booted.ok("systemctl enable --now flashnode")
+    job = server.submit(argv_job(["python3", "-c", STEPPING], checkpoint={"interval_seconds": 30}))
+
+    def wrote_last_step() -> bool:
+        found = booted.sh("ls /var/lib/flashnode/attempts/*/out/ckpt/").stdout.split()
+        return "step-4.json" in found
+
+    wait_for("the task's fourth step", wrote_last_step, timeout=60)
+    off_at = time.monotonic()
+    booted.sh("systemctl poweroff", timeout=30)
+    subprocess.run(["docker", "wait", booted.name], capture_output=True, timeout=60)
+    assert time.monotonic() - off_at <= 20
+    r = server.http.get(f"/jobs/{job}/tasks/task-000/checkpoints/latest")
+    assert r.status_code == 200 and r.json()["step"] == 4, r.text
 
 
 def test_doctor_and_the_service_agree_on_what_the_unit_lets_the_agent_use(
