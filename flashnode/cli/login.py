@@ -276,7 +276,7 @@ def _when_used(state_dir: Path) -> str:
     how = f"sudo systemctl restart {unit}" if unit else "stop it and start it again"
     return (
         f"the running agent (pid {pid}) keeps the credentials it started with until it"
-        f" restarts: {how}"
+        f" restarts: {how} (running tasks run on and are re-attached)"
     )
 
 
