@@ -1,0 +1,150 @@
+"""Letting go of a running task and rejoining it, against fakes and a fake clock: a stop leaves
+the task running and its record for the next agent (no ledger line, no report); the next
+agent's attempt commits it with its run counted from the task's own start; its lease is renewed
+at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+
+from flashnode.attempt import Attempt, Outcome
+from flashnode.attempt.keeper import LeaseKeeper
+from flashnode.attempt.record import State
+from flashnode.coordinator.lease import parse_lease
+from flashnode.errors import LeaseLost
+from flashnode.runners.base import Handle, RunResult
+from flashnode.runners.plan import TaskPlan
+
+
+class LettingGo:
+    """A task that needs ``work`` seconds to finish; ``stop_at`` seconds in, the agent stops
+    (the attempt is told to let go of it, as a SIGTERM does)."""
+
+    def __init__(self, clock: FakeClock, work: float, stop_at: float | None, attempt: Attempt):
+        self.clock, self.work, self.stop_at, self.attempt = clock, work, stop_at, attempt
+        self.t0 = clock.now
+        self.detached = self.terminated = False
+
+    def exited(self) -> bool:
+        if self.stop_at is not None and self.clock.now - self.t0 >= self.stop_at:
+            self.stop_at = None
+            self.attempt.detach(1.0)
+        return self.terminated or self.clock.now - self.t0 >= self.work
+
+    def detach(self) -> bool:
+        self.detached = True
+        return True
+
+    def terminate(self, grace: float) -> None:
+        self.terminated = True
+
+    def result(self) -> RunResult:
+        return RunResult(exit_code=None, signal=15) if self.terminated else RunResult(0)
+
+    def pids(self) -> set[int]:
+        return set()
+
+    def cpu_seconds(self) -> float | None:
+        return None
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def suspend(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def last_output(self) -> str:
+        return ""
+
+
+class LettingGoRunner(FakeRunner):
+    def __init__(self, clock: FakeClock, work: float, stop_at: float | None) -> None:
+        super().__init__()
+        self.clock, self.work, self.stop_at = clock, work, stop_at
+        self.attempt: Attempt | None = None
+        self.handle: LettingGo | None = None
+
+    def start(self, plan: TaskPlan) -> Handle:
+        assert self.attempt is not None
+        plan.record({"fake": True})
+        plan.workspace.task_uid = os.geteuid()
+        (plan.workspace.out / "metrics.json").write_text(json.dumps({"ok": 1}))
+        self.handle = LettingGo(self.clock, self.work, self.stop_at, self.attempt)
+        return self.handle
+
+
+class Heartbeats:
+    """Attempt heartbeats answered from a script (None: renewed), their times kept."""
+
+    def __init__(self, clock: FakeClock, answers: list[Exception | None]) -> None:
+        self.clock, self.answers, self.times = clock, answers, []  # type: list[float]
+
+    def attempt_heartbeat(self, lease_id: str) -> None:
+        self.times.append(self.clock.now)
+        answer = self.answers.pop(0) if self.answers else LeaseLost("gone", 410)
+        if answer is not None:
+            raise answer
+
+
+def test_a_stopped_agent_leaves_its_task_running_and_its_record_for_the_next_agent(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = LettingGoRunner(clock, work=60, stop_at=5)
+    ctx = context(tmp_path, clock, coord, runner)
+    attempt = runner.attempt = Attempt(ctx, lease(0))
+    assert attempt.run() is Outcome.DETACHED
+    handle = runner.handle
+    assert handle is not None and handle.detached and not handle.terminated
+    assert not (tmp_path / "ledger.jsonl").exists()  # it has not ended: no ledger line
+    assert [c[1] for c in coord.calls if c[1] in ("fail", "complete")] == []
+    record = ctx.outbox.read(attempt.lease_id)
+    assert record is not None and record.state is State.RUNNING and record.process
+    assert record.task_started_at is not None
+    assert (ctx.settings.state_dir / "attempts" / attempt.lease_id).is_dir()
+
+
+def test_the_next_agent_commits_the_rejoined_task_counting_its_run_from_its_start(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = LettingGoRunner(clock, work=60, stop_at=20)
+    ctx = context(tmp_path, clock, coord, runner)
+    first = runner.attempt = Attempt(ctx, lease(0))
+    assert first.run() is Outcome.DETACHED
+    task = runner.handle
+    assert task is not None
+    clock.now += 5  # the restart
+    record = ctx.outbox.read(first.lease_id)
+    assert record is not None
+    again = Attempt(ctx, record.lease, record.slot, record=record)
+    task.attempt = again
+    assert again.rejoin(task) is Outcome.COMMITTED
+    entry = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[-1])
+    assert entry["outcome"] == "committed"
+    # 60 s of work: 20 s before the stop, 5 s away (the task ran on), the rest rejoined.
+    assert entry["evidence"]["wall_seconds"] >= 60
+    assert [c[1] for c in coord.calls].count("complete") == 1
+    assert ctx.outbox.read(first.lease_id) is None
+
+
+def test_a_rejoined_lease_is_renewed_at_once_then_every_third_of_its_window() -> None:
+    clock = FakeClock()
+    hb = Heartbeats(clock, [None, None, LeaseLost("lease is no longer live", 410)])
+    data = lease()
+    data["lease_seconds"] = 60
+    lost = threading.Event()
+    keeper = LeaseKeeper(hb, parse_lease(data), clock, lost.set, renew_now=True)  # type: ignore[arg-type]
+    start = clock.now
+    keeper.run()
+    assert [t - start for t in hb.times] == [0, 20, 40]
