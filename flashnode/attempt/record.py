@@ -68,6 +68,7 @@ class AttemptRecord(BaseModel):
     checkpoint_step: int | None = None  # the step of the newest one shipped
     relayed: tuple[str, int] | None = None  # the relay's newest (name, step): shipped or resumed
     task_started_at: float | None = None  # wall clock: when the task was handed its script
+    gpus: list[str] = Field(default_factory=list)  # the GPUs its task holds (visible names)
 
     @property
     def lease_id(self) -> str:

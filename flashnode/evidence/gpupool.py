@@ -61,6 +61,14 @@ class GpuPool:
             self._held.update(d.visible for d in taken)
             return taken
 
+    def take(self, visible: list[str]) -> list[Device]:
+        """Hold the GPUs named (a rejoined task's, held since before this agent started);
+        a name this node no longer has is skipped."""
+        with self._lock:
+            taken = [d for d in self.devices if d.visible in visible]
+            self._held.update(d.visible for d in taken)
+            return taken
+
     def release(self, devices: list[Device]) -> None:
         with self._lock:
             self._held.difference_update(d.visible for d in devices)

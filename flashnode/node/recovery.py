@@ -59,6 +59,7 @@ def _recover(
         workspace = workspace_of(ctx.settings.state_dir, lease_id, record.task_uid)
         handle = ctx.runner.rejoin(record.process, record.slot, workspace, attempt.wake.set)
         if handle is not None:
+            attempt.devices = ctx.gpus.take(record.gpus)  # its task holds them still
             return attempt, handle
     if record.process:
         ctx.runner.reap(record.process)

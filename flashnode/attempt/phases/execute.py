@@ -73,6 +73,7 @@ def run(
     def record(identity: dict[str, Any]) -> None:
         a.record.process, a.record.task_uid = identity, ws.task_uid
         a.record.task_started_at = ctx.clock.wall()
+        a.record.gpus = [d.visible for d in a.devices]
         a.save(State.RUNNING)
 
     space, use = ctx.space(), outputs.usage(ws)

@@ -5,6 +5,7 @@ the engine's health, and this node's labelled containers removed, nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -303,6 +304,9 @@ class ContainerRunner(Runner):
             watch = Supervised.connect(Path(home))
         except Gone:
             return None
+        if container.status == "paused":  # paused when let go of: the controls pause it again
+            with contextlib.suppress(*ENGINE_ERRORS):
+                container.unpause()
         self._rejoined.add(container.id)
         self._rejoined_homes.add(home)
         logs = (workspace.logs / "stdout.txt", workspace.logs / "stderr.txt")

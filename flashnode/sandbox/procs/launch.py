@@ -86,8 +86,11 @@ class Launch:
     def alive(self) -> bool:
         """Still waiting (a chain whose setup failed has exited)."""
         sup = self.supervised
-        if not sup.ended and select.select([sup], [], [], 0)[0]:
-            sup.hear()
+        if not sup.ended:
+            poller = select.poll()  # not select(): the agent may hold descriptors past 1023
+            poller.register(sup.fileno(), select.POLLIN)
+            if poller.poll(0):
+                sup.hear()
         return not sup.ended
 
     def take(self) -> int:

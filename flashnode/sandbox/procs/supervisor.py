@@ -459,6 +459,7 @@ class Supervised:
             raise Gone(f"the task's supervisor in {home} said {line[:60]!r}")
         self.pid = int(pid)
         self.start_time = int(started) if started.isdigit() else None
+        self._take_lines()  # what came with it ("exit", from one whose task has ended)
 
     @classmethod
     def start(
@@ -528,8 +529,11 @@ class Supervised:
     def connect(cls, home: Path) -> Supervised:
         """The supervisor an earlier run of the agent started in ``home``; Gone when none
         answers there."""
+        try:
+            dirfd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise Gone(f"no supervisor in {home} ({exc.strerror or exc})") from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        dirfd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             sock.connect(f"/proc/self/fd/{dirfd}/{SOCK}")  # a state dir's path may be long
         except OSError as exc:
@@ -579,12 +583,15 @@ class Supervised:
             self.ended = True
             return True
         self._buf += chunk
+        self._take_lines()
+        return self.ended
+
+    def _take_lines(self) -> None:
         while b"\n" in self._buf:
             line, _, rest = bytes(self._buf).partition(b"\n")
             self._buf[:] = rest
             if line == b"exit":
                 self._read_status()
-        return self.ended
 
     def _read_status(self) -> None:
         try:

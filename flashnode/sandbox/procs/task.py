@@ -156,7 +156,10 @@ class TaskProcess:
         proc = cls.__new__(cls)
         whole = identity.get("whole_uid") is True
         proc._watch_over(sup, token, uid, whole, cgroup, clock, on_exit)
-        proc.suspended = cgroup is not None and cgroup.frozen()
+        # Let run, in case it was suspended when let go of: the owner's controls suspend it
+        # again if they still say so.
+        proc.suspended = True
+        proc.resume()
         proc._start_watcher()
         return proc
 
@@ -257,7 +260,7 @@ class TaskProcess:
         poller = select.poll()
         poller.register(self._sup.fileno(), select.POLLIN)
         while not self._closing.is_set():
-            if poller.poll(WATCH_S * 1000) and self._sup.hear():
+            if self._sup.ended or (poller.poll(WATCH_S * 1000) and self._sup.hear()):
                 self.exited.set()
                 self._on_exit()
                 return

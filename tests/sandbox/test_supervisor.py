@@ -1,0 +1,101 @@
+"""A trusted task's supervisor, real processes: the task runs on while its agent is away, a
+returning agent rejoins it (its exit status and whole output), a task suspended when let go of
+runs again once rejoined, no agent back ends it, and it inherits no signal its supervisor
+ignores."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+from harness import wait_for
+
+from flashnode.sandbox import procs
+from flashnode.sandbox.procs.chain import SYSTEM_PATH
+from flashnode.sandbox.procs.task import TaskProcess
+
+
+def out(tmp_path: Path) -> bytes:
+    """What the task printed so far (its supervisor makes the file once it is told of it)."""
+    try:
+        return (tmp_path / "stdout.txt").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def supervisors(tmp_path: Path) -> list[str]:
+    try:
+        return os.listdir(tmp_path / "tasks")
+    except FileNotFoundError:
+        return []
+
+
+def start(tmp_path: Path, script: str, reattach: float = 30.0) -> TaskProcess:
+    return TaskProcess(
+        ["sh", "-c", script],
+        {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
+        cwd=tmp_path,
+        stdout=tmp_path / "stdout.txt",
+        stderr=tmp_path / "stderr.txt",
+        log_max_bytes=1 << 20,
+        on_exit=lambda: None,
+        homes=tmp_path / "tasks",
+        reattach_seconds=reattach,
+    )
+
+
+def test_a_task_let_go_of_runs_on_and_the_next_agent_gets_its_whole_output_and_status(
+    tmp_path: Path,
+) -> None:
+    gate = tmp_path / "gate"
+    first = start(
+        tmp_path, f"echo before; while [ ! -e {gate} ]; do sleep 0.05; done; echo after; exit 7"
+    )
+    identity = first.identity()
+    wait_for("its first line", lambda: b"before" in out(tmp_path))
+    first.detach()
+    gate.touch()  # it goes on while no agent is there
+    wait_for("its last line", lambda: b"after" in out(tmp_path))
+    ended = threading.Event()
+    again = TaskProcess.rejoin(identity, ended.set)
+    assert again is not None
+    wait_for("its end", again.exited.is_set)
+    assert ended.is_set() and again.returncode == 7 and again.launched
+    again.close()
+    assert (tmp_path / "stdout.txt").read_text() == "before\nafter\n"
+    assert not supervisors(tmp_path)  # its supervisor ended with it
+
+
+def test_a_task_suspended_when_let_go_of_runs_again_once_rejoined(tmp_path: Path) -> None:
+    first = start(tmp_path, "while :; do echo tick; sleep 0.05; done")
+    wait_for("a line", lambda: b"tick" in out(tmp_path))
+    first.suspend()  # no cgroup here: SIGSTOP
+    identity = first.identity()
+    first.detach()
+    again = TaskProcess.rejoin(identity, lambda: None)
+    assert again is not None
+    size = len(out(tmp_path))
+    wait_for("it prints again", lambda: len(out(tmp_path)) > size)
+    again.terminate(1.0)
+    wait_for("its end", again.exited.is_set)
+    again.close()
+
+
+def test_with_no_agent_back_its_supervisor_ends_it_and_goes(tmp_path: Path) -> None:
+    proc = start(tmp_path, "sleep 300", reattach=0.5)
+    pid = proc.pid
+    proc.detach()
+    wait_for("the task gone", lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
+    wait_for("its supervisor gone", lambda: not supervisors(tmp_path), timeout=10)
+    assert TaskProcess.rejoin(proc.identity(), lambda: None) is None
+
+
+def test_a_task_inherits_no_signal_its_supervisor_ignores(tmp_path: Path) -> None:
+    proc = start(tmp_path, "grep SigIgn /proc/self/status")
+    wait_for("its end", proc.exited.is_set)
+    proc.close()
+    ignored = int((tmp_path / "stdout.txt").read_text().split()[1], 16)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        assert not ignored & (1 << (sig - 1)), f"the task ignores {sig.name}"
