@@ -78,6 +78,9 @@ class EnvPort(Protocol):
         self, python: str, lines: Sequence[str], *, stop: threading.Event, timeout_s: float
     ) -> EnvLease: ...
 
+    def pin(self, key: str) -> EnvLease | None:
+        """The environment ``key`` pinned again (a rejoined task's); None when it is gone."""
+
 
 class ShardLease(Protocol):
     """A dataset shard pinned for one attempt (flashnode.caches.datacache.ShardHandle fits)."""

@@ -141,6 +141,7 @@ class Attempt(AttemptHooks):
         """A task rejoined: what the first path staged read back from its record, the task
         watched to its end (``execute.rejoin``), then checked and committed."""
         self.staged = staged = Staged.read_back(lease, self.record, self.ctx.settings.state_dir)
+        self._contributions.append(environment.rejoin(self))
         evidence = self._phase("execute", execute.rejoin, self, staged, handle)
         finished = self._phase("check", commit.check, self, staged, evidence)
         return self._phase("commit", commit.commit, self, staged, finished)

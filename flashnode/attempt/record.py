@@ -69,6 +69,7 @@ class AttemptRecord(BaseModel):
     relayed: tuple[str, int] | None = None  # the relay's newest (name, step): shipped or resumed
     task_started_at: float | None = None  # wall clock: when the task was handed its script
     gpus: list[str] = Field(default_factory=list)  # the GPUs its task holds (visible names)
+    environment: str | None = None  # the key of the job environment its task runs in
 
     @property
     def lease_id(self) -> str:

@@ -371,6 +371,15 @@ class EnvCache:
 
     # --- pins ----------------------------------------------------------------------------------
 
+    def pin(self, key: str) -> EnvHandle | None:
+        """The finished environment ``key`` pinned (a task rejoined after a restart uses it);
+        None when it is not there, or being built or evicted."""
+        if not re.fullmatch(r"[0-9a-f]{64}", key):
+            return None
+        with self._lock:
+            handle, _ = self._try_pin(key)
+        return handle
+
     def _try_pin(self, key: str) -> tuple[EnvHandle | None, bool]:
         """(a pinned handle, False) for a finished entry; (None, True) when another holder has
         it exclusively (building or evicting); (None, False) when there is nothing to pin.

@@ -1257,3 +1257,30 @@ def test_doctor_shows_the_cache_entries_bytes_and_budget(root: Path, index: Pack
     level, detail = levels["job environments"]
     assert level == "ok" and "1 environment(s)" in detail and "of 1.0 GiB budget" in detail
     assert "1 in use" in detail and "binary wheels only" in detail
+
+
+def test_a_rejoined_task_pins_its_environment_again_and_no_eviction_takes_it(
+    root: Path, index: PackageIndex
+) -> None:
+    """An agent that restarts under a running task pins that task's environment again by its
+    key (the pin of the agent before went with it): the budget evicts another one instead."""
+    probe, _ = make_cache(root)
+    sizes = {}
+    for name in (A, B, C):
+        with acquire(probe, lines(index, name)) as env:
+            sizes[name] = next(i.bytes for i in probe.entries() if i.path == env.path)
+    probe.prune(everything=True)
+    budget = sum(sorted(sizes.values())[1:]) + min(sizes.values()) // 2  # two fit, never three
+
+    first, _ = make_cache(root, budget)
+    with acquire(first, lines(index, B)) as used:
+        key, path = used.key, used.path
+    restarted, _ = make_cache(root, budget)  # the next agent
+    assert restarted.pin("../" + key) is None and restarted.pin("0" * 64) is None
+    pinned = restarted.pin(key)
+    assert pinned is not None and pinned.path == path
+    with acquire(restarted, lines(index, A)):
+        pass
+    with acquire(restarted, lines(index, C)):  # over budget: A goes, the rejoined one stays
+        assert path in {i.path for i in restarted.entries()}
+    pinned.release()

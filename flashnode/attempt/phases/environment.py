@@ -14,11 +14,14 @@ the node (an index it cannot reach, a full disk) lets the lease lapse (EnvUnavai
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import TYPE_CHECKING
 
 from flashnode.errors import AttemptLapsed
 from flashnode.runners.plan import Contribution
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from flashnode.attempt.hooks import AttemptHooks
@@ -26,6 +29,19 @@ if TYPE_CHECKING:
 
 # A task that names no ``python``: the version of the interpreter the agent runs under.
 DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def rejoin(a: AttemptHooks) -> Contribution:
+    """For a task rejoined after a restart: its job environment pinned again (the agent that
+    pinned it is gone), so that no eviction removes it under the task; released at its end."""
+    key, envs = a.record.environment, a.ctx.envs
+    if key is None or envs is None:
+        return Contribution()
+    env = envs.pin(key)
+    if env is None:
+        log.warning("lease %s: its job environment is gone", a.lease_id)
+        return Contribution()
+    return Contribution(release=env.release)
 
 
 def run(a: AttemptHooks, task: Task) -> Contribution:
@@ -43,6 +59,7 @@ def run(a: AttemptHooks, task: Task) -> Contribution:
         stop=a.stop,
         timeout_s=ctx.settings.env_build_timeout_seconds,
     )
+    a.record.environment = env.key  # pinned again by an agent that rejoins the task
     a.facts["environment"] = {
         "key": env.key[:16],
         "python": python,
