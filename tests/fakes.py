@@ -171,6 +171,9 @@ class FakeHandle:
     def resume(self) -> None:
         pass
 
+    def lease_left(self, seconds: float) -> None:
+        pass
+
     def last_output(self) -> str:
         return ""
 

@@ -187,6 +187,16 @@ class AttemptHooks:
         self.stop.set()
         self.wake.set()
 
+    def lease_renewed(self, seconds: float) -> None:
+        """The lease lives ``seconds`` from now (a renewal, or the task's start): its task's
+        supervisor ends the task then at the latest if the agent is gone by then."""
+        handle = self.handle
+        if handle is None:
+            return
+        # A supervisor gone is for the task's wait to see, not the keeper.
+        with contextlib.suppress(Exception):
+            handle.lease_left(seconds)
+
     def detach(self, grace: float) -> None:
         """The agent restarts: a running task is let go of (``Handle.detach``) for the next
         agent to rejoin; an attempt anywhere else is cancelled as ``Stopped`` with ``grace``."""

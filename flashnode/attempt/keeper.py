@@ -33,11 +33,14 @@ class LeaseKeeper:
         on_lost: Callable[[], None],
         rng: random.Random | None = None,
         renew_now: bool = False,
+        on_renewed: Callable[[float], None] = lambda window: None,
     ) -> None:
         """``renew_now``: the first renewal at once (a lease rejoined after a restart, last
-        renewed who knows when), not one interval after the claim."""
+        renewed who knows when), not one interval after the claim. ``on_renewed``: told the
+        lease's window after each renewal (it lives that long from now)."""
         self._coordinator, self._lease, self._clock = coordinator, lease, clock
         self._renew_now = renew_now
+        self._on_renewed = on_renewed
         self._on_lost = on_lost
         self._rng = rng or random.Random()
         self._stop = threading.Event()
@@ -83,6 +86,7 @@ class LeaseKeeper:
             now = self._clock.monotonic()
             next_renewal, deadline = now + interval, now + window
             self.deadline = deadline
+            self._on_renewed(window)
 
     def _mark_lost(self, reason: str) -> None:
         if self.lost.is_set():

@@ -107,6 +107,7 @@ class Attempt(AttemptHooks):
             handle.result()
             return self._drop()
         log.info("lease %s: rejoined its running task after a restart", self.lease_id)
+        self.handle = handle  # the attempt's from here: however it ends, its task ends with it
         return self._guarded(lease, lambda lease: self._rejoined(lease, handle), renew_now=True)
 
     def abandon(self, reason: str) -> Outcome:
@@ -181,7 +182,13 @@ class Attempt(AttemptHooks):
         renew_now: bool = False,
     ) -> Outcome:
         self.keeper = keeper = LeaseKeeper(
-            self.ctx.coordinator, lease, self.ctx.clock, self._lost, self.ctx.rng, renew_now
+            self.ctx.coordinator,
+            lease,
+            self.ctx.clock,
+            self._lost,
+            self.ctx.rng,
+            renew_now,
+            self.lease_renewed,
         )
         self.ctx.start_thread(keeper.run, f"keeper-{lease.lease_id}")
         outcome, reason = Outcome.FAILED, ""

@@ -57,7 +57,11 @@ def _recover(
     attempt = Attempt(ctx, record.lease, record.slot, record=record)
     if record.state is State.RUNNING and record.process and SAFE_ID.match(lease_id):
         workspace = workspace_of(ctx.settings.state_dir, lease_id, record.task_uid)
-        handle = ctx.runner.rejoin(record.process, record.slot, workspace, attempt.wake.set)
+        try:
+            handle = ctx.runner.rejoin(record.process, record.slot, workspace, attempt.wake.set)
+        except Exception:  # reaped below, like one that is gone
+            log.exception("lease %s: cannot rejoin its task", lease_id)
+            handle = None
         if handle is not None:
             attempt.devices = ctx.gpus.take(record.gpus)  # its task holds them still
             return attempt, handle

@@ -94,6 +94,10 @@ class Handle(Protocol):
         """The last line the task printed (stdout or stderr, whichever was latest), escaped for
         a terminal; "" before any."""
 
+    def lease_left(self, seconds: float) -> None:
+        """The task's lease lives ``seconds`` from now: if the agent is gone then, whatever
+        holds the task ends it at the latest at that moment (nothing outlives its lease)."""
+
     def detach(self) -> bool:
         """Let go of the running task without ending it (the agent restarts): True when it runs
         on, for the next agent to ``rejoin`` by its recorded identity until

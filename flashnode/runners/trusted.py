@@ -140,6 +140,7 @@ class TrustedRunner(Runner):
         )
         self._rejoined: set[str] = set()  # the supervisors' directories of rejoined tasks
         self._rejoined_cgroups: set[str] = set()  # ... and their cgroups' names
+        self._lost_slots: set[int] = set()  # slots whose user another agent took (``_after``)
 
     # --- construction -----------------------------------------------------------------------
 
@@ -181,11 +182,11 @@ class TrustedRunner(Runner):
         sandbox = False
         if os.geteuid() == 0:
             assert settings.task_user
+            for d in (settings.state_dir, settings.state_dir / "attempts"):
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
             locks = UserLocks(settings.task_user)  # held for the agent's whole life
             users = locks.take(env.slots, settings.state_dir)
             sandbox = True
-            for d in (settings.state_dir, settings.state_dir / "attempts"):
-                d.mkdir(parents=True, exist_ok=True, mode=0o700)
             passable(settings.state_dir)
             make_work_dir()
             log.info(
@@ -341,8 +342,19 @@ class TrustedRunner(Runner):
         cgroup: cgroups.AttemptCgroup | None,
     ) -> None:
         """Once the task's processes are all gone: the slot's turnover, off the attempt's way
-        (the slot's next start waits for it)."""
+        (the slot's next start waits for it). A user a rejoined task's supervisor held is held
+        again first; one another agent took meanwhile is never run as again."""
         self._forget(name)
+        locks = self.user_locks
+        if user is not None and locks is not None and not locks.relock(user):
+            log.error(
+                "slot %d: another agent took its task user %s while a task of this agent's"
+                " earlier run ran as it: the slot takes no more work until a restart",
+                slot,
+                user.name,
+            )
+            self._lost_slots.add(slot)
+            return
         self.slots.turn_over(slot, user, cgroup)
 
     def reconcile(self) -> None:
@@ -354,6 +366,8 @@ class TrustedRunner(Runner):
 
     def start(self, plan: TaskPlan) -> Handle:
         ws = plan.workspace
+        if plan.slot in self._lost_slots:
+            raise AttemptLapsed(f"slot {plan.slot}'s task user is another agent's now")
         user = self.users[plan.slot] if self.users else None
         if user is not None:
             passable(self.settings.state_dir)
@@ -484,8 +498,10 @@ class TrustedRunner(Runner):
         sandbox: Sandbox | None,
     ) -> Launch:
         """A chain under its supervisor, in the state dir: it outlives this agent's restart."""
-        s = self.settings
-        return Launch(cwd, cgroup, user, sandbox, s.state_dir / HOMES, s.reattach_seconds)
+        s, locks = self.settings, self.user_locks
+        hold = locks.fd_of(user) if locks is not None and user is not None else None
+        homes = s.state_dir / HOMES
+        return Launch(cwd, cgroup, user, sandbox, homes, s.reattach_seconds, hold)
 
     def rejoin(
         self,
@@ -502,14 +518,19 @@ class TrustedRunner(Runner):
             return None
         cgroup = proc.cgroup
         name = next(iter(cgroup.paths.values())).name if cgroup else workspace.root.name
+        try:
+            handle = TrustedHandle(
+                proc,
+                lambda: self._after(slot, user, name, cgroup),
+                private=PRIVATE_DIRS if self.sandbox else (),
+                workspace=workspace.root,
+            )
+        except BaseException:
+            proc.detach()  # not rejoined: ``reconcile`` ends it with its supervisor
+            raise
         self._rejoined.add(str(identity.get("supervisor")))
         self._rejoined_cgroups.add(name)
-        return TrustedHandle(
-            proc,
-            lambda: self._after(slot, user, name, cgroup),
-            private=PRIVATE_DIRS if self.sandbox else (),
-            workspace=workspace.root,
-        )
+        return handle
 
     def _forget(self, name: str) -> None:
         with self._cpu_lock:

@@ -93,6 +93,9 @@ class TrustedHandle:
     def last_output(self) -> str:
         return self._proc.last_line()
 
+    def lease_left(self, seconds: float) -> None:
+        self._proc.lease_left(seconds)
+
     def detach(self) -> bool:
         self._proc.detach()  # it runs on under its supervisor
         return True

@@ -12,8 +12,12 @@ naming the holders and the way out (more users, or ``task_user`` naming a set of
 ``LOCK_DIR`` is root's alone (0700): whoever could open a lock file could hold a user from
 every agent. Lock files are opened close-on-exec (no task inherits one) and never removed (a
 file removed while locked would let a second agent lock a new one of the same name); the kernel
-drops a lock when its agent's process ends, however it ends. The packaged unit keeps the
-directory writable (``RuntimeDirectory=``, preserved across restarts).
+drops a lock when its agent's process ends, however it ends, and the supervisors of its tasks
+(which keep the lock of their task's user open while the task runs on after a restart: no other
+agent takes a user a task still runs as). Each slot gets the user it had in the state dir's last
+run (``<state dir>/task-users``) where it can: a task of that run rejoined runs as it, and its
+lock, held by the task's supervisor, is this agent's again once the task has ended. The
+packaged unit keeps the directory writable (``RuntimeDirectory=``, preserved across restarts).
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ import fcntl
 import os
 import pwd
 import stat
+import time
 from pathlib import Path
 
+from flashnode import statefile
 from flashnode.errors import ConfigError, PrerequisiteError
 from flashnode.sandbox import procs
 
 LOCK_DIR = Path("/run/flashnode-task-users")
+ASSIGNMENT = "task-users"  # <state dir>/task-users: each slot's user in the last run, a line each
+RELOCK_S = 10.0  # the longest a borrowed user's lock is waited for once its task has ended
 MAX_USERS = 64  # task_user-0 .. task_user-63 are looked at
 
 
@@ -43,39 +51,39 @@ class UserLocks:
         self.task_user = task_user
         self.lock_dir = lock_dir
         self.users: list[procs.TaskUser] = []
-        self._fds: list[int] = []
+        self._fds: dict[int, int] = {}  # uid -> the lock this agent holds
+        # Users whose lock a task of this state dir's earlier run still holds (its supervisor):
+        # this agent's again once that task has ended (``relock``).
+        self._borrowed: set[int] = set()
+        self._state_dir = ""  # the state dir the locks name (``take``)
 
     def take(self, slots: int, state_dir: Path) -> list[procs.TaskUser]:
         """Hold users until there is one for each of ``slots`` slots (those held already kept);
-        the users, slot by slot. UsersHeld when other agents hold too many of them; ConfigError
-        when none of them is fit to run tasks (missing, root)."""
+        the users, slot by slot. Each slot gets the user it had in this state dir's last run
+        when it can (a task of that run may still be running as it, to be rejoined: its
+        supervisor holds the lock then, and it is this agent's), else the first free one.
+        UsersHeld when other agents hold too many of them; ConfigError when none of them is
+        fit to run tasks (missing, root)."""
         dir_fd = self._open_dir()
         held: list[str] = []
+        by_slot: list[procs.TaskUser | None] = [*self.users[:slots]]
+        by_slot += [None] * (slots - len(by_slot))
         try:
-            for n in range(MAX_USERS):
-                if len(self.users) >= slots:
-                    break
-                name = f"{self.task_user}-{n}"
-                if any(u.name == name for u in self.users):
-                    continue
-                try:
-                    pw = pwd.getpwnam(name)
-                except KeyError:
-                    continue
-                if pw.pw_uid == 0 or pw.pw_gid == 0:
-                    raise ConfigError(f"task user {name!r} is root or in group root")
-                if any(u.uid == pw.pw_uid or u.gid == pw.pw_gid for u in self.users):
-                    # A shared uid or group would let one slot's task read another's workspace.
-                    raise ConfigError(
-                        f"the {self.task_user}-N task users must have distinct uids and groups"
-                    )
-                holder = self._lock(dir_fd, f"uid-{pw.pw_uid}", state_dir)
-                if holder is not None:
-                    held.append(f"{name} ({holder})")
-                    continue
-                self.users.append(procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid))
+            wanted = _assignment(state_dir)
+            for slot in range(len(self.users), slots):
+                if slot < len(wanted) and wanted[slot].startswith(f"{self.task_user}-"):
+                    by_slot[slot] = self._take(dir_fd, wanted[slot], by_slot, state_dir, [], True)
+            for slot in range(slots):
+                for n in range(MAX_USERS):
+                    if by_slot[slot] is not None:
+                        break
+                    name = f"{self.task_user}-{n}"
+                    if any(u is not None and u.name == name for u in by_slot):
+                        continue
+                    by_slot[slot] = self._take(dir_fd, name, by_slot, state_dir, held, False)
         finally:
             os.close(dir_fd)
+        self.users = [u for u in by_slot if u is not None]
         if len(self.users) < slots:
             if not held:
                 raise ConfigError(
@@ -90,13 +98,72 @@ class UserLocks:
                 f" --system --user-group --no-create-home {self.task_user}-x-$i; done) and set"
                 f' task_user = "{self.task_user}-x"'
             )
-        return self.users[:slots]
+        names = "".join(f"{u.name}\n" for u in self.users).encode()
+        with contextlib.suppress(OSError):  # the next run's slots get the same users
+            statefile.write(state_dir / ASSIGNMENT, names)
+        return self.users
+
+    def _take(
+        self,
+        dir_fd: int,
+        name: str,
+        taken: list[procs.TaskUser | None],
+        state_dir: Path,
+        held: list[str],
+        borrow: bool,
+    ) -> procs.TaskUser | None:
+        """``name`` held for this agent (``borrow``: or already held by this state dir's earlier
+        run), or None: missing, or another agent holds it (then added to ``held``)."""
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            return None
+        if pw.pw_uid == 0 or pw.pw_gid == 0:
+            raise ConfigError(f"task user {name!r} is root or in group root")
+        if any(u is not None and (u.uid == pw.pw_uid or u.gid == pw.pw_gid) for u in taken):
+            # A shared uid or group would let one slot's task read another's workspace.
+            raise ConfigError(
+                f"the {self.task_user}-N task users must have distinct uids and groups"
+            )
+        holder = self._lock(dir_fd, f"uid-{pw.pw_uid}", state_dir)
+        if holder is not None:
+            if borrow and holder[0] == str(state_dir):
+                self._borrowed.add(pw.pw_uid)
+                return procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
+            held.append(f"{name} ({holder[1]})")
+            return None
+        return procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
+
+    def fd_of(self, user: procs.TaskUser) -> int | None:
+        """The lock this agent holds on ``user`` (a task's supervisor holds it too, for as long
+        as the task runs); None for a user it borrows."""
+        return self._fds.get(user.uid)
+
+    def relock(self, user: procs.TaskUser, timeout: float = RELOCK_S) -> bool:
+        """Hold ``user`` again once the task of the earlier run that held it has ended (its
+        supervisor lets go of the lock as it exits); False when another agent took it first."""
+        if user.uid not in self._borrowed:
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            dir_fd = self._open_dir()
+            try:
+                holder = self._lock(dir_fd, f"uid-{user.uid}", Path(self._state_dir))
+            finally:
+                os.close(dir_fd)
+            if holder is None:
+                self._borrowed.discard(user.uid)
+                return True
+            if time.monotonic() >= deadline or holder[0] != self._state_dir:
+                return False
+            time.sleep(0.05)
 
     def release(self) -> None:
-        for fd in self._fds:
+        for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._fds = []
+        self._fds = {}
+        self._borrowed = set()
         self.users = []
 
     def _open_dir(self) -> int:
@@ -121,9 +188,10 @@ class UserLocks:
             )
         return fd
 
-    def _lock(self, dir_fd: int, name: str, state_dir: Path) -> str | None:
+    def _lock(self, dir_fd: int, name: str, state_dir: Path) -> tuple[str, str] | None:
         """Lock the file ``name`` (a uid's: two names of one uid are one user): None when this
-        agent holds it now, else who does."""
+        agent holds it now, else who does (its state dir, and its words for the owner)."""
+        self._state_dir = str(state_dir)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(f"{name}.lock", flags, 0o600, dir_fd=dir_fd)
         try:
@@ -133,12 +201,12 @@ class UserLocks:
                 text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
             finally:
                 os.close(fd)
-            return _holder(text)[1]
+            return _holder(text)
         data = f"{os.getpid()}\n{state_dir}\n".encode()
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, data, 0)
-        self._fds.append(fd)
+        self._fds[int(name.removeprefix("uid-"))] = fd
         return None
 
 
@@ -157,6 +225,16 @@ def _holder(text: str) -> tuple[str, str]:
     if where:
         who += f", state dir {where}"
     return where, who
+
+
+def _assignment(state_dir: Path) -> list[str]:
+    """Each slot's user in this state dir's last run (``ASSIGNMENT``), slot by slot."""
+    try:
+        with open(state_dir / ASSIGNMENT, "rb") as fh:
+            text = fh.read(64 * 1024).decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line.strip() for line in text.splitlines()][:MAX_USERS]
 
 
 def held_elsewhere(task_user: str, state_dir: Path, lock_dir: Path = LOCK_DIR) -> list[str]:

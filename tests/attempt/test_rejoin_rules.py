@@ -16,7 +16,7 @@ from flashnode.attempt import Attempt, Outcome
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.record import State
 from flashnode.coordinator.lease import parse_lease
-from flashnode.errors import LeaseLost
+from flashnode.errors import LeaseLost, Stopped
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.plan import TaskPlan
 
@@ -59,6 +59,9 @@ class LettingGo:
         pass
 
     def resume(self) -> None:
+        pass
+
+    def lease_left(self, seconds: float) -> None:
         pass
 
     def last_output(self) -> str:
@@ -148,3 +151,25 @@ def test_a_rejoined_lease_is_renewed_at_once_then_every_third_of_its_window() ->
     start = clock.now
     keeper.run()
     assert [t - start for t in hb.times] == [0, 20, 40]
+
+
+def test_a_rejoined_attempt_that_ends_before_watching_its_task_ends_the_task(
+    tmp_path: Path,
+) -> None:
+    """Whatever ends a rejoined attempt early (its lease lost at the first renewal, the owner's
+    pause at the first turn) ends its task too: nothing is left running without its attempt."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = LettingGoRunner(clock, work=60, stop_at=5)
+    ctx = context(tmp_path, clock, coord, runner)
+    first = runner.attempt = Attempt(ctx, lease(0))
+    assert first.run() is Outcome.DETACHED
+    task = runner.handle
+    assert task is not None
+    record = ctx.outbox.read(first.lease_id)
+    assert record is not None
+    again = Attempt(ctx, record.lease, record.slot, record=record)
+    task.attempt = again
+    again.cancel(Stopped("paused by the owner"), 0.0)
+    assert again.rejoin(task) is Outcome.LAPSED
+    assert task.terminated

@@ -81,6 +81,9 @@ class WorkingHandle:
     def disk_bytes(self) -> int:
         return 0
 
+    def lease_left(self, seconds: float) -> None:
+        pass
+
     def last_output(self) -> str:
         return f"{self.done:.0f} s of work done"
 

@@ -104,3 +104,28 @@ def test_two_agents_with_the_same_task_user_never_run_two_tasks_under_one_uid(
     )
     uids = {(drop_dir / f"uid-{n}").read_text().strip() for n in (0, 1)}
     assert len(uids) == 2, f"both agents ran their tasks as uid {uids}"
+
+
+def test_a_restarted_agent_gives_each_slot_its_user_again_even_one_a_running_task_holds(
+    lock_dir: Path, tmp_path: Path
+) -> None:
+    """A task of the earlier run runs on as slot 1's user (its supervisor holds the lock): the
+    next agent on that state dir gets that user for slot 1 again, and holds it once the task
+    ended; no agent of another state dir takes it meanwhile."""
+    state = tmp_path / "state"
+    state.mkdir()
+    first = UserLocks(USER, lock_dir)
+    zero, one = first.take(2, state)
+    supervisor = os.dup(first.fd_of(one) or -1)  # the task's supervisor: the same lock
+    first.release()  # the agent goes
+    other = UserLocks(USER, lock_dir)
+    assert [u.name for u in other.take(1, tmp_path / "elsewhere")] == [zero.name]
+    again = UserLocks(USER, lock_dir)
+    users = again.take(2, state)
+    assert users[1] == one and users[0] not in (zero, one)
+    assert again.fd_of(one) is None  # borrowed: the supervisor holds it
+    assert not again.relock(one, timeout=0.2)  # its task still runs
+    os.close(supervisor)  # the task ended: its supervisor exits
+    assert again.relock(one) and again.fd_of(one) is not None
+    other.release()
+    again.release()

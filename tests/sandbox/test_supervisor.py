@@ -14,6 +14,7 @@ from harness import wait_for
 
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
+from flashnode.sandbox.procs.supervisor import sweep_homes
 from flashnode.sandbox.procs.task import TaskProcess
 
 
@@ -99,3 +100,24 @@ def test_a_task_inherits_no_signal_its_supervisor_ignores(tmp_path: Path) -> Non
     ignored = int((tmp_path / "stdout.txt").read_text().split()[1], 16)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         assert not ignored & (1 << (sig - 1)), f"the task ignores {sig.name}"
+
+
+def test_with_no_agent_back_a_task_is_ended_when_its_lease_would_end(tmp_path: Path) -> None:
+    """Sooner than ``reattach_seconds`` when the lease ends first: an agent that came back then
+    could not renew it, so nothing of the task outlives its lease."""
+    proc = start(tmp_path, "sleep 300", reattach=300)
+    proc.lease_left(1.0)
+    pid = proc.pid
+    proc.detach()
+    wait_for("the task gone", lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
+
+
+def test_a_supervisor_no_agent_will_rejoin_is_ended_with_its_task_at_once(tmp_path: Path) -> None:
+    """At its start an agent ends the supervisors of tasks it did not rejoin (no record names
+    them): they do not wait on beside its own tasks for ``reattach_seconds``."""
+    proc = start(tmp_path, "sleep 300", reattach=300)
+    pid = proc.pid
+    proc.detach()
+    sweep_homes(tmp_path, keep=set())
+    assert not os.path.exists(f"/proc/{pid}") or procs.process_state(pid) in (None, "Z")
+    assert not supervisors(tmp_path)

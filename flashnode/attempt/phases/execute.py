@@ -100,6 +100,8 @@ def run(
     launched = ctx.clock.monotonic()  # the task may make files from here on
     with a.timed("execute.start", phase=False):
         a.handle = handle = ctx.runner.start(plan)
+    if a.keeper is not None:
+        a.lease_renewed(a.keeper.deadline - ctx.clock.monotonic())
     return _watch(a, staged, handle, (space, use, caps), timeout, cpu, launched)
 
 

@@ -108,6 +108,9 @@ class ContainerHandle:
             raise SuspendFailed(f"cannot unpause the container ({brief(exc)})") from None
         self._paused = False
 
+    def lease_left(self, seconds: float) -> None:
+        self._watch.lease_left(seconds)
+
     def detach(self) -> bool:
         self._watch.detach()  # the engine runs it on; its watch waits for the next agent
         return True

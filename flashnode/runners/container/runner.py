@@ -307,11 +307,16 @@ class ContainerRunner(Runner):
         if container.status == "paused":  # paused when let go of: the controls pause it again
             with contextlib.suppress(*ENGINE_ERRORS):
                 container.unpause()
-        self._rejoined.add(container.id)
-        self._rejoined_homes.add(home)
         logs = (workspace.logs / "stdout.txt", workspace.logs / "stderr.txt")
         image = str(container.attrs.get("Image", ""))
-        return ContainerHandle(self, container, image, on_exit, logs, workspace.root, watch)
+        try:
+            handle = ContainerHandle(self, container, image, on_exit, logs, workspace.root, watch)
+        except BaseException:
+            watch.detach()  # not rejoined: ``reconcile`` removes it, its watch ended
+            raise
+        self._rejoined.add(container.id)
+        self._rejoined_homes.add(home)
+        return handle
 
     def _engine_failure(self, what: str, exc: BaseException) -> Exception:
         if self.engine_answers():

@@ -30,7 +30,8 @@ class Launch:
     ``cgroup`` and ``sandbox``, as ``user``, in ``cwd`` (bound at ``/work`` where the sandbox
     says so), under a supervisor of its own (``supervisor.py``: in a new directory under
     ``homes``, or a temporary one; it keeps the task ``reattach_seconds`` for an agent that went
-    away to come back). ``TaskProcess`` takes it over."""
+    away to come back; ``hold``: a descriptor it keeps open while it lives, the lock of the
+    task's user). ``TaskProcess`` takes it over."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class Launch:
         sandbox: Sandbox | None = None,
         homes: Path | None = None,
         reattach_seconds: float = 0.0,
+        hold: int | None = None,
     ) -> None:
         self.cgroup, self.user, self.sandbox = cgroup, user, sandbox
         script_r, self.script_w = os.pipe()
@@ -60,6 +62,7 @@ class Launch:
                 "out_r": out_r,
                 "err_r": err_r,
                 "fault_r": fault_r,
+                **({"hold": hold} if hold is not None else {}),
             }
             self.supervised = Supervised.start(
                 command(cgroup, user, sandbox, err_w),

@@ -7,16 +7,20 @@ fault channel; and it keeps the task only while an agent is there for it. Its fi
 connected through a socket pair from the start; a later agent on the same state dir connects to
 ``sock`` in the supervisor's directory (``home``: in the agent's state dir, root's alone; only a
 peer of the supervisor's own user is accepted). With no agent connected for ``reattach_seconds``
-(none came back after a restart or a crash), it ends the task (every process in its cgroup, its
-group, its token holders), removes its cgroup, and exits. A chain no task took yet (one kept
-ahead) is ended as soon as its agent goes.
+(none came back after a restart or a crash), or past the end of the task's lease as last told,
+it ends the task (every process in its cgroup, its group while it is unreaped, its token
+holders), removes its cgroup and its directory, and exits; as it does on an error of its own. A
+chain no task took yet (one kept ahead) is ended as soon as its agent goes. It holds the lock of
+the task's user while it runs (``userlocks``): no other agent takes that user meanwhile.
 
 Lines on the socket. The supervisor says ``pid <pid> <start time>`` to every agent that
-connects, and ``exit`` once the task's main process has exited and ``status.json`` holds how
-(its exit status, the fault channel, the last bytes of its stderr). An agent says ``task
-<json>`` (where the task's output goes, its cap, and the task's identity: what to end when no
-agent comes back) and ``done`` (it has read the task's end: the supervisor exits). The last line
-the task printed is written to ``last`` at most once a second, for the owner's live view.
+connects, and ``exit <json>`` once the task's main process has exited (its exit status, the
+fault channel, the last bytes of its stderr: on the socket, never only in a file, so that a task
+that filled the disk cannot take its end along). An agent says ``task <json>`` (where the task's
+output goes, its cap, and the task's identity: what to end), ``lease <seconds>`` (the lease
+lives that long from now), ``done`` (it has read the task's end: the supervisor exits) and
+``end`` (it will not rejoin the task: end it now). The last line the task printed is written
+to ``last`` at most once a second, for the owner's live view.
 
 Run as ``python -I -m flashnode.sandbox.procs.supervisor SPEC``; ``Supervised`` is the agent's
 side.
@@ -40,9 +44,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# Everything its way of ending a task needs is loaded at its start: the package may be removed or
+# upgraded under a supervisor that waits for its agent.
+from flashnode.sandbox.cgroups import AttemptCgroup
+from flashnode.sandbox.logcap import CappedFile, latest_line
+from flashnode.sandbox.procs import reap, start_time
+from flashnode.sandbox.removal import remove_tree
+
 HOMES = "tasks"  # <state dir>/tasks/<dir>: each running task's supervisor
 SOCK = "sock"
-STATUS = "status.json"
 LAST = "last"
 FAULT_BYTES = 4096  # what is kept of a fault channel
 FAULT_END = 64  # and of its last bytes (the chain's last word)
@@ -51,6 +61,8 @@ DRAIN_S = 0.2  # after the main process exits, output is read while it keeps com
 DRAIN_MAX_S = 2.0  # ... and no longer than this (a detached descendant may hold a pipe)
 LAST_EVERY_S = 1.0
 ANSWER_S = 10.0  # the longest an agent waits for a supervisor's first line
+REMOVE_TRIES_S = 3600.0  # how long a container's watch asks an engine that is away
+END_WAIT_S = 15.0  # the longest an agent waits for a supervisor it told to end its task
 
 
 # --- the supervisor's process ------------------------------------------------------------------
@@ -73,7 +85,9 @@ class _Lifeline:
             life.fileno(): (life, bytearray())
         }
         self.alone_since: float | None = None
+        self.lease_until = float("inf")  # monotonic: when the task's lease ends, as last told
         self.done = False
+        self.ending = False
 
     def hello(self, conn: socket.socket) -> None:
         """What an agent that connects is told first."""
@@ -81,6 +95,11 @@ class _Lifeline:
     def heard(self, word: str, arg: str) -> None:
         if word == "done":
             self.done = True
+        elif word == "end":  # an agent that will not rejoin it: end it now
+            self.ending = True
+        elif word == "lease":
+            with contextlib.suppress(ValueError):
+                self.lease_until = time.monotonic() + float(arg)
 
     def alone_for(self, now: float) -> float:
         """How long no agent has been connected (0 while one is)."""
@@ -90,6 +109,14 @@ class _Lifeline:
         if self.alone_since is None:
             self.alone_since = now
         return now - self.alone_since
+
+    def given_up(self, now: float, limit: float) -> bool:
+        """No agent connected, for ``limit`` seconds or past the lease's end (an agent that
+        came back then could not renew it)."""
+        alone = self.alone_for(now)
+        if self.ending:
+            return True
+        return not self.conns and (alone >= limit or now >= self.lease_until)
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -131,7 +158,7 @@ class _Lifeline:
     def _remove_home(self) -> None:
         """No agent reads what is here any more: the directory goes (the next agent reaps by
         the record)."""
-        for name in (SOCK, STATUS, LAST, STATUS + ".tmp", LAST + ".tmp", "supervisor.log"):
+        for name in (SOCK, LAST, LAST + ".tmp", "supervisor.log"):
             with contextlib.suppress(OSError):
                 os.unlink(name)
         with contextlib.suppress(OSError):
@@ -143,9 +170,12 @@ class _ContainerWatch(_Lifeline):
     came back within ``reattach_seconds``."""
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
+        import docker
+
         super().__init__(spec)
         self.container = str(spec["container"])
-        self.engine = str(spec["docker_host"])
+        self._errors = docker.errors
+        self._engine = docker.DockerClient(base_url=str(spec["docker_host"]), timeout=30)
         self._say(b"pid 0 0\n")
 
     def hello(self, conn: socket.socket) -> None:
@@ -154,8 +184,7 @@ class _ContainerWatch(_Lifeline):
     def run(self) -> None:
         poller = select.poll()
         while not self.done:
-            alone = self.alone_for(time.monotonic())
-            if not self.conns and alone >= self.reattach_s:
+            if self.given_up(time.monotonic(), self.reattach_s):
                 self._remove_container()
                 self._remove_home()
                 return
@@ -176,17 +205,20 @@ class _ContainerWatch(_Lifeline):
             os.unlink(SOCK)
 
     def _remove_container(self) -> None:
-        import docker
-
-        with contextlib.suppress(Exception):  # gone already, or the engine away: nothing more
-            client = docker.DockerClient(base_url=self.engine, timeout=30)
-            client.containers.get(self.container).remove(force=True)
+        """Until the engine says it is gone (an engine away is asked again)."""
+        deadline = time.monotonic() + REMOVE_TRIES_S
+        while time.monotonic() < deadline:
+            try:
+                self._engine.containers.get(self.container).remove(force=True)
+                return
+            except self._errors.NotFound:
+                return
+            except Exception:  # the engine away, or busy: ask again
+                time.sleep(2.0)
 
 
 class _Supervisor(_Lifeline):
     def __init__(self, spec: Mapping[str, Any]) -> None:
-        from flashnode.sandbox.procs import start_time
-
         super().__init__(spec)
         fds: dict[str, int] = spec["fds"]
         self.popen = subprocess.Popen(
@@ -216,6 +248,7 @@ class _Supervisor(_Lifeline):
         self.task: dict[str, Any] | None = None
         self.returncode: int | None = None
         self.exited_at: float | None = None
+        self.exit_line = b""
         self.last_written = 0.0
         self.last_dirty = False
         self._say(f"pid {self.pid} {self.start_time}\n".encode())
@@ -267,9 +300,7 @@ class _Supervisor(_Lifeline):
     def _abandoned(self, now: float) -> bool:
         """No agent for long enough: for a task, ``reattach_seconds``; for a chain no task
         took, at once (no agent can use it)."""
-        alone = self.alone_for(now)
-        limit = self.reattach_s if self.task is not None else 0.0
-        return not self.conns and alone >= limit
+        return self.given_up(now, self.reattach_s if self.task is not None else 0.0)
 
     def _ready(self, fd: int) -> None:
         if fd == self.listener.fileno():
@@ -301,7 +332,7 @@ class _Supervisor(_Lifeline):
     def hello(self, conn: socket.socket) -> None:
         self._say(f"pid {self.pid} {self.start_time}\n".encode(), conn)
         if self.returncode is not None:
-            self._say(b"exit\n", conn)
+            self._say(self.exit_line, conn)
 
     def heard(self, word: str, arg: str) -> None:
         if word == "task" and self.task is None:
@@ -311,8 +342,6 @@ class _Supervisor(_Lifeline):
     # --- the task ---------------------------------------------------------------------------
 
     def _take_task(self, task: dict[str, Any]) -> None:
-        from flashnode.sandbox.logcap import CappedFile
-
         self.task = task
         cap = int(task["cap"])
         for name in ("out", "err"):
@@ -361,13 +390,12 @@ class _Supervisor(_Lifeline):
             "fault_end": base64.b64encode(self.fault_end).decode(),
             "stderr_tail": base64.b64encode(self.err_tail).decode(),
         }
-        _write_file(Path(STATUS), json.dumps(status).encode())
+        # On the socket, not in a file: a task that filled the disk must not take its end along.
+        self.exit_line = f"exit {json.dumps(status)}\n".encode()
         self.returncode = rc
-        self._say(b"exit\n")
+        self._say(self.exit_line)
 
     def _write_last(self, force: bool = False) -> None:
-        from flashnode.sandbox.logcap import latest_line
-
         now = time.monotonic()
         if not self.last_dirty or (not force and now - self.last_written < LAST_EVERY_S):
             return
@@ -379,10 +407,8 @@ class _Supervisor(_Lifeline):
             _write_file(Path(LAST), latest_line(*files).encode())
 
     def _end_task(self) -> None:
-        """No agent came back: nothing of the task is left, its cgroup removed."""
-        from flashnode.sandbox.cgroups import AttemptCgroup
-        from flashnode.sandbox.procs import reap
-
+        """No agent came back, or one said ``end``: nothing of the task is left, its cgroup
+        removed."""
         identity = dict(self.task["identity"]) if self.task else {}
         identity.setdefault("pid", self.pid)
         identity.setdefault("start_time", self.start_time)
@@ -390,8 +416,9 @@ class _Supervisor(_Lifeline):
         paths, version = identity.get("cgroup"), identity.get("cgroup_version")
         if isinstance(paths, dict) and version in (1, 2):
             cgroup = AttemptCgroup(version, {k: Path(v) for k, v in paths.items()})
-        with contextlib.suppress(OSError):
-            os.killpg(self.pid, signal.SIGKILL)
+        if self.returncode is None:  # its group's number is its own only until it is reaped
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)
         if cgroup is not None:
             cgroup.kill()
         if self.returncode is None:
@@ -423,9 +450,19 @@ def main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, _ignore)
     if "container" in spec:
-        _ContainerWatch(spec).run()
+        watch = _ContainerWatch(spec)
+        try:
+            watch.run()
+        except BaseException:  # a bug, or no room for its own log: its container goes with it
+            watch._remove_container()
+            raise
     else:
-        _Supervisor(spec).run()
+        supervisor = _Supervisor(spec)
+        try:
+            supervisor.run()
+        except BaseException:  # a bug, or no room for its own log: its task goes with it
+            supervisor._end_task()
+            raise
     return 0
 
 
@@ -590,19 +627,25 @@ class Supervised:
         while b"\n" in self._buf:
             line, _, rest = bytes(self._buf).partition(b"\n")
             self._buf[:] = rest
-            if line == b"exit":
-                self._read_status()
+            if line.startswith(b"exit "):
+                self._take_status(line[5:])
 
-    def _read_status(self) -> None:
+    def _take_status(self, data: bytes) -> None:
         try:
-            status = json.loads((self.home / STATUS).read_bytes())
+            status = json.loads(data)
             rc = status["returncode"]
-        except (OSError, ValueError, KeyError):
+        except (ValueError, KeyError, TypeError):
             self.ended = self.lost = True
             return
         self.status = status if isinstance(status, dict) else {}
         self.returncode = rc if isinstance(rc, int) else None
         self.ended = True
+
+    def lease_left(self, seconds: float) -> None:
+        """The task's lease lives ``seconds`` from now: with no agent connected then, the
+        supervisor ends the task (before ``reattach_seconds`` if that comes first). OSError
+        when the supervisor is gone."""
+        self._sock.sendall(f"lease {max(seconds, 0.0):.3f}\n".encode())
 
     def blob(self, key: str) -> bytes:
         """One of the status's byte strings (``fault``, ``fault_end``, ``stderr_tail``)."""
@@ -634,8 +677,18 @@ class Supervised:
         an agent to come back."""
         self._sock.close()
 
+    def end(self, timeout: float = END_WAIT_S) -> None:
+        """End the task now, and its supervisor (an agent that will not rejoin it): returns
+        once the supervisor has gone, or after ``timeout``."""
+        with contextlib.suppress(OSError):
+            self._sock.sendall(b"end\n")
+            self._sock.settimeout(timeout)
+            while self._sock.recv(4096):
+                pass
+        self._sock.close()
+
     def remove(self) -> None:
-        for name in (SOCK, STATUS, LAST, STATUS + ".tmp", LAST + ".tmp", "supervisor.log"):
+        for name in (SOCK, LAST, LAST + ".tmp", "supervisor.log"):
             with contextlib.suppress(OSError):
                 (self.home / name).unlink()
         with contextlib.suppress(OSError):
@@ -643,19 +696,16 @@ class Supervised:
 
 
 def sweep_homes(state_dir: Path, keep: set[str]) -> None:
-    """Remove the directories of supervisors that no longer answer (their tasks ended while no
-    agent was there) but those of ``keep`` (rejoined). One that answers ends its task by
-    itself when no agent comes back."""
-    from flashnode.sandbox.removal import remove_tree
-
+    """End every supervisor an earlier run left but those of ``keep`` (rejoined), with its
+    task, before this agent claims anything (a task no record names must not wait on beside
+    this agent's own under the same user), and remove their directories."""
     with contextlib.suppress(OSError):
         for home in (state_dir / HOMES).iterdir():
             if str(home) in keep:
                 continue
-            try:
-                Supervised.connect(home).detach()
-            except Gone:
-                remove_tree(home)
+            with contextlib.suppress(Gone):
+                Supervised.connect(home).end()
+            remove_tree(home)
 
 
 def new_home(parent: Path | None) -> Path:

@@ -280,7 +280,7 @@ class TaskProcess:
         deadline = self._clock.monotonic() + STOP_ROUNDS_S
         while self._clock.monotonic() < deadline:
             with contextlib.suppress(OSError):
-                os.killpg(self.pid, signal.SIGSTOP)
+                self._killpg(signal.SIGSTOP)
             running = [p for p in self.members() if process_state(p) not in ("T", "t")]
             if not running:
                 return
@@ -320,7 +320,7 @@ class TaskProcess:
         A suspended task is killed before it is let run again: it runs no more of its code."""
         if self.cgroup is not None:
             with contextlib.suppress(OSError):
-                os.killpg(self.pid, signal.SIGKILL)
+                self._killpg(signal.SIGKILL)
             self.cgroup.kill()  # thawed once killed
             self.resume()
         else:
@@ -342,6 +342,11 @@ class TaskProcess:
         self._sup.done()
         self._sup.remove()
 
+    def lease_left(self, seconds: float) -> None:
+        """Its lease lives ``seconds`` from now: its supervisor ends it then, if no agent is
+        connected (``Supervised.lease_left``)."""
+        self._sup.lease_left(seconds)
+
     def detach(self) -> None:
         """Let go of the running task without ending it (the agent restarts): its supervisor
         keeps it for an agent that comes back (``rejoin``)."""
@@ -357,10 +362,16 @@ class TaskProcess:
         process of its user, when that user is the slot's own)."""
         return find_owned(self.token, self.uid, self.pid, self.whole_uid)
 
+    def _killpg(self, sig: signal.Signals) -> None:
+        """Signal the task's group while its main process is there: once its supervisor has
+        reaped it, the number may be another's (its members are found by token and uid)."""
+        if not self.exited.is_set():
+            os.killpg(self.pid, sig)
+
     def _signal_all(self, sig: signal.Signals) -> bool:
         """Signal the group and every token holder; True if anything alive was there."""
         with contextlib.suppress(OSError):
-            os.killpg(self.pid, sig)
+            self._killpg(sig)
         hit = False
         for pid in self.members():
             hit = signal_if_owned(pid, self.token, self.pid, sig, self._uid_filter) or hit
