@@ -10,7 +10,7 @@ import signal
 import threading
 from pathlib import Path
 
-from harness import wait_for
+from harness import tmpfs_disk, wait_for
 
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
@@ -121,3 +121,23 @@ def test_a_supervisor_no_agent_will_rejoin_is_ended_with_its_task_at_once(tmp_pa
     sweep_homes(tmp_path, keep=set())
     assert not os.path.exists(f"/proc/{pid}") or procs.process_state(pid) in (None, "Z")
     assert not supervisors(tmp_path)
+
+
+def test_a_task_that_fills_the_disk_cannot_take_its_exit_status_along(tmp_path: Path) -> None:
+    """The supervisor's directory and the task's files share the disk: the task's end reaches
+    the agent on the supervisor's socket, whatever room is left."""
+    with tmpfs_disk("flashnode-sup-", "size=2m") as disk:
+        proc = TaskProcess(
+            ["sh", "-c", f"dd if=/dev/zero of={disk}/fill bs=64k 2>/dev/null; exit 3"],
+            {procs.OWNER_ENV: procs.new_token(), "PATH": SYSTEM_PATH},
+            cwd=disk,
+            stdout=disk / "stdout.txt",
+            stderr=disk / "stderr.txt",
+            log_max_bytes=1 << 20,
+            on_exit=lambda: None,
+            homes=disk / "tasks",
+            reattach_seconds=30,
+        )
+        wait_for("its end", proc.exited.is_set)
+        assert proc.returncode == 3 and not proc.lost
+        proc.close()
