@@ -114,7 +114,6 @@ def rejoin(a: AttemptHooks, staged: Staged, handle: Handle) -> ExecutionEvidence
     cpu = ctx.cpu_window()
     space, use = ctx.space(), outputs.usage(ws)
     caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
-    a.handle = handle
     if task.checkpoint is not None:
         a.during_run.append(Relay(a, staged, a.record.relayed))
     started = a.record.task_started_at
