@@ -105,6 +105,8 @@ def resume(config_file: Path | None, state_dir: Path | None) -> None:
 
 # --- drain ---------------------------------------------------------------------------------
 
+DRAIN_TOLD_S = 3.0  # how long `drain` waits for the agent to say how long its drain may take
+
 
 @click.command()
 @config_option
@@ -129,9 +131,18 @@ def drain(config_file: Path | None, state_dir: Path | None, wait: bool) -> None:
     for attempt in running:
         if isinstance(attempt, dict):
             click.echo(f"  {status.attempt_line(attempt, time.time())}")
+    # How long it may still take: the agent says so once its drain has started.
+    shown = ""
+    deadline = time.monotonic() + DRAIN_TOLD_S
+    while running and time.monotonic() < deadline and _alive(pid):
+        now = status.read(directory)
+        if now is not None and now.get("draining"):
+            shown = str(now.get("state") or "")
+            click.echo(f"  {sanitise(shown)}")
+            break
+        time.sleep(0.2)
     if not wait:
         return
-    shown = ""
     while _alive(pid):
         now = status.read(directory)
         text = str(now.get("state") or "") if now is not None and now.get("pid") else ""

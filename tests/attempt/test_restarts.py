@@ -129,6 +129,7 @@ def test_flashnode_drain_lets_the_running_task_finish_then_stops_the_agent(
     done = run_flashnode("drain", "--wait", "--state-dir", str(agent.state_dir))
     assert done.returncode == 0, done.stderr
     assert "drains: it takes no new work; 1 task(s) run" in done.stdout, done.stdout
+    assert "at the latest (drain_seconds)" in done.stdout, done.stdout
     assert done.stdout.rstrip().endswith("the agent has stopped"), done.stdout
     assert agent.wait(5) == 0
     assert coordinator.job(job)["state"] == "SUCCEEDED"
