@@ -5,6 +5,7 @@ processes, real tasks under their supervisors."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from harness import (
     run_flashnode,
     wait_for,
 )
+
+from flashnode.console.app import _why
 
 FAST = {"FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS": "0.5", "FLASHNODE_KILL_GRACE_SECONDS": "1"}
 TRUSTED = ("--runner", "trusted", "--pool", "team-a")
@@ -70,6 +73,9 @@ def test_a_stop_mid_task_returns_in_seconds_and_the_next_start_commits_it_in_its
     assert entry["evidence"]["wall_seconds"] >= 12  # its run counted from its own start
     shown = run_flashnode("status", "--state-dir", str(second.state_dir)).stdout
     assert "re-attached 1 task(s) after a restart" in shown, shown
+    # The console says it too, from the same status.
+    snapshot = json.loads((second.state_dir / "status.json").read_text())
+    assert _why(snapshot, snapshot.get("controls") or {}, None)["rejoined"] == 1
 
 
 def test_a_crashed_agent_started_again_rejoins_its_task_and_commits_it(
