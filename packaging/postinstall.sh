@@ -74,8 +74,8 @@ if [ -d /run/systemd/system ]; then
   # An upgrade replaces the code under a running agent: restart it. That takes seconds: running
   # tasks run on under their supervisors and the new agent re-attaches them.
   if [ -n "$upgrade" ] && systemctl is-active --quiet flashnode.service; then
-    echo "flashnode: restarting the agent on the new version: running tasks run on and are"
-    echo "  re-attached by it (journalctl -u flashnode shows it)"
+    echo "flashnode: restarting the agent on the new version (seconds): running tasks run on and"
+    echo "  are re-attached by it (journalctl -u flashnode shows it)"
     systemctl try-restart flashnode.service || true
   fi
 fi

@@ -15,13 +15,19 @@ case "$1" in
           /etc/flashnode/flashnode.toml 2>/dev/null | tail -1)
         if [ "${running:-0}" -gt 0 ]; then
           echo "flashnode: stopping the agent: $running running task(s) may finish first, for up to"
-          echo "  ${drain:-300} s (drain_seconds); sudo flashnode drain in another shell stops them at once"
+          echo "  ${drain:-300} s (drain_seconds), then they are stopped; sudo flashnode drain in another"
+          echo "  shell stops them at once"
         else
           echo "flashnode: stopping the agent"
         fi
-        /usr/bin/flashnode drain --wait >/dev/null 2>&1 || true
+        /usr/bin/flashnode drain --wait 2>&1 | sed 's/^/  /' || true
       fi
       systemctl disable --now flashnode.service >/dev/null 2>&1 || true
+      # Tasks a stopped agent left running for its next start (reattach_seconds) end now, with
+      # their supervisors: nothing of the package is left running once it is gone.
+      /opt/flashnode/bin/python -IB -c 'import pathlib
+from flashnode.sandbox.procs.supervisor import sweep_homes
+sweep_homes(pathlib.Path("/var/lib/flashnode"), set())' 2>/dev/null || true
     elif command -v systemctl >/dev/null 2>&1; then
       systemctl disable flashnode.service >/dev/null 2>&1 || true
     fi

@@ -278,7 +278,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     # a reinstall says the service is left disabled and how to enable it.
     booted.ok("systemctl start flashnode")
     upgraded = booted.ok("dpkg -i /tmp/flashnode.deb")
-    assert "restarting the agent on the new version: running tasks run on" in upgraded, upgraded
+    assert "restarting the agent on the new version (seconds): running tasks run on" in upgraded
     wait_for("the restarted agent", lambda: booted.sh("flashnode status").returncode == 0, 60)
     held = server.submit(argv_job(["sh", "-c", "sleep 3; echo '{}' > metrics.json"]))
 
@@ -302,7 +302,22 @@ def test_the_owners_path_from_the_package_under_systemd(
     assert booted.ok(ours).split() == ["18", "19"], booted.ok(ours)
     assert "flashnode: made" not in again  # nothing was missing
 
+    # Removed right after a stop, with a task running on for the next start (reattach_seconds):
+    # it ends with the package, and nothing of it is left running.
+    booted.ok("systemctl start flashnode")
+    lingering = server.submit(argv_job(["sh", "-c", "sleep 600"]))
+
+    def lingers() -> bool:
+        r = booted.sh("flashnode status --json")
+        return r.returncode == 0 and any(
+            a.get("job_id") == lingering for a in json.loads(r.stdout).get("running") or []
+        )
+
+    wait_for("the lingering task to run", lingers, timeout=60)
+    booted.ok("systemctl stop flashnode")
+    assert booted.sh("pgrep -u flashnode-task-0 sleep").returncode == 0  # it runs on
     purged = booted.ok("dpkg -P flashnode")
+    assert booted.sh("pgrep -x sleep").returncode == 1, purged
     assert "flashnode: removing its state" in purged, purged
     assert "flashnode: removed the group flashnode and 18 of the users it made" in purged, purged
     assert booted.sh(ours).stdout.split() == ["0", "0"], purged
