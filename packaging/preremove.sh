@@ -26,8 +26,10 @@ case "$1" in
       # Tasks a stopped agent left running for its next start (reattach_seconds) end now, with
       # their supervisors: nothing of the package is left running once it is gone.
       /opt/flashnode/bin/python -IB -c 'import pathlib
+from flashnode.cli.common import state_dir_of
 from flashnode.sandbox.procs.supervisor import sweep_homes
-sweep_homes(pathlib.Path("/var/lib/flashnode"), set())' 2>/dev/null || true
+config = pathlib.Path("/etc/flashnode/flashnode.toml")
+sweep_homes(state_dir_of(config, None), set())' 2>/dev/null || true
     elif command -v systemctl >/dev/null 2>&1; then
       systemctl disable flashnode.service >/dev/null 2>&1 || true
     fi

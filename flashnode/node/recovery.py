@@ -26,7 +26,11 @@ def recover(ctx: AttemptContext, count: Callable[[Outcome], None]) -> list[tuple
     leftover does not keep the agent from starting."""
     outbox = ctx.outbox
     rejoined: list[tuple[Attempt, Handle]] = []
-    for lease_id in outbox.leases():
+    leases = outbox.leases()
+    # Running tasks first: they wait for this agent for ``reattach_seconds`` only, and their
+    # leases for a renewal; finished results wait in the outbox as long as their leases live.
+    running = [lease_id for lease_id in leases if _running(ctx, lease_id)]
+    for lease_id in running + [lease_id for lease_id in leases if lease_id not in running]:
         try:
             found = _recover(ctx, lease_id, count)
         except Exception:
@@ -45,6 +49,14 @@ def recover(ctx: AttemptContext, count: Callable[[Outcome], None]) -> list[tuple
     except Exception:
         log.exception("cleaning up after an earlier run failed")
     return rejoined
+
+
+def _running(ctx: AttemptContext, lease_id: str) -> bool:
+    try:
+        record = ctx.outbox.read(lease_id)
+    except Exception:  # read again, and dealt with, in its turn
+        return False
+    return record is not None and record.state is State.RUNNING
 
 
 def _recover(

@@ -140,7 +140,8 @@ class TrustedRunner(Runner):
         )
         self._rejoined: set[str] = set()  # the supervisors' directories of rejoined tasks
         self._rejoined_cgroups: set[str] = set()  # ... and their cgroups' names
-        self._lost_slots: set[int] = set()  # slots whose user another agent took (``_after``)
+        self._lost_slots: set[int] = set()  # slots whose user another agent took (``_hold``)
+        self._rejoined_uids: set[int] = set()  # the users rejoined tasks run as, until they end
 
     # --- construction -----------------------------------------------------------------------
 
@@ -345,21 +346,47 @@ class TrustedRunner(Runner):
         (the slot's next start waits for it). A user a rejoined task's supervisor held is held
         again first; one another agent took meanwhile is never run as again."""
         self._forget(name)
+        if user is not None:
+            self._rejoined_uids.discard(user.uid)
+            user = self._hold(slot, user)
+            if user is None:
+                return
+        self.slots.turn_over(slot, user, cgroup)
+
+    def _hold(self, slot: int, user: procs.TaskUser) -> procs.TaskUser | None:
+        """``user`` held by this agent again once no task of its earlier run holds it (else
+        another free user for ``slot``); None when there is none: the slot takes no work."""
         locks = self.user_locks
-        if user is not None and locks is not None and not locks.relock(user):
-            log.error(
-                "slot %d: another agent took its task user %s while a task of this agent's"
-                " earlier run ran as it: the slot takes no more work until a restart",
+        if locks is None or locks.relock(user):
+            return user
+        other = locks.replace(slot)
+        if self.users is not None and other is not None:
+            self.users[slot] = other
+            log.warning(
+                "slot %d: another agent took its task user %s meanwhile; it runs as %s now",
                 slot,
                 user.name,
+                other.name,
             )
-            self._lost_slots.add(slot)
-            return
-        self.slots.turn_over(slot, user, cgroup)
+            return other
+        log.error(
+            "slot %d: another agent took its task user %s, and no other is free: the slot"
+            " takes no more work until a restart",
+            slot,
+            user.name,
+        )
+        self._lost_slots.add(slot)
+        return None
 
     def reconcile(self) -> None:
         self.slots.reconcile(keep=self._rejoined_cgroups)
         sweep_homes(self.settings.state_dir, self._rejoined)
+        # The users an earlier run's tasks held that no rejoined task runs as: this agent's
+        # again now that those tasks are ended (or another user for the slot).
+        running = set(self._rejoined_uids)
+        for slot, user in enumerate(self.users or []):
+            if user.uid not in running:
+                self._hold(slot, user)
 
     def close(self) -> None:
         self.slots.close()
@@ -500,6 +527,8 @@ class TrustedRunner(Runner):
         """A chain under its supervisor, in the state dir: it outlives this agent's restart."""
         s, locks = self.settings, self.user_locks
         hold = locks.fd_of(user) if locks is not None and user is not None else None
+        if locks is not None and user is not None and hold is None:
+            raise OSError(f"task user {user.name} is not held by this agent")  # fail closed
         homes = s.state_dir / HOMES
         return Launch(cwd, cgroup, user, sandbox, homes, s.reattach_seconds, hold)
 
@@ -530,6 +559,8 @@ class TrustedRunner(Runner):
             raise
         self._rejoined.add(str(identity.get("supervisor")))
         self._rejoined_cgroups.add(name)
+        if user is not None:
+            self._rejoined_uids.add(user.uid)
         return handle
 
     def _forget(self, name: str) -> None:

@@ -26,8 +26,10 @@ import contextlib
 import fcntl
 import os
 import pwd
+import re
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from flashnode import statefile
@@ -56,6 +58,7 @@ class UserLocks:
         # this agent's again once that task has ended (``relock``).
         self._borrowed: set[int] = set()
         self._state_dir = ""  # the state dir the locks name (``take``)
+        self._state_id = ""  # ... and which directory it is (its device and inode)
 
     def take(self, slots: int, state_dir: Path) -> list[procs.TaskUser]:
         """Hold users until there is one for each of ``slots`` slots (those held already kept);
@@ -70,8 +73,9 @@ class UserLocks:
         by_slot += [None] * (slots - len(by_slot))
         try:
             wanted = _assignment(state_dir)
+            ours = re.compile(rf"{re.escape(self.task_user)}-[0-9]+")
             for slot in range(len(self.users), slots):
-                if slot < len(wanted) and wanted[slot].startswith(f"{self.task_user}-"):
+                if slot < len(wanted) and ours.fullmatch(wanted[slot]):
                     by_slot[slot] = self._take(dir_fd, wanted[slot], by_slot, state_dir, [], True)
             for slot in range(slots):
                 for n in range(MAX_USERS):
@@ -127,12 +131,41 @@ class UserLocks:
             )
         holder = self._lock(dir_fd, f"uid-{pw.pw_uid}", state_dir)
         if holder is not None:
-            if borrow and holder[0] == str(state_dir):
+            # This state dir's (the same directory, not just its name) earlier run, which is
+            # gone (this agent holds the state dir's lock): the lock is a supervisor's.
+            if (
+                borrow
+                and self._state_id
+                and holder.state == self._state_id
+                and not _alive(holder.pid)
+            ):
                 self._borrowed.add(pw.pw_uid)
                 return procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
-            held.append(f"{name} ({holder[1]})")
+            held.append(f"{name} ({holder.who})")
             return None
         return procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
+
+    def borrowed(self, user: procs.TaskUser) -> bool:
+        """Whether a task of this state dir's earlier run still holds ``user`` (``relock``)."""
+        return user.uid in self._borrowed
+
+    def replace(self, slot: int) -> procs.TaskUser | None:
+        """Another free user for ``slot`` (its own was taken by another agent); None when none
+        is free."""
+        dir_fd = self._open_dir()
+        try:
+            for n in range(MAX_USERS):
+                name = f"{self.task_user}-{n}"
+                if any(u.name == name for u in self.users):
+                    continue
+                others = [u for i, u in enumerate(self.users) if i != slot]
+                user = self._take(dir_fd, name, [*others], Path(self._state_dir), [], False)
+                if user is not None:
+                    self.users[slot] = user
+                    return user
+        finally:
+            os.close(dir_fd)
+        return None
 
     def fd_of(self, user: procs.TaskUser) -> int | None:
         """The lock this agent holds on ``user`` (a task's supervisor holds it too, for as long
@@ -154,7 +187,7 @@ class UserLocks:
             if holder is None:
                 self._borrowed.discard(user.uid)
                 return True
-            if time.monotonic() >= deadline or holder[0] != self._state_dir:
+            if time.monotonic() >= deadline or holder.state != self._state_id:
                 return False
             time.sleep(0.05)
 
@@ -188,10 +221,10 @@ class UserLocks:
             )
         return fd
 
-    def _lock(self, dir_fd: int, name: str, state_dir: Path) -> tuple[str, str] | None:
+    def _lock(self, dir_fd: int, name: str, state_dir: Path) -> Holder | None:
         """Lock the file ``name`` (a uid's: two names of one uid are one user): None when this
-        agent holds it now, else who does (its state dir, and its words for the owner)."""
-        self._state_dir = str(state_dir)
+        agent holds it now, else who does."""
+        self._state_dir, self._state_id = str(state_dir), _state_id(state_dir)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(f"{name}.lock", flags, 0o600, dir_fd=dir_fd)
         try:
@@ -202,7 +235,7 @@ class UserLocks:
             finally:
                 os.close(fd)
             return _holder(text)
-        data = f"{os.getpid()}\n{state_dir}\n".encode()
+        data = f"{os.getpid()}\n{state_dir}\n{self._state_id}\n".encode()
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, data, 0)
@@ -210,21 +243,53 @@ class UserLocks:
         return None
 
 
-def _holder(text: str) -> tuple[str, str]:
-    """What the holder of a lock wrote in it (its pid, its state dir): its state dir, and who
-    it is in the owner's words."""
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a task user's lock, as it wrote: its pid (0: unknown), its state dir, which
+    directory that is (device and inode), and its words for the owner."""
+
+    pid: int
+    where: str
+    state: str
+    who: str
+
+
+def _state_id(state_dir: Path) -> str:
+    try:
+        st = os.stat(state_dir)
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder(text: str) -> Holder:
+    """What the holder of a lock wrote in it (its pid, its state dir and that directory's
+    identity), and who it is in the owner's words."""
     from flashnode.owner.statelock import systemd_unit
 
     lines = text.splitlines()
     pid = lines[0] if lines and lines[0].isdigit() else ""
     where = lines[1] if len(lines) > 1 else ""
+    state = lines[2] if len(lines) > 2 else ""
     who = f"the agent of pid {pid}" if pid else "another agent"
     unit = systemd_unit(int(pid)) if pid else None
     if unit:
         who += f", systemd unit {unit}"
     if where:
         who += f", state dir {where}"
-    return where, who
+    return Holder(int(pid) if pid else 0, where, state, who)
 
 
 def _assignment(state_dir: Path) -> list[str]:
@@ -256,9 +321,9 @@ def held_elsewhere(task_user: str, state_dir: Path, lock_dir: Path = LOCK_DIR) -
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                where, who = _holder(os.pread(fd, 4096, 0).decode("utf-8", "replace").strip())
-                if where != str(state_dir):
-                    found.append(f"{name} ({who})")
+                holder = _holder(os.pread(fd, 4096, 0).decode("utf-8", "replace").strip())
+                if holder.where != str(state_dir):
+                    found.append(f"{name} ({holder.who})")
             finally:
                 os.close(fd)
     finally:

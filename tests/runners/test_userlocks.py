@@ -106,26 +106,63 @@ def test_two_agents_with_the_same_task_user_never_run_two_tasks_under_one_uid(
     assert len(uids) == 2, f"both agents ran their tasks as uid {uids}"
 
 
+# An agent that takes two users, leaves a stand-in for a task's supervisor holding slot 1's user
+# (a child that keeps that lock open), and exits.
+FIRST_RUN = """
+import os, sys, time
+from pathlib import Path
+from flashnode.runners.userlocks import UserLocks
+locks = UserLocks(sys.argv[1], Path(sys.argv[2]))
+zero, one = locks.take(2, Path(sys.argv[3]))
+if os.fork() == 0:
+    os.close(locks.fd_of(zero))
+    quiet = os.open(os.devnull, os.O_RDWR)
+    os.dup2(quiet, 1)  # the test reads the agent's output to its end, not the stand-in's
+    os.dup2(quiet, 2)
+    while not os.path.exists(sys.argv[4]):
+        time.sleep(0.05)
+    os._exit(0)
+print(zero.name, one.name, flush=True)
+"""
+
+
 def test_a_restarted_agent_gives_each_slot_its_user_again_even_one_a_running_task_holds(
     lock_dir: Path, tmp_path: Path
 ) -> None:
     """A task of the earlier run runs on as slot 1's user (its supervisor holds the lock): the
     next agent on that state dir gets that user for slot 1 again, and holds it once the task
     ended; no agent of another state dir takes it meanwhile."""
-    state = tmp_path / "state"
+    state, ended = tmp_path / "state", tmp_path / "task-ended"
     state.mkdir()
-    first = UserLocks(USER, lock_dir)
-    zero, one = first.take(2, state)
-    supervisor = os.dup(first.fd_of(one) or -1)  # the task's supervisor: the same lock
-    first.release()  # the agent goes
+    run = [sys.executable, "-c", FIRST_RUN, USER, str(lock_dir), str(state), str(ended)]
+    names = subprocess.run(run, capture_output=True, text=True, check=True).stdout.split()
+    zero, one = (pwd.getpwnam(n) for n in names)
     other = UserLocks(USER, lock_dir)
-    assert [u.name for u in other.take(1, tmp_path / "elsewhere")] == [zero.name]
+    assert [u.name for u in other.take(1, tmp_path / "elsewhere")] == [zero.pw_name]
     again = UserLocks(USER, lock_dir)
     users = again.take(2, state)
-    assert users[1] == one and users[0] not in (zero, one)
-    assert again.fd_of(one) is None  # borrowed: the supervisor holds it
-    assert not again.relock(one, timeout=0.2)  # its task still runs
-    os.close(supervisor)  # the task ended: its supervisor exits
-    assert again.relock(one) and again.fd_of(one) is not None
+    assert users[1].uid == one.pw_uid and users[0].uid not in (zero.pw_uid, one.pw_uid)
+    assert again.borrowed(users[1]) and again.fd_of(users[1]) is None
+    assert not again.relock(users[1], timeout=0.2)  # its task still runs
+    ended.touch()  # the task ended: its supervisor exits
+    assert again.relock(users[1]) and again.fd_of(users[1]) is not None
     other.release()
     again.release()
+
+
+def test_a_same_named_state_dir_elsewhere_never_borrows_a_live_agents_user(
+    lock_dir: Path, tmp_path: Path
+) -> None:
+    """Borrowing is for this very directory's earlier run, gone: an agent whose state dir has
+    the same name (another working directory, another mount namespace) takes other users."""
+    first = UserLocks(USER, lock_dir)
+    state = tmp_path / "state"
+    state.mkdir()
+    held = first.take(1, state)
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "task-users").write_text(f"{held[0].name}\n")
+    second = UserLocks(USER, lock_dir)
+    taken = second.take(1, tmp_path / "copy")
+    assert taken[0].uid != held[0].uid and not second.borrowed(taken[0])
+    first.release()
+    second.release()

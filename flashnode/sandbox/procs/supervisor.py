@@ -275,7 +275,7 @@ class _Supervisor(_Lifeline):
             if self.exited_at is not None and self.returncode is None:
                 self._finish_exit()
             self._write_last()
-        if self.returncode is None:  # told it is done before the chain ended (a chain discarded)
+        if self.popen.returncode is None:  # told it is done before the chain ended (discarded)
             with contextlib.suppress(OSError):
                 os.killpg(self.pid, signal.SIGKILL)
             self.popen.wait()
@@ -416,12 +416,12 @@ class _Supervisor(_Lifeline):
         paths, version = identity.get("cgroup"), identity.get("cgroup_version")
         if isinstance(paths, dict) and version in (1, 2):
             cgroup = AttemptCgroup(version, {k: Path(v) for k, v in paths.items()})
-        if self.returncode is None:  # its group's number is its own only until it is reaped
+        if self.popen.returncode is None:  # its group's number is its own until it is reaped
             with contextlib.suppress(OSError):
                 os.killpg(self.pid, signal.SIGKILL)
         if cgroup is not None:
             cgroup.kill()
-        if self.returncode is None:
+        if self.popen.returncode is None:
             self.popen.wait()  # first: a zombie of its own would look alive to ``reap``
         reap(identity)
         if cgroup is not None:
@@ -571,6 +571,7 @@ class Supervised:
         except OSError as exc:
             raise Gone(f"no supervisor in {home} ({exc.strerror or exc})") from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(ANSWER_S)  # a listener whose queue is full blocks a connect
         try:
             sock.connect(f"/proc/self/fd/{dirfd}/{SOCK}")  # a state dir's path may be long
         except OSError as exc:
@@ -677,15 +678,24 @@ class Supervised:
         an agent to come back."""
         self._sock.close()
 
-    def end(self, timeout: float = END_WAIT_S) -> None:
-        """End the task now, and its supervisor (an agent that will not rejoin it): returns
-        once the supervisor has gone, or after ``timeout``."""
+    def end(self) -> None:
+        """Tell the supervisor to end the task now, and itself (an agent that will not rejoin
+        it); ``gone`` says when it has."""
         with contextlib.suppress(OSError):
             self._sock.sendall(b"end\n")
-            self._sock.settimeout(timeout)
-            while self._sock.recv(4096):
-                pass
+
+    def gone(self) -> bool:
+        """Whether the supervisor has closed its end (it exited); reads what is there."""
+        try:
+            self._sock.setblocking(False)
+            while chunk := self._sock.recv(4096):
+                self._buf += chunk
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
         self._sock.close()
+        return True
 
     def remove(self) -> None:
         for name in (SOCK, LAST, LAST + ".tmp", "supervisor.log"):
@@ -698,14 +708,26 @@ class Supervised:
 def sweep_homes(state_dir: Path, keep: set[str]) -> None:
     """End every supervisor an earlier run left but those of ``keep`` (rejoined), with its
     task, before this agent claims anything (a task no record names must not wait on beside
-    this agent's own under the same user), and remove their directories."""
-    with contextlib.suppress(OSError):
-        for home in (state_dir / HOMES).iterdir():
-            if str(home) in keep:
-                continue
-            with contextlib.suppress(Gone):
-                Supervised.connect(home).end()
-            remove_tree(home)
+    this agent's own under the same user), all at once and for at most ``END_WAIT_S``, and
+    remove their directories."""
+    try:
+        homes = [h for h in (state_dir / HOMES).iterdir() if str(h) not in keep]
+    except OSError:
+        return
+    ending: list[Supervised] = []
+    for home in homes:
+        with contextlib.suppress(Gone):
+            sup = Supervised.connect(home)
+            sup.end()
+            ending.append(sup)
+    deadline = time.monotonic() + END_WAIT_S
+    while ending and time.monotonic() < deadline:
+        ending = [sup for sup in ending if not sup.gone()]
+        time.sleep(0.05)
+    for sup in ending:
+        sup.detach()
+    for home in homes:
+        remove_tree(home)
 
 
 def new_home(parent: Path | None) -> Path:
