@@ -132,8 +132,10 @@ class Workers:
         return {a.record.lease_id for a in self.attempts()}
 
     def free_slot(self, settings: Settings) -> int | None:
+        """The first slot that runs nothing and can run a task (the runner says)."""
         used = {a.record.slot for a in self.attempts()}
-        return next((i for i in range(self.slots(settings)) if i not in used), None)
+        usable = self._ctx.runner.slot_usable
+        return next((i for i in range(self.slots(settings)) if i not in used and usable(i)), None)
 
     def could_take(self, settings: Settings) -> bool:
         """A free slot that could serve a task: on a GPU node, with a free GPU."""

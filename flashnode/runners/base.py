@@ -157,6 +157,11 @@ class Runner(ABC):
         """Whether the runner can take a task now (e.g. its container engine answers)."""
         return True
 
+    def slot_usable(self, slot: int) -> bool:
+        """Whether ``slot`` can run a task (a trusted slot whose user another agent took
+        cannot): a slot that cannot is never offered a claim."""
+        return True
+
     def task_path(self, workspace: Workspace, path: str) -> str:
         """Where a task of this runner finds ``path`` (a ``/work/...`` path) of ``workspace``:
         the path itself where the runner shows the workspace at ``/work`` (a container), else

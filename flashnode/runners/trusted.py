@@ -378,6 +378,9 @@ class TrustedRunner(Runner):
         self._lost_slots.add(slot)
         return None
 
+    def slot_usable(self, slot: int) -> bool:
+        return slot not in self._lost_slots
+
     def reconcile(self) -> None:
         self.slots.reconcile(keep=self._rejoined_cgroups)
         sweep_homes(self.settings.state_dir, self._rejoined)

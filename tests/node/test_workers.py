@@ -155,3 +155,16 @@ def test_task_cpu_is_none_when_one_running_task_cannot_be_measured() -> None:
     assert task_cpu([(1, Task(2.5)), (2, Task(0.5))]) == {"1": 2.5, "2": 0.5}
     assert task_cpu([(1, Task(2.5)), (2, Task(None))]) is None
     assert task_cpu([]) == {}
+
+
+def test_a_slot_the_runner_cannot_use_is_never_offered_a_claim(tmp_path: Path) -> None:
+    """A trusted slot whose task user another agent took (while a task of the agent's earlier
+    run ran as it) takes no work: no claim is staged there only to lapse."""
+    workers, ctx, _, _ = setup(tmp_path, slots=2)
+    runner = ctx.runner
+    assert isinstance(runner, FakeRunner)
+    runner.slot_usable = lambda slot: slot != 0  # type: ignore[method-assign]
+    assert workers.free_slot(ctx.settings) == 1
+    workers.start(lease(0), ctx)
+    assert [a.record.slot for a in workers.attempts()] == [1]
+    assert workers.free_slot(ctx.settings) is None and not workers.could_take(ctx.settings)
