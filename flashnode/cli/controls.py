@@ -134,7 +134,7 @@ def drain(config_file: Path | None, state_dir: Path | None, wait: bool) -> None:
     # How long it may still take: the agent says so once its drain has started.
     shown = ""
     deadline = time.monotonic() + DRAIN_TOLD_S
-    while running and time.monotonic() < deadline and _alive(pid):
+    while running and time.monotonic() < deadline and status.agent_alive(pid):
         now = status.read(directory)
         if now is not None and now.get("draining"):
             shown = str(now.get("state") or "")
@@ -143,7 +143,7 @@ def drain(config_file: Path | None, state_dir: Path | None, wait: bool) -> None:
         time.sleep(0.2)
     if not wait:
         return
-    while _alive(pid):
+    while status.agent_alive(pid):
         now = status.read(directory)
         text = str(now.get("state") or "") if now is not None and now.get("pid") else ""
         if text and text != shown:
@@ -151,23 +151,6 @@ def drain(config_file: Path | None, state_dir: Path | None, wait: bool) -> None:
             shown = text
         time.sleep(1.0)
     click.echo("the agent has stopped")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def _tell(directory: Path) -> None:

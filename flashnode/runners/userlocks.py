@@ -34,6 +34,7 @@ from pathlib import Path
 
 from flashnode import statefile
 from flashnode.errors import ConfigError, PrerequisiteError
+from flashnode.owner.status import agent_alive
 from flashnode.sandbox import procs
 
 LOCK_DIR = Path("/run/flashnode-task-users")
@@ -137,7 +138,7 @@ class UserLocks:
                 borrow
                 and self._state_id
                 and holder.state == self._state_id
-                and not _alive(holder.pid)
+                and not agent_alive(holder.pid)
             ):
                 self._borrowed.add(pw.pw_uid)
                 return procs.TaskUser(pw.pw_name, pw.pw_uid, pw.pw_gid)
@@ -260,18 +261,6 @@ def _state_id(state_dir: Path) -> str:
     except OSError:
         return ""
     return f"{st.st_dev}:{st.st_ino}"
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _holder(text: str) -> Holder:

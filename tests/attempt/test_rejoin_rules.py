@@ -10,7 +10,7 @@ import os
 import threading
 from pathlib import Path
 
-from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+from fakes import FakeClock, FakeCoordinator, FakeHandle, FakeRunner, context, lease
 
 from flashnode.attempt import Attempt, Outcome
 from flashnode.attempt.keeper import LeaseKeeper
@@ -21,11 +21,12 @@ from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.plan import TaskPlan
 
 
-class LettingGo:
+class LettingGo(FakeHandle):
     """A task that needs ``work`` seconds to finish; ``stop_at`` seconds in, the agent stops
     (the attempt is told to let go of it, as a SIGTERM does)."""
 
     def __init__(self, clock: FakeClock, work: float, stop_at: float | None, attempt: Attempt):
+        super().__init__(0)
         self.clock, self.work, self.stop_at, self.attempt = clock, work, stop_at, attempt
         self.t0 = clock.now
         self.detached = self.terminated = False
@@ -45,27 +46,6 @@ class LettingGo:
 
     def result(self) -> RunResult:
         return RunResult(exit_code=None, signal=15) if self.terminated else RunResult(0)
-
-    def pids(self) -> set[int]:
-        return set()
-
-    def cpu_seconds(self) -> float | None:
-        return None
-
-    def disk_bytes(self) -> int:
-        return 0
-
-    def suspend(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def lease_left(self, seconds: float) -> None:
-        pass
-
-    def last_output(self) -> str:
-        return ""
 
 
 class LettingGoRunner(FakeRunner):

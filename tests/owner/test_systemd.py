@@ -59,6 +59,14 @@ class Booted:
         assert done.returncode == 0, f"{script}: rc {done.returncode}\n{done.stdout}{done.stderr}"
         return done.stdout
 
+    def runs(self, job: str) -> bool:
+        """Whether the agent runs a task of ``job`` now (this job's attempt, not the last one's,
+        in a status read before it was rewritten)."""
+        r = self.sh("flashnode status --json")
+        return r.returncode == 0 and any(
+            a.get("job_id") == job for a in json.loads(r.stdout).get("running") or []
+        )
+
     def journal(self) -> str:
         return self.sh("journalctl -u flashnode --no-pager | tail -40").stdout
 
@@ -252,14 +260,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     # the new agent re-attaches it, and it commits in its first attempt.
     slow = server.submit(argv_job(["sh", "-c", "sleep 8; echo '{}' > metrics.json"]))
 
-    def running() -> bool:
-        # This task's attempt (not the last one's, in a status read before it was rewritten).
-        r = booted.sh("flashnode status --json")
-        if r.returncode != 0:
-            return False
-        return any(a.get("job_id") == slow for a in json.loads(r.stdout).get("running") or [])
-
-    wait_for("the slow task to run", running, timeout=60)
+    wait_for("the slow task to run", lambda: booted.runs(slow), timeout=60)
     restarted_at = time.monotonic()
     booted.ok("systemctl restart flashnode", timeout=60)
     assert time.monotonic() - restarted_at <= 10, booted.journal()
@@ -281,14 +282,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     assert "restarting the agent on the new version (seconds): running tasks run on" in upgraded
     wait_for("the restarted agent", lambda: booted.sh("flashnode status").returncode == 0, 60)
     held = server.submit(argv_job(["sh", "-c", "sleep 3; echo '{}' > metrics.json"]))
-
-    def holds() -> bool:
-        r = booted.sh("flashnode status --json")
-        return r.returncode == 0 and any(
-            a.get("job_id") == held for a in json.loads(r.stdout).get("running") or []
-        )
-
-    wait_for("the task to run", holds, timeout=60)
+    wait_for("the task to run", lambda: booted.runs(held), timeout=60)
     removed = booted.ok("dpkg -r flashnode", timeout=120)
     assert (
         "flashnode: stopping the agent: 1 running task(s) may finish first, for up to" in removed
@@ -306,14 +300,7 @@ def test_the_owners_path_from_the_package_under_systemd(
     # it ends with the package, and nothing of it is left running.
     booted.ok("systemctl start flashnode")
     lingering = server.submit(argv_job(["sh", "-c", "sleep 600"]))
-
-    def lingers() -> bool:
-        r = booted.sh("flashnode status --json")
-        return r.returncode == 0 and any(
-            a.get("job_id") == lingering for a in json.loads(r.stdout).get("running") or []
-        )
-
-    wait_for("the lingering task to run", lingers, timeout=60)
+    wait_for("the lingering task to run", lambda: booted.runs(lingering), timeout=60)
     booted.ok("systemctl stop flashnode")
     assert booted.sh("pgrep -u flashnode-task-0 sleep").returncode == 0  # it runs on
     purged = booted.ok("dpkg -P flashnode")
