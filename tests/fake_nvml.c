@@ -4,12 +4,24 @@
  *   devices N                 number of GPUs
  *   name TEXT / memory_mb N / driver TEXT / cc MAJOR MINOR
  *   util DEV PERCENT          nvmlDeviceGetUtilizationRates(DEV).gpu
- *   procfile DEV PATH PERCENT every pid listed in PATH (re-read at each call) uses PERCENT SM on DEV
+ *   procfile DEV PATH PERCENT every pid listed in PATH (re-read at each call) is a compute process
+ *                             of DEV and uses PERCENT SM on it (its process utilisation)
+ *   graphicsfile DEV PATH     every pid listed in PATH is a graphics process of DEV
+ *   temperature DEV C         DEV's temperature (default 40)
+ *   power DEV MW              DEV's power limit as the owner left it (default 300000; allowed
+ *                             100000..400000, default limit 350000)
+ *   powerlog PATH             every power-limit call appends "DEV MW" to PATH, and the limit
+ *                             read back is the last one set there: it outlives the process,
+ *                             as a real GPU's does
  *   fail_after N              utilisation calls after the first N fail with NVML_ERROR_UNKNOWN
+ *
+ * The script is read again whenever the file is replaced or changed (a test changes a
+ * temperature by writing a new script), so that the calls after see the new values.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #define OK 0
 #define NOT_SUPPORTED 3
@@ -29,16 +41,23 @@ static char name[96] = "NVIDIA Stand-in", driver[32] = "550.0";
 static unsigned int util[MAXDEV];
 static char procfile[MAXDEV][256];
 static unsigned int procutil[MAXDEV];
+static char graphicsfile[MAXDEV][256];
+static unsigned int temperature[MAXDEV];
+static unsigned int power[MAXDEV];
+static char powerlog[256];
+static struct stat seen;
 
-int nvmlInitWithFlags(unsigned int flags) {
-    (void)flags;
+static int load(void) {
     const char *path = getenv("FAKE_NVML_CONFIG");
     FILE *f = path ? fopen(path, "r") : NULL;
     if (!f) return UNKNOWN;
+    fstat(fileno(f), &seen);
     char line[512];
     memset(procfile, 0, sizeof procfile);
+    memset(graphicsfile, 0, sizeof graphicsfile);
     memset(util, 0, sizeof util);
-    calls = 0;
+    powerlog[0] = 0;
+    for (int i = 0; i < MAXDEV; i++) { temperature[i] = 40; power[i] = 300000; }
     fail_after = -1;
     while (fgets(line, sizeof line, f)) {
         int d, p; char text[256];
@@ -52,10 +71,32 @@ int nvmlInitWithFlags(unsigned int flags) {
         if (sscanf(line, "procfile %d %255s %d", &d, text, &p) == 3 && d >= 0 && d < MAXDEV) {
             snprintf(procfile[d], sizeof procfile[d], "%s", text); procutil[d] = p; continue;
         }
+        if (sscanf(line, "graphicsfile %d %255s", &d, text) == 2 && d >= 0 && d < MAXDEV) {
+            snprintf(graphicsfile[d], sizeof graphicsfile[d], "%s", text); continue;
+        }
+        if (sscanf(line, "temperature %d %d", &d, &p) == 2 && d >= 0 && d < MAXDEV) { temperature[d] = p; continue; }
+        if (sscanf(line, "power %d %d", &d, &p) == 2 && d >= 0 && d < MAXDEV) { power[d] = p; continue; }
+        if (sscanf(line, "powerlog %255s", text) == 1) { snprintf(powerlog, sizeof powerlog, "%s", text); continue; }
         if (sscanf(line, "fail_after %d", &fail_after) == 1) continue;
     }
     fclose(f);
     return OK;
+}
+
+/* The script again if it was replaced or changed since it was read. */
+static void reload(void) {
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    struct stat now;
+    if (!path || stat(path, &now) != 0) return;
+    if (now.st_ino != seen.st_ino || now.st_mtim.tv_sec != seen.st_mtim.tv_sec
+        || now.st_mtim.tv_nsec != seen.st_mtim.tv_nsec || now.st_size != seen.st_size)
+        load();
+}
+
+int nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    calls = 0;
+    return load();
 }
 int nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 int nvmlShutdown(void) { return OK; }
@@ -100,6 +141,7 @@ int nvmlDeviceGetProcessUtilization(void *h, sample_t *s, unsigned int *count, u
     (void)since;
     if (d < 0) return INVALID_ARGUMENT;
     if (failing()) return UNKNOWN;
+    reload();
     unsigned int pids[64], n = 0;
     FILE *f = procfile[d][0] ? fopen(procfile[d], "r") : NULL;
     if (f) { while (n < 64 && fscanf(f, "%u", &pids[n]) == 1) n++; fclose(f); }
@@ -110,4 +152,69 @@ int nvmlDeviceGetProcessUtilization(void *h, sample_t *s, unsigned int *count, u
         s[i].mem = s[i].enc = s[i].dec = 0;
     }
     *count = n; return OK;
+}
+
+typedef struct { unsigned int pid; unsigned long long mem; unsigned int gi, ci; } procinfo_t;
+
+static unsigned int read_pids(const char *path, unsigned int *pids, unsigned int max) {
+    unsigned int n = 0;
+    FILE *f = path[0] ? fopen(path, "r") : NULL;
+    if (f) { while (n < max && fscanf(f, "%u", &pids[n]) == 1) n++; fclose(f); }
+    return n;
+}
+static int running(const char *path, unsigned int *count, procinfo_t *out) {
+    unsigned int pids[64], n = read_pids(path, pids, 64);
+    if (out == NULL || *count < n) { int none = n == 0; *count = n; return none ? OK : INSUFFICIENT_SIZE; }
+    for (unsigned int i = 0; i < n; i++) {
+        out[i].pid = pids[i]; out[i].mem = 1ULL << 30; out[i].gi = out[i].ci = 0xFFFFFFFF;
+    }
+    *count = n; return OK;
+}
+int nvmlDeviceGetComputeRunningProcesses_v3(void *h, unsigned int *count, procinfo_t *out) {
+    int d = dev(h);
+    if (d < 0) return INVALID_ARGUMENT;
+    reload();
+    return running(procfile[d], count, out);
+}
+int nvmlDeviceGetGraphicsRunningProcesses_v3(void *h, unsigned int *count, procinfo_t *out) {
+    int d = dev(h);
+    if (d < 0) return INVALID_ARGUMENT;
+    reload();
+    return running(graphicsfile[d], count, out);
+}
+int nvmlDeviceGetTemperature(void *h, int sensor, unsigned int *t) {
+    int d = dev(h);
+    if (d < 0 || sensor != 0) return INVALID_ARGUMENT;
+    reload();
+    *t = temperature[d]; return OK;
+}
+static unsigned int current_power(int d) {
+    unsigned int limit = power[d];
+    FILE *f = powerlog[0] ? fopen(powerlog, "r") : NULL;
+    int ld; unsigned int mw;
+    if (f) { while (fscanf(f, "%d %u", &ld, &mw) == 2) if (ld == d) limit = mw; fclose(f); }
+    return limit;
+}
+int nvmlDeviceGetPowerManagementLimit(void *h, unsigned int *mw) {
+    int d = dev(h);
+    if (d < 0) return INVALID_ARGUMENT;
+    reload();
+    *mw = current_power(d); return OK;
+}
+int nvmlDeviceGetPowerManagementDefaultLimit(void *h, unsigned int *mw) {
+    if (dev(h) < 0) return INVALID_ARGUMENT;
+    *mw = 350000; return OK;
+}
+int nvmlDeviceGetPowerManagementLimitConstraints(void *h, unsigned int *lo, unsigned int *hi) {
+    if (dev(h) < 0) return INVALID_ARGUMENT;
+    *lo = 100000; *hi = 400000; return OK;
+}
+int nvmlDeviceSetPowerManagementLimit(void *h, unsigned int mw) {
+    int d = dev(h);
+    if (d < 0 || mw < 100000 || mw > 400000) return INVALID_ARGUMENT;
+    reload();
+    FILE *f = powerlog[0] ? fopen(powerlog, "a") : NULL;
+    if (!f) return NOT_SUPPORTED;
+    fprintf(f, "%d %u\n", d, mw); fclose(f);
+    return OK;
 }

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from flashnode.attempt.context import AttemptContext
 from flashnode.attempt.diskbudget import Budget
@@ -26,6 +26,9 @@ from flashnode.errors import AttemptFailed, AttemptLapsed, LeaseLost, Stopped
 from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.plan import Contribution
+
+# Who suspends a task: the owner's controls (the loop), the owner's use of its GPU, heat.
+SuspendSource = Literal["owner", "gpu", "heat"]
 
 
 class Watcher(Protocol):
@@ -91,9 +94,11 @@ class AttemptHooks:
         self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
-        # Owner controls (the loop asks, the execute phase acts) and the live view.
-        self.suspend_reason: str | None = None  # why the task should be suspended now
+        # Owner controls and the courtesy (they ask, the execute phase acts) and the live view.
+        self._suspensions: dict[str, str] = {}  # who asks (SuspendSource) -> why
+        self._suspend_lock = threading.Lock()
         self.suspended_since: float | None = None  # monotonic, while the task is suspended
+        self.pauses: list[dict[str, Any]] = []  # the task's pauses that ended: at, seconds, why
         self.bytes_staged = 0
         self.bytes_uploaded = 0
 
@@ -159,13 +164,30 @@ class AttemptHooks:
         except Exception:
             return None
 
-    def request_suspension(self, reason: str | None) -> None:
-        """Ask that the task be suspended (``reason``) or run again (None). The execute phase
-        acts on it; a task that is not running yet starts suspended, one that is suspended
-        longer than ``max_suspend_seconds`` gives its lease back."""
-        change = (reason is None) != (self.suspend_reason is None)
-        self.suspend_reason = reason
-        if change:
+    @property
+    def suspend_reason(self) -> str | None:
+        """Why the task should be suspended now (every source's word), None: it runs."""
+        return "; ".join(self._suspensions.values()) or None
+
+    @property
+    def suspend_sources(self) -> frozenset[str]:
+        return frozenset(self._suspensions)
+
+    def request_suspension(self, reason: str | None, source: SuspendSource = "owner") -> None:
+        """``source`` asks that the task be suspended (``reason``) or no longer (None); it runs
+        once no source asks. The execute phase acts on it; a task that is not running yet
+        starts suspended, one suspended longer than ``max_suspend_seconds`` gives its lease
+        back (unless only the owner's use of its GPU holds it: ``gpu_yield_stop_seconds``
+        bounds that)."""
+        with self._suspend_lock:
+            before = bool(self._suspensions)
+            now = dict(self._suspensions)
+            if reason is None:
+                now.pop(source, None)
+            else:
+                now[source] = reason
+            self._suspensions = now
+        if before != bool(now):
             self.wake.set()
 
     def count_staged(self, nbytes: int) -> None:

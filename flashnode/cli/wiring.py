@@ -38,6 +38,10 @@ from flashnode.evidence.gpu import Nvml
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.node.agent import Agent, effective_slots
 from flashnode.node.controls import Controls
+from flashnode.node.courtesy.power import PowerCap
+from flashnode.node.courtesy.rules import CourtesyRules
+from flashnode.node.courtesy.watch import CourtesyWatch
+from flashnode.node.courtesy.watch import Readers as CourtesyReaders
 from flashnode.node.rules import Readers, Rules
 from flashnode.owner import ledgerview, metrics, pausefile, statelock
 from flashnode.owner.ledger import Ledger
@@ -342,6 +346,16 @@ def _run_agent(
         host_cpu=sensors.host_cpu_times,
     )
     controls = Controls(Rules.from_settings(settings), readers, clock)
+    courtesy_readers = CourtesyReaders(
+        cpu_temperature=sensors.cpu_temperature, process_name=sensors.process_name
+    )
+    power = None
+    if nvml is not None:
+        courtesy_readers.processes, courtesy_readers.temperature = nvml.processes, nvml.temperature
+        power = PowerCap(nvml, settings.state_dir, lambda: floor[0].gpu_power_limit_percent)
+    courtesy = CourtesyWatch(
+        CourtesyRules.from_settings(settings), courtesy_readers, clock, gpus, power
+    )
 
     def health(current: Settings) -> list[str]:
         """The quarantine's check: the preflight's problems, but those the owner started with."""
@@ -367,6 +381,7 @@ def _run_agent(
         status_extra={"signals": {k: int(v) for k, v in SIGNALS.items()}},
         machine_stopping=machine_stopping,
         totals=given.totals,
+        courtesy=courtesy,
     )
     readers.task_cpu = agent.task_cpu  # every running task, containers included
     log.info(

@@ -55,6 +55,24 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "flashnode"
 
 
+# What a desktop runs on its GPU by itself (display servers, compositors, shells): not the
+# owner's use of it (gpu_yield_ignore's default).
+DESKTOP_GPU_PROGRAMS = (
+    "Xorg",
+    "Xwayland",
+    "gnome-shell",
+    "kwin_wayland",
+    "kwin_x11",
+    "plasmashell",
+    "mutter",
+    "sway",
+    "weston",
+    "cinnamon",
+    "compiz",
+    "Hyprland",
+)
+
+
 class Settings(BaseModel):
     """Everything the agent is configured with. Frozen: a reload builds a new one."""
 
@@ -162,7 +180,7 @@ class Settings(BaseModel):
             )
         return value
 
-    @field_validator("pools", "allowed_images", mode="before")
+    @field_validator("pools", "allowed_images", "gpu_yield_ignore", mode="before")
     @classmethod
     def _split_pools(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -338,6 +356,18 @@ class Settings(BaseModel):
     #   (not the task's fault); None: the lease's own window (lease_seconds).
     task_cpu_percent: float | None = Field(default=None, gt=0, le=100)
     max_suspend_seconds: float | None = Field(default=None, gt=0, le=7 * 86400)
+    # The owner's courtesy (node/courtesy/; README "The owner's courtesy"): a GPU the owner uses
+    #   is given back (its tasks paused; stopped past gpu_yield_stop_seconds; run again after
+    #   gpu_yield_resume_seconds free); programs named in gpu_yield_ignore are not the owner's
+    #   use. At or above a temperature limit (°C; 0: off) tasks pause until 10 °C below it.
+    #   gpu_power_limit_percent: of each GPU's default power limit, while tasks run on it.
+    gpu_yield: bool = True
+    gpu_yield_stop_seconds: float = Field(default=300.0, ge=0, le=86400)
+    gpu_yield_resume_seconds: float = Field(default=30.0, ge=0, le=86400)
+    gpu_yield_ignore: tuple[str, ...] = DESKTOP_GPU_PROGRAMS
+    gpu_temperature_limit_c: float = Field(default=85.0, ge=0, le=120)
+    cpu_temperature_limit_c: float = Field(default=95.0, ge=0, le=120)
+    gpu_power_limit_percent: float | None = Field(default=None, ge=10, le=100)
     # The black-hole guard (guard.py): after quarantine_after attempts in a row that ended
     #   through this node's fault (or failed fast with one reason across jobs) the node stops
     #   claiming and runs its own checks every quarantine_check_seconds; 0 turns it off.

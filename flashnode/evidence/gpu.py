@@ -6,7 +6,11 @@ that fails is None, never 0.
 
 MIG: a GPU with MIG mode enabled is not handed out whole. Each of its MIG devices becomes one
 GPU of this node (name "<GPU name> MIG <n>", its own memory), handed to tasks by its UUID in
-``CUDA_VISIBLE_DEVICES``. NVML reports no utilisation for MIG devices, so their figures are None.
+``CUDA_VISIBLE_DEVICES``. NVML reports no utilisation for MIG devices, so their figures are None;
+their processes are their own, their temperature and power limit their GPU's.
+
+What the owner's courtesy reads (``node/courtesy``): each GPU's processes, its temperature, and
+its power limit, which it may set (as root).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import threading
 from typing import Any
 
 from flashnode.coordinator.messages import GpuInfo
-from flashnode.evidence.gpupool import Device
+from flashnode.evidence.gpupool import Device, PowerLimit
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,8 @@ class Nvml:
                     visible=str(i),
                     handle=handle,
                     minor=_read(pynvml.nvmlDeviceGetMinorNumber, handle),
+                    instance=handle,
+                    board=handle,
                 )
             )
         return devices
@@ -122,6 +128,8 @@ class Nvml:
                     visible=str(uuid),
                     handle=None,  # no utilisation for MIG devices
                     minor=_read(pynvml.nvmlDeviceGetMinorNumber, parent),
+                    instance=handle,
+                    board=parent,
                 )
             )
         return found
@@ -152,6 +160,64 @@ class Nvml:
                 return []
             return None
         return [(int(s.pid), float(s.smUtil), int(s.timeStamp)) for s in samples]
+
+    def processes(self, device: Device, since_us: int) -> set[int] | None:
+        """The pids running on ``device``: its compute and graphics processes, and those with
+        utilisation samples newer than ``since_us`` (µs of the wall clock); None when
+        unreadable. A list the device does not keep (graphics on a MIG device) adds none."""
+        import pynvml
+
+        if device.instance is None:
+            return None
+        pids: set[int] = set()
+        for read in (
+            pynvml.nvmlDeviceGetComputeRunningProcesses,
+            pynvml.nvmlDeviceGetGraphicsRunningProcesses,
+        ):
+            try:
+                pids.update(int(p.pid) for p in read(device.instance))
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+                continue
+            except pynvml.NVMLError:
+                return None
+        samples = self.process_utilization(device, since_us)
+        pids.update(pid for pid, sm, _ in samples or () if sm > 0)
+        return pids
+
+    def temperature(self, device: Device) -> float | None:
+        """The GPU's core temperature in °C (a MIG device: its GPU's)."""
+        import pynvml
+
+        if device.board is None:
+            return None
+        value = _read(pynvml.nvmlDeviceGetTemperature, device.board, pynvml.NVML_TEMPERATURE_GPU)
+        return float(value) if value is not None else None
+
+    def power_limit(self, device: Device) -> PowerLimit | None:
+        """The GPU's power limit now, its default and the range it may be set in (mW)."""
+        import pynvml
+
+        board = device.board
+        if board is None:
+            return None
+        now = _read(pynvml.nvmlDeviceGetPowerManagementLimit, board)
+        default = _read(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, board)
+        bounds = _read(pynvml.nvmlDeviceGetPowerManagementLimitConstraints, board)
+        if now is None or default is None or not bounds:
+            return None
+        return PowerLimit(int(now), int(default), int(bounds[0]), int(bounds[1]))
+
+    def set_power_limit(self, device: Device, milliwatts: int) -> str | None:
+        """Set the GPU's power limit; None once set, else why not (not root, not supported)."""
+        import pynvml
+
+        if device.board is None:
+            return "no NVML handle for the whole GPU"
+        try:
+            pynvml.nvmlDeviceSetPowerManagementLimit(device.board, milliwatts)
+        except pynvml.NVMLError as exc:
+            return _describe(exc)
+        return None
 
 
 def _read(fn: Any, *args: Any) -> Any:

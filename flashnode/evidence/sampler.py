@@ -11,8 +11,9 @@ is None for the whole run.
   launch, and a short task's whole life inside that launch, never count against no wall time).
   It lies within 0 … 100 times the machine's cores; a run shorter than ``MIN_WALL_S``, or whose
   counter went backwards, is not measured (None), never a huge figure.
-* GPU, host-wide and task-scoped: sampled every ``interval`` seconds while the task runs, and
-  once more at its end so that a run shorter than one interval still has a reading.
+* GPU, host-wide and task-scoped: sampled every ``interval`` seconds while the task runs (not
+  while it is suspended: a pause is not the task's use), and once more at its end so that a run
+  shorter than one interval still has a reading.
   Host-wide is the mean over all of this node's GPUs; task-scoped is the SM utilisation of the
   task's processes on the GPUs it was given, averaged over those GPUs.
 * The live view (``live``: not evidence): at each sample, the task's resident memory and its
@@ -119,10 +120,13 @@ class Sampler:
         task_devices: list[Device] | None = None,
         cpu: Callable[[], float | None] | None = None,
         cores: int = 1,
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``cpu``: the task's CPU seconds so far, read once now: the baseline of its figure."""
+        """``cpu``: the task's CPU seconds so far, read once now: the baseline of its figure.
+        ``paused``: whether the task is suspended now (its GPUs are not sampled meanwhile)."""
         self._clock, self._interval, self._probe = clock, interval, probe
         self._cores = cores
+        self._paused = paused
         self._gpu = gpu
         self._host = list(host_devices or []) if gpu else []
         self._task = list(task_devices or []) if gpu else []
@@ -159,7 +163,7 @@ class Sampler:
         with self._lock:
             taken = self._readings
         if not taken:
-            self.sample()
+            self.sample(paused_too=True)
         return self.host_gpu.mean(), self.task_gpu.mean()
 
     def _remember_pids(self) -> set[int] | None:
@@ -170,11 +174,14 @@ class Sampler:
         self._seen.update(now)
         return now
 
-    def sample(self) -> None:
+    def sample(self, paused_too: bool = False) -> None:
+        """One reading (the GPUs not while the task is paused, unless ``paused_too``)."""
         with self._lock:
-            self._readings += 1
             pids = self._remember_pids()
             self._live(pids)
+            if self._paused() and not paused_too:
+                return
+            self._readings += 1
             if self._gpu is None:
                 return
             if self._host:

@@ -11,6 +11,10 @@ Every reader returns None for "not measured here", never raises for an ordinary 
   their desktop sets logind's idle hint (GNOME and KDE do, after their own idle delay); text
   consoles are idle after a few minutes without keystrokes.
 * ``host_cpu_times``: cumulative (busy, total) CPU seconds of the host (``sampler``).
+* ``cpu_temperature``: the hottest CPU sensor psutil reads (coretemp, k10temp, zenpower,
+  cpu_thermal, …), in °C; None where none can be read (a VM, a container, most servers' BMC-only
+  sensors): the CPU heat rule is off there.
+* ``process_name``: a process's name (its ``comm``), None once it is gone.
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ import psutil
 
 from flashnode.evidence.sampler import host_cpu_times
 
-__all__ = ["host_cpu_times", "on_battery", "parse_seat", "seat_idle_seconds"]
+__all__ = [
+    "cpu_temperature",
+    "host_cpu_times",
+    "on_battery",
+    "parse_seat",
+    "process_name",
+    "seat_idle_seconds",
+]
 
 SEAT = "seat0"
+# psutil's names of the CPU's own sensors (not a disk's, a GPU's or the board's)
+CPU_SENSORS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "soc_thermal")
 LOGINCTL_TIMEOUT = 3.0
 
 
@@ -100,3 +113,30 @@ def _run(argv: list[str]) -> str:
         check=True,
     )
     return done.stdout
+
+
+def cpu_temperature() -> float | None:
+    """The hottest of the CPU's sensors now, in °C; None where none can be read."""
+    read = getattr(psutil, "sensors_temperatures", None)
+    if read is None:
+        return None
+    try:
+        sensors = read()
+    except Exception:
+        return None
+    found = [
+        t.current
+        for name in CPU_SENSORS
+        for t in sensors.get(name, ())
+        if isinstance(t.current, (int, float)) and 0 < t.current < 150
+    ]
+    return float(max(found)) if found else None
+
+
+def process_name(pid: int) -> str | None:
+    """``pid``'s name (its comm), None once it is gone (or was never there)."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip() or "?"
+    except OSError:
+        return None

@@ -21,6 +21,8 @@ The loop keeps no state of its parts; each owns its own:
 * ``reload.py`` (``Reloader``): the configuration, swapped as one by a reload; each attempt is
   given a frozen snapshot of the one it was claimed under (``Reloader.snapshot``);
 * ``controls.py`` (the owner's rules) and ``holds.py`` (the node's own holds on claiming);
+* ``courtesy/`` (``CourtesyWatch``, its own thread): a GPU the owner uses given back, heat and
+  power kept in bounds, per GPU; its holds join the turn's;
 * ``publisher.py`` (``Publisher``): what the node does, from a frozen ``NodeView`` each turn;
 * ``recovery.py``: what an earlier run left, at startup.
 
@@ -43,6 +45,8 @@ from flashnode.config.settings import Settings
 from flashnode.coordinator.messages import NodeRegistration
 from flashnode.errors import CredentialsError, Stopped
 from flashnode.node.controls import Controls
+from flashnode.node.courtesy.rules import CourtesyRules
+from flashnode.node.courtesy.watch import CourtesyWatch
 from flashnode.node.decision import Decision
 from flashnode.node.drain import SHUTDOWN_MARGIN_S, Drain
 from flashnode.node.holds import NodeHolds
@@ -89,6 +93,7 @@ class Agent:
         totals: Callable[[], dict[str, Any]] | None = None,
         limits: Callable[[Settings], Limits] | None = None,
         machine_stopping: Callable[[], bool] | None = None,
+        courtesy: CourtesyWatch | None = None,
     ) -> None:
         """``ctx``: the edges every attempt is given, and the configuration the agent starts
         with (``settings``, ``limits``; after a reload the current one is ``reloader.current``,
@@ -101,13 +106,16 @@ class Agent:
         ``status_extra``: more for status.json (what owners' commands may use to reach it).
         ``totals``: what this node gave, today and all time (from the ledger: it survives
         restarts), for status.json. ``machine_stopping``: whether the machine is shutting down
-        (a stop then ends running tasks instead of letting go of them). Counts go to
-        ``ctx.metrics``."""
+        (a stop then ends running tasks instead of letting go of them). ``courtesy``: the
+        owner's courtesy (GPUs given back, heat, power), run on a thread of its own from the
+        start to the shutdown (None: none). Counts go to ``ctx.metrics``."""
         self._machine_stopping = machine_stopping or (lambda: False)
         self.rejoined = 0  # tasks an earlier run let go of, rejoined at the start
         self.ctx = ctx
         self.clock = clock or ctx.clock
         self.controls = controls
+        self.courtesy = courtesy
+        self._run_on: set[str] = set()  # GPUs of tasks let go of at the shutdown: they run on
         self.decision = Decision()  # the owner controls' latest word
         self._wake = threading.Event()
         self._on_settings = on_settings
@@ -200,6 +208,11 @@ class Agent:
         self.rejoined = len(rejoined)
         if rejoined:
             log.info("re-attached %d task(s) after a restart", len(rejoined))
+        courtesy = self.courtesy
+        if courtesy is not None:
+            courtesy.start()
+            grace = lambda: self.settings.kill_grace_seconds  # noqa: E731
+            self.ctx.start_thread(lambda: courtesy.run(self.workers.attempts, grace), "courtesy")
         self.sink.send(READY=1)
 
     def _loop(self) -> None:
@@ -271,6 +284,9 @@ class Agent:
             if late:
                 log.error("%d attempt(s) did not end in time", late)
         detached = self._take_endings()
+        if self.courtesy is not None:
+            self.courtesy.stop()
+            self.courtesy.close(self._run_on)
         if detached:
             log.info(
                 "%d task(s) run on for the next start (reattach_seconds %g)",
@@ -293,7 +309,8 @@ class Agent:
         node's own holds (a full disk, the quarantine, the backoff after a revoked lease): they
         hold claiming and say why, but stop or suspend nothing."""
         d = self.controls.evaluate() if self.controls else Decision()
-        self.decision = d.holding(*self.holds.holds(self.settings))
+        courtesy = self.courtesy.holds() if self.courtesy else []
+        self.decision = d.holding(*self.holds.holds(self.settings), *courtesy)
         self.workers.obey(d, self.settings.kill_grace_seconds)
         self.ctx.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
 
@@ -304,6 +321,7 @@ class Agent:
         for ended in self.workers.ended():
             if ended.outcome is Outcome.DETACHED:
                 detached += 1
+                self._run_on.update(d.visible for d in ended.attempt.devices)
                 continue
             self.holds.ended(ended.ending, ended.attempt.lease_id)
             self.session.attempt_ended(ended.at)
@@ -341,6 +359,8 @@ class Agent:
         self.holds.reconfigure(new)
         if self.controls is not None:
             self.controls.reconfigure(Rules.from_settings(new))
+        if self.courtesy is not None:
+            self.courtesy.reconfigure(CourtesyRules.from_settings(new))
         log.info("configuration reloaded: pools %s; registering again", ",".join(new.pools) or "-")
 
     # --- what the agent is doing ---------------------------------------------------------------

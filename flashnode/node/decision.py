@@ -17,8 +17,11 @@ class Hold:
     it also suspends running tasks."""
 
     # The owner's rules, and the node's own holds: a full disk, the black-hole guard's
-    # quarantine, the backoff after a revoked lease (guard.py).
-    rule: Literal["pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked"]
+    # quarantine, the backoff after a revoked lease (guard.py); the owner's courtesy (every GPU
+    # the owner's or too hot, or the CPU too hot: courtesy/).
+    rule: Literal[
+        "pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked", "courtesy"
+    ]
     reason: str
     suspends: bool = False
     fix: str = ""

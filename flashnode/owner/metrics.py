@@ -42,7 +42,17 @@ from flashnode.config.listen import Listen, parse_listen
 
 log = logging.getLogger(__name__)
 
-HELD_RULES = ("pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked")
+HELD_RULES = (
+    "pause",
+    "window",
+    "battery",
+    "active",
+    "load",
+    "disk",
+    "quarantine",
+    "revoked",
+    "courtesy",
+)
 _LABEL = re.compile(r"[^a-z0-9_]+")
 
 

@@ -36,6 +36,7 @@ IN_WORDS = {
 # One value per key in the form the README documents, for the keys whose form is not its type's.
 SAMPLES: dict[str, tuple[Any, Any]] = {  # key: (value as given, value as loaded)
     "pools": ("team-a,team-b", ("team-a", "team-b")),
+    "gpu_yield_ignore": ("Xorg,picom", ("Xorg", "picom")),
     "allowed_images": ("busybox:1.36,alpine:3.19", ("busybox:1.36", "alpine:3.19")),
     "run_windows": ("Mon-Fri 19:00-07:00;Sat-Sun", ("Mon-Fri 19:00-07:00", "Sat-Sun")),
     "dataset_allow_private_origins": (
@@ -102,6 +103,8 @@ def test_the_documented_default_is_the_default(key: str) -> None:
         assert actual == parse_size(default.replace(" ", "")), (key, actual)
     elif re.fullmatch(r"`[^`]*`", default):
         assert actual == default.strip("`"), (key, actual)
+    elif re.fullmatch(r"(`[^`]+`, )+`[^`]+`", default):  # a list
+        assert actual == tuple(re.findall(r"`([^`]+)`", default)), (key, actual)
     else:
         raise AssertionError(f"{key}: the README's default {default!r} is in words: IN_WORDS?")
 
@@ -119,7 +122,8 @@ def sample(key: str) -> tuple[Any, Any, Any] | None:
     if bool in types and len(types) == 1:
         return True, "true", True
     if float in types:
-        return 5, "5", 5.0
+        x = 70 if key == "gpu_power_limit_percent" else 5  # within its bounds
+        return x, str(x), float(x)
     if int in types:
         n = 1000 if key == "task_disk_files" else 8  # its least allowed value
         return n, str(n), n

@@ -158,7 +158,10 @@ def test_time_suspended_does_not_count_against_the_timeout(tmp_path: Path) -> No
     (suspended_at, _), (resumed_at, _) = handle.calls
     assert suspended_at == pytest.approx(2, abs=0.51) and resumed_at == pytest.approx(22, abs=0.51)
     assert entry["timings"]["suspended"] == pytest.approx(20, abs=1.01)
-    assert entry["evidence"]["wall_seconds"] == pytest.approx(28, abs=1.01)
+    assert entry["evidence"]["wall_seconds"] == pytest.approx(8, abs=1.01)  # its running time
+    [pause] = entry["pauses"]["list"]
+    assert pause["why"] == "the owner is at the machine"
+    assert pause["seconds"] == pytest.approx(20, abs=1.01)
     # The task's own CPU figure is over the time it could run, not over the suspension.
     assert entry["task_usage"]["cpu_percent_mean"] == pytest.approx(100, abs=15)
     assert "fail" not in names(coord) and attempt.suspended_since is None
@@ -184,7 +187,7 @@ def test_a_suspension_longer_than_allowed_gives_the_lease_back_without_fail(
         max_suspend_seconds=max_suspend,
     )
     assert outcome is Outcome.LAPSED
-    assert f"suspended by an owner control for longer than {expected:g} s" in entry["reason"]
+    assert f"suspended for longer than {expected:g} s" in entry["reason"]
     assert "outside run_windows" in entry["reason"]
     assert "fail" not in names(coord) and "complete" not in names(coord)
     (_, first), (ended_at, last) = handle.calls[0], handle.calls[-1]

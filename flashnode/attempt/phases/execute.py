@@ -15,13 +15,16 @@ explain is the node's fault (``DiskFull``: the lease is left to lapse): the task
 soon as it is seen, and a task that failed while the disk was full is taken to have failed
 because of it.
 
-Suspension (``Attempt.request_suspension``, from the loop's owner controls): the task is frozen
-through its runner and resumed when the rule clears; time suspended does not count against the
-task's timeout, and the lease keeper keeps renewing meanwhile. A suspension longer than
+Suspension (``Attempt.request_suspension``: the loop's owner controls, the courtesy's owner's use
+of a GPU and heat): the task is frozen through its runner and resumed once no source asks; time
+suspended does not count against the task's timeout nor as its running time in its evidence
+(its GPU is not sampled meanwhile), and the lease keeper keeps renewing meanwhile. Each pause is
+recorded (when, how long, why: the ledger's ``pauses``). A suspension longer than
 ``max_suspend_seconds`` (default: the lease's window, ``lease_seconds``) stops the task and gives
 the lease back (``AttemptLapsed``: not the task's fault), so that no lease sits frozen for hours
-while other nodes could run it. A task that cannot be suspended is ended the same way: the
-owner's rule wins."""
+while other nodes could run it; one held only by the owner's use of its GPU is bounded by
+``gpu_yield_stop_seconds`` instead (the courtesy stops it). A task that cannot be suspended is
+ended the same way: the owner's rule wins."""
 
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WATCH_S = 0.5  # how often the task's files are walked
+PAUSES_KEPT = 20  # the pauses an attempt's record lists (all are counted)
 WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits that many walks
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
 
@@ -146,6 +150,7 @@ def _watch(
         a.devices,
         cpu=handle.cpu_seconds,
         cores=cores,
+        paused=lambda: a.suspended_since is not None,
     )
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
     a.usage = sampler.live
@@ -170,6 +175,7 @@ def _watch(
             task_cpu = handle.cpu_seconds()
             a.result = result = handle.result()
     finally:
+        waited.end_pause(ctx.clock.monotonic())
         a.suspended_since = None
         a.usage = None
         sampler.finish()
@@ -182,6 +188,12 @@ def _watch(
     active = wall - suspended
     if suspended > 0:
         a.record.timings["suspended"] = round(suspended, 4)
+    if a.pauses:
+        a.facts["pauses"] = {
+            "count": waited.pause_count,
+            "seconds": round(suspended, 1),
+            "list": a.pauses[-PAUSES_KEPT:],
+        }
     a.record.task_usage = {
         # Over the time the task could run (a suspension is not the task idling), and from the
         # moment it was handed over: the CPU of its launch is not its own.
@@ -191,7 +203,7 @@ def _watch(
         "gpu_util_percent_mean": task_gpu,
     }
     a.record.evidence = evidence = ExecutionEvidence(
-        wall_seconds=round(wall, 4),
+        wall_seconds=round(active, 4),  # its running time: pauses are not the task's
         cpu_percent_mean=cpu.stop(),
         gpu_util_percent_mean=host_gpu,
         image_digest=result.image_digest,
@@ -233,10 +245,22 @@ class _Wait:
         self.max_suspend = max_suspend
         self.suspended_at: float | None = None
         self._suspended = 0.0  # seconds suspended before the present suspension
+        self._why = ""  # why the present suspension began
+        self.pause_count = 0
 
     def suspended_total(self, now: float) -> float:
         ongoing = now - self.suspended_at if self.suspended_at is not None else 0.0
         return self._suspended + ongoing
+
+    def end_pause(self, now: float) -> None:
+        """The present suspension, if any, into the attempt's list of pauses."""
+        if self.suspended_at is None:
+            return
+        a, held = self.a, now - self.suspended_at
+        self.pause_count += 1
+        wall = a.ctx.clock.wall() - held
+        a.pauses.append({"at": round(wall, 1), "seconds": round(held, 1), "why": self._why})
+        del a.pauses[:-PAUSES_KEPT]
 
     def run(self) -> Exception | None:
         a, handle = self.a, self.handle
@@ -272,7 +296,7 @@ class _Wait:
                 if looked is not None:
                     return looked
             until = min(self.next_watch, self.next_space) if self.disk.last else self.next_watch
-            if self.suspended_at is not None:
+            if self.suspended_at is not None and self._bounded:
                 until = min(until, self.suspended_at + self.max_suspend)
             else:
                 until = min(until, self.deadline)
@@ -343,6 +367,7 @@ class _Wait:
                 return Stopped(f"{exc}, while an owner control asked to suspend it")
             self.suspended_at = now
             a.suspended_since = now
+            self._why = reason
             log.info("lease %s: task suspended: %s", a.lease_id, reason)
         elif reason is None and self.suspended_at is not None:
             held = now - self.suspended_at
@@ -353,15 +378,23 @@ class _Wait:
                 return Stopped(str(exc))
             self._suspended += held
             self.deadline += held  # suspended time does not count against the timeout
+            self.end_pause(now)
             self.suspended_at = None
             a.suspended_since = None
             log.info("lease %s: task resumed after %.0f s suspended", a.lease_id, held)
-        if self.suspended_at is not None and now - self.suspended_at >= self.max_suspend:
+        held = now - self.suspended_at if self.suspended_at is not None else 0.0
+        if self._bounded and held >= self.max_suspend:
             return Stopped(
-                f"suspended by an owner control for longer than {self.max_suspend:g} s"
+                f"suspended for longer than {self.max_suspend:g} s"
                 f" ({a.suspend_reason or 'released just now'}); the lease lapses"
             )
         return None
+
+    @property
+    def _bounded(self) -> bool:
+        """``max_suspend`` bounds the present suspension: it is held by more than the owner's
+        use of the task's GPU (which ``gpu_yield_stop_seconds`` bounds)."""
+        return self.suspended_at is not None and self.a.suspend_sources != {"gpu"}
 
 
 def _verdict(result: RunResult) -> None:

@@ -1,0 +1,141 @@
+"""``gpu_power_limit_percent``: while an attempt holds a GPU, its power limit is that share of
+its default limit (within what the GPU allows); once none holds it, the limit the owner had is
+set again. The owner's limit is written to the state dir (``gpu-power.json``) before the first
+change, so that an agent that was killed sets it again at its next start."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from flashnode import statefile
+from flashnode.evidence.gpupool import Device, PowerLimit
+
+log = logging.getLogger(__name__)
+
+RECORD = "gpu-power.json"
+
+
+class PowerPort(Protocol):
+    def power_limit(self, device: Device) -> PowerLimit | None: ...
+    def set_power_limit(self, device: Device, milliwatts: int) -> str | None: ...
+
+
+class PowerCap:
+    def __init__(self, port: PowerPort, state_dir: Path, percent: Callable[[], float | None]):
+        """``percent``: the setting now (a reload may change it; None: off)."""
+        self._port, self._path, self._percent = port, state_dir / RECORD, percent
+        self._owners: dict[str, int] = self._read()  # visible -> the owner's limit (mW)
+        self._applied: dict[str, int] = {}  # visible -> the limit this agent set
+        self._failed: set[str] = set()  # logged once
+
+    def restore_left(self, devices: Sequence[Device], held: set[str]) -> None:
+        """At the start: the owner's limits an earlier run left changed (it was killed), set
+        again on every GPU no rejoined task holds."""
+        for device in devices:
+            if device.visible in self._owners and device.visible not in held:
+                self._restore(device)
+
+    def follow(self, devices: Sequence[Device], held: set[str]) -> None:
+        """Each GPU held: capped (as the setting says now); each other: the owner's limit."""
+        percent = self._percent()
+        for device in devices:
+            if device.visible in held and percent is not None:
+                self._cap(device, percent)
+            elif device.visible in self._owners:
+                self._restore(device)
+
+    def close(self, devices: Sequence[Device], held: set[str]) -> None:
+        """The agent leaves: the owner's limit again where no task runs on."""
+        for device in devices:
+            if device.visible in self._owners and device.visible not in held:
+                self._restore(device)
+
+    def _cap(self, device: Device, percent: float) -> None:
+        key = device.visible
+        if key in self._failed:
+            return
+        limits = self._port.power_limit(device)
+        if limits is None:
+            self._fail(device, "its power limit cannot be read")
+            return
+        want = min(max(int(limits.default * percent / 100), limits.low), limits.high)
+        if self._applied.get(key) == want and limits.now == want:
+            return
+        if key not in self._owners:
+            self._owners[key] = limits.now
+            if not self._write():
+                self._owners.pop(key)
+                self._fail(device, f"its limit cannot be recorded in {self._path}")
+                return
+        why = self._port.set_power_limit(device, want)
+        if why is not None:
+            self._fail(device, why)
+            self._forget(key)
+            return
+        self._applied[key] = want
+        log.info(
+            "GPU %s: power limit %.0f W while tasks run (the owner's: %.0f W)",
+            device.info.index,
+            want / 1000,
+            self._owners[key] / 1000,
+        )
+
+    def _restore(self, device: Device) -> None:
+        key = device.visible
+        owner = self._owners[key]
+        why = self._port.set_power_limit(device, owner)
+        if why is not None:
+            log.error(
+                "GPU %s: cannot set its power limit back to %.0f W: %s",
+                device.info.index,
+                owner / 1000,
+                why,
+            )
+        else:
+            log.info(
+                "GPU %s: power limit back to the owner's %.0f W", device.info.index, owner / 1000
+            )
+        self._applied.pop(key, None)
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        self._owners.pop(key, None)
+        self._write()
+
+    def _fail(self, device: Device, why: str) -> None:
+        if device.visible not in self._failed:
+            self._failed.add(device.visible)
+            log.warning("GPU %s: gpu_power_limit_percent not applied: %s", device.info.index, why)
+
+    def _read(self) -> dict[str, int]:
+        try:
+            data = json.loads(self._path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.error(
+                "%s is unreadable (%s): power limits it held are not restored", self._path, exc
+            )
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {
+            str(k): v
+            for k, v in data.items()
+            if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 10_000_000
+        }
+
+    def _write(self) -> bool:
+        try:
+            if self._owners:
+                statefile.write(self._path, json.dumps(self._owners).encode(), durable=True)
+            else:
+                self._path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("cannot write %s: %s", self._path, exc)
+            return False
+        return True

@@ -1,0 +1,215 @@
+"""The courtesy read and applied beside the running tasks, on a thread of its own
+(``CourtesyWatch.run``): every ``FAST_S`` while a task holds a GPU (a GPU given back within a
+second), else every ``SLOW_S`` (no claim for a GPU the owner uses or that runs hot).
+
+Each turn: each GPU's processes and temperature (NVML) and the CPU's temperature, through
+injected readers; the rules' verdict (``rules.py``) applied: the tasks on a GPU paused or run
+again (``request_suspension`` with the source ``gpu`` for the owner's use, ``heat`` for
+temperatures), stopped past ``gpu_yield_stop_seconds`` (``Stopped``: the lease lapses, its newest
+checkpoint relayed), the blocked GPUs kept from claims (``GpuPool.block``); the power limits
+follow the GPUs held (``power.py``).
+
+Whose process is it: a pid on a GPU is the owner's unless it is one of a running task's (its
+handle's ``pids``: the host's pids of its cgroup or container), is gone, or runs a program the
+owner named in ``gpu_yield_ignore`` (its name as ``ps -o comm`` shows it). The tasks' pids are
+asked again only when NVML lists a pid not known to be theirs (a container's are an engine
+call), and at least every ``OURS_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flashnode.attempt.record import State
+from flashnode.clock import Clock
+from flashnode.errors import Stopped
+from flashnode.evidence.gpupool import Device, GpuPool
+from flashnode.node.courtesy.power import PowerCap
+from flashnode.node.courtesy.rules import Courtesy, CourtesyRules, GpuSeen, Verdict
+from flashnode.node.decision import Hold
+
+if TYPE_CHECKING:
+    from flashnode.attempt import Attempt
+
+log = logging.getLogger(__name__)
+
+FAST_S = 0.5
+SLOW_S = 5.0
+CPU_S = 2.0  # the CPU's sensors at most this often
+OURS_S = 5.0
+COMM_LEN = 15  # the kernel keeps this much of a program's name
+
+
+@dataclass
+class Readers:
+    """Where the courtesy reads from; each returns None for "unreadable"."""
+
+    processes: Callable[[Device, int], set[int] | None] = lambda d, since_us: None
+    temperature: Callable[[Device], float | None] = lambda d: None
+    cpu_temperature: Callable[[], float | None] = lambda: None
+    process_name: Callable[[int], str | None] = lambda pid: None
+
+
+class CourtesyWatch:
+    def __init__(
+        self,
+        rules: CourtesyRules,
+        readers: Readers,
+        clock: Clock,
+        gpus: GpuPool,
+        power: PowerCap | None = None,
+    ) -> None:
+        self.courtesy = Courtesy(rules, clock)
+        self._readers, self._clock, self._gpus, self._power = readers, clock, gpus, power
+        self._ours: set[int] = set()
+        self._ours_at: float | None = None
+        self._cpu: tuple[float, float | None] | None = None  # (read at, °C)
+        self._unreadable: set[str] = set()
+        self._stop = threading.Event()
+        self._said: dict[str, str] = {}  # visible (or "cpu") -> the pause logged
+
+    @property
+    def rules(self) -> CourtesyRules:
+        return self.courtesy.rules
+
+    def reconfigure(self, rules: CourtesyRules) -> None:
+        self.courtesy.reconfigure(rules)
+
+    def start(self) -> None:
+        """At the agent's start: power limits an earlier run left changed set back."""
+        if self._power is not None:
+            self._power.restore_left(self._gpus.devices, self._gpus.held())
+
+    def run(self, attempts: Callable[[], list[Attempt]], grace: Callable[[], float]) -> None:
+        """Turn until ``stop``; never raises (a turn that fails is logged, the next one runs)."""
+        while not self._stop.is_set():
+            try:
+                wait = self.tick(attempts(), grace())
+            except Exception:
+                log.exception("the owner's courtesy failed a turn")
+                wait = SLOW_S
+            self._clock.wait(self._stop, wait)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self, run_on: set[str]) -> None:
+        """The agent leaves: the owner's power limits again where no task runs on (``run_on``:
+        the GPUs of tasks let go of for the next start)."""
+        if self._power is not None:
+            self._power.close(self._gpus.devices, self._gpus.held() | run_on)
+
+    def tick(self, attempts: Sequence[Attempt], grace: float) -> float:
+        """One turn; the seconds until the next."""
+        devices = list(self._gpus.devices)
+        seen = {d.visible: self._read(d, attempts) for d in devices}
+        verdict = self.courtesy.evaluate(seen, self._cpu_celsius(bool(attempts)))
+        self._gpus.block(dict(verdict.blocked))
+        self._log(verdict, devices)
+        for attempt in attempts:
+            gpus = [d.visible for d in attempt.devices]
+            stop = verdict.stop_reason(gpus)
+            if stop is not None and attempt.record.state is not State.FINISHED:
+                attempt.cancel(Stopped(stop), grace)
+            attempt.request_suspension(verdict.owner_reason(gpus), source="gpu")
+            attempt.request_suspension(verdict.heat_reason(gpus), source="heat")
+        if self._power is not None:
+            self._power.follow(devices, self._gpus.held())
+        return FAST_S if any(a.devices for a in attempts) else SLOW_S
+
+    def holds(self) -> list[Hold]:
+        """The node's holds on claiming: every GPU blocked, or the CPU too hot."""
+        v, devices = self.courtesy.last, self._gpus.devices
+        holds = []
+        if devices and all(d.visible in v.blocked for d in devices):
+            why = "; ".join(dict.fromkeys(v.blocked.values()))
+            fix = "it claims again once a GPU is free and cool; or set gpu_yield = false"
+            holds.append(Hold("courtesy", why, suspends=True, fix=fix))
+        if v.cpu_hot:
+            fix = "cool the machine, or raise (or unset) cpu_temperature_limit_c"
+            holds.append(Hold("courtesy", v.cpu_hot, suspends=True, fix=fix))
+        return holds
+
+    # --- readings -----------------------------------------------------------------------------
+
+    def _read(self, device: Device, attempts: Sequence[Attempt]) -> GpuSeen:
+        r, rules = self._readers, self.rules
+        label = f"GPU {device.info.index}"
+        others: dict[int, str] | None = None
+        if rules.gpu_yield:
+            pids = self._safe(f"processes of {label}", r.processes, device, self._since_us())
+            if pids is not None:
+                others = {}
+                for pid in pids - self._our_pids(pids, attempts):
+                    name = r.process_name(pid)
+                    if name is not None and not _ignored(name, rules.ignore):
+                        others[pid] = name
+        temperature = None
+        if rules.gpu_limit_c is not None:
+            temperature = self._safe(f"temperature of {label}", r.temperature, device)
+        return GpuSeen(label, others, temperature)
+
+    def _our_pids(self, listed: set[int], attempts: Sequence[Attempt]) -> set[int]:
+        now = self._clock.monotonic()
+        stale = self._ours_at is None or now - self._ours_at >= OURS_S
+        if stale or not listed <= self._ours:
+            ours: set[int] = set()
+            for attempt in attempts:
+                handle = attempt.handle
+                if handle is None:
+                    continue
+                try:
+                    ours |= handle.pids()
+                except Exception:  # a task that ended meanwhile
+                    continue
+            self._ours, self._ours_at = ours, now
+        return self._ours
+
+    def _cpu_celsius(self, running: bool) -> float | None:
+        if self.rules.cpu_limit_c is None:
+            return None
+        now = self._clock.monotonic()
+        if self._cpu is None or now - self._cpu[0] >= (CPU_S if running else SLOW_S):
+            self._cpu = (now, self._safe("the CPU's temperature", self._readers.cpu_temperature))
+        return self._cpu[1]
+
+    def _since_us(self) -> int:
+        return int((self._clock.wall() - 2 * FAST_S) * 1e6)
+
+    def _safe(self, what: str, read: Callable[..., Any], *args: Any) -> Any:
+        try:
+            value = read(*args)
+        except Exception as exc:
+            log.debug("courtesy: reading %s failed: %s", what, exc)
+            value = None
+        if value is None and what not in self._unreadable:
+            self._unreadable.add(what)
+            log.warning("courtesy: %s cannot be read: the rule does not hold", what)
+        elif value is not None and what in self._unreadable:
+            self._unreadable.discard(what)
+            log.info("courtesy: %s can be read again", what)
+        return value
+
+    def _log(self, verdict: Verdict, devices: Sequence[Device]) -> None:
+        blocked = verdict.blocked
+        now = {d.visible: blocked[d.visible] for d in devices if d.visible in blocked}
+        if verdict.cpu_hot:
+            now["cpu"] = verdict.cpu_hot
+        for key, why in now.items():
+            if key not in self._said:
+                log.info(
+                    "courtesy: pausing the tasks on %s: %s",
+                    "every task" if key == "cpu" else f"GPU {key}",
+                    why,
+                )
+        for key in self._said.keys() - now.keys():
+            log.info("courtesy: %s free again", "the CPU" if key == "cpu" else f"GPU {key}")
+        self._said = now
+
+
+def _ignored(name: str, ignore: frozenset[str]) -> bool:
+    return any(name[:COMM_LEN] == program[:COMM_LEN] for program in ignore)
