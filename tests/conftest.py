@@ -211,8 +211,12 @@ class FakeNvml:
         self.library, self.config = library, config
 
     def script(self, text: str) -> dict[str, str]:
-        self.config.write_text(text)
-        self.config.chmod(0o644)
+        """Write the script (replacing it whole: a running agent's library reads the new one at
+        its next call) and return the environment that makes an agent load the library."""
+        tmp = self.config.with_name(self.config.name + ".new")
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        os.replace(tmp, self.config)
         return {"FLASHNODE_NVML_LIBRARY": str(self.library), "FAKE_NVML_CONFIG": str(self.config)}
 
 

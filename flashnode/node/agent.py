@@ -247,6 +247,8 @@ class Agent:
                 lease = self.session.claim(self.workers.leases())
                 if lease is not None:
                     self.workers.start(lease, self.reloader.snapshot(self.ctx, config))
+                    if self.courtesy is not None:
+                        self.courtesy.wake()
                 self._publish()
                 continue
             self._publish()

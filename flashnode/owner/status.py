@@ -312,7 +312,7 @@ GIVEN = ("committed", "failed", "lapsed")
 def describe_facts(attempt: dict[str, Any]) -> str:
     """What an attempt's phases reported (its status snapshot or its ledger line), in a few
     words: its job environment built or reused, its dataset bytes fetched and cache hits, the
-    data lent to it."""
+    data lent to it, its task's pauses (how many, how long, the last one's why)."""
     words = []
     env = attempt.get("environment")
     if isinstance(env, dict):
@@ -327,6 +327,14 @@ def describe_facts(attempt: dict[str, Any]) -> str:
     lent = attempt.get("local_inputs")
     if isinstance(lent, list) and lent:
         words.append("lent " + ",".join(str(x) for x in lent))
+    pauses = attempt.get("pauses")
+    if isinstance(pauses, dict) and isinstance(pauses.get("count"), int):
+        listed = pauses.get("list")
+        last = listed[-1] if isinstance(listed, list) and listed else {}
+        why = last.get("why") if isinstance(last, dict) else None
+        seconds = pauses.get("seconds")
+        took = f" {duration(seconds)}" if isinstance(seconds, (int, float)) else ""
+        words.append(f"paused {pauses['count']}x{took}" + (f" (last: {why})" if why else ""))
     return "; ".join(words)
 
 

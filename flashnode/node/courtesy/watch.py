@@ -1,6 +1,7 @@
 """The courtesy read and applied beside the running tasks, on a thread of its own
 (``CourtesyWatch.run``): every ``FAST_S`` while a task holds a GPU (a GPU given back within a
-second), else every ``SLOW_S`` (no claim for a GPU the owner uses or that runs hot).
+second) and at once when an attempt starts, else every ``SLOW_S`` (no claim for a GPU the owner
+uses or that runs hot).
 
 Each turn: each GPU's processes and temperature (NVML) and the CPU's temperature, through
 injected readers; the rules' verdict (``rules.py``) applied: the tasks on a GPU paused or run
@@ -69,7 +70,8 @@ class CourtesyWatch:
         self._ours_at: float | None = None
         self._cpu: tuple[float, float | None] | None = None  # (read at, °C)
         self._unreadable: set[str] = set()
-        self._stop = threading.Event()
+        self._stopping = False
+        self._wake = threading.Event()
         self._said: dict[str, str] = {}  # visible (or "cpu") -> the pause logged
 
     @property
@@ -86,16 +88,22 @@ class CourtesyWatch:
 
     def run(self, attempts: Callable[[], list[Attempt]], grace: Callable[[], float]) -> None:
         """Turn until ``stop``; never raises (a turn that fails is logged, the next one runs)."""
-        while not self._stop.is_set():
+        while not self._stopping:
             try:
                 wait = self.tick(attempts(), grace())
             except Exception:
                 log.exception("the owner's courtesy failed a turn")
                 wait = SLOW_S
-            self._clock.wait(self._stop, wait)
+            self._clock.wait(self._wake, wait)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """A turn now (an attempt started: its GPU is watched from here on)."""
+        self._wake.set()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping = True
+        self._wake.set()
 
     def close(self, run_on: set[str]) -> None:
         """The agent leaves: the owner's power limits again where no task runs on (``run_on``:
