@@ -95,8 +95,9 @@ class AttemptHooks:
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
         # Owner controls and the courtesy (they ask, the execute phase acts) and the live view.
-        self._suspensions: dict[str, str] = {}  # who asks (SuspendSource) -> why
-        self._suspend_lock = threading.Lock()
+        # who asks (SuspendSource) -> (why, since when: monotonic)
+        self._suspensions: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()  # suspensions and the ending, asked from two threads
         self.suspended_since: float | None = None  # monotonic, while the task is suspended
         self.pauses: list[dict[str, Any]] = []  # the task's pauses that ended: at, seconds, why
         self.bytes_staged = 0
@@ -141,6 +142,13 @@ class AttemptHooks:
             "last_output": self.last_output(),
             "usage": dict(self.usage) if self.usage is not None else None,
         }
+        pauses = list(self.pauses)  # those that ended; the present one is suspended_since
+        if pauses:
+            snap["pauses"] = {
+                "count": len(pauses),
+                "seconds": round(sum(p["seconds"] for p in pauses), 1),
+                "list": pauses[-1:],
+            }
         for key, value in list(self.facts.items()):  # phases add to it on their thread
             snap.setdefault(key, value)
         return snap
@@ -167,25 +175,27 @@ class AttemptHooks:
     @property
     def suspend_reason(self) -> str | None:
         """Why the task should be suspended now (every source's word), None: it runs."""
-        return "; ".join(self._suspensions.values()) or None
+        return "; ".join(why for why, _ in self._suspensions.values()) or None
 
     @property
-    def suspend_sources(self) -> frozenset[str]:
-        return frozenset(self._suspensions)
+    def suspend_sources(self) -> dict[str, float]:
+        """Each source that asks for a suspension now, with since when (monotonic)."""
+        return {source: since for source, (_, since) in self._suspensions.items()}
 
     def request_suspension(self, reason: str | None, source: SuspendSource = "owner") -> None:
         """``source`` asks that the task be suspended (``reason``) or no longer (None); it runs
         once no source asks. The execute phase acts on it; a task that is not running yet
-        starts suspended, one suspended longer than ``max_suspend_seconds`` gives its lease
-        back (unless only the owner's use of its GPU holds it: ``gpu_yield_stop_seconds``
-        bounds that)."""
-        with self._suspend_lock:
+        starts suspended; one that a source has held suspended longer than
+        ``max_suspend_seconds`` gives its lease back (the owner's use of its GPU: longer than
+        ``gpu_yield_stop_seconds`` and that again, should the courtesy not stop it first)."""
+        with self._lock:
             before = bool(self._suspensions)
             now = dict(self._suspensions)
             if reason is None:
                 now.pop(source, None)
             else:
-                now[source] = reason
+                since = now[source][1] if source in now else self.ctx.clock.monotonic()
+                now[source] = (reason, since)
             self._suspensions = now
         if before != bool(now):
             self.wake.set()
@@ -203,9 +213,10 @@ class AttemptHooks:
     def cancel(self, ending: AttemptFailed | AttemptLapsed, grace: float) -> None:
         """Stop the attempt wherever it is (the task: TERM, ``grace`` seconds, KILL) and end it
         with ``ending``: AttemptLapsed when it is not the task's fault."""
-        if self._ending is None:
-            self.cancel_grace = grace
-            self._ending = ending
+        with self._lock:
+            if self._ending is None:
+                self.cancel_grace = grace
+                self._ending = ending
         self.stop.set()
         self.wake.set()
 

@@ -55,6 +55,8 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "flashnode"
 
 
+MIN_LIMIT_C = 50  # a temperature limit below this would hold every GPU or CPU at rest
+
 # What a desktop runs on its GPU by itself (display servers, compositors, shells): not the
 # owner's use of it (gpu_yield_ignore's default).
 DESKTOP_GPU_PROGRAMS = (
@@ -70,6 +72,19 @@ DESKTOP_GPU_PROGRAMS = (
     "cinnamon",
     "compiz",
     "Hyprland",
+    "mutter-x11-frames",
+    "xfwm4",
+    "picom",
+    "marco",
+    "budgie-wm",
+    "wayfire",
+    "labwc",
+    "niri",
+    "cosmic-comp",
+    "gamescope",
+    "sddm-greeter",
+    "sddm-greeter-qt6",
+    "lightdm-gtk-greeter",
 )
 
 
@@ -366,7 +381,7 @@ class Settings(BaseModel):
     gpu_yield_resume_seconds: float = Field(default=30.0, ge=0, le=86400)
     gpu_yield_ignore: tuple[str, ...] = DESKTOP_GPU_PROGRAMS
     gpu_temperature_limit_c: float = Field(default=85.0, ge=0, le=120)
-    cpu_temperature_limit_c: float = Field(default=95.0, ge=0, le=120)
+    cpu_temperature_limit_c: float = Field(default=100.0, ge=0, le=120)
     gpu_power_limit_percent: float | None = Field(default=None, ge=10, le=100)
     # The black-hole guard (guard.py): after quarantine_after attempts in a row that ended
     #   through this node's fault (or failed fast with one reason across jobs) the node stops
@@ -413,6 +428,20 @@ class Settings(BaseModel):
     @classmethod
     def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(dict.fromkeys(value))
+
+    @field_validator("gpu_temperature_limit_c", "cpu_temperature_limit_c", mode="before")
+    @classmethod
+    def _celsius(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be a temperature in °C (0: off), not true or false")
+        return value
+
+    @field_validator("gpu_temperature_limit_c", "cpu_temperature_limit_c")
+    @classmethod
+    def _celsius_floor(cls, value: float) -> float:
+        if 0 < value < MIN_LIMIT_C:
+            raise ValueError(f"must be 0 (off) or at least {MIN_LIMIT_C} °C")
+        return value
 
     @field_validator("ui_listen", mode="before")
     @classmethod

@@ -162,24 +162,20 @@ class Nvml:
         return [(int(s.pid), float(s.smUtil), int(s.timeStamp)) for s in samples]
 
     def processes(self, device: Device, since_us: int) -> set[int] | None:
-        """The pids running on ``device``: its compute and graphics processes, and those with
-        utilisation samples newer than ``since_us`` (µs of the wall clock); None when
-        unreadable. A list the device does not keep (graphics on a MIG device) adds none."""
+        """The pids that use ``device`` now: its compute processes (they hold its memory), and
+        those with utilisation samples newer than ``since_us`` (µs of the wall clock; a
+        graphics process, such as a browser's window, counts only while it draws); None when
+        unreadable."""
         import pynvml
 
         if device.instance is None:
             return None
-        pids: set[int] = set()
-        for read in (
-            pynvml.nvmlDeviceGetComputeRunningProcesses,
-            pynvml.nvmlDeviceGetGraphicsRunningProcesses,
-        ):
-            try:
-                pids.update(int(p.pid) for p in read(device.instance))
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
-                continue
-            except pynvml.NVMLError:
-                return None
+        try:
+            pids = {
+                int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(device.instance)
+            }
+        except pynvml.NVMLError:
+            return None
         samples = self.process_utilization(device, since_us)
         pids.update(pid for pid, sm, _ in samples or () if sm > 0)
         return pids

@@ -116,7 +116,8 @@ def _run(argv: list[str]) -> str:
 
 
 def cpu_temperature() -> float | None:
-    """The hottest of the CPU's sensors now, in °C; None where none can be read."""
+    """The hottest of the CPU's sensors now, in °C; None where none can be read. k10temp's
+    ``Tctl`` (offset on some Ryzens) only where it has no ``Tdie``/``Tccd``."""
     read = getattr(psutil, "sensors_temperatures", None)
     if read is None:
         return None
@@ -124,19 +125,23 @@ def cpu_temperature() -> float | None:
         sensors = read()
     except Exception:
         return None
-    found = [
-        t.current
-        for name in CPU_SENSORS
-        for t in sensors.get(name, ())
-        if isinstance(t.current, (int, float)) and 0 < t.current < 150
-    ]
+    found = []
+    for name in CPU_SENSORS:
+        entries = [t for t in sensors.get(name, ()) if isinstance(t.current, (int, float))]
+        die = [t for t in entries if t.label.startswith(("Tdie", "Tccd"))]
+        found += [t.current for t in (die or entries) if 0 < t.current < 150]
     return float(max(found)) if found else None
 
 
 def process_name(pid: int) -> str | None:
-    """``pid``'s name (its comm), None once it is gone (or was never there)."""
+    """``pid``'s name (its comm, unprintable characters as ``?``), None once it is gone or a
+    zombie (it holds nothing any more)."""
     try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip() or "?"
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
     except OSError:
         return None
+    name, _, rest = stat.partition("(")[2].rpartition(")")
+    if rest.split()[:1] in (["Z"], ["X"], []):
+        return None
+    return "".join(c if c.isprintable() else "?" for c in name) or "?"

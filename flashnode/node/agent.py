@@ -265,6 +265,8 @@ class Agent:
         goodbye (unless tasks run on), the final status published."""
         s, now = self.settings, self.clock.monotonic()
         left = self.workers.running()
+        if self.courtesy is not None:  # no turn of it crosses the shutdown's
+            self.courtesy.stop()
         if self.drain.leaving:
             self.sink.send(STOPPING=1)
         if left:
@@ -287,7 +289,6 @@ class Agent:
                 log.error("%d attempt(s) did not end in time", late)
         detached = self._take_endings()
         if self.courtesy is not None:
-            self.courtesy.stop()
             self.courtesy.close(self._run_on)
         if detached:
             log.info(

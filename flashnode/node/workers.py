@@ -164,6 +164,7 @@ class Workers:
     def adopt(self, attempt: Attempt, handle: Handle) -> None:
         """Carry on, in its recorded slot, an attempt whose task an earlier run of the agent
         let go of (``handle``: that task, rejoined)."""
+        attempt.handle = handle  # its processes are the node's from now (the courtesy asks)
         with self._lock:
             self.stats.started += 1
             key = self.stats.started

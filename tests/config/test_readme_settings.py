@@ -122,7 +122,7 @@ def sample(key: str) -> tuple[Any, Any, Any] | None:
     if bool in types and len(types) == 1:
         return True, "true", True
     if float in types:
-        x = 70 if key == "gpu_power_limit_percent" else 5  # within its bounds
+        x = 70 if key.endswith(("_percent", "_c")) else 5  # within its bounds
         return x, str(x), float(x)
     if int in types:
         n = 1000 if key == "task_disk_files" else 8  # its least allowed value

@@ -6,17 +6,23 @@ follows the GPUs held and is set back after a crash."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FakeNvml
 from fakes import FakeClock
+from harness import wait_for
 
 from flashnode.attempt.record import State
 from flashnode.coordinator.messages import GpuInfo
 from flashnode.errors import Stopped
+from flashnode.evidence.gpu import Nvml
 from flashnode.evidence.gpupool import Device, GpuPool, PowerLimit
+from flashnode.evidence.sensors import process_name
 from flashnode.node.courtesy.power import RECORD, PowerCap
 from flashnode.node.courtesy.rules import Courtesy, CourtesyRules, GpuSeen
 from flashnode.node.courtesy.watch import FAST_S, SLOW_S, CourtesyWatch, Readers
@@ -65,9 +71,11 @@ def test_the_owners_use_lasting_past_the_stop_delay_stops_its_tasks_and_a_short_
 
 
 def test_a_hot_gpu_pauses_its_tasks_until_well_below_the_limit_and_never_flaps() -> None:
-    c = Courtesy(RULES, FakeClock())
+    clock = FakeClock()
+    c = Courtesy(RULES, clock)
 
     def hot(celsius: float) -> bool:
+        clock.now += 1  # a reading a second
         return (
             c.evaluate({"1": seen("GPU 1", celsius=celsius)}, None).heat_reason(["1"]) is not None
         )
@@ -76,8 +84,12 @@ def test_a_hot_gpu_pauses_its_tasks_until_well_below_the_limit_and_never_flaps()
     assert hot(95)
     # Hovering at the limit keeps the pause: no flapping.
     assert all(hot(t) for t in (86, 84, 85.5, 80, 76, 75))
+    # Below the limit less 10 °C, but at the limit 4 s ago: a fast fall does not flap it.
+    assert hot(74)
+    clock.now += 5
     assert not hot(74)
     assert [hot(t) for t in (80, 84, 85, 84)] == [False, False, True, True]
+    clock.now -= 1
     assert "GPU 1 at 95 °C" in (
         c.evaluate({"1": seen("GPU 1", celsius=95)}, None).heat_reason(["1"]) or ""
     )
@@ -101,7 +113,9 @@ def test_turned_off_the_courtesy_holds_nothing() -> None:
 
 
 def device(index: int) -> Device:
-    return Device(GpuInfo(index=index, name="Stand-in"), visible=str(index), board=index)
+    handle = object()  # its NVML handle: the whole GPU (no MIG)
+    info = GpuInfo(index=index, name="Stand-in")
+    return Device(info, visible=str(index), instance=handle, board=handle)
 
 
 @dataclass
@@ -126,6 +140,7 @@ class FakeAttempt:
     record: FakeRecord = field(default_factory=FakeRecord)
     suspended: dict[str, str] = field(default_factory=dict)
     cancelled: list[Any] = field(default_factory=list)
+    result: Any = None  # how its task ended, once it has
 
     def request_suspension(self, reason: str | None, source: str = "owner") -> None:
         if reason is None:
@@ -177,13 +192,23 @@ def test_the_watch_pauses_for_the_owners_process_not_for_the_tasks_own_nor_an_ig
 
 def test_the_tasks_pids_are_asked_again_only_for_a_pid_not_known_as_theirs() -> None:
     clock = FakeClock()
-    watch, pool = make_watch(clock, {"0": {10}}, {10: "python3"})
+    on_gpu = {"0": {10, 500}}  # the task's, and the desktop's Xorg (ignored)
+    names = {10: "python3", 500: "Xorg", 900: "game"}
+    watch, pool = make_watch(clock, on_gpu, names, ignore=frozenset({"Xorg"}))
     handle = FakeHandle({10})
     attempts: list[Any] = [FakeAttempt([pool.acquire(1)[0]], handle)]
     for _ in range(4):
         watch.tick(attempts, 5.0)
         clock.now += FAST_S
-    assert handle.asked == 1
+    assert handle.asked == 1  # neither its own pid nor Xorg's asks again
+    on_gpu["0"].add(900)  # a pid never seen: asked once more, then known as another's
+    for _ in range(3):
+        watch.tick(attempts, 5.0)
+        clock.now += FAST_S
+    assert handle.asked == 2
+    clock.now += 5  # and again after a while: a pid may have changed hands
+    watch.tick(attempts, 5.0)
+    assert handle.asked == 3
 
 
 def test_the_owners_long_use_stops_the_task_and_blocks_claims_until_the_gpu_is_free() -> None:
@@ -263,3 +288,78 @@ def test_a_power_record_that_is_not_the_agents_is_ignored(tmp_path: Path) -> Non
 def test_status_and_history_say_how_often_how_long_and_why_a_task_was_paused() -> None:
     pauses = {"count": 2, "seconds": 75, "list": [{"why": "a"}, {"why": "GPU 1 at 95 °C"}]}
     assert describe_facts({"pauses": pauses}) == "paused 2x 1m15s (last: GPU 1 at 95 °C)"
+
+
+def test_a_gpus_processes_are_its_compute_processes_and_graphics_ones_only_while_they_draw(
+    fake_nvml: FakeNvml, drop_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (drop_dir / "compute").write_text("4343\n")
+    (drop_dir / "graphics").write_text("4242\n")  # a browser's window, idle
+    env = fake_nvml.script(
+        f"devices 1\nprocfile 0 {drop_dir / 'compute'} 0\ngraphicsfile 0 {drop_dir / 'graphics'}\n"
+    )
+    monkeypatch.setenv("FAKE_NVML_CONFIG", env["FAKE_NVML_CONFIG"])
+    nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
+    assert nvml is not None
+    [gpu] = nvml.devices
+    assert nvml.processes(gpu, 0) == {4343}
+    (drop_dir / "compute").write_text("")
+    assert nvml.processes(gpu, 0) == set()
+    nvml.close()
+
+
+class FailingPower(FakePower):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = False
+
+    def set_power_limit(self, d: Device, milliwatts: int) -> str | None:
+        if self.refuse:
+            return "Insufficient Permissions"
+        return super().set_power_limit(d, milliwatts)
+
+
+def test_a_power_limit_that_cannot_be_set_back_is_kept_and_tried_again(tmp_path: Path) -> None:
+    gpu, devices = FailingPower(), [device(0)]
+    percent = [50.0]
+    cap = PowerCap(gpu, tmp_path, lambda: percent[0])
+    cap.follow(devices, {"0"})
+    gpu.refuse = True
+    cap.follow(devices, set())  # the task ended; setting it back fails
+    assert gpu.now["0"] == 175_000 and (tmp_path / RECORD).exists()
+    gpu.refuse = False
+    cap.follow(devices, set())
+    assert gpu.now["0"] == 300_000 and not (tmp_path / RECORD).exists()
+    # A reload to another cap that cannot be set keeps the owner's limit recorded.
+    cap.follow(devices, {"0"})
+    gpu.refuse, percent[0] = True, 80.0
+    cap.follow(devices, {"0"})
+    assert gpu.now["0"] == 175_000 and json.loads((tmp_path / RECORD).read_text()) == {"0": 300_000}
+    gpu.refuse = False
+    cap.follow(devices, set())
+    assert gpu.now["0"] == 300_000
+
+
+def test_a_mig_device_is_never_power_capped(tmp_path: Path) -> None:
+    gpu = FakePower()
+    parent = object()
+    mig = Device(GpuInfo(index=0, name="MIG"), visible="MIG-1", instance=object(), board=parent)
+    PowerCap(gpu, tmp_path, lambda: 50.0).follow([mig], {"MIG-1"})
+    assert gpu.calls == [] and not (tmp_path / RECORD).exists()
+
+
+def test_a_process_name_is_printable_and_a_zombie_is_no_ones_use() -> None:
+    renamed = subprocess.Popen(
+        [sys.executable, "-c", "open('/proc/self/comm', 'w').write('Xorg\\nFAKE'); input()"],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        wait_for("its new name", lambda: (process_name(renamed.pid) or "").startswith("X"))
+        assert process_name(renamed.pid) == "Xorg?FAKE"
+    finally:
+        renamed.communicate(b"\n")
+    exited = subprocess.Popen(["true"])
+    wait_for("a zombie", lambda: " Z " in Path(f"/proc/{exited.pid}/stat").read_text())
+    assert process_name(exited.pid) is None
+    exited.wait()
+    assert process_name(exited.pid) is None

@@ -92,7 +92,11 @@ def _first_pid(path: Path) -> int | None:
 
 
 def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """Its CPU time so far in clock ticks (-1 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return -1
     return int(fields[11]) + int(fields[12])  # utime, stime
 
 
@@ -141,14 +145,12 @@ def test_the_owners_process_on_gpu_0_pauses_only_its_task_and_both_commit_once_i
     owner: Callable[[str], subprocess.Popen[bytes]],
 ) -> None:
     env = fake_nvml.script(nvml_script(shared))
-    job = coordinator.submit(gpu_job(shared, work=4))
+    job = coordinator.submit(gpu_job(shared, work=8))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env={**FAST, **env})
     zero, one = task_pid(shared, "0"), task_pid(shared, "1")
     wait_for("both tasks at work", lambda: cpu_ticks(zero) > 5 and cpu_ticks(one) > 5)
     game = owner("0")
-    t0 = time.monotonic()
     wait_for("GPU 0's task to stop using CPU", lambda: still(zero), timeout=3)
-    assert time.monotonic() - t0 <= 3
     assert not still(one, over=1.0)  # GPU 1's task runs on
     assert "courtesy: pausing the tasks on GPU 0: the owner uses GPU 0: sleep" in agent.log
     time.sleep(1.5)  # a measurement: the pause holds while the owner's process runs
@@ -169,17 +171,10 @@ def test_the_owners_process_on_gpu_0_pauses_only_its_task_and_both_commit_once_i
     shown = run_flashnode("history", "--state-dir", str(agent.state_dir)).stdout
     assert "paused 1x" in shown and "(last: the owner uses GPU 0: sleep" in shown
     # Its running time in the evidence leaves the pause out.
-    evidence = lines["0"]["evidence"]
-    assert (
-        isinstance(evidence, dict)
-        and evidence["wall_seconds"]
-        < lines["0"]["ended_at"]
-        - (
-            lines["0"]["started_at"]  # type: ignore[operator]
-        )
-        - pauses["seconds"]
-        + 0.5
-    )
+    evidence, timings = lines["0"]["evidence"], lines["0"]["timings"]
+    assert isinstance(evidence, dict) and isinstance(timings, dict)
+    ran = timings["execute.wait"] - timings["suspended"]
+    assert evidence["wall_seconds"] == pytest.approx(ran, abs=0.5)
 
 
 def test_the_owners_long_use_stops_the_task_frees_the_gpu_and_the_next_attempt_resumes(
@@ -235,20 +230,19 @@ def test_a_hot_gpu_pauses_its_task_without_flapping_and_it_runs_again_once_cool(
     shared: Path,
 ) -> None:
     env = fake_nvml.script(nvml_script(shared))
-    job = coordinator.submit(gpu_job(shared, work=4))
+    job = coordinator.submit(gpu_job(shared, work=8))
     agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env={**FAST, **env})
     zero, one = task_pid(shared, "0"), task_pid(shared, "1")
     wait_for("both tasks at work", lambda: cpu_ticks(zero) > 5 and cpu_ticks(one) > 5)
     fake_nvml.script(nvml_script(shared, "temperature 1 95\n"))
-    t0 = time.monotonic()
     wait_for("GPU 1's task to pause", lambda: still(one), timeout=5)
-    assert time.monotonic() - t0 <= 5
     assert not still(zero, over=1.0)
     for celsius in (86, 84, 85, 80, 76):  # hovering at the limit, then cooling a little
         fake_nvml.script(nvml_script(shared, f"temperature 1 {celsius}\n"))
         assert still(one, over=0.6), celsius
     fake_nvml.script(nvml_script(shared, "temperature 1 60\n"))
-    wait_for("GPU 1's task to run again", lambda: not still(one), timeout=5)
+    # Well below the limit, and 10 s after it was last at it.
+    wait_for("GPU 1's task to run again", lambda: not still(one), timeout=15)
     assert agent.wait(90) == 0, agent.log
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"
     lines = by_gpu(agent)
@@ -256,7 +250,7 @@ def test_a_hot_gpu_pauses_its_task_without_flapping_and_it_runs_again_once_cool(
     assert isinstance(pauses, dict) and pauses["count"] == 1  # one pause: no flapping
     assert pauses["list"][0]["why"].startswith("GPU 1 at 95 °C (limit 85 °C")
     assert "pauses" not in lines["0"]
-    assert agent.log.count("lease") and agent.log.count("task suspended: GPU 1") == 1
+    assert agent.log.count("task suspended: GPU 1 at 95 °C") == 1
 
 
 def powered(log: Path) -> list[tuple[str, int]]:

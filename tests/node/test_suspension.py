@@ -22,13 +22,14 @@ from flashnode.runners.plan import TaskPlan
 
 class WorkingHandle:
     """A task that needs ``work`` seconds of running (not suspended) time to finish; a script
-    of (time since start, suspend reason or None) plays the owner's controls."""
+    of (time since start, suspend reason or None[, its source]) plays the owner's controls (and
+    the courtesy's sources)."""
 
     def __init__(
         self,
         clock: FakeClock,
         work: float,
-        script: list[tuple[float, str | None]],
+        script: list[tuple[Any, ...]],
         attempt: Attempt,
         refuse: bool,
     ) -> None:
@@ -46,7 +47,8 @@ class WorkingHandle:
             self.done += now - self.last
         self.last = now
         while self.script and now - self.t0 >= self.script[0][0]:
-            self.attempt.request_suspension(self.script.pop(0)[1])
+            _, reason, *source = self.script.pop(0)
+            self.attempt.request_suspension(reason, *source)
 
     def exited(self) -> bool:
         self._advance()
@@ -98,7 +100,7 @@ class WorkingRunner(Runner):
         self,
         clock: FakeClock,
         work: float,
-        script: list[tuple[float, str | None]],
+        script: list[tuple[Any, ...]],
         refuse: bool = False,
     ) -> None:
         self.clock, self.work, self.script, self.refuse = clock, work, script, refuse
@@ -128,12 +130,22 @@ class WorkingRunner(Runner):
 def run(
     tmp_path: Path,
     work: float,
-    script: list[tuple[float, str | None]],
+    script: list[tuple[Any, ...]],
     timeout: float,
     refuse: bool = False,
     **settings: Any,
 ) -> tuple[Outcome, Attempt, FakeCoordinator, WorkingHandle, dict[str, Any]]:
     clock = FakeClock()
+    waits = [0]
+    wait = clock.wait
+
+    def counted(event: Any, timeout: float) -> bool:
+        waits[0] += 1
+        if waits[0] > 10_000:  # time stands still: a wait that spins
+            raise AssertionError(f"the attempt's waits spin (the last for {timeout} s)")
+        return wait(event, timeout)
+
+    clock.wait = counted  # type: ignore[method-assign]
     coord = FakeCoordinator(clock)
     runner = WorkingRunner(clock, work, script, refuse)
     ctx = context(tmp_path, clock, coord, runner, **settings)
@@ -141,6 +153,7 @@ def run(
     outcome = attempt.run()
     assert runner.handle is not None
     entry = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[-1])
+    entry["waits"] = waits[0]
     return outcome, attempt, coord, runner.handle, entry
 
 
@@ -205,3 +218,56 @@ def test_a_task_that_cannot_be_suspended_is_ended_without_fail(tmp_path: Path) -
     assert "cannot freeze the task's cgroup" in entry["reason"]
     assert "fail" not in names(coord)
     assert handle.terminated and handle.calls[-1][0] == pytest.approx(1, abs=0.51)
+
+
+# --- the courtesy's sources ---------------------------------------------------------------
+
+
+def test_a_pause_for_the_owners_gpu_use_past_the_tasks_deadline_waits_without_spinning(
+    tmp_path: Path,
+) -> None:
+    # 8 s of work under a 10 s timeout; the owner uses its GPU from 5 s to 40 s: longer than
+    # max_suspend_seconds, which does not bound that pause (gpu_yield_stop_seconds does).
+    outcome, _, _, handle, entry = run(
+        tmp_path,
+        work=8,
+        script=[(5, "the owner uses GPU 0: game (pid 9)", "gpu"), (40, None, "gpu")],
+        timeout=10,
+        max_suspend_seconds=5,
+    )
+    assert outcome is Outcome.COMMITTED, entry
+    assert [what for _, what in handle.calls] == ["suspend", "resume"]
+    assert entry["evidence"]["wall_seconds"] == pytest.approx(8, abs=1.01)
+    assert entry["waits"] < 200  # a wait per watch of its files, not a spin past the deadline
+
+
+def test_each_source_bounds_its_own_time_suspended(tmp_path: Path) -> None:
+    # Paused for the owner's use from 1 s; heat joins at 50 s: max_suspend_seconds counts from
+    # then, not from the pause's start.
+    outcome, _, coord, handle, entry = run(
+        tmp_path,
+        work=100,
+        script=[(1, "the owner uses GPU 0", "gpu"), (50, "GPU 0 at 90 °C", "heat")],
+        timeout=1000,
+        max_suspend_seconds=5,
+    )
+    assert outcome is Outcome.LAPSED and "fail" not in names(coord)
+    assert handle.calls[-1][1] == "terminate"
+    assert handle.calls[-1][0] == pytest.approx(55, abs=0.6)
+    assert "GPU 0 at 90 °C" in entry["reason"] and "the lease lapses" in entry["reason"]
+
+
+def test_a_pause_for_the_owners_gpu_use_is_bounded_even_if_the_courtesy_never_stops_it(
+    tmp_path: Path,
+) -> None:
+    outcome, _, coord, handle, entry = run(
+        tmp_path,
+        work=100,
+        script=[(1, "the owner uses GPU 0", "gpu")],
+        timeout=1000,
+        max_suspend_seconds=5,
+        gpu_yield_stop_seconds=20,
+    )
+    assert outcome is Outcome.LAPSED and "fail" not in names(coord)
+    assert handle.calls[-1][0] == pytest.approx(26, abs=0.6)
+    assert "suspended for longer than 25 s" in entry["reason"]

@@ -121,7 +121,9 @@ def rejoin(a: AttemptHooks, staged: Staged, handle: Handle) -> ExecutionEvidence
     if task.checkpoint is not None:
         a.during_run.append(Relay(a, staged, a.record.relayed))
     started = a.record.task_started_at
-    ran = max(ctx.clock.wall() - started, 0.0) if started is not None else 0.0
+    # Its pauses before the restart are neither its running time nor against its timeout.
+    paused = a.record.timings.get("suspended", 0.0)
+    ran = max(ctx.clock.wall() - started - paused, 0.0) if started is not None else 0.0
     cpu.start()
     return _watch(a, staged, handle, (space, use, caps), timeout, cpu, ctx.clock.monotonic(), ran)
 
@@ -164,6 +166,7 @@ def _watch(
     first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
     max_suspend = s.max_suspend_seconds or lease.window
     waited = _Wait(a, handle, ws, timeout, max_suspend, t0, DiskWatch(caps, first, launched))
+    waited.before = a.record.timings.get("suspended", 0.0) if ran else 0.0
     try:
         with a.timed("execute.wait", phase=False):
             stopped = waited.run()
@@ -186,8 +189,8 @@ def _watch(
                 watcher.finish(a)
     suspended = waited.suspended_total(t0 + wall)
     active = wall - suspended
-    if suspended > 0:
-        a.record.timings["suspended"] = round(suspended, 4)
+    if suspended + waited.before > 0:
+        a.record.timings["suspended"] = round(suspended + waited.before, 4)
     if a.pauses:
         a.facts["pauses"] = {
             "count": waited.pause_count,
@@ -247,6 +250,7 @@ class _Wait:
         self._suspended = 0.0  # seconds suspended before the present suspension
         self._why = ""  # why the present suspension began
         self.pause_count = 0
+        self.before = 0.0  # seconds suspended before a restart (a rejoined task's)
 
     def suspended_total(self, now: float) -> float:
         ongoing = now - self.suspended_at if self.suspended_at is not None else 0.0
@@ -296,10 +300,9 @@ class _Wait:
                 if looked is not None:
                     return looked
             until = min(self.next_watch, self.next_space) if self.disk.last else self.next_watch
-            if self.suspended_at is not None and self._bounded:
-                until = min(until, self.suspended_at + self.max_suspend)
-            else:
-                until = min(until, self.deadline)
+            too_long = self._too_long_at()
+            # Suspended, the timeout waits (it moves on by the time suspended).
+            until = min(until, self.deadline if too_long is None else too_long)
             ctx.clock.wait(a.wake, until - ctx.clock.monotonic())
             a.wake.clear()
         return None
@@ -380,21 +383,37 @@ class _Wait:
             self.deadline += held  # suspended time does not count against the timeout
             self.end_pause(now)
             self.suspended_at = None
+            # Kept in its record: a restart counts neither against it.
+            a.record.timings["suspended"] = round(self.before + self._suspended, 4)
+            try:
+                a.save(State.RUNNING)
+            except OSError as exc:  # a full disk: only a restart's count would be off
+                log.warning("lease %s: cannot keep its time suspended: %s", a.lease_id, exc)
             a.suspended_since = None
             log.info("lease %s: task resumed after %.0f s suspended", a.lease_id, held)
-        held = now - self.suspended_at if self.suspended_at is not None else 0.0
-        if self._bounded and held >= self.max_suspend:
+        too_long = self._too_long_at()
+        if too_long is not None and now >= too_long:
+            limit = too_long - (self.suspended_at or too_long)
             return Stopped(
-                f"suspended for longer than {self.max_suspend:g} s"
+                f"suspended for longer than {limit:g} s"
                 f" ({a.suspend_reason or 'released just now'}); the lease lapses"
             )
         return None
 
-    @property
-    def _bounded(self) -> bool:
-        """``max_suspend`` bounds the present suspension: it is held by more than the owner's
-        use of the task's GPU (which ``gpu_yield_stop_seconds`` bounds)."""
-        return self.suspended_at is not None and self.a.suspend_sources != {"gpu"}
+    def _too_long_at(self) -> float | None:
+        """When the present suspension has lasted too long (monotonic); None while the task
+        runs. Each source bounds its own time: ``max_suspend`` from when it asked (or the
+        suspension began), the owner's use of the GPU ``gpu_yield_stop_seconds`` more (the
+        courtesy stops the task at that; this only bounds a courtesy that failed to)."""
+        began = self.suspended_at
+        if began is None:
+            return None
+        sources = self.a.suspend_sources or {"owner": began}  # released: resumed next turn
+        stop = self.a.ctx.settings.gpu_yield_stop_seconds
+        return min(
+            max(since, began) + self.max_suspend + (stop if source == "gpu" else 0.0)
+            for source, since in sources.items()
+        )
 
 
 def _verdict(result: RunResult) -> None:

@@ -153,7 +153,10 @@ function renderSlots(running) {
     let cps = typeof r.checkpoints === "number" ? String(r.checkpoints) : "-";
     if (r.checkpoint_step !== null && r.checkpoint_step !== undefined) cps += " (step " + r.checkpoint_step + ")";
     let phase = r.phase;
-    if (r.suspended_s !== null && r.suspended_s !== undefined) phase += ", suspended " + duration(r.suspended_s);
+    if (r.suspended_s !== null && r.suspended_s !== undefined) {
+      phase += ", paused " + duration(r.suspended_s) + (r.suspend_reason ? ": " + r.suspend_reason : "");
+    }
+    if (r.facts) phase += " (" + r.facts + ")";
     const out = [r.output && r.output.stdout, r.output && r.output.stderr].filter((x) => x).join("\n");
     return el("tr", { "data-lease": r.lease_id },
       el("td", {}, el("div", { class: "mono" }, r.job_id + "/" + r.task_id), el("div", { class: "muted mono" }, r.lease_id)),

@@ -11,8 +11,9 @@ Per GPU:
   GPU has had none of the owner's processes for ``gpu_yield_resume_seconds``, paused tasks run
   on and it is claimed for again.
 * **Heat** (``gpu_temperature_limit_c``): at or above the limit the GPU's tasks pause and
-  nothing claims it, until it is below the limit less ``HYSTERESIS_C``: a temperature that
-  hovers at the limit holds the pause, never flaps it.
+  nothing claims it, until it is below the limit less ``HYSTERESIS_C`` and was last at the limit
+  ``HOT_HOLD_S`` ago: a temperature that hovers at the limit holds the pause, and one that falls
+  fast once the load is off (a CPU's) does not flap it.
 
 For the CPU (``cpu_temperature_limit_c``): the same heat rule, for every task and every claim.
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from flashnode.config.settings import Settings
 
 HYSTERESIS_C = 10.0  # a paused hot device runs again this far below its limit
+HOT_HOLD_S = 10.0  # ... and no sooner than this after it was last at its limit
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class CourtesyRules:
     resume_seconds: float = 30.0
     ignore: frozenset[str] = frozenset()
     gpu_limit_c: float | None = 85.0
-    cpu_limit_c: float | None = 95.0
+    cpu_limit_c: float | None = 100.0
 
     @classmethod
     def from_settings(cls, s: Settings) -> CourtesyRules:
@@ -105,17 +107,19 @@ class _Yield:
 
 
 class _Heat:
-    """Hot at or above the limit; cool again only below it less ``HYSTERESIS_C``."""
+    """Hot at or above the limit; cool again only below it less ``HYSTERESIS_C``, and
+    ``HOT_HOLD_S`` after it was last at the limit."""
 
     def __init__(self) -> None:
         self.hot = False
+        self._at_limit = 0.0  # when it was last at or above the limit (monotonic)
 
-    def update(self, celsius: float | None, limit: float | None) -> bool:
+    def update(self, celsius: float | None, limit: float | None, now: float) -> bool:
         if limit is None or celsius is None:
             self.hot = False
         elif celsius >= limit:
-            self.hot = True
-        elif celsius < limit - HYSTERESIS_C:
+            self.hot, self._at_limit = True, now
+        elif celsius < limit - HYSTERESIS_C and now - self._at_limit >= HOT_HOLD_S:
             self.hot = False
         return self.hot
 
@@ -143,7 +147,7 @@ class Courtesy:
         stop: dict[str, str] = {}
         for visible, seen in gpus.items():
             heat = self._heat.setdefault(visible, _Heat())
-            if heat.update(seen.temperature, r.gpu_limit_c):
+            if heat.update(seen.temperature, r.gpu_limit_c, now):
                 why = (
                     f"{seen.label} at {seen.temperature:.0f} °C (limit {r.gpu_limit_c:g} °C;"
                     f" runs again below {r.gpu_limit_c - HYSTERESIS_C:g} °C)"
@@ -158,7 +162,7 @@ class Courtesy:
                     if use[1] is not None:
                         stop[visible] = use[1]
         cpu_hot = None
-        if self._cpu.update(cpu_celsius, r.cpu_limit_c):
+        if self._cpu.update(cpu_celsius, r.cpu_limit_c, now):
             cpu_hot = (
                 f"the CPU at {cpu_celsius:.0f} °C (limit {r.cpu_limit_c:g} °C;"
                 f" runs again below {r.cpu_limit_c - HYSTERESIS_C:g} °C)"

@@ -43,6 +43,8 @@ SLOW_S = 5.0
 CPU_S = 2.0  # the CPU's sensors at most this often
 OURS_S = 5.0
 COMM_LEN = 15  # the kernel keeps this much of a program's name
+JOIN_S = 10.0  # the longest a stop waits for a turn under way (an NVML call that hangs)
+WARN_AGAIN_S = 600.0  # an unreadable reading is said again at most this often
 
 
 @dataclass
@@ -72,6 +74,10 @@ class CourtesyWatch:
         self._unreadable: set[str] = set()
         self._stopping = False
         self._wake = threading.Event()
+        self._ran = threading.Event()  # run() has returned
+        self._started = False
+        self._foreign: set[int] = set()  # pids seen at the last asking that were not theirs
+        self._warned: dict[str, float] = {}  # reading -> when last said unreadable
         self._said: dict[str, str] = {}  # visible (or "cpu") -> the pause logged
 
     @property
@@ -88,22 +94,30 @@ class CourtesyWatch:
 
     def run(self, attempts: Callable[[], list[Attempt]], grace: Callable[[], float]) -> None:
         """Turn until ``stop``; never raises (a turn that fails is logged, the next one runs)."""
-        while not self._stopping:
-            try:
-                wait = self.tick(attempts(), grace())
-            except Exception:
-                log.exception("the owner's courtesy failed a turn")
-                wait = SLOW_S
-            self._clock.wait(self._wake, wait)
-            self._wake.clear()
+        self._started = True
+        try:
+            while not self._stopping:
+                try:
+                    wait = self.tick(attempts(), grace())
+                except Exception:
+                    log.exception("the owner's courtesy failed a turn")
+                    wait = SLOW_S
+                self._clock.wait(self._wake, wait)
+                self._wake.clear()
+        finally:
+            self._ran.set()
 
     def wake(self) -> None:
         """A turn now (an attempt started: its GPU is watched from here on)."""
         self._wake.set()
 
     def stop(self) -> None:
+        """No more turns; returns once a turn under way has ended (the shutdown's own work
+        on the attempts and power limits must not cross one)."""
         self._stopping = True
         self._wake.set()
+        if self._started:
+            self._ran.wait(JOIN_S)
 
     def close(self, run_on: set[str]) -> None:
         """The agent leaves: the owner's power limits again where no task runs on (``run_on``:
@@ -121,24 +135,37 @@ class CourtesyWatch:
         for attempt in attempts:
             gpus = [d.visible for d in attempt.devices]
             stop = verdict.stop_reason(gpus)
-            if stop is not None and attempt.record.state is not State.FINISHED:
+            # A task that started (its memory on the GPU) and whose result is not in hand.
+            started = attempt.handle is not None and attempt.result is None
+            if stop is not None and started and attempt.record.state is not State.FINISHED:
                 attempt.cancel(Stopped(stop), grace)
             attempt.request_suspension(verdict.owner_reason(gpus), source="gpu")
             attempt.request_suspension(verdict.heat_reason(gpus), source="heat")
-        if self._power is not None:
-            self._power.follow(devices, self._gpus.held())
+        if self._power is not None:  # the owner's own limit while it is the owner's
+            self._power.follow(devices, self._gpus.held() - verdict.owner.keys())
         return FAST_S if any(a.devices for a in attempts) else SLOW_S
 
     def holds(self) -> list[Hold]:
-        """The node's holds on claiming: every GPU blocked, or the CPU too hot."""
+        """The node's holds on claiming: every GPU blocked, or the CPU too hot (which also
+        suspends every task)."""
         v, devices = self.courtesy.last, self._gpus.devices
         holds = []
         if devices and all(d.visible in v.blocked for d in devices):
             why = "; ".join(dict.fromkeys(v.blocked.values()))
-            fix = "it claims again once a GPU is free and cool; or set gpu_yield = false"
-            holds.append(Hold("courtesy", why, suspends=True, fix=fix))
+            fixes = []
+            if v.owner:
+                fixes.append(
+                    "it claims again once a GPU has been free for gpu_yield_resume_seconds; a"
+                    " program named there that is not your use of the GPU: add it to"
+                    " gpu_yield_ignore (or set gpu_yield = false)"
+                )
+            if v.hot:
+                fixes.append(
+                    "it claims again once a GPU is cool; or raise gpu_temperature_limit_c (0: off)"
+                )
+            holds.append(Hold("courtesy", why, fix="; ".join(fixes)))
         if v.cpu_hot:
-            fix = "cool the machine, or raise (or unset) cpu_temperature_limit_c"
+            fix = "cool the machine, or raise cpu_temperature_limit_c (0: off)"
             holds.append(Hold("courtesy", v.cpu_hot, suspends=True, fix=fix))
         return holds
 
@@ -162,9 +189,12 @@ class CourtesyWatch:
         return GpuSeen(label, others, temperature)
 
     def _our_pids(self, listed: set[int], attempts: Sequence[Attempt]) -> set[int]:
+        """The tasks' pids, asked of their handles again only for a pid in ``listed`` seen
+        neither as theirs nor as another's at the last asking (a container's are an engine
+        call), or ``OURS_S`` after it."""
         now = self._clock.monotonic()
         stale = self._ours_at is None or now - self._ours_at >= OURS_S
-        if stale or not listed <= self._ours:
+        if stale or not listed <= self._ours | self._foreign:
             ours: set[int] = set()
             for attempt in attempts:
                 handle = attempt.handle
@@ -175,6 +205,8 @@ class CourtesyWatch:
                 except Exception:  # a task that ended meanwhile
                     continue
             self._ours, self._ours_at = ours, now
+            self._foreign = set()
+        self._foreign |= listed - self._ours
         return self._ours
 
     def _cpu_celsius(self, running: bool) -> float | None:
@@ -194,12 +226,11 @@ class CourtesyWatch:
         except Exception as exc:
             log.debug("courtesy: reading %s failed: %s", what, exc)
             value = None
-        if value is None and what not in self._unreadable:
-            self._unreadable.add(what)
+        now = self._clock.monotonic()
+        said = self._warned.get(what)
+        if value is None and (said is None or now - said >= WARN_AGAIN_S):
+            self._warned[what] = now
             log.warning("courtesy: %s cannot be read: the rule does not hold", what)
-        elif value is not None and what in self._unreadable:
-            self._unreadable.discard(what)
-            log.info("courtesy: %s can be read again", what)
         return value
 
     def _log(self, verdict: Verdict, devices: Sequence[Device]) -> None:
