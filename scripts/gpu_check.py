@@ -47,20 +47,7 @@ def main() -> int:
     server = CoordinatorServer(root)
     server.start()
     try:
-        spec = argv_job(["python3", "-c", LOAD, "/work/out/metrics.json"], pool="gpu-check")
-        spec["spec"]["resources"] = {"gpuPerTask": 1}
-        job = server.submit(spec)
-        agent = AgentProcess(
-            root,
-            server.url,
-            "--runner",
-            "trusted",
-            "--pool",
-            "gpu-check",
-            "--max-tasks",
-            "1",
-            env={"FLASHNODE_SLOTS": "auto"},
-        )
+        job, agent = gpu_task(root, server, LOAD, {"FLASHNODE_SLOTS": "auto"})
         code = agent.wait(300)
         print(agent.log, end="")
         state = server.wait_state(job, {"SUCCEEDED", "FAILED"})
@@ -75,6 +62,17 @@ def main() -> int:
         return 0 if courtesy(root, server) and ok else 1
     finally:
         server.close()
+
+
+def gpu_task(
+    root: Path, server: CoordinatorServer, script: str, env: dict[str, str]
+) -> tuple[str, AgentProcess]:
+    """One task of ``script`` on one GPU, and an agent (trusted runner) that runs it."""
+    spec = argv_job(["python3", "-c", script, "/work/out/metrics.json"], pool="gpu-check")
+    spec["spec"]["resources"] = {"gpuPerTask": 1}
+    job = server.submit(spec)
+    argv = ("--runner", "trusted", "--pool", "gpu-check", "--max-tasks", "1")
+    return job, AgentProcess(root, server.url, *argv, env=env)
 
 
 BUSY = """
@@ -96,21 +94,8 @@ def courtesy(root: Path, server: CoordinatorServer) -> bool:
 
     from flashnode.owner import status
 
-    spec = argv_job(["python3", "-c", BUSY, "/work/out/metrics.json"], pool="gpu-check")
-    spec["spec"]["resources"] = {"gpuPerTask": 1}
-    job = server.submit(spec)
     env = {"FLASHNODE_SLOTS": "auto", "FLASHNODE_GPU_YIELD_RESUME_SECONDS": "2"}
-    agent = AgentProcess(
-        root,
-        server.url,
-        "--runner",
-        "trusted",
-        "--pool",
-        "gpu-check",
-        "--max-tasks",
-        "1",
-        env=env,
-    )
+    job, agent = gpu_task(root, server, BUSY, env)
 
     def suspended() -> bool:
         running = (status.read(agent.state_dir) or {}).get("running") or []

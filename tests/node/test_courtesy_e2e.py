@@ -133,6 +133,21 @@ def leave(shared: Path, gpu: str, proc: subprocess.Popen[bytes]) -> None:
     path.write_text("".join(f"{p}\n" for p in path.read_text().split() if p != str(proc.pid)))
 
 
+def two_tasks_at_work(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    fake_nvml: FakeNvml,
+    shared: Path,
+) -> tuple[AgentProcess, str, int, int]:
+    """An agent running two tasks, one on each GPU, both at work: (agent, job, their pids)."""
+    env = fake_nvml.script(nvml_script(shared))
+    job = coordinator.submit(gpu_job(shared, work=8))
+    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env={**FAST, **env})
+    zero, one = task_pid(shared, "0"), task_pid(shared, "1")
+    wait_for("both tasks at work", lambda: cpu_ticks(zero) > 5 and cpu_ticks(one) > 5)
+    return agent, job, zero, one
+
+
 def by_gpu(agent: AgentProcess) -> dict[str, dict[str, object]]:
     return {str(r["gpus"][0]): r for r in agent.ledger()}
 
@@ -144,11 +159,7 @@ def test_the_owners_process_on_gpu_0_pauses_only_its_task_and_both_commit_once_i
     shared: Path,
     owner: Callable[[str], subprocess.Popen[bytes]],
 ) -> None:
-    env = fake_nvml.script(nvml_script(shared))
-    job = coordinator.submit(gpu_job(shared, work=8))
-    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env={**FAST, **env})
-    zero, one = task_pid(shared, "0"), task_pid(shared, "1")
-    wait_for("both tasks at work", lambda: cpu_ticks(zero) > 5 and cpu_ticks(one) > 5)
+    agent, job, zero, one = two_tasks_at_work(coordinator, start_agent, fake_nvml, shared)
     game = owner("0")
     wait_for("GPU 0's task to stop using CPU", lambda: still(zero), timeout=3)
     assert not still(one, over=1.0)  # GPU 1's task runs on
@@ -229,11 +240,7 @@ def test_a_hot_gpu_pauses_its_task_without_flapping_and_it_runs_again_once_cool(
     fake_nvml: FakeNvml,
     shared: Path,
 ) -> None:
-    env = fake_nvml.script(nvml_script(shared))
-    job = coordinator.submit(gpu_job(shared, work=8))
-    agent = start_agent(coordinator.url, *TRUSTED, "--max-tasks", "2", env={**FAST, **env})
-    zero, one = task_pid(shared, "0"), task_pid(shared, "1")
-    wait_for("both tasks at work", lambda: cpu_ticks(zero) > 5 and cpu_ticks(one) > 5)
+    agent, job, zero, one = two_tasks_at_work(coordinator, start_agent, fake_nvml, shared)
     fake_nvml.script(nvml_script(shared, "temperature 1 95\n"))
     wait_for("GPU 1's task to pause", lambda: still(one), timeout=5)
     assert not still(zero, over=1.0)

@@ -22,9 +22,9 @@ suspended does not count against the task's timeout nor as its running time in i
 recorded (when, how long, why: the ledger's ``pauses``). A suspension longer than
 ``max_suspend_seconds`` (default: the lease's window, ``lease_seconds``) stops the task and gives
 the lease back (``AttemptLapsed``: not the task's fault), so that no lease sits frozen for hours
-while other nodes could run it; one held only by the owner's use of its GPU is bounded by
-``gpu_yield_stop_seconds`` instead (the courtesy stops it). A task that cannot be suspended is
-ended the same way: the owner's rule wins."""
+while other nodes could run it: each source from when it asked, the owner's use of the task's
+GPU ``gpu_yield_stop_seconds`` longer (the courtesy stops the task at that; this bounds one that
+failed to). A task that cannot be suspended is ended the same way: the owner's rule wins."""
 
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WATCH_S = 0.5  # how often the task's files are walked
-PAUSES_KEPT = 20  # the pauses an attempt's record lists (all are counted)
 WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits that many walks
 LOST_GRACE_S = 1.0  # at most this long for a task whose lease is lost, or on a full disk
+PAUSES_KEPT = 20  # the pauses an attempt's record lists (all are counted)
 
 
 def run(
@@ -166,7 +166,7 @@ def _watch(
     first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
     max_suspend = s.max_suspend_seconds or lease.window
     waited = _Wait(a, handle, ws, timeout, max_suspend, t0, DiskWatch(caps, first, launched))
-    waited.before = a.record.timings.get("suspended", 0.0) if ran else 0.0
+    waited.before = a.record.timings.get("suspended", 0.0)  # a rejoined task's, before
     try:
         with a.timed("execute.wait", phase=False):
             stopped = waited.run()
@@ -194,7 +194,7 @@ def _watch(
     if a.pauses:
         a.facts["pauses"] = {
             "count": waited.pause_count,
-            "seconds": round(suspended, 1),
+            "seconds": round(suspended + waited.before, 1),
             "list": a.pauses[-PAUSES_KEPT:],
         }
     a.record.task_usage = {
