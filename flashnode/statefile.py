@@ -10,6 +10,7 @@ import contextlib
 import errno
 import grp
 import os
+import threading
 from pathlib import Path
 
 STATUS_GROUP = "flashnode"  # members may read status.json (systemd/flashnode.sysusers makes it)
@@ -18,7 +19,8 @@ STATUS_GROUP = "flashnode"  # members may read status.json (systemd/flashnode.sy
 def write(
     path: Path, data: bytes, mode: int = 0o600, group: str | None = None, durable: bool = False
 ) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Per thread: two threads may write one file (an attempt's record: its relay, its wait).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)

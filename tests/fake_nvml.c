@@ -6,7 +6,8 @@
  *   util DEV PERCENT          nvmlDeviceGetUtilizationRates(DEV).gpu
  *   procfile DEV PATH PERCENT every pid listed in PATH (re-read at each call) is a compute process
  *                             of DEV and uses PERCENT SM on it (its process utilisation)
- *   graphicsfile DEV PATH     every pid listed in PATH is a graphics process of DEV
+ *   graphicsfile DEV PATH PERCENT  every pid listed in PATH is a graphics process of DEV, using
+ *                             PERCENT SM on it (0: idle, absent from its process utilisation)
  *   temperature DEV C         DEV's temperature (default 40)
  *   power DEV MW              DEV's power limit as the owner left it (default 300000; allowed
  *                             100000..400000, default limit 350000)
@@ -42,6 +43,7 @@ static unsigned int util[MAXDEV];
 static char procfile[MAXDEV][256];
 static unsigned int procutil[MAXDEV];
 static char graphicsfile[MAXDEV][256];
+static unsigned int graphicsutil[MAXDEV];
 static unsigned int temperature[MAXDEV];
 static unsigned int power[MAXDEV];
 static char powerlog[256];
@@ -71,8 +73,8 @@ static int load(void) {
         if (sscanf(line, "procfile %d %255s %d", &d, text, &p) == 3 && d >= 0 && d < MAXDEV) {
             snprintf(procfile[d], sizeof procfile[d], "%s", text); procutil[d] = p; continue;
         }
-        if (sscanf(line, "graphicsfile %d %255s", &d, text) == 2 && d >= 0 && d < MAXDEV) {
-            snprintf(graphicsfile[d], sizeof graphicsfile[d], "%s", text); continue;
+        if (sscanf(line, "graphicsfile %d %255s %d", &d, text, &p) == 3 && d >= 0 && d < MAXDEV) {
+            snprintf(graphicsfile[d], sizeof graphicsfile[d], "%s", text); graphicsutil[d] = p; continue;
         }
         if (sscanf(line, "temperature %d %d", &d, &p) == 2 && d >= 0 && d < MAXDEV) { temperature[d] = p; continue; }
         if (sscanf(line, "power %d %d", &d, &p) == 2 && d >= 0 && d < MAXDEV) { power[d] = p; continue; }
@@ -138,17 +140,18 @@ int nvmlDeviceGetUtilizationRates(void *h, util_t *u) {
 }
 int nvmlDeviceGetProcessUtilization(void *h, sample_t *s, unsigned int *count, unsigned long long since) {
     int d = dev(h);
-    (void)since;
     if (d < 0) return INVALID_ARGUMENT;
     if (failing()) return UNKNOWN;
     reload();
-    unsigned int pids[64], n = 0;
+    unsigned int pids[128], util_of[128], n = 0;
     FILE *f = procfile[d][0] ? fopen(procfile[d], "r") : NULL;
-    if (f) { while (n < 64 && fscanf(f, "%u", &pids[n]) == 1) n++; fclose(f); }
+    if (f) { while (n < 64 && fscanf(f, "%u", &pids[n]) == 1) util_of[n++] = procutil[d]; fclose(f); }
+    f = graphicsfile[d][0] && graphicsutil[d] ? fopen(graphicsfile[d], "r") : NULL;
+    if (f) { while (n < 128 && fscanf(f, "%u", &pids[n]) == 1) util_of[n++] = graphicsutil[d]; fclose(f); }
     if (n == 0) { *count = 0; return NOT_FOUND; }
     if (s == NULL || *count < n) { *count = n; return INSUFFICIENT_SIZE; }
     for (unsigned int i = 0; i < n; i++) {
-        s[i].pid = pids[i]; s[i].ts = since + 1; s[i].sm = procutil[d];
+        s[i].pid = pids[i]; s[i].ts = since + 1; s[i].sm = util_of[i];
         s[i].mem = s[i].enc = s[i].dec = 0;
     }
     *count = n; return OK;

@@ -161,24 +161,23 @@ class Nvml:
             return None
         return [(int(s.pid), float(s.smUtil), int(s.timeStamp)) for s in samples]
 
-    def processes(self, device: Device, since_us: int) -> set[int] | None:
-        """The pids that use ``device`` now: its compute processes (they hold its memory), and
-        those with utilisation samples newer than ``since_us`` (µs of the wall clock; a
-        graphics process, such as a browser's window, counts only while it draws); None when
-        unreadable."""
+    def processes(self, device: Device, since_us: int) -> dict[int, bool] | None:
+        """The pids that use ``device`` now, each with whether it computes on it: its compute
+        processes (True: they hold its memory), and (False) those with utilisation samples
+        newer than ``since_us`` (µs of the wall clock: a graphics process, such as a browser's
+        window, counts only while it draws); None when unreadable."""
         import pynvml
 
         if device.instance is None:
             return None
         try:
-            pids = {
-                int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(device.instance)
-            }
+            running = pynvml.nvmlDeviceGetComputeRunningProcesses(device.instance)
         except pynvml.NVMLError:
             return None
         samples = self.process_utilization(device, since_us)
-        pids.update(pid for pid, sm, _ in samples or () if sm > 0)
-        return pids
+        found = {int(pid): False for pid, sm, ts in samples or () if sm > 0 and ts > since_us}
+        found.update((int(p.pid), True) for p in running)
+        return found
 
     def temperature(self, device: Device) -> float | None:
         """The GPU's core temperature in °C (a MIG device: its GPU's)."""

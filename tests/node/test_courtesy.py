@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import FakeNvml
-from fakes import FakeClock
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 from harness import wait_for
 
+from flashnode.attempt import Attempt, Outcome
 from flashnode.attempt.record import State
 from flashnode.coordinator.messages import GpuInfo
 from flashnode.errors import Stopped
@@ -31,8 +32,10 @@ from flashnode.owner.status import describe_facts
 RULES = CourtesyRules(stop_seconds=300, resume_seconds=30, gpu_limit_c=85, cpu_limit_c=95)
 
 
-def seen(label: str, others: dict[int, str] | None = None, celsius: float = 50) -> GpuSeen:
-    return GpuSeen(label, others if others is not None else {}, celsius)
+def seen(
+    label: str, others: dict[int, str] | None = None, celsius: float = 50, computing: bool = True
+) -> GpuSeen:
+    return GpuSeen(label, others if others is not None else {}, celsius, computing and bool(others))
 
 
 def test_the_owners_process_pauses_only_that_gpus_tasks_and_they_run_again_after_it_stayed_free() -> (
@@ -68,6 +71,19 @@ def test_the_owners_use_lasting_past_the_stop_delay_stops_its_tasks_and_a_short_
     v = c.evaluate(owner, None)
     assert "stopped to free the GPU's memory" in (v.stop_reason(["0"]) or "")
     assert v.stop_reason(["1"]) is None
+    clock.now += 1
+    v = c.evaluate({"0": seen("GPU 0")}, None)  # the owner left: the task waits, never stops
+    assert v.owner_reason(["0"]) is not None and not v.stop
+
+
+def test_a_window_that_draws_on_the_gpu_pauses_its_tasks_but_never_stops_them() -> None:
+    clock = FakeClock()
+    c = Courtesy(RULES, clock)
+    browser = {"0": seen("GPU 0", {55: "firefox"}, computing=False)}
+    c.evaluate(browser, None)
+    clock.now += 3600
+    v = c.evaluate(browser, None)
+    assert v.owner_reason(["0"]) == "the owner uses GPU 0: firefox (pid 55)" and not v.stop
 
 
 def test_a_hot_gpu_pauses_its_tasks_until_well_below_the_limit_and_never_flaps() -> None:
@@ -81,14 +97,15 @@ def test_a_hot_gpu_pauses_its_tasks_until_well_below_the_limit_and_never_flaps()
         )
 
     assert [hot(t) for t in (84, 84.9)] == [False, False]
-    assert hot(95)
+    assert [hot(t) for t in (95, 80)] == [False, False]  # one spike is not heat
+    assert [hot(t) for t in (95, 95)] == [False, True]
     # Hovering at the limit keeps the pause: no flapping.
     assert all(hot(t) for t in (86, 84, 85.5, 80, 76, 75))
     # Below the limit less 10 °C, but at the limit 4 s ago: a fast fall does not flap it.
     assert hot(74)
     clock.now += 5
     assert not hot(74)
-    assert [hot(t) for t in (80, 84, 85, 84)] == [False, False, True, True]
+    assert [hot(t) for t in (80, 84, 85, 85, 84)] == [False, False, False, True, True]
     clock.now -= 1
     assert "GPU 1 at 95 °C" in (
         c.evaluate({"1": seen("GPU 1", celsius=95)}, None).heat_reason(["1"]) or ""
@@ -97,10 +114,19 @@ def test_a_hot_gpu_pauses_its_tasks_until_well_below_the_limit_and_never_flaps()
 
 def test_a_hot_cpu_pauses_every_task_and_unreadable_readings_never_hold() -> None:
     c = Courtesy(RULES, FakeClock())
+    c.evaluate({"0": seen("GPU 0")}, 97.0)
     v = c.evaluate({"0": seen("GPU 0")}, 97.0)
     assert v.heat_reason([]) is not None and v.heat_reason(["0"]) is not None
+    clock = FakeClock()
+    c = Courtesy(RULES, clock)
     v = c.evaluate({"0": GpuSeen("GPU 0", None, None)}, None)
     assert v.heat_reason(["0"]) is None and not v.blocked and v.cpu_hot is None
+    c.evaluate({}, 97.0)
+    assert c.evaluate({}, 97.0).cpu_hot is not None
+    clock.now += 59
+    assert c.evaluate({}, None).cpu_hot is not None  # hot until read otherwise, a minute at most
+    clock.now += 1
+    assert c.evaluate({}, None).cpu_hot is None
 
 
 def test_turned_off_the_courtesy_holds_nothing() -> None:
@@ -157,7 +183,7 @@ def make_watch(
 ) -> tuple[CourtesyWatch, GpuPool]:
     pool = GpuPool([device(0), device(1)])
     readers = Readers(
-        processes=lambda d, since: set(on_gpu.get(d.visible, set())),
+        processes=lambda d, since: dict.fromkeys(on_gpu.get(d.visible, set()), True),
         temperature=lambda d: 50.0,
         process_name=names.get,
     )
@@ -294,17 +320,18 @@ def test_a_gpus_processes_are_its_compute_processes_and_graphics_ones_only_while
     fake_nvml: FakeNvml, drop_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (drop_dir / "compute").write_text("4343\n")
-    (drop_dir / "graphics").write_text("4242\n")  # a browser's window, idle
-    env = fake_nvml.script(
-        f"devices 1\nprocfile 0 {drop_dir / 'compute'} 0\ngraphicsfile 0 {drop_dir / 'graphics'}\n"
-    )
+    (drop_dir / "graphics").write_text("4242\n")  # a browser's window
+    script = f"devices 1\nprocfile 0 {drop_dir / 'compute'} 0\n"
+    env = fake_nvml.script(script + f"graphicsfile 0 {drop_dir / 'graphics'} 0\n")  # idle
     monkeypatch.setenv("FAKE_NVML_CONFIG", env["FAKE_NVML_CONFIG"])
     nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
     assert nvml is not None
     [gpu] = nvml.devices
-    assert nvml.processes(gpu, 0) == {4343}
+    assert nvml.processes(gpu, 0) == {4343: True}
+    fake_nvml.script(script + f"graphicsfile 0 {drop_dir / 'graphics'} 30\n")  # it draws
+    assert nvml.processes(gpu, 0) == {4343: True, 4242: False}
     (drop_dir / "compute").write_text("")
-    assert nvml.processes(gpu, 0) == set()
+    assert nvml.processes(gpu, 0) == {4242: False}
     nvml.close()
 
 
@@ -363,3 +390,67 @@ def test_a_process_name_is_printable_and_a_zombie_is_no_ones_use() -> None:
     assert process_name(exited.pid) is None
     exited.wait()
     assert process_name(exited.pid) is None
+
+
+def test_the_tasks_pids_are_asked_once_a_turn_whatever_the_gpus_list() -> None:
+    clock = FakeClock()
+    on_gpu = {"0": {10, 900}, "1": {11, 901}}  # each GPU: a task's pid and one of the owner's
+    watch, pool = make_watch(clock, on_gpu, {n: "p" for n in (10, 11, 900, 901)})
+    a0, a1 = (FakeAttempt([pool.acquire(1)[0]], FakeHandle({pid})) for pid in (10, 11))
+    for _ in range(4):
+        watch.tick([a0, a1], 5.0)
+        clock.now += FAST_S
+    assert a0.handle.asked == a1.handle.asked == 1
+
+
+class SilentHandle(FakeHandle):
+    def pids(self) -> set[int]:
+        self.asked += 1
+        if self.asked > 1:
+            raise OSError("the engine does not answer")
+        return self.ours
+
+
+def test_a_gpu_whose_tasks_pids_cannot_be_read_is_not_judged_meanwhile() -> None:
+    clock = FakeClock()
+    on_gpu = {"0": {10}}
+    watch, pool = make_watch(clock, on_gpu, {10: "python3", 11: "python3"})
+    attempt = FakeAttempt([pool.acquire(1)[0]], SilentHandle({10}))
+    watch.tick([attempt], 5.0)
+    on_gpu["0"].add(11)  # its new child, perhaps: its handle cannot say now
+    for _ in range(3):
+        clock.now += FAST_S
+        watch.tick([attempt], 5.0)
+    assert attempt.handle.asked == 4  # asked again each turn, never taken as the owner's
+    assert "gpu" not in attempt.suspended
+
+
+def test_a_power_limit_the_owner_sets_while_a_task_runs_is_theirs_to_keep(tmp_path: Path) -> None:
+    gpu, devices = FakePower(), [device(0)]
+    cap = PowerCap(gpu, tmp_path, lambda: 50.0)
+    cap.follow(devices, {"0"})
+    gpu.now["0"] = 175_400  # the driver rounds: still the cap
+    cap.follow(devices, {"0"})
+    assert gpu.calls == [("0", 175_000)]
+    gpu.now["0"] = 200_000  # nvidia-smi -pl 200 by the owner
+    for _ in range(3):
+        cap.follow(devices, {"0"})
+    cap.follow(devices, set())
+    assert gpu.calls == [("0", 175_000)] and gpu.now["0"] == 200_000
+    assert not (tmp_path / RECORD).exists()
+
+
+def test_a_task_asking_for_a_gpu_the_owner_has_lapses_without_counting_against_the_node(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    ctx = replace(
+        context(tmp_path, clock, coord, FakeRunner()), gpus=GpuPool([device(0), device(1)])
+    )
+    ctx.gpus.block({"0": "the owner uses GPU 0: game (pid 9)"})
+    attempt = Attempt(ctx, lease(gpus=2))
+    assert attempt.run() is Outcome.LAPSED
+    assert attempt.node_fault is False  # the black-hole guard does not count it
+    assert "the owner uses GPU 0" in (attempt.ended or ("", ""))[1]
+    assert [c[1] for c in coord.calls if c[1] == "fail"] == []

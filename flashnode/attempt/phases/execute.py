@@ -276,6 +276,8 @@ class _Wait:
                 return None
             if a.detaching and handle.detach():
                 log.info("lease %s: its task runs on for the next agent", a.lease_id)
+                if self.suspended_at is not None:  # not its running time after the rejoin
+                    self._keep_suspended(self._suspended + now - self.suspended_at)
                 return Detached()
             if a.cancelled is not None:
                 handle.terminate(a.cancel_grace)
@@ -367,7 +369,7 @@ class _Wait:
                 handle.suspend()
             except SuspendFailed as exc:
                 log.error("lease %s: %s", a.lease_id, exc)
-                return Stopped(f"{exc}, while an owner control asked to suspend it")
+                return Stopped(f"{exc}, while asked to suspend it ({reason})")
             self.suspended_at = now
             a.suspended_since = now
             self._why = reason
@@ -383,12 +385,7 @@ class _Wait:
             self.deadline += held  # suspended time does not count against the timeout
             self.end_pause(now)
             self.suspended_at = None
-            # Kept in its record: a restart counts neither against it.
-            a.record.timings["suspended"] = round(self.before + self._suspended, 4)
-            try:
-                a.save(State.RUNNING)
-            except OSError as exc:  # a full disk: only a restart's count would be off
-                log.warning("lease %s: cannot keep its time suspended: %s", a.lease_id, exc)
+            self._keep_suspended(self._suspended)
             a.suspended_since = None
             log.info("lease %s: task resumed after %.0f s suspended", a.lease_id, held)
         too_long = self._too_long_at()
@@ -399,6 +396,16 @@ class _Wait:
                 f" ({a.suspend_reason or 'released just now'}); the lease lapses"
             )
         return None
+
+    def _keep_suspended(self, seconds: float) -> None:
+        """Its time suspended so far (``seconds`` in this run), in its record: a restart
+        counts it neither as its running time nor against its timeout."""
+        a = self.a
+        a.record.timings["suspended"] = round(self.before + seconds, 4)
+        try:
+            a.save(State.RUNNING)
+        except OSError as exc:  # a full disk: only a restart's count would be off
+            log.warning("lease %s: cannot keep its time suspended: %s", a.lease_id, exc)
 
     def _too_long_at(self) -> float | None:
         """When the present suspension has lasted too long (monotonic); None while the task

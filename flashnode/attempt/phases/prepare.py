@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flashnode.coordinator.lease import parse_task
-from flashnode.errors import AttemptFailed, AttemptLapsed
+from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 
 if TYPE_CHECKING:
     from flashnode.attempt.hooks import AttemptHooks
@@ -31,6 +31,10 @@ def run(a: AttemptHooks, lease: Lease) -> Task:
             # The coordinator placed it by the GPUs this node registered; that they are not
             # free now is not the task's fault.
             if task.gpus <= len(a.ctx.gpus.devices):
+                blocked = a.ctx.gpus.blocked
+                if blocked:  # given back to the owner (or too hot): the owner's courtesy
+                    why = "; ".join(dict.fromkeys(blocked.values()))
+                    raise Stopped(f"{exc} ({why})") from None
                 raise AttemptLapsed(str(exc)) from None
             raise
     return task

@@ -18,6 +18,7 @@ from flashnode.evidence.gpupool import Device, PowerLimit
 log = logging.getLogger(__name__)
 
 RECORD = "gpu-power.json"
+TOLERANCE_MW = 1000  # a limit read back this close to the one set is that one (drivers round)
 
 
 class PowerPort(Protocol):
@@ -26,7 +27,8 @@ class PowerPort(Protocol):
 
 
 class PowerCap:
-    """Used from one thread at a time (the courtesy's, then the shutdown's)."""
+    """Used from one thread at a time (the courtesy's, then the shutdown's). A limit someone
+    else sets while a task runs is theirs: it is neither capped nor set back after."""
 
     def __init__(self, port: PowerPort, state_dir: Path, percent: Callable[[], float | None]):
         """``percent``: the setting now (a reload may change it; None: off)."""
@@ -69,7 +71,20 @@ class PowerCap:
             self._fail(device, percent, "its power limit cannot be read")
             return
         want = min(max(int(limits.default * percent / 100), limits.low), limits.high)
-        if self._applied.get(key) == want and limits.now == want:
+        applied = self._applied.get(key)
+        if applied is not None and abs(limits.now - applied) > TOLERANCE_MW:
+            # Set by someone else meanwhile (the owner's nvidia-smi): theirs to keep.
+            log.warning(
+                "GPU %s: its power limit was changed to %.0f W outside flashnode: left so",
+                device.info.index,
+                limits.now / 1000,
+            )
+            self._applied.pop(key)
+            self._owners.pop(key, None)
+            self._write()
+            self._failed[key] = percent
+            return
+        if applied == want:
             return
         recorded = key not in self._owners
         if recorded:

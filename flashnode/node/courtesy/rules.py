@@ -7,18 +7,21 @@ Per GPU:
   node's tasks' and no program the owner named to ignore (``gpu_yield_ignore``). The tasks on
   that GPU pause at once, and only those; nothing claims it. Past ``gpu_yield_stop_seconds`` of
   the owner's use (from its start: a break shorter than ``gpu_yield_resume_seconds`` does not
-  restart the count) they are stopped, so that the GPU's memory is the owner's again. Once the
+  restart the count) they are stopped while one of the owner's processes computes on it, so
+  that the GPU's memory is the owner's again (one that only draws, a window, pauses them but
+  never stops them). Once the
   GPU has had none of the owner's processes for ``gpu_yield_resume_seconds``, paused tasks run
   on and it is claimed for again.
-* **Heat** (``gpu_temperature_limit_c``): at or above the limit the GPU's tasks pause and
-  nothing claims it, until it is below the limit less ``HYSTERESIS_C`` and was last at the limit
-  ``HOT_HOLD_S`` ago: a temperature that hovers at the limit holds the pause, and one that falls
-  fast once the load is off (a CPU's) does not flap it.
+* **Heat** (``gpu_temperature_limit_c``): at or above the limit (``CONFIRM`` readings in a row)
+  the GPU's tasks pause and nothing claims it, until it is below the limit less ``HYSTERESIS_C``
+  and was last at the limit ``HOT_HOLD_S`` ago: a temperature that hovers at the limit holds the
+  pause, and one that falls fast once the load is off (a CPU's) does not flap it.
 
 For the CPU (``cpu_temperature_limit_c``): the same heat rule, for every task and every claim.
 
-A reading that fails never holds (a GPU whose processes cannot be read is not the owner's, an
-unreadable temperature is not too hot): the watch says so once in the log.
+A reading that fails never starts a hold (a GPU whose processes cannot be read is not the
+owner's, an unreadable temperature is not too hot; a hot one stays so for ``UNREAD_S`` at most):
+the watch says so in the log.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
 
 HYSTERESIS_C = 10.0  # a paused hot device runs again this far below its limit
 HOT_HOLD_S = 10.0  # ... and no sooner than this after it was last at its limit
+CONFIRM = 2  # readings in a row at the limit that make a device hot
+UNREAD_S = 60.0  # a hot device whose temperature cannot be read is taken as cool after this
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,13 @@ class CourtesyRules:
 @dataclass(frozen=True)
 class GpuSeen:
     """One reading of one GPU: the owner's processes on it (pid → name; this node's tasks and
-    the ignored programs left out; None: unreadable) and its temperature (None: unreadable)."""
+    the ignored programs left out; None: unreadable), whether one of them computes on it, and its
+    temperature (None: unreadable)."""
 
     label: str  # "GPU 0"
     others: Mapping[int, str] | None = None
     temperature: float | None = None
+    computing: bool = False  # one of the owner's processes computes on it (holds its memory)
 
 
 @dataclass(frozen=True)
@@ -107,20 +114,29 @@ class _Yield:
 
 
 class _Heat:
-    """Hot at or above the limit; cool again only below it less ``HYSTERESIS_C``, and
-    ``HOT_HOLD_S`` after it was last at the limit."""
+    """Hot after ``CONFIRM`` readings in a row at or above the limit (one spike is not heat);
+    cool again only below it less ``HYSTERESIS_C``, ``HOT_HOLD_S`` after it was last at the
+    limit. A reading that fails keeps the state, for ``UNREAD_S`` at most."""
 
     def __init__(self) -> None:
         self.hot = False
+        self._over = 0  # readings in a row at or above the limit
         self._at_limit = 0.0  # when it was last at or above the limit (monotonic)
+        self._read_at = 0.0  # the last reading that did not fail
 
     def update(self, celsius: float | None, limit: float | None, now: float) -> bool:
-        if limit is None or celsius is None:
-            self.hot = False
+        if limit is None:
+            self.hot, self._over = False, 0
+        elif celsius is None:
+            if now - self._read_at >= UNREAD_S:
+                self.hot, self._over = False, 0
         elif celsius >= limit:
-            self.hot, self._at_limit = True, now
-        elif celsius < limit - HYSTERESIS_C and now - self._at_limit >= HOT_HOLD_S:
-            self.hot = False
+            self._read_at, self._at_limit, self._over = now, now, self._over + 1
+            self.hot = self.hot or self._over >= CONFIRM
+        else:
+            self._read_at, self._over = now, 0
+            if celsius < limit - HYSTERESIS_C and now - self._at_limit >= HOT_HOLD_S:
+                self.hot = False
         return self.hot
 
 
@@ -200,7 +216,8 @@ class Courtesy:
         else:
             why = f"the owner uses {seen.label}: {r.who}"
         ending = None
-        if used >= self.rules.stop_seconds:
+        # Only while the owner computes on it now: a window that draws needs none of its memory.
+        if used >= self.rules.stop_seconds and r.free_since is None and seen.computing:
             ending = (
                 f"the owner has used {seen.label} for {used:.0f} s"
                 f" (gpu_yield_stop_seconds {self.rules.stop_seconds:g}): its task was stopped"

@@ -51,7 +51,8 @@ WARN_AGAIN_S = 600.0  # an unreadable reading is said again at most this often
 class Readers:
     """Where the courtesy reads from; each returns None for "unreadable"."""
 
-    processes: Callable[[Device, int], set[int] | None] = lambda d, since_us: None
+    # pid -> whether it computes (holds memory) rather than only draws, on that GPU now
+    processes: Callable[[Device, int], dict[int, bool] | None] = lambda d, since_us: None
     temperature: Callable[[Device], float | None] = lambda d: None
     cpu_temperature: Callable[[], float | None] = lambda: None
     process_name: Callable[[int], str | None] = lambda pid: None
@@ -77,6 +78,7 @@ class CourtesyWatch:
         self._ran = threading.Event()  # run() has returned
         self._started = False
         self._foreign: set[int] = set()  # pids seen at the last asking that were not theirs
+        self._known: dict[int, set[int]] = {}  # id(attempt) -> its pids as last said
         self._warned: dict[str, float] = {}  # reading -> when last said unreadable
         self._said: dict[str, str] = {}  # visible (or "cpu") -> the pause logged
 
@@ -128,7 +130,7 @@ class CourtesyWatch:
     def tick(self, attempts: Sequence[Attempt], grace: float) -> float:
         """One turn; the seconds until the next."""
         devices = list(self._gpus.devices)
-        seen = {d.visible: self._read(d, attempts) for d in devices}
+        seen = self._read(devices, attempts)
         verdict = self.courtesy.evaluate(seen, self._cpu_celsius(bool(attempts)))
         self._gpus.block(dict(verdict.blocked))
         self._log(verdict, devices)
@@ -171,43 +173,64 @@ class CourtesyWatch:
 
     # --- readings -----------------------------------------------------------------------------
 
-    def _read(self, device: Device, attempts: Sequence[Attempt]) -> GpuSeen:
+    def _read(self, devices: Sequence[Device], attempts: Sequence[Attempt]) -> dict[str, GpuSeen]:
+        """Each GPU now: the owner's processes on it, and its temperature."""
         r, rules = self._readers, self.rules
-        label = f"GPU {device.info.index}"
-        others: dict[int, str] | None = None
+        listed: dict[str, dict[int, bool] | None] = {}
         if rules.gpu_yield:
-            pids = self._safe(f"processes of {label}", r.processes, device, self._since_us())
-            if pids is not None:
+            since = self._since_us()
+            for d in devices:
+                what = f"processes of GPU {d.info.index}"
+                listed[d.visible] = self._safe(what, r.processes, d, since)
+        every = set().union(*(found for found in listed.values() if found))
+        ours, unsure = self._our_pids(every, attempts)
+        seen = {}
+        for d in devices:
+            found = listed.get(d.visible)
+            others: dict[int, str] | None = None
+            computing = False
+            if found is not None and d.visible not in unsure:
                 others = {}
-                for pid in pids - self._our_pids(pids, attempts):
-                    name = r.process_name(pid)
+                for pid, compute in found.items():
+                    name = r.process_name(pid) if pid not in ours else None
                     if name is not None and not _ignored(name, rules.ignore):
                         others[pid] = name
-        temperature = None
-        if rules.gpu_limit_c is not None:
-            temperature = self._safe(f"temperature of {label}", r.temperature, device)
-        return GpuSeen(label, others, temperature)
+                        computing = computing or compute
+            temperature = None
+            if rules.gpu_limit_c is not None:
+                temperature = self._safe(f"temperature of GPU {d.info.index}", r.temperature, d)
+            seen[d.visible] = GpuSeen(f"GPU {d.info.index}", others, temperature, computing)
+        return seen
 
-    def _our_pids(self, listed: set[int], attempts: Sequence[Attempt]) -> set[int]:
-        """The tasks' pids, asked of their handles again only for a pid in ``listed`` seen
-        neither as theirs nor as another's at the last asking (a container's are an engine
-        call), or ``OURS_S`` after it."""
+    def _our_pids(self, listed: set[int], attempts: Sequence[Attempt]) -> tuple[set[int], set[str]]:
+        """(the tasks' pids, the GPUs whose task's pids are not known now). The handles are
+        asked again only for a pid in ``listed`` seen neither as theirs nor as another's at the
+        last asking (a container's are an engine call), or ``OURS_S`` after it. A handle that
+        cannot say (an engine that does not answer) keeps the pids it said last, and its GPUs
+        are not judged until it says again: a task is never the owner's by mistake."""
         now = self._clock.monotonic()
         stale = self._ours_at is None or now - self._ours_at >= OURS_S
+        unsure: set[str] = set()
         if stale or not listed <= self._ours | self._foreign:
-            ours: set[int] = set()
+            known, ours = {}, set()
             for attempt in attempts:
                 handle = attempt.handle
                 if handle is None:
                     continue
+                key = id(attempt)
                 try:
-                    ours |= handle.pids()
-                except Exception:  # a task that ended meanwhile
-                    continue
-            self._ours, self._ours_at = ours, now
+                    pids = handle.pids() or self._known.get(key, set())
+                except Exception:
+                    pids = self._known.get(key, set())
+                    unsure.update(d.visible for d in attempt.devices)
+                known[key] = pids
+                ours |= pids
+            self._known, self._ours = known, ours
+            self._ours_at = None if unsure else now  # asked again at the next turn
             self._foreign = set()
-        self._foreign |= listed - self._ours
-        return self._ours
+        if not unsure:
+            self._foreign |= listed - self._ours
+        return self._ours, unsure
 
     def _cpu_celsius(self, running: bool) -> float | None:
         if self.rules.cpu_limit_c is None:
