@@ -72,7 +72,6 @@ class CourtesyWatch:
         self._ours: set[int] = set()
         self._ours_at: float | None = None
         self._cpu: tuple[float, float | None] | None = None  # (read at, °C)
-        self._unreadable: set[str] = set()
         self._stopping = False
         self._wake = threading.Event()
         self._ran = threading.Event()  # run() has returned
