@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -350,8 +350,10 @@ def _run_agent(
         cpu_temperature=sensors.cpu_temperature, process_name=sensors.process_name
     )
     power = None
-    if nvml is not None:
-        courtesy_readers.processes, courtesy_readers.temperature = nvml.processes, nvml.temperature
+    if nvml is not None:  # without NVML: no GPU to read or cap
+        courtesy_readers = replace(
+            courtesy_readers, processes=nvml.processes, temperature=nvml.temperature
+        )
         power = PowerCap(nvml, settings.state_dir, lambda: floor[0].gpu_power_limit_percent)
     courtesy = CourtesyWatch(
         CourtesyRules.from_settings(settings), courtesy_readers, clock, gpus, power

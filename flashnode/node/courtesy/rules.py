@@ -9,9 +9,8 @@ Per GPU:
   the owner's use (from its start: a break shorter than ``gpu_yield_resume_seconds`` does not
   restart the count) they are stopped while one of the owner's processes computes on it, so
   that the GPU's memory is the owner's again (one that only draws, a window, pauses them but
-  never stops them). Once the
-  GPU has had none of the owner's processes for ``gpu_yield_resume_seconds``, paused tasks run
-  on and it is claimed for again.
+  never stops them). Once the GPU has had none of the owner's processes for
+  ``gpu_yield_resume_seconds``, paused tasks run on and it is claimed for again.
 * **Heat** (``gpu_temperature_limit_c``): at or above the limit (``CONFIRM`` readings in a row)
   the GPU's tasks pause and nothing claims it, until it is below the limit less ``HYSTERESIS_C``
   and was last at the limit ``HOT_HOLD_S`` ago: a temperature that hovers at the limit holds the
