@@ -252,11 +252,16 @@ def inline_threads(fn: Callable[[], None], name: str) -> None:
 
 
 def context(
-    tmp_path: Path, clock: FakeClock, coordinator: FakeCoordinator, runner: Runner, **settings: Any
+    tmp_path: Path,
+    clock: FakeClock,
+    coordinator: FakeCoordinator,
+    runner: Runner,
+    runner_name: str = "trusted",  # the configured runner, whose capabilities the attempt asks
+    **settings: Any,
 ) -> AttemptContext:
     s = Settings(
         coordinator="http://127.0.0.1:1",
-        runner="trusted",
+        runner=runner_name,
         pools=("team-a",),
         state_dir=tmp_path,
         **settings,

@@ -329,7 +329,7 @@ class AgentProcess:
         full_env["FLASHNODE_UI_LISTEN"] = "off"
         if os.geteuid() == 0:
             full_env["FLASHNODE_TASK_USER"] = TASK_USER
-        else:  # no user to switch to: trusted tasks run as the agent's own user (README)
+        else:  # no user to switch to: trusted tasks run as the agent's own user (owner's manual)
             full_env["FLASHNODE_ALLOW_SAME_USER"] = "true"
         full_env.update(env or {})
         log = self.log_path.open("ab")

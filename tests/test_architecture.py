@@ -198,3 +198,52 @@ def test_the_phases_use_the_attempts_hooks_and_never_its_orchestrator() -> None:
     assert set(phases) <= GRAPH["flashnode.attempt.orchestrator"][0] | {
         f"flashnode.attempt.phases.{n}" for n in ("relay", "transfer")
     }
+
+
+RUNNER_NAMES = ("docker", "trusted")  # the registry's today (runners/registry.py)
+
+
+def _compares_a_runner_name(node: ast.AST) -> bool:
+    """A comparison (``==``, ``!=``, ``in``, a ``match`` case) with a runner's name, or with
+    the ``runner`` setting itself."""
+    if isinstance(node, ast.Compare):
+        operands = [node.left, *node.comparators]
+    elif isinstance(node, ast.MatchValue):
+        operands = [node.value]
+    else:
+        return False
+    for operand in operands:
+        texts = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        for text in texts:
+            if isinstance(text, ast.Constant) and text.value in RUNNER_NAMES:
+                return True
+        if isinstance(operand, ast.Attribute) and operand.attr == "runner":
+            return True
+    return False
+
+
+def test_no_code_outside_the_runners_tells_runners_apart_by_name() -> None:
+    """What a runner can do is its ``Capabilities`` (runners/registry.py): a new runner is one
+    module and one entry, not an edit of every place that asks."""
+    found = []
+    for name, path in MODULES.items():
+        if _role(name) == "runners":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        found += [f"{name}:{n.lineno}" for n in ast.walk(tree) if _compares_a_runner_name(n)]
+    assert not found
+    test = ast.parse("if settings.runner == 'trusted': pass\nx = s.runner in ('docker', 'y')")
+    assert sum(_compares_a_runner_name(n) for n in ast.walk(test)) == 2
+
+
+def test_the_guards_beside_a_task_touch_the_world_only_through_what_they_are_given() -> None:
+    """A guard is a rule under a fake clock (``attempt/guards/``): it imports no module with a
+    side effect itself (the clock, processes, files, threads), and reaches no edge through
+    another; what it reads of the world (the disk, the task's files) comes in as functions."""
+    guards = [n for n in MODULES if n.startswith("flashnode.attempt.guards.")]
+    assert len(guards) >= 7
+    direct = ("os", "time", "threading", "subprocess", "socket", "shutil", "signal", *EDGES)
+    found = [f"{n} imports {m}" for n in guards for m in sorted(GRAPH[n][1] & set(direct))]
+    for start in guards:
+        found += [f"{start} reaches {e} via {n}" for n in _reach(start) for e in GRAPH[n][1] & set(EDGES)]
+    assert not found, "\n".join(found)

@@ -486,7 +486,7 @@ def test_without_cgroups_detached_children_cannot_outlive_the_attempt(
     drop_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where the host gives the agent no cgroups (README: "where the host allows one"; the agent
+    """Where the host gives the agent no cgroups (guide: "where the host allows one"; the agent
     logs "limits rely on process groups and tokens"), a task's processes are found by process
     group and by a scan of /proc/*/environ for the ownership token (procs.find_owned). A child
     that leaves the group (setsid) and drops the token from
@@ -618,10 +618,10 @@ def test_nobody_on_the_host_can_catch_the_agents_token_on_a_loopback_coordinator
 ) -> None:
     """Plain http is allowed to a loopback coordinator (a local tunnel or proxy, the demo). A
     loopback port is no trust boundary on a shared host: whenever the coordinator's port is free
-    (it restarts; README: the agent rides that out), any local user (here `nobody`), a trusted
-    task included, binds it and receives the agent's next request with `Authorization: Bearer
-    <token>` (and, answering 404, the re-registration's join code). With the node's token it can
-    claim, complete or fail this node's leases and upload as the node."""
+    (it restarts; the owner's manual: the agent rides that out), any local user (here `nobody`),
+    a trusted task included, binds it and receives the agent's next request with `Authorization:
+    Bearer <token>` (and, answering 404, the re-registration's join code). With the node's token
+    it can claim, complete or fail this node's leases and upload as the node."""
     tc = token_coordinator
     squat = ["/usr/bin/python3", "-c", SQUAT, str(tc.server.port), str(drop_dir)]
     local: subprocess.Popen[bytes] | None = None
@@ -670,7 +670,7 @@ json.dump({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), 'usable': usable},
 def test_a_task_given_no_gpu_cannot_open_the_gpus(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    """README: a task asking for none "sees none on a GPU node", and a trusted task shares only
+    """Guide: a task asking for none "sees none on a GPU node"; manual: a trusted task shares only
     "the GPUs it was given". The trusted runner only sets CUDA_VISIBLE_DEVICES; the task shares
     the host's /dev (the driver makes /dev/nvidia* 0666), so unsetting the variable gives it
     every GPU, including the ones a concurrent task holds (its memory, its compute)."""

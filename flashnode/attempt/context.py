@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 from flashnode.attempt.diskwatch import Reserved
+from flashnode.attempt.guards.base import GuardMaker
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.messages import CheckpointManifest, CheckpointPart, ExecutionEvidence
@@ -138,3 +139,6 @@ class AttemptContext:
     # the claimed settings'): a reload that stops lending one takes it from attempts not yet
     # started too.
     lent_now: Callable[[], Mapping[str, Path]] | None = None
+    # Guards beside every running task beyond the agent's own (the execute phase's), asked
+    # after them in this order.
+    guards: tuple[GuardMaker, ...] = ()

@@ -256,6 +256,10 @@ class AttemptHooks:
     def cancelled(self) -> AttemptFailed | AttemptLapsed | None:
         return self._ending
 
+    @property
+    def lease_lost(self) -> bool:
+        return self.keeper is not None and self.keeper.lost.is_set()
+
     def save(self, state: State, durable: bool = False) -> None:
         """Move the record to ``state`` and write it to the outbox (what a phase changed in
         ``record`` with it)."""

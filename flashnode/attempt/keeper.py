@@ -79,7 +79,7 @@ class LeaseKeeper:
                 if now + delay >= deadline:
                     self._mark_lost(f"lease could not be renewed before its deadline ({exc})")
                     return
-                log.warning("lease %s: renewal failed, retrying: %s", self._lease.lease_id, exc)
+                log.warning("renewal failed, retrying: %s", exc)
                 next_renewal = now + delay
                 continue
             backoff.reset()

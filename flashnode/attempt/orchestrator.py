@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
+from flashnode import logcontext
 from flashnode.attempt.hooks import AttemptHooks
 from flashnode.attempt.keeper import LeaseKeeper
 from flashnode.attempt.phases import commit, data, environment, execute, prepare, restore, stage
@@ -79,14 +80,9 @@ class Attempt(AttemptHooks):
         lease = self._parse()
         if lease is None:
             return self._drop()
-        log.info(
-            "lease %s: claimed %s/%s (attempt %d)",
-            lease.lease_id,
-            lease.job_id,
-            lease.task_id,
-            lease.attempt_number,
-        )
-        return self._guarded(lease, self._phases)
+        with _logged(lease):
+            log.info("claimed (attempt %d)", lease.attempt_number)
+            return self._guarded(lease, self._phases)
 
     def resume(self) -> Outcome:
         """Upload and commit an attempt that finished before the agent restarted (the outbox).
@@ -94,8 +90,9 @@ class Attempt(AttemptHooks):
         lease = self._parse()
         if lease is None:
             return self._drop()
-        log.info("lease %s: resuming the commit of a finished attempt", self.lease_id)
-        return self._guarded(lease, self._resumed)
+        with _logged(lease):
+            log.info("resuming the commit of a finished attempt")
+            return self._guarded(lease, self._resumed)
 
     def rejoin(self, handle: Handle) -> Outcome:
         """Carry on an attempt whose task an earlier run of the agent let go of at a restart
@@ -106,9 +103,10 @@ class Attempt(AttemptHooks):
             handle.terminate(0.0)
             handle.result()
             return self._drop()
-        log.info("lease %s: rejoined its running task after a restart", self.lease_id)
-        self.handle = handle  # the attempt's from here: however it ends, its task ends with it
-        return self._guarded(lease, lambda lease: self._rejoined(lease, handle), renew_now=True)
+        with _logged(lease):
+            log.info("rejoined its running task after a restart")
+            self.handle = handle  # the attempt's from here: however it ends, its task with it
+            return self._guarded(lease, lambda lease: self._rejoined(lease, handle), renew_now=True)
 
     def abandon(self, reason: str) -> Outcome:
         """End an attempt a previous run of the agent left unfinished (its processes were
@@ -116,11 +114,12 @@ class Attempt(AttemptHooks):
         lease = self._parse()
         if lease is None:
             return self._drop()
-        log.warning("lease %s: %s; letting its lease lapse", lease.lease_id, reason)
-        workspace_of(self.ctx.settings.state_dir, lease.lease_id).remove()
-        self.ctx.outbox.remove(lease.lease_id)
-        self._record(Outcome.LAPSED, reason)
-        return Outcome.LAPSED
+        with _logged(lease):
+            log.warning("%s; letting its lease lapse", reason)
+            workspace_of(self.ctx.settings.state_dir, lease.lease_id).remove()
+            self.ctx.outbox.remove(lease.lease_id)
+            self._record(Outcome.LAPSED, reason)
+            return Outcome.LAPSED
 
     # --- the phases ---------------------------------------------------------------------------
 
@@ -209,7 +208,7 @@ class Attempt(AttemptHooks):
             if full is not None:
                 outcome, reason = self._lapse(disk_full_error(full))
             else:  # a bug: still end the attempt cleanly and keep the agent up
-                log.exception("lease %s: unexpected error", lease.lease_id)
+                log.exception("unexpected error")
                 outcome, reason = commit.report_failure(self, f"agent error ({type(exc).__name__})")
         finally:
             ended = time.monotonic()
@@ -219,19 +218,19 @@ class Attempt(AttemptHooks):
             try:
                 execute.release(self)
             except Exception:  # the task's end unread: what the phases hold is released still
-                log.exception("lease %s: ending the task failed", lease.lease_id)
+                log.exception("ending the task failed")
             self._release_contributions()
         if outcome is Outcome.DETACHED:  # the next agent's: nothing removed or recorded
             self.ended = (outcome, "agent stopping")
             return outcome
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
-            log.warning("lease %s: its finished result stays in the outbox", lease.lease_id)
+            log.warning("its finished result stays in the outbox")
             try:
                 if self.staged is not None:
                     self.staged.workspace.seal()
             except OSError as exc:  # the result stays: it is checked again when committed
-                log.error("lease %s: cannot seal its workspace: %s", lease.lease_id, exc)
+                log.error("cannot seal its workspace: %s", exc)
         else:
             try:
                 if self.staged is not None:
@@ -241,7 +240,7 @@ class Attempt(AttemptHooks):
                         self.ctx.later(lambda: remove_tree(retired))
                 self.ctx.outbox.remove(lease.lease_id)
             except Exception:  # a cleanup that fails must not cost the ledger line
-                log.exception("lease %s: cleanup failed", lease.lease_id)
+                log.exception("cleanup failed")
         # After the phases: stopping the keeper, the task's leftovers, workspace and record.
         self.record.timings["end"] = round(time.monotonic() - ended, 4)
         self._record(outcome, reason)
@@ -257,7 +256,7 @@ class Attempt(AttemptHooks):
             try:
                 part.release()
             except Exception:  # one failed release must not skip the others
-                log.exception("lease %s: a release failed", self.lease_id)
+                log.exception("a release failed")
 
     def _keep_logs(self, logs: Path) -> None:
         """What the task printed stays readable after its end (``flashnode logs LEASE``, the
@@ -273,7 +272,7 @@ class Attempt(AttemptHooks):
 
     def _lost_reason(self, exc: Exception) -> tuple[Outcome, str]:
         reason = (self.keeper.reason if self.keeper else "") or str(exc) or "lease lost"
-        log.warning("lease %s: lost, nothing more is reported: %s", self.lease_id, reason)
+        log.warning("lost, nothing more is reported: %s", reason)
         return Outcome.LOST, reason
 
     def _interrupted(self) -> tuple[Outcome, str]:
@@ -304,7 +303,7 @@ class Attempt(AttemptHooks):
         self.outgrew_room = isinstance(ending, OutgrewRoom)
         if isinstance(ending, ShortOfRoom):
             self.short_of_room = ending.needed
-        log.warning("lease %s: %s; letting the lease lapse", self.lease_id, ending)
+        log.warning("%s; letting the lease lapse", ending)
         return Outcome.LAPSED, str(ending)
 
     def _drop(self) -> Outcome:
@@ -313,10 +312,11 @@ class Attempt(AttemptHooks):
         reason = self._drop_reason
         lease_id = self.data.get("lease_id") if isinstance(self.data, dict) else None
         if isinstance(lease_id, str) and commit.reportable(lease_id):
-            log.error("lease %s: %s; failing it", lease_id, reason)
-            commit.fail_quietly(self.ctx, lease_id, reason)
-            self._record(Outcome.FAILED, reason, lease_id=lease_id)
-            return Outcome.FAILED
+            with logcontext.attempt(lease_id):  # all that is known of it
+                log.error("%s; failing it", reason)
+                commit.fail_quietly(self.ctx, lease_id, reason)
+                self._record(Outcome.FAILED, reason, lease_id=lease_id)
+                return Outcome.FAILED
         log.error("claim answer dropped: %s (it will expire on the coordinator)", reason)
         self._record(Outcome.DROPPED, reason)
         return Outcome.DROPPED
@@ -361,7 +361,7 @@ class Attempt(AttemptHooks):
         try:
             self.ctx.ledger.append(entry)
         except Exception as exc:
-            log.error("lease %s: cannot write the ledger: %s", entry["lease_id"], exc)
+            log.error("cannot write the ledger: %s", exc)
         usage, started, ended = self.record.task_usage, self.record.claimed_at, ended_at
         self.ctx.metrics.attempt_finished(
             outcome.value,
@@ -369,3 +369,9 @@ class Attempt(AttemptHooks):
             usage.get("cpu_percent_mean"),
             usage.get("gpu_util_percent_mean"),
         )
+
+
+def _logged(lease: Lease) -> contextlib.AbstractContextManager[None]:
+    """What is logged inside, on the attempt's thread and on those it starts, carries the
+    lease's ids as fields (``flashnode.logcontext``)."""
+    return logcontext.attempt(lease.lease_id, lease.job_id, lease.task_id)

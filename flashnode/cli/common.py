@@ -19,12 +19,13 @@ from typing import Any, NoReturn
 
 import click
 
-from flashnode.config.loading import load, read_config_file
+from flashnode.config.loading import read_config_file
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, default_state_dir
 from flashnode.errors import ConfigError, ExitCode
 from flashnode.owner import lastexit, status
 from flashnode.owner.ledger import Ledger
 from flashnode.owner.ledgerview import CHECKPOINT_FILE, LedgerView
+from flashnode.runners.registry import load_settings
 from flashnode.sanitise import sanitise
 
 config_option = click.option(
@@ -65,7 +66,7 @@ def state_dir_of(config_file: Path | None, state_dir: Path | None) -> Path:
     if state_dir is not None:
         return state_dir
     try:
-        found = load({}, os.environ, config_file).state_dir
+        found = load_settings({}, os.environ, config_file).state_dir
     except ConfigError:  # where that agent kept its state all the same (why it exited)
         written = config_value(config_file, "state_dir")
         found = Path(

@@ -16,7 +16,6 @@ import psutil
 from flashnode.caches import datacache
 from flashnode.cli.common import config_option, needs_root, roots_config
 from flashnode.cli.login import probe_node_id, register_dry_run
-from flashnode.config.loading import load
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.config.sizes import format_size
 from flashnode.coordinator.client import Coordinator
@@ -32,6 +31,7 @@ from flashnode.evidence.gpu import Nvml
 from flashnode.owner import status, unitview
 from flashnode.runners import preflight
 from flashnode.runners.findings import Ok
+from flashnode.runners.registry import capabilities, load_settings
 from flashnode.runners.spec import task_limits
 from flashnode.sandbox import cgroups, lentcheck
 from flashnode.sanitise import sanitise
@@ -79,7 +79,8 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
             denied=False,
         )
     try:
-        s = load({"coordinator": coordinator, "state_dir": state_dir}, os.environ, config_file)
+        flags = {"coordinator": coordinator, "state_dir": state_dir}
+        s = load_settings(flags, os.environ, config_file)
     except ConfigError as exc:
         r.fail("configuration", str(exc), "correct the setting named above")
         sys.exit(1)
@@ -106,8 +107,8 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
     hierarchy, why = cgroups.detect()
     if hierarchy is not None:
         r.ok("cgroups", hierarchy.describe())
-    elif s.runner == "trusted":
-        r.warn("cgroups", f"{why}: trusted tasks get no memory/CPU/pids limits")
+    elif capabilities(s).on_host:
+        r.warn("cgroups", f"{why}: tasks on the host get no memory/CPU/pids limits")
     nvml = Nvml.open(s.nvml_library)
     if nvml is None:
         r.ok("GPUs", "none (no NVML)")
@@ -222,13 +223,9 @@ def _check_data(r: Report, s: Settings) -> None:
 
 def _task_identity(s: Settings) -> tuple[int, int] | None:
     """The uid and gid tasks run as under this configuration; None when it cannot be known."""
-    if s.runner == "docker":
-        if s.container_user:
-            uid, _, gid = s.container_user.partition(":")
-            return int(uid), int(gid or uid)
-        return (65534, 65534) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
-    if os.geteuid() != 0:
-        return os.geteuid(), os.getegid()
+    identity = capabilities(s).task_identity
+    if identity is not None:
+        return identity
     try:
         pw = pwd.getpwnam(f"{s.task_user}-0")  # slot 0's user: every slot's is alike
     except KeyError:

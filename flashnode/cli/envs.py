@@ -16,9 +16,9 @@ from flashnode.caches.envbuild import EnvSpec
 from flashnode.caches.envcache import ENVS_DIR, EnvCache
 from flashnode.caches.envrecords import EnvInfo, describe, summary
 from flashnode.cli.common import config_option, needs_root, state_dir_of, state_dir_option
-from flashnode.config.loading import load
 from flashnode.config.settings import Settings
 from flashnode.errors import ConfigError, EnvUnavailable
+from flashnode.runners.registry import capabilities, load_settings
 from flashnode.sanitise import sanitise
 
 
@@ -55,7 +55,7 @@ class Report(Protocol):
 def doctor(r: Report, s: Settings) -> None:
     """The doctor's checks for job environments (trusted runner only): uv is there, source
     builds have a user to run as, and the cache's entries, bytes and budget."""
-    if s.runner != "trusted":
+    if not capabilities(s).environments:
         return
     try:
         import uv
@@ -91,7 +91,7 @@ def doctor(r: Report, s: Settings) -> None:
 
 def _settings(config_file: Path | None, state_dir: Path | None) -> Settings:
     try:
-        s = load({}, os.environ, config_file)
+        s = load_settings({}, os.environ, config_file)
     except ConfigError:
         # No coordinator configured is no reason not to look at the cache: defaults apply.
         s = Settings(coordinator="http://127.0.0.1")

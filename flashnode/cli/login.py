@@ -29,7 +29,6 @@ from flashnode.config.credentials import (
     credentials_names,
     default_credentials_dir,
 )
-from flashnode.config.loading import load
 from flashnode.config.settings import Settings
 from flashnode.config.urls import normalise_url
 from flashnode.coordinator.client import Coordinator
@@ -43,6 +42,7 @@ from flashnode.errors import (
 from flashnode.evidence import inventory
 from flashnode.evidence.gpu import Nvml
 from flashnode.owner import statelock, status
+from flashnode.runners.registry import capabilities, load_settings
 
 MAX_SECRET = 4096
 
@@ -115,7 +115,9 @@ def register_dry_run(s: Settings, node: str) -> str:
         answer_deadline=20,
     )
     try:
-        return client.register(inventory.registration(s, node, gpus))
+        # Before the runner is built: no module task is offered until the agent knows it can.
+        offer = capabilities(s).offer(s, module_capable=False)
+        return client.register(inventory.registration(s, node, offer, gpus))
     except (CredentialsError, CoordinatorError) as exc:
         if isinstance(exc, CoordinatorUnavailable) and exc.status is None:
             raise  # nothing answered: that says nothing about what the URL is
@@ -212,10 +214,10 @@ def login(coordinator: str | None, config_file: Path | None, credentials_dir: Pa
         k: v for k, v in os.environ.items() if k not in ("FLASHNODE_TOKEN", "FLASHNODE_JOIN_CODE")
     }
     try:
-        base = load({"coordinator": url}, env, config_file)
+        base = load_settings({"coordinator": url}, env, config_file)
     except ConfigError:
         try:  # a config `work` would refuse: the environment and the defaults alone
-            base = load({"coordinator": url}, env, Path(os.devnull))
+            base = load_settings({"coordinator": url}, env, Path(os.devnull))
         except ConfigError:
             base = Settings(coordinator=url)
     s = base.model_copy(

@@ -1,6 +1,8 @@
 """The agent's log: every record one sanitised line (a traceback's lines led like it), the
 journal's priority prefix under systemd, JSON lines when asked, the terminal's status line kept
-below; and a thread that dies says so in it.
+below; and a thread that dies says so in it. A record of an attempt carries its ``lease_id``,
+``job_id`` and ``task_id`` (``flashnode.logcontext``): once at the head of a human line, as fields
+of a JSON one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 import threading
 from typing import Any
 
+from flashnode import logcontext
 from flashnode.owner.status import TerminalLine
 from flashnode.sanitise import sanitise
 
@@ -31,13 +34,14 @@ PRIORITY = {
 class LogFormatter(logging.Formatter):
     """Every record is one line, sanitised, whatever its source (a task, the coordinator, a data
     origin, a job): a newline in a message cannot start a line (or a journal record) of its own.
-    A traceback's lines follow, each sanitised and led like its record (``lead``), indented."""
+    A traceback's lines follow, each sanitised and led like its record (``lead``), indented.
+    The message is headed by the attempt the record belongs to, if any (``logcontext.head``)."""
 
     def lead(self, record: logging.LogRecord) -> str:
         return ""
 
     def format(self, record: logging.LogRecord) -> str:
-        record.message = sanitise(record.getMessage())
+        record.message = sanitise(logcontext.head(record) + record.getMessage())
         if self.usesTime():
             record.asctime = self.formatTime(record, self.datefmt)
         lead = self.lead(record)
@@ -79,6 +83,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": sanitise(record.getMessage()),
         }
+        for name, value in logcontext.of(record).items():  # only those known: an attempt's
+            entry[name] = sanitise(value)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -94,6 +100,7 @@ def setup_logging(log_json: bool, line: TerminalLine | None = None) -> None:
         handler.setFormatter(JournalFormatter("%(message)s"))
     else:
         handler.setFormatter(LogFormatter("%(asctime)s %(levelname)-7s %(message)s"))
+    handler.addFilter(logcontext.AttemptFields())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)

@@ -25,7 +25,7 @@ from flashnode.cli import envs as envs_cli
 from flashnode.cli.ending import AgentExit, exit_state_dir, fail, lock_state_dir
 from flashnode.cli.logsetup import log_thread_death, setup_logging
 from flashnode.cli.wiring import Source, run_agent
-from flashnode.config.loading import gather, load
+from flashnode.config.loading import gather
 from flashnode.config.settings import Settings
 from flashnode.errors import (
     ConfigError,
@@ -37,6 +37,7 @@ from flashnode.errors import (
 from flashnode.owner import unitview
 from flashnode.owner.status import TerminalLine
 from flashnode.runners import preflight
+from flashnode.runners.registry import RUNNERS, load_settings, names
 from flashnode.sanitise import sanitise
 
 log = logging.getLogger("flashnode")
@@ -46,6 +47,20 @@ def _lower(message: str) -> str:
     """Click's ``No such option '--x'.`` as one of our lines reads: ``no such option '--x'``."""
     message = message.strip().removesuffix(".")
     return message[:1].lower() + message[1:] if message[1:2].islower() else message
+
+
+class RunnerName(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.5
+    """A runner the registry knows (``runners.registry``), read when the flag is parsed."""
+
+    name = "runner"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if value not in RUNNERS:
+            self.fail(f"{value!r} is not a runner (known: {', '.join(names())})", param, ctx)
+        return str(value)
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "[" + "|".join(names()) + "]"
 
 
 class Commands(click.Group):
@@ -142,8 +157,9 @@ PATH = click.Path(path_type=Path, exists=False, readable=False)
 @click.option("--coordinator", help="Coordinator base URL [env FLASHNODE_COORDINATOR].")
 @click.option(
     "--runner",
-    type=click.Choice(["trusted", "docker"]),
-    help="How tasks run: docker (sandboxed, default) or trusted (host, pool-only).",
+    type=RunnerName(),
+    help="How tasks run: " + ", ".join(names()) + " (docker: sandboxed, the default;"
+    " trusted: on the host, pool-only).",
 )
 @click.option(
     "--pool",
@@ -256,7 +272,7 @@ def load_as_service(
     """The settings; under a systemd unit, a path its sandbox keeps from the agent is refused
     with the unit setting to change (rather than "does not exist" for a file that does)."""
     try:
-        return load(flags, os.environ, config_file)
+        return load_settings(flags, os.environ, config_file)
     except ConfigError:
         if service is None:
             raise

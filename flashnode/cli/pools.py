@@ -12,9 +12,9 @@ import click
 
 from flashnode.cli.common import config_option, state_dir_of, tell_agent
 from flashnode.config import configedit
-from flashnode.config.loading import load
 from flashnode.config.settings import DEFAULT_CONFIG_FILE
 from flashnode.owner import status
+from flashnode.runners.registry import load_settings
 
 
 def _config_path(config_file: Path | None) -> Path:
@@ -22,7 +22,7 @@ def _config_path(config_file: Path | None) -> Path:
 
 
 def _validate(path: Path) -> object:
-    return load({}, os.environ, path)
+    return load_settings({}, os.environ, path)
 
 
 @click.group()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from flashnode import __version__
+from flashnode import __version__, logcontext
 from flashnode.attempt import AttemptContext
 from flashnode.attempt.outbox import Outbox
 from flashnode.caches.datacache import DataCache, OriginPolicy
@@ -27,7 +27,6 @@ from flashnode.caches.envcache import ENVS_DIR, EnvCache
 from flashnode.caches.fetcher import Fetcher
 from flashnode.cli.ending import AgentExit, lock_state_dir
 from flashnode.clock import SystemClock
-from flashnode.config.loading import load
 from flashnode.config.schedule import Pause, PauseMode
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.coordinator.client import Coordinator
@@ -50,7 +49,8 @@ from flashnode.owner.status import Sinks, TerminalLine
 from flashnode.owner.systemd import Notifier, machine_stopping
 from flashnode.runners import preflight
 from flashnode.runners.background import Background
-from flashnode.runners.base import Runner, RunnerEnv, runner_class
+from flashnode.runners.base import Runner, RunnerEnv
+from flashnode.runners.registry import capabilities, load_settings, runner_class
 from flashnode.runners.spec import task_limits
 from flashnode.sandbox import cgroups, diskuse
 from flashnode.sandbox.limits import Limits
@@ -76,20 +76,23 @@ def make_runner(settings: Settings, env: RunnerEnv) -> Runner:
 
 
 def _thread(fn: Callable[[], None], name: str) -> None:
+    """``start_thread``: ``fn`` on a thread of its own, in its starter's context (what it logs
+    carries the fields of the attempt that started it, ``logcontext.carried``)."""
+
     def run() -> None:
         try:
             fn()
         except Exception:  # never silently: the log says which thread and why
             log.exception("thread %s ended with an error", name)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=logcontext.carried(run), name=name, daemon=True).start()
 
 
 def env_cache(settings: Settings, limits: Limits) -> EnvCache | None:
     """The agent's one cache of job environments: the trusted runner's only. A root agent builds
     as its build user (``procs.BUILD_USER``), in a cgroup of its own with the per-task
     ``limits`` where the host has cgroups (flashnode.caches.envbuild)."""
-    if settings.runner != "trusted":
+    if not capabilities(settings).environments:
         return None
     hierarchy = cgroups.detect()[0] if os.geteuid() == 0 else None
     try:
@@ -174,7 +177,7 @@ def _console(
         state_dir=settings.state_dir,
         settings=lambda: agent.settings,
         config_file=source.file,
-        validate=lambda path: load(source.flags, os.environ, path),
+        validate=lambda path: load_settings(source.flags, os.environ, path),
         overridden=source.overridden,
         reload=agent.request_reload,
         node_view=coordinator.node_view,
@@ -243,7 +246,7 @@ def _locked_run(
     accepted: frozenset[str],
     source: Source | None,
 ) -> None:
-    if settings.runner == "trusted" and os.geteuid() == 0:
+    if capabilities(settings).on_host and os.geteuid() == 0:
         # Before any thread starts (threads, and the tasks they start, inherit it).
         why = private_session_keyring()
         if why:
@@ -273,6 +276,74 @@ def _run_agent(
     accepted: frozenset[str],
     source: Source,
 ) -> None:
+    """The agent built from its edges (each step below builds one part), run until it stops;
+    then what it opened closed, and the signal handlers it replaced put back."""
+    edges = _edges(settings, node)
+    ctx = _context(settings, edges, served)
+    running = _Running(settings, edges, ctx)
+    edges.data.fetcher.room = running.dataset_room
+    pause_reader = pausefile.PauseReader(settings.state_dir)
+    controls, readers = _controls(settings, edges, pause_reader)
+    courtesy = _courtesy(settings, edges, running)
+    ring = _usage_ring(settings, edges)
+    given = LedgerView(ctx.ledger.path, checkpoint=settings.state_dir / ledgerview.CHECKPOINT_FILE)
+    agent = Agent(
+        ctx,
+        edges.coordinator,
+        _registration(edges, node),
+        reload=reload,
+        sink=Sinks(Notifier(), *([line] if line else []), *([ring] if ring else [])),
+        on_settings=running.on_settings,
+        limits=edges.limits_of,
+        controls=controls,
+        health=_health(accepted),
+        status_extra={"signals": {k: int(v) for k, v in SIGNALS.items()}},
+        machine_stopping=machine_stopping,
+        totals=given.totals,
+        courtesy=courtesy,
+    )
+    readers.task_cpu = agent.task_cpu  # every running task, containers included
+    _log_start(settings, node, edges.slots)
+    previous = _install_signals(agent, pause_reader)
+    console = _console(settings, agent, edges.coordinator, ring, source, given)
+    try:
+        agent.run()
+    finally:
+        if console is not None:
+            console.close()
+        given.save()
+        edges.janitor.drain(60)
+        for sig, old in previous:
+            signal.signal(sig, old)
+        edges.coordinator.close()
+        edges.data.fetcher.close()
+
+
+@dataclass(frozen=True)
+class _Edges:
+    """What the agent's parts stand on, built once at start: NVML and the node's GPUs, the clock,
+    the slots, the runner, the coordinator client, the machine (memory bytes, CPUs) and the
+    per-task limits on it, the caches, and the janitor that removes retired workspaces off the
+    next claim's way."""
+
+    nvml: Nvml | None
+    gpus: GpuPool
+    clock: SystemClock
+    slots: int
+    runner: Runner
+    coordinator: Coordinator
+    machine: tuple[int, int]
+    limits: Limits
+    envs: EnvCache | None
+    data: DataCache
+    janitor: Background
+
+    def limits_of(self, new: Settings) -> Limits:
+        """The per-task limits under ``new`` settings (a reload may change the slots)."""
+        return task_limits(new, effective_slots(new, len(self.gpus.devices)), *self.machine)
+
+
+def _edges(settings: Settings, node: str) -> _Edges:
     nvml = Nvml.open(settings.nvml_library)
     gpus = GpuPool(nvml.devices if nvml is not None else [])
     clock = SystemClock()
@@ -285,42 +356,65 @@ def _run_agent(
     )
     machine = (psutil.virtual_memory().total, os.cpu_count() or 1)
     limits = task_limits(settings, slots, *machine)
-    envs = env_cache(settings, limits)
-    data = data_cache(settings)
-    janitor = Background("janitor")  # retired workspaces, removed off the next claim's way
-    ctx = AttemptContext(
-        coordinator=coordinator,
-        runner=runner,
-        settings=settings,
+    return _Edges(
+        nvml=nvml,
+        gpus=gpus,
         clock=clock,
+        slots=slots,
+        runner=runner,
+        coordinator=coordinator,
+        machine=machine,
+        limits=limits,
+        envs=env_cache(settings, limits),
+        data=data_cache(settings),
+        janitor=Background("janitor"),
+    )
+
+
+def _context(settings: Settings, edges: _Edges, served: metrics.MetricsSink) -> AttemptContext:
+    """What every attempt is given: the edges, the ledger, the outbox, the metrics."""
+    return AttemptContext(
+        coordinator=edges.coordinator,
+        runner=edges.runner,
+        settings=settings,
+        clock=edges.clock,
         ledger=Ledger(settings.state_dir / "ledger.jsonl"),
         outbox=Outbox(settings.state_dir / "outbox"),
         start_thread=_thread,
         rng=random.Random(),
-        gpu=nvml,
-        gpus=gpus,
-        limits=limits,
+        gpu=edges.nvml,
+        gpus=edges.gpus,
+        limits=edges.limits,
         space=lambda: diskuse.space(settings.state_dir),
         metrics=served,
-        envs=envs,
-        data=data,
+        envs=edges.envs,
+        data=edges.data,
         schema_check=json_schema_problem,
-        later=janitor.submit,
+        later=edges.janitor.submit,
     )
 
-    floor = [settings]  # the running configuration's min_free_bytes, for the dataset cache
 
-    def room(nbytes: int, what: str) -> None:
-        ctx.reserved.room(floor[0], ctx.space(), nbytes, 0, what)
+class _Running:
+    """The running configuration, as the last reload left it (``on_settings``, the agent's hook),
+    and what reads it outside the loop: the dataset fetcher's room above ``min_free_bytes``, the
+    GPU power cap's percent; a reload also gives the caches their new budgets and policies."""
 
-    data.fetcher.room = room
+    def __init__(self, settings: Settings, edges: _Edges, ctx: AttemptContext) -> None:
+        self.settings = settings
+        self._edges = edges
+        self._ctx = ctx
 
-    def limits_of(new: Settings) -> Limits:
-        return task_limits(new, effective_slots(new, len(gpus.devices)), *machine)
+    def dataset_room(self, nbytes: int, what: str) -> None:
+        """The fetcher's check before it writes ``nbytes`` of a dataset slice (ShortOfRoom)."""
+        self._ctx.reserved.room(self.settings, self._ctx.space(), nbytes, 0, what)
 
-    def on_settings(new: Settings, limits: Limits) -> None:
+    def power_percent(self) -> float | None:
+        return self.settings.gpu_power_limit_percent
+
+    def on_settings(self, new: Settings, limits: Limits) -> None:
+        data, envs = self._edges.data, self._edges.envs
         data.budget_bytes = new.dataset_cache_bytes
-        floor[0] = new
+        self.settings = new
         data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)
         data.prune()
         if envs is not None:
@@ -331,61 +425,68 @@ def _run_agent(
                 OriginPolicy.of(new.env_allow_private_indexes),
             )
 
+
+def _registration(edges: _Edges, node: str) -> Callable[[Settings], NodeRegistration]:
+    """What the node registers as under the current settings, its GPUs read again each time."""
+    nvml, gpus, runner = edges.nvml, edges.gpus, edges.runner
+
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []
         gpus.set_devices(devices)
-        return inventory.registration(
-            current, node, [d.info for d in devices], runner.module_capable
-        )
+        offer = capabilities(current).offer(current, runner.module_capable)
+        return inventory.registration(current, node, offer, [d.info for d in devices])
 
-    pause_reader = pausefile.PauseReader(settings.state_dir)
+    return registration
+
+
+def _controls(
+    settings: Settings, edges: _Edges, pause_reader: pausefile.PauseReader
+) -> tuple[Controls, Readers]:
+    """The owner's controls and the readers of their rules (the agent fills in ``task_cpu``)."""
     readers = Readers(
         pause=pause_reader,
         on_battery=sensors.on_battery,
         idle_seconds=sensors.seat_idle_seconds,
         host_cpu=sensors.host_cpu_times,
     )
-    controls = Controls(Rules.from_settings(settings), readers, clock)
-    courtesy_readers = CourtesyReaders(
+    return Controls(Rules.from_settings(settings), readers, edges.clock), readers
+
+
+def _courtesy(settings: Settings, edges: _Edges, running: _Running) -> CourtesyWatch:
+    """The owner's courtesy rules (a GPU wanted back, heat, power); without NVML, no GPU to read
+    or cap."""
+    nvml = edges.nvml
+    readers = CourtesyReaders(
         cpu_temperature=sensors.cpu_temperature, process_name=sensors.process_name
     )
     power = None
-    if nvml is not None:  # without NVML: no GPU to read or cap
-        courtesy_readers = replace(
-            courtesy_readers, processes=nvml.processes, temperature=nvml.temperature
-        )
-        power = PowerCap(nvml, settings.state_dir, lambda: floor[0].gpu_power_limit_percent)
-    courtesy = CourtesyWatch(
-        CourtesyRules.from_settings(settings), courtesy_readers, clock, gpus, power
+    if nvml is not None:
+        readers = replace(readers, processes=nvml.processes, temperature=nvml.temperature)
+        power = PowerCap(nvml, settings.state_dir, running.power_percent)
+    return CourtesyWatch(
+        CourtesyRules.from_settings(settings), readers, edges.clock, edges.gpus, power
     )
 
+
+def _health(accepted: frozenset[str]) -> Callable[[Settings], list[str]]:
     def health(current: Settings) -> list[str]:
         """The quarantine's check: the preflight's problems, but those the owner started with."""
         found = preflight.problems(current)
         return [p.line() for p in found if p.fatal or p.what not in accepted]
 
-    ring = None
-    if settings.ui_listen is not None:
-        from flashnode.console.usage import UsageRing
+    return health
 
-        ring = UsageRing(gpu=lambda: _gpu_percent(nvml, gpus))
-    given = LedgerView(ctx.ledger.path, checkpoint=settings.state_dir / ledgerview.CHECKPOINT_FILE)
-    agent = Agent(
-        ctx,
-        coordinator,
-        registration,
-        reload=reload,
-        sink=Sinks(Notifier(), *([line] if line else []), *([ring] if ring else [])),
-        on_settings=on_settings,
-        limits=limits_of,
-        controls=controls,
-        health=health,
-        status_extra={"signals": {k: int(v) for k, v in SIGNALS.items()}},
-        machine_stopping=machine_stopping,
-        totals=given.totals,
-        courtesy=courtesy,
-    )
-    readers.task_cpu = agent.task_cpu  # every running task, containers included
+
+def _usage_ring(settings: Settings, edges: _Edges) -> UsageRing | None:
+    """The console's record of recent use, when the console is served."""
+    if settings.ui_listen is None:
+        return None
+    from flashnode.console.usage import UsageRing
+
+    return UsageRing(gpu=lambda: _gpu_percent(edges.nvml, edges.gpus))
+
+
+def _log_start(settings: Settings, node: str, slots: int) -> None:
     log.info(
         "flashnode %s: node %s, %s runner, %d slot(s), pools %s, coordinator %s",
         __version__,
@@ -395,6 +496,16 @@ def _run_agent(
         ",".join(settings.pools) or "-",
         settings.coordinator,
     )
+
+
+_Handler = Callable[[int, FrameType | None], Any]
+
+
+def _install_signals(
+    agent: Agent, pause_reader: pausefile.PauseReader
+) -> list[tuple[int, _Handler | int | None]]:
+    """The agent's signal handlers installed (each only sets a flag or a request); the handlers
+    they replaced, to put back when the agent has stopped."""
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         agent.request_stop()
@@ -421,16 +532,4 @@ def _run_agent(
         (pausefile.SIGNALS["resume"], on_resume),
         (SIGNALS["drain"], on_drain),  # `flashnode drain`
     ]
-    previous = [(sig, signal.signal(sig, handler)) for sig, handler in handlers]
-    console = _console(settings, agent, coordinator, ring, source, given)
-    try:
-        agent.run()
-    finally:
-        if console is not None:
-            console.close()
-        given.save()
-        janitor.drain(60)
-        for sig, old in previous:
-            signal.signal(sig, old)
-        coordinator.close()
-        data.fetcher.close()
+    return [(sig, signal.signal(sig, handler)) for sig, handler in handlers]

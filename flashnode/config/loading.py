@@ -10,9 +10,10 @@ Secrets (the bearer token, the join code) are never flags: they come from a file
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,11 +26,24 @@ from flashnode.config.credentials import (
     stored_credential,
 )
 from flashnode.config.explain import explain
-from flashnode.config.settings import DEFAULT_CONFIG_FILE, ENV_PREFIX, Settings, default_state_dir
+from flashnode.config.settings import (
+    DEFAULT_CONFIG_FILE,
+    ENV_PREFIX,
+    RUNNER_TABLES,
+    Settings,
+    default_state_dir,
+)
 from flashnode.config.urls import normalise_url
 from flashnode.errors import ConfigError
 
 # Keys that are settable; secrets are loaded separately and never from flags or the config file.
+log = logging.getLogger(__name__)
+_WARNED: set[tuple[str, str]] = set()  # (file, key): a runner's option at the top level, told
+
+# What a layer above asks of loaded settings: given them and how to name a setting with where it
+# was set ("runner = 'trusted' (from --runner)"); raises ConfigError.
+Check = Callable[[Settings, Callable[[str], str]], None]
+
 SETTABLE = tuple(k for k in Settings.model_fields if k not in ("token", "join_code"))
 
 
@@ -37,11 +51,14 @@ def load(
     flags: Mapping[str, Any],
     env: Mapping[str, str],
     config_file: Path | None = None,
+    check: Check | None = None,
 ) -> Settings:
     """Build Settings from explicit flags, the environment and the config file.
 
     ``flags`` holds only the options given on the command line (by key). ``config_file`` None
-    means the default file if it exists. Raises ConfigError with a one-line reason in the owner's
+    means the default file if it exists. ``check``: what the layers above ask of the settings
+    (the chosen runner's, ``runners.registry.load_settings``), given them and how to name a
+    setting with where it was set. Raises ConfigError with a one-line reason in the owner's
     words: which setting, where it came from, what it was, and what is allowed.
     """
     merged, origin = gather(flags, env, config_file)
@@ -75,7 +92,7 @@ def load(
         settings = Settings.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(explain(exc, merged, origin)) from None
-    _check_consistency(settings, origin)
+    _check_consistency(settings, origin, check)
     return settings
 
 
@@ -126,18 +143,19 @@ _TABLE_LINE = re.compile(r"^\s*\[+\s*([A-Za-z0-9_-]+)")
 
 
 def key_lines(path: Path) -> dict[str, int]:
-    """The line each top-level key of a TOML file is set on (a table's: its header), so that an
-    error names the line to correct; best effort (what it cannot tell, it leaves out)."""
+    """The line each setting of a TOML file is set on (at the top level or in a runner's table;
+    another table's: its header), so that an error names the line to correct; best effort (what
+    it cannot tell, it leaves out)."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return {}
     found: dict[str, int] = {}
-    in_table = False
+    in_table = False  # a table whose keys are not settings of their own (``[local_data]``)
     for number, line in enumerate(text.splitlines(), 1):
         table = _TABLE_LINE.match(line)
         if table:
-            in_table = True
+            in_table = table[1] not in RUNNER_TABLES
             found.setdefault(table[1], number)
             continue
         key = _KEY_LINE.match(line)
@@ -160,18 +178,56 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data = _runner_tables(data, path)
     unknown = sorted(set(data) - set(SETTABLE))
     if unknown:
         key = unknown[0]
         import difflib  # here, not at the top: only a misspelt key needs it
 
         close = difflib.get_close_matches(key, SETTABLE, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else " (see README: Configuration)"
+        hint = f" (did you mean {close[0]!r}?)" if close else " (see docs/reference.md: Settings)"
         more = f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""
         if key in ("token", "join_code"):
             hint = f" (secrets never go in the config file: use {key}_file or flashnode login)"
         raise ConfigError(f"config file {path}: unknown key {key!r}{hint}{more}")
     return data
+
+
+def _runner_tables(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The runners' tables (``[docker]``, ``[trusted]``: ``RUNNER_TABLES``) read into the
+    settings they hold; such a setting at the top level still reads, with a warning (once per
+    file and key) that names its table."""
+    flat = {k: v for k, v in data.items() if k not in RUNNER_TABLES}
+    for table, keys in RUNNER_TABLES.items():
+        given = data.get(table)
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise ConfigError(f"config file {path}: {table} must be a table ([{table}])")
+        for key, value in given.items():
+            if key not in keys:
+                raise ConfigError(
+                    f"config file {path}: unknown key {key!r} in [{table}]"
+                    f" (its keys: {', '.join(keys)})"
+                )
+            if key in data:
+                raise ConfigError(
+                    f"config file {path}: {key} is set both in [{table}] and at the top level:"
+                    " keep the one in the table"
+                )
+            flat[key] = value
+    for table, keys in RUNNER_TABLES.items():
+        for key in keys:
+            if key in data and (str(path), key) not in _WARNED:
+                _WARNED.add((str(path), key))
+                log.warning(
+                    "config file %s: %s at the top level is read for this release only:"
+                    " move it into the [%s] table",
+                    path,
+                    key,
+                    table,
+                )
+    return flat
 
 
 def _secret(
@@ -194,7 +250,9 @@ def _secret(
     return None
 
 
-def _check_consistency(settings: Settings, origin: Mapping[str, str]) -> None:
+def _check_consistency(
+    settings: Settings, origin: Mapping[str, str], check: Check | None = None
+) -> None:
     """Settings that are refused together; each is named as it was set, with where (the file
     and line, the variable or the flag), never as a flag it did not come from."""
 
@@ -202,11 +260,6 @@ def _check_consistency(settings: Settings, origin: Mapping[str, str]) -> None:
         where = f" ({origin[key]})" if key in origin else ""
         return f"{key} = {getattr(settings, key)!r}{where}"
 
-    if settings.runner == "trusted" and not settings.pools:
-        raise ConfigError(
-            f"{named('runner')} needs at least one pool: set pools (in the config file,"
-            " FLASHNODE_POOLS or --pool); arbitrary code on this host is pool-only"
-        )
     if (
         urlsplit(settings.coordinator).scheme == "http"
         and not settings.coordinator_is_loopback
@@ -227,3 +280,5 @@ def _check_consistency(settings: Settings, origin: Mapping[str, str]) -> None:
             f"{named('claim_backoff_min_seconds')} is larger than"
             f" {named('claim_backoff_max_seconds')}"
         )
+    if check is not None:
+        check(settings, named)

@@ -39,7 +39,22 @@ ENV_PREFIX = "FLASHNODE_"
 POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 UI_DEFAULT_LISTEN = "127.0.0.1:7469"  # the console's port: ours, registered to nothing common
 
-Runner = Literal["trusted", "docker"]
+# A runner's name: which it is, and what it can do, is flashnode.runners.registry's to say.
+RUNNER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+# Each runner's own options, in the config file's table named for it (``[docker]``); read at the
+# top level too for one release, with a warning that names the table (config.loading).
+RUNNER_TABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "docker": (
+            "allowed_images",
+            "pull_images",
+            "container_user",
+            "docker_host",
+            "container_tmp_bytes",
+        ),
+        "trusted": ("task_user", "allow_same_user", "task_python"),
+    }
+)
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -94,7 +109,7 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     coordinator: str
-    runner: Runner = "docker"
+    runner: str = "docker"
     pools: tuple[str, ...] = ()
     state_dir: Path = Field(default_factory=default_state_dir)
     node_id: str | None = None
@@ -152,6 +167,13 @@ class Settings(BaseModel):
     @classmethod
     def _coordinator_url(cls, value: str) -> str:
         return normalise_url(value)
+
+    @field_validator("runner")
+    @classmethod
+    def _runner_name(cls, value: str) -> str:
+        if not RUNNER_NAME.match(value):
+            raise ValueError("is not a runner's name")
+        return value
 
     @field_validator("slots", mode="before")
     @classmethod
@@ -230,11 +252,6 @@ class Settings(BaseModel):
     @property
     def coordinator_is_loopback(self) -> bool:
         return is_loopback(urlsplit(self.coordinator).hostname or "")
-
-    @property
-    def unsandboxed_argv_capable(self) -> bool:
-        """The trusted opt-in counts only together with at least one pool (pool-only work)."""
-        return self.runner == "trusted" and bool(self.pools)
 
     # --- job environments (flashnode.caches.envcache) -------------------------------------------
     # Trusted tasks' dependencies, built with uv under <state_dir>/envs/ (a root agent builds as

@@ -9,6 +9,7 @@ import re
 import secrets
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -37,9 +38,23 @@ def node_id(settings: Settings) -> str:
     return new
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What the node offers to run, from its runner's abilities (``runners.capabilities``)."""
+
+    argv_capable: bool = False
+    sandbox_capable: bool = False
+    unsandboxed_argv_capable: bool = False
+    can_install_dependencies: bool = False
+    module_capable: bool = False
+    lends_data: bool = False  # the owner's local datasets, by label
+
+
 def registration(
-    settings: Settings, node: str, gpus: list[GpuInfo] | None = None, module_capable: bool = False
+    settings: Settings, node: str, offer: Offer | None = None, gpus: list[GpuInfo] | None = None
 ) -> NodeRegistration:
+    """This machine as the coordinator hears of it; ``offer``: what it runs (none: nothing)."""
+    offer = offer or Offer()
     machine = platform.machine().lower()
     return NodeRegistration(
         node_id=node,
@@ -53,21 +68,15 @@ def registration(
             os=platform.system().lower(),
             architecture=ARCHITECTURES.get(machine, machine),
         ),
-        unsandboxed_argv_capable=settings.unsandboxed_argv_capable,
-        argv_capable=settings.runner == "docker",
-        sandbox_capable=settings.runner == "docker",
-        # The trusted runner builds job environments; a container's image is all it has.
-        can_install_dependencies=settings.runner == "trusted",
-        module_capable=module_capable,
-        # Labels only: paths never leave the node. A trusted agent that is not root cannot mount
-        # them into a task (no mount namespace), so it lends nothing.
-        local_datasets=sorted(settings.local_data) if _can_lend(settings) else [],
+        unsandboxed_argv_capable=offer.unsandboxed_argv_capable,
+        argv_capable=offer.argv_capable,
+        sandbox_capable=offer.sandbox_capable,
+        can_install_dependencies=offer.can_install_dependencies,
+        module_capable=offer.module_capable,
+        # Labels only: paths never leave the node.
+        local_datasets=sorted(settings.local_data) if offer.lends_data else [],
         agent_version=__version__,
     )
-
-
-def _can_lend(settings: Settings) -> bool:
-    return settings.runner == "docker" or os.geteuid() == 0
 
 
 def ensure_state_dir(path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from flashnode import logcontext
 from flashnode.attempt import Attempt, AttemptContext, Outcome
 from flashnode.attempt.record import State, workspace_of
 from flashnode.coordinator.ids import SAFE_ID
@@ -32,9 +33,10 @@ def recover(ctx: AttemptContext, count: Callable[[Outcome], None]) -> list[tuple
     running = [lease_id for lease_id in leases if _running(ctx, lease_id)]
     for lease_id in running + [lease_id for lease_id in leases if lease_id not in running]:
         try:
-            found = _recover(ctx, lease_id, count)
+            with logcontext.attempt(lease_id):  # its attempt adds its job and task once read
+                found = _recover(ctx, lease_id, count)
         except Exception:
-            log.exception("lease %s: recovery failed; dropping its record", lease_id)
+            log.exception("recovery failed; dropping its record", extra=logcontext.fields(lease_id))
             outbox.remove(lease_id)
             continue
         if found is not None:
@@ -72,7 +74,7 @@ def _recover(
         try:
             handle = ctx.runner.rejoin(record.process, record.slot, workspace, attempt.wake.set)
         except Exception:  # reaped below, like one that is gone
-            log.exception("lease %s: cannot rejoin its task", lease_id)
+            log.exception("cannot rejoin its task")
             handle = None
         if handle is not None:
             attempt.devices = ctx.gpus.take(record.gpus)  # its task holds them still
@@ -90,10 +92,11 @@ def _ledger_lapsed(ctx: AttemptContext, lease_id: str, reason: str) -> bool:
     """A ledger line for a lease left to lapse; False for a name that is no lease's."""
     if not SAFE_ID.match(lease_id):
         return False
-    log.warning("lease %s: %s; letting its lease lapse", lease_id, reason)
+    named = logcontext.fields(lease_id)
+    log.warning("%s; letting its lease lapse", reason, extra=named)
     entry = {"lease_id": lease_id, "outcome": Outcome.LAPSED.value, "reason": reason}
     try:
         ctx.ledger.append({**entry, "ended_at": ctx.clock.wall()})
     except OSError as exc:
-        log.error("lease %s: cannot write the ledger: %s", lease_id, exc)
+        log.error("cannot write the ledger: %s", exc, extra=named)
     return True

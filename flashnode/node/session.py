@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from flashnode import logcontext
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.messages import NodeHeartbeat, NodeRegistration
@@ -137,7 +138,10 @@ class Session:
         if isinstance(lease_id, str) and lease_id in held:
             # The same lease again (a replayed or hostile answer): it is running here already,
             # and a second attempt would share its workspace and cgroup.
-            log.error("claim answer names lease %s, which runs here already: ignored", lease_id)
+            log.error(
+                "a claim answer names this lease again, which runs here already: ignored",
+                extra=logcontext.fields(lease_id),
+            )
             self._next_claim = answered + self.pacing.claimed(False, took, answered)
             return None
         return lease

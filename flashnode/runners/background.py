@@ -9,6 +9,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from flashnode import logcontext
+
 log = logging.getLogger(__name__)
 
 
@@ -23,9 +25,10 @@ class Background:
 
     def submit(self, job: Callable[[], None]) -> threading.Event:
         """Run ``job`` after those submitted before it; the event is set once it ran (or
-        failed: logged, never raised)."""
+        failed: logged, never raised), in the caller's context (what it logs carries the fields
+        of the attempt that submitted it)."""
         done = threading.Event()
-        self._jobs.put((job, done))
+        self._jobs.put((logcontext.carried(job), done))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)

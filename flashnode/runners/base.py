@@ -22,13 +22,13 @@
 * ``reconcile`` runs at agent start (after every ``rejoin``) and removes what an earlier run of
   this agent left behind; ``reap`` does it for one recorded task.
 
-Runners are chosen by name from ``RUNNERS`` and imported only when chosen (the Docker SDK costs
-an agent that never uses it memory).
+Runners are chosen by name from ``flashnode.runners.registry``, which says what each can do
+(``Capabilities``), and imported only when chosen (the Docker SDK costs an agent that never uses
+it memory).
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -120,10 +120,8 @@ class RunnerEnv:
 
 class Runner(ABC):
     name: ClassVar[str]
-    module_capable: bool = False  # runs allowlisted `python -m` module tasks
-    # Tasks' `dependencies` are installed by the agent (a job environment) rather than being in
-    # the task's image already.
-    installs_dependencies: ClassVar[bool] = False
+    # Has what allowlisted `python -m` module tasks need (an interpreter, an image) now.
+    module_capable: bool = False
 
     @classmethod
     @abstractmethod
@@ -194,15 +192,3 @@ class Runner(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """The agent stops (every attempt has ended): release what the runner keeps between
         tasks."""
-
-
-RUNNERS: dict[str, str] = {
-    "trusted": "flashnode.runners.trusted:TrustedRunner",
-    "docker": "flashnode.runners.container.runner:ContainerRunner",
-}
-
-
-def runner_class(name: str) -> type[Runner]:
-    module, _, attr = RUNNERS[name].partition(":")
-    cls: type[Runner] = getattr(importlib.import_module(module), attr)
-    return cls

@@ -63,7 +63,7 @@ class RunnerFacts:
 
     root: str = WORK  # where the task sees its workspace: /work, or its host path
     python: str | None = None  # a module task's interpreter, where no phase gave one
-    home: str = "/tmp"  # HOME and TMPDIR
+    home: str = f"{WORK}/tmp"  # HOME and TMPDIR: the workspace's tmp/ (its disk is counted)
     renumbers_gpus: bool = False  # the task sees its GPUs as 0..n-1 (a container's request)
     path: str | None = None  # the task's PATH after the phases' entries (None: left alone)
     env: Mapping[str, str] = field(default_factory=dict)  # under everything (the locale)

@@ -23,8 +23,8 @@ from flashnode.config.settings import Settings
 from flashnode.config.sizes import format_size
 from flashnode.owner import unitview
 from flashnode.owner.unitview import UnitView
-from flashnode.runners.base import runner_class
 from flashnode.runners.findings import Finding, Ok, Problem
+from flashnode.runners.registry import runner_class
 from flashnode.sandbox import diskuse
 
 

@@ -85,7 +85,6 @@ PRIVATE_TMP_BYTES = 256 * 1024 * 1024
 
 class TrustedRunner(Runner):
     name = "trusted"
-    installs_dependencies = True  # a task's `dependencies` get a job environment (envcache)
 
     def __init__(
         self,

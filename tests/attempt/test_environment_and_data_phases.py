@@ -29,6 +29,7 @@ from flashnode.evidence.gpupool import GpuPool
 from flashnode.owner import status
 from flashnode.runners.base import Handle, RunnerEnv, RunResult
 from flashnode.runners.plan import RunnerFacts, TaskPlan
+from flashnode.runners.registry import capabilities
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.sandbox.workspace import Workspace
 
@@ -37,10 +38,8 @@ DEPS = ["--index-url https://pypi.example/simple", "numpy==2.0"]
 
 
 class InstallingRunner(FakeRunner):
-    """A fake runner that, like the trusted one, wants job environments; it remembers what each
-    start saw of the workspace."""
-
-    installs_dependencies = True
+    """A fake runner standing in for the trusted one (the settings' runner: job environments);
+    it remembers what each start saw of the workspace."""
 
     def __init__(self, code: int = 0) -> None:
         super().__init__(code)
@@ -287,7 +286,7 @@ def test_a_data_phase_that_fails_after_pinning_releases_its_pins_and_the_environ
 
 def test_a_runner_whose_image_holds_the_base_builds_nothing(tmp_path: Path) -> None:
     runner, envs = FakeRunner(), FakeEnvs(tmp_path)
-    outcome, _, a = attempt(tmp_path, runner, {"dependencies": DEPS}, envs)
+    outcome, _, a = attempt(tmp_path, runner, {"dependencies": DEPS}, envs, runner_name="docker")
     assert outcome is Outcome.COMMITTED and envs.asked == []
     assert runner.started[0].environment is None and "VIRTUAL_ENV" not in runner.started[0].env
     assert "environment" not in a.ctx.ledger.records()[0]
@@ -461,7 +460,8 @@ def test_only_the_trusted_runner_says_it_installs_dependencies(tmp_path: Path) -
         s = Settings(
             coordinator="http://127.0.0.1:1", runner=runner, pools=("team-a",), state_dir=tmp_path
         )
-        assert inventory.registration(s, "n").can_install_dependencies is installs
+        offer = capabilities(s).offer(s, module_capable=False)
+        assert inventory.registration(s, "n", offer).can_install_dependencies is installs
 
 
 def test_status_and_history_say_what_the_phases_did() -> None:

@@ -327,11 +327,11 @@ def test_a_build_past_the_room_the_disk_set_is_the_nodes_shortage(
     """Where the free space above ``min_free_bytes`` is less than ``env_cache_bytes``, a build
     past it is stopped as the node's shortage of disk (a lapse the black-hole guard does not
     count), never as the job's failure."""
-    from flashnode.caches import envcache
+    from flashnode.caches.envcache import publish
 
     # A disk with 64 KiB above a 1 GiB floor, whatever else writes to the real one meanwhile.
     monkeypatch.setattr(
-        envcache.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(4 * GiB, 0, GiB + 65536)
+        publish.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(4 * GiB, 0, GiB + 65536)
     )
     cache, _ = make_cache(root, min_free_bytes=GiB, negative_ttl_s=0)
     with pytest.raises(ShortOfRoom, match=r"low disk: .*grew past .*above min_free_bytes"):

@@ -16,6 +16,7 @@ from flashnode.cli.doctor import Report, _check_data
 from flashnode.config.loading import load
 from flashnode.errors import AttemptFailed, ConfigError
 from flashnode.evidence import inventory
+from flashnode.runners.registry import capabilities
 from flashnode.sandbox.lentcheck import unreadable
 
 URL = "http://127.0.0.1:8100"
@@ -41,8 +42,8 @@ def test_the_local_data_table_is_read_and_only_labels_are_advertised(
     table = "".join(f'"{k}" = "{v}"\n' for k, v in lent.items())
     s = load({}, {}, config(tmp_path, f"dataset_cache_bytes = 5000\n[local_data]\n{table}"))
     assert s.local_data == lent and s.dataset_cache_bytes == 5000
-    reg = inventory.registration(s, "node-1")
-    assert reg.local_datasets == ["notes.v2", "scans"]
+    reg = inventory.registration(s, "node-1", capabilities(s).offer(s, module_capable=False))
+    assert reg.local_datasets == ["notes.v2", "scans"]  # the default runner lends them
     assert reg.capabilities.dataset_cache_bytes == 5000
     wire = reg.model_dump_json()
     assert str(tmp_path) not in wire and "owner" not in wire

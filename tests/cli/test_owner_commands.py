@@ -663,7 +663,7 @@ def test_the_demo_cleans_up_after_itself() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-# --- what a new owner met following the README (the walkthrough) -------------------------------
+# --- what a new owner met following the owner's manual (the walkthrough) -----------------------
 
 
 @pytest.mark.usefixtures("as_root")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import re
@@ -16,6 +17,7 @@ import pytest
 
 from flashnode.config.loading import load
 from flashnode.errors import ConfigError
+from flashnode.runners.registry import load_settings
 
 URL = "http://127.0.0.1:8100"
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +56,8 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     [
         ({}, {}, "no coordinator"),
         ({"coordinator": URL, "runner": "trusted"}, {}, "needs at least one pool"),
+        ({"coordinator": URL, "runner": "podman"}, {}, "no such runner (known: docker, trusted)"),
+        ({"coordinator": URL, "runner": "Bad runner"}, {}, "runner"),
         ({"coordinator": "ftp://x"}, {}, "not an http(s) URL"),
         ({"coordinator": "http://example.com"}, {}, "refusing plain http"),
         ({"coordinator": URL, "pools": ("bad pool",)}, {}, "not a valid pool id"),
@@ -65,7 +69,7 @@ def test_bad_configuration_is_one_clear_error(
     flags: dict[str, object], env: dict[str, str], message: str
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        load(flags, env)
+        load_settings(flags, env)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -136,8 +140,8 @@ def test_cli_exit_codes(flashnode: Callable[..., Any], tmp_path: Path) -> None:
             "heartbeat_seconds = 'soon' (from FLASHNODE_HEARTBEAT_SECONDS): must be a number",
         ),
         (
-            {"FLASHNODE_RUNNER": "podman"},
-            "runner = 'podman' (from FLASHNODE_RUNNER): must be 'trusted' or 'docker'",
+            {"FLASHNODE_RUNNER": "Podman"},
+            "runner = 'Podman' (from FLASHNODE_RUNNER): is not a runner's name",
         ),
         (
             {"FLASHNODE_TASK_MEMORY_BYTES": "1M"},
@@ -335,3 +339,50 @@ def test_an_unreadable_token_file_exits_78_like_a_missing_one(tmp_path: Path) ->
     )
     assert r.returncode == 78, r.stderr
     assert "cannot read token file" in r.stderr and "Permission denied" in r.stderr
+
+
+def test_a_runners_options_are_read_from_its_table(tmp_path: Path) -> None:
+    cfg = write(
+        tmp_path / "c.toml",
+        f'coordinator = "{URL}"\nrunner = "trusted"\npools = ["p"]\n\n'
+        '[trusted]\ntask_user = "team-task"\n\n'
+        '[docker]\ncontainer_user = "1000:1000"\nallowed_images = ["busybox:1.36"]\n',
+    )
+    s = load_settings({}, {}, cfg)
+    assert (s.task_user, s.container_user, s.allowed_images) == (
+        "team-task",
+        "1000:1000",
+        ("busybox:1.36",),
+    )
+    # A refused value in a table names its line.
+    cfg.write_text(f'coordinator = "{URL}"\n[docker]\n\ncontainer_user = "0:0"\n')
+    with pytest.raises(ConfigError, match=r"container_user = '0:0' \(in .*c.toml, line 4\)"):
+        load_settings({}, {}, cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[docker]\ntask_user = "x"\n', "unknown key 'task_user' in [docker] (its keys: "),
+        ('container_user = "1:1"\n[docker]\ncontainer_user = "2:2"\n', "set both in [docker]"),
+        ('docker = "yes"\n', "docker must be a table ([docker])"),
+    ],
+)
+def test_a_runner_table_refuses_what_is_not_its_own(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load({}, {}, write(tmp_path / "c.toml", f'coordinator = "{URL}"\n{text}'))
+    assert message in str(info.value)
+
+
+def test_a_runners_option_at_the_top_level_still_reads_and_says_where_it_now_goes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = write(tmp_path / "c.toml", f'coordinator = "{URL}"\ncontainer_user = "1000:1000"\n')
+    with caplog.at_level(logging.WARNING):
+        assert load({}, {}, cfg).container_user == "1000:1000"
+        assert load({}, {}, cfg).container_user == "1000:1000"  # told once
+    [told] = [r.getMessage() for r in caplog.records if "container_user" in r.getMessage()]
+    assert "container_user at the top level is read for this release only" in told
+    assert "move it into the [docker] table" in told

@@ -1,11 +1,11 @@
 """``./packaging/build`` says what it needs: each missing prerequisite (a checkout, python3's
 venv module, a pip that can reach PyPI) stops it with one line that says what to do. The whole
-build, and the package under a real systemd, are tests/owner/test_systemd.py's."""
+build, and the package under a real systemd, are tests/owner/test_systemd.py's; the first line
+it puts above the installed README is tests/test_docs.py's."""
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,10 +69,3 @@ def test_a_pip_that_cannot_reach_an_index_stops_the_build_saying_so(tmp_path: Pa
     assert "PyPI" in last, last
     assert "ERROR" in done.stderr  # pip's own words, above the line
 
-
-def test_the_installed_readmes_first_line_links_to_headings_the_readme_has() -> None:
-    [line] = [x for x in BUILD.read_text().splitlines() if "Installed with the flashnode" in x]
-    anchors = set(re.findall(r"\]\(#([^)]+)\)", line))
-    headings = re.findall(r"^#+ (.+)$", (ROOT / "README.md").read_text(), re.MULTILINE)
-    slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
-    assert "log-in" in anchors and anchors <= slugs, anchors - slugs

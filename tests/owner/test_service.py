@@ -255,6 +255,10 @@ def test_rpm_builds_with_the_right_files(packages: list[Path]) -> None:
         "/etc/flashnode/flashnode.toml",
         "/etc/flashnode/credentials",
         "/usr/share/doc/flashnode/copyright",
+        "/usr/share/doc/flashnode/README.md",
+        "/usr/share/doc/flashnode/docs/owner-manual.md",
+        "/usr/share/doc/flashnode/docs/job-author-guide.md",
+        "/usr/share/doc/flashnode/docs/reference.md",
     ):
         assert expected in files
     assert not [f for f in files if f.endswith(("/bin/pip", "/bin/activate"))]

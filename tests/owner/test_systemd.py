@@ -180,10 +180,16 @@ def test_the_owners_path_from_the_package_under_systemd(
         " slot), the agent's own users (flashnode-build, flashnode-helper), the mount point /work"
     ], installed
     assert "Creating" not in installed
-    # The README installed with it says first which of its parts apply on this node.
+    # The README installed with it says first which of its parts apply on this node; the books
+    # it leads to lie beside it.
     readme = booted.ok("head -1 /usr/share/doc/flashnode/README.md")
     assert readme.startswith("> Installed with the flashnode package: on this node"), readme
     assert "Log in" in readme and "./scripts/demo" not in readme, readme
+    booted.ok(
+        "test -s /usr/share/doc/flashnode/docs/owner-manual.md"
+        " && test -s /usr/share/doc/flashnode/docs/job-author-guide.md"
+        " && test -s /usr/share/doc/flashnode/docs/reference.md"
+    )
 
     # login: both secrets on standard input; a refused pair stores nothing.
     refused = booted.sh(
@@ -208,6 +214,7 @@ def test_the_owners_path_from_the_package_under_systemd(
             f'coordinator = "{server.url}"\n'
             'runner = "trusted"\n'
             'pools = ["team-a"]  # my team\n'
+            "\n[trusted]\n"
             'task_user = "flashnode-task"\n'
         ),
     )
@@ -345,9 +352,9 @@ def test_a_poweroff_mid_task_is_quick_and_the_coordinator_keeps_the_newest_check
         "cat > /etc/flashnode/flashnode.toml",
         stdin=(
             f'coordinator = "{server.url}"\nrunner = "trusted"\npools = ["team-a"]\n'
-            'task_user = "flashnode-task"\n'
             # Only the shutdown's last sweep ships what the task wrote last.
             "checkpoint_scan_seconds = 300\n"
+            '[trusted]\ntask_user = "flashnode-task"\n'
         ),
     )
     booted.ok("systemctl enable --now flashnode")

@@ -36,10 +36,12 @@ def module_image(engine: Any) -> str:
 
 
 PROBE = (
-    'printf \'{"uid": %s, "nets": "%s", "cap": "%s", "rootfs_writable": %s, "tmp_writable": %s, "inputs_writable": %s}\''
+    'printf \'{"uid": %s, "nets": "%s", "cap": "%s", "rootfs_writable": %s, "tmp_writable": %s, "inputs_writable": %s, "home": "%s", "tmpdir": "%s", "home_writable": %s}\''
     " $(id -u) \"$(ls /sys/class/net | tr '\\n' ' ')\" \"$(grep CapEff /proc/self/status | tr -d '\\t' | cut -d: -f2 2>/dev/null || grep CapEff /proc/self/status)\""
     " $(touch /x 2>/dev/null && echo true || echo false) $(touch /tmp/x 2>/dev/null && echo true || echo false)"
-    " $(touch /work/inputs/x 2>/dev/null && echo true || echo false) > /work/out/metrics.json"
+    " $(touch /work/inputs/x 2>/dev/null && echo true || echo false)"
+    " \"$HOME\" \"$TMPDIR\" $(touch \"$HOME/x\" 2>/dev/null && echo true || echo false)"
+    " > /work/out/metrics.json"
 )
 
 
@@ -60,6 +62,8 @@ def test_allowed_image_runs_locked_down_and_commits_with_its_digest(
     assert set(seen["cap"].replace("CapEff", "").strip()) == {"0"}
     assert seen["rootfs_writable"] is False and seen["inputs_writable"] is False
     assert seen["tmp_writable"] is True
+    # HOME and TMPDIR as on the trusted runner: the workspace's tmp/, the task's to write.
+    assert (seen["home"], seen["tmpdir"], seen["home_writable"]) == ("/work/tmp", "/work/tmp", True)
     [complete] = recording_coordinator.recorded("/complete")
     assert complete["evidence"]["image_digest"] == engine.images.get(image).id
     [registration] = recording_coordinator.recorded("/nodes/register")

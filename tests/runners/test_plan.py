@@ -142,9 +142,10 @@ def test_a_module_task_runs_under_the_images_python_in_a_container(
     assert plan.module_spec["inputs"] == {"train": "/work/inputs/train.csv"}
     # The image's own PATH, and nothing of the agent's environment.
     assert "PATH" not in plan.env and "LANG" not in plan.env
+    # HOME and TMPDIR as in the trusted runner: the workspace's tmp/.
     assert (plan.env["HOME"], plan.env["TMPDIR"], plan.env["FLASHML_WORK_DIR"]) == (
-        "/tmp",
-        "/tmp",
+        "/work/tmp",
+        "/work/tmp",
         "/work",
     )
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
+from flashnode import logcontext
 from flashnode.attempt.phases.transfer import transfer
 from flashnode.attempt.record import Finished, Outcome, State
 from flashnode.coordinator import retry, validators
@@ -70,9 +71,7 @@ def check(a: AttemptHooks, staged: Staged, evidence: ExecutionEvidence) -> Finis
         # Not spooled, it is not kept for a next start either (the record on disk says running).
         a.record.state = State.RUNNING
         log.warning(
-            "lease %s: the result cannot be spooled (disk full); committing it now without a"
-            " durable record",
-            a.lease_id,
+            "the result cannot be spooled (disk full); committing it now without a durable record"
         )
     return finished
 
@@ -111,9 +110,7 @@ def _checked_outputs(a: AttemptHooks, task: Task, ws: Workspace) -> list[OutputF
     try:
         refused = validators.problem(data, task.workload_type, task.validators, a.ctx.schema_check)
     except validators.Unchecked as exc:
-        log.warning(
-            "lease %s: the declared json_schema is left to the coordinator: %s", a.lease_id, exc
-        )
+        log.warning("the declared json_schema is left to the coordinator: %s", exc)
         refused = None
     if refused is not None:
         raise AttemptFailed(refused)
@@ -166,9 +163,9 @@ def commit(a: AttemptHooks, staged: Staged, finished: Finished) -> tuple[Outcome
             a, "complete", lambda: a.ctx.coordinator.complete(a.lease_id, sha, evidence)
         )
     if accepted:
-        log.info("lease %s: committed, accepted", a.lease_id)
+        log.info("committed, accepted")
         return Outcome.COMMITTED, ""
-    log.warning("lease %s: commit not accepted (final): %s", a.lease_id, detail or "-")
+    log.warning("commit not accepted (final): %s", detail or "-")
     return Outcome.REJECTED, detail
 
 
@@ -219,7 +216,7 @@ def report_failure(a: AttemptHooks, reason: str) -> tuple[Outcome, str]:
     reason = bounded(reason)
     if a.keeper is not None and a.keeper.lost.is_set():
         return Outcome.LOST, a.keeper.reason
-    log.warning("lease %s: failed: %s", a.lease_id, reason)
+    log.warning("failed: %s", reason)
     staged = a.staged
     if a.handle is not None and staged is not None:
         _upload_logs_best_effort(a, staged.task.output_prefix, staged.workspace)
@@ -229,7 +226,7 @@ def report_failure(a: AttemptHooks, reason: str) -> tuple[Outcome, str]:
     except (LeaseLost, CredentialsError, Cancelled):
         return Outcome.LOST, reason
     except (CoordinatorError, retry.GaveUp) as exc:
-        log.error("lease %s: could not report the failure: %s", a.lease_id, exc)
+        log.error("could not report the failure: %s", exc)
     return Outcome.FAILED, reason
 
 
@@ -253,7 +250,7 @@ def fail_quietly(ctx: AttemptContext, lease_id: str, reason: str) -> None:
     try:
         ctx.coordinator.fail(lease_id, bounded(reason))
     except (CoordinatorError, CredentialsError) as exc:
-        log.error("lease %s: could not report the failure: %s", lease_id, exc)
+        log.error("could not report the failure: %s", exc, extra=logcontext.fields(lease_id))
 
 
 def bounded(reason: str) -> str:

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 from flashnode.caches import localdata
 from flashnode.errors import AttemptLapsed, DataUnavailable
 from flashnode.runners.plan import WORK, Contribution
+from flashnode.runners.registry import capabilities
 
 if TYPE_CHECKING:
     from flashnode.attempt.context import ShardLease
@@ -118,6 +118,7 @@ def _task_uid(s: Settings) -> int:
     agent's own (a shard is then copied, never linked, since the owner of a link could make it
     writable). A root agent's tasks never run as root (task users, a container user that is not
     root): -1 stands for "someone else"."""
-    if s.runner == "docker" and s.container_user:
-        return int(s.container_user.split(":", 1)[0])
-    return os.geteuid() if os.geteuid() != 0 else -1
+    identity = capabilities(s).task_identity
+    if identity is None or identity[0] == 0:  # each slot's task user; never root
+        return -1
+    return identity[0]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from flashnode.errors import AttemptLapsed
 from flashnode.runners.plan import Contribution
+from flashnode.runners.registry import capabilities
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def rejoin(a: AttemptHooks) -> Contribution:
         return Contribution()
     env = envs.pin(key)
     if env is None:
-        log.warning("lease %s: its job environment is gone", a.lease_id)
+        log.warning("its job environment is gone")
         return Contribution()
     return Contribution(release=env.release)
 
@@ -48,7 +49,7 @@ def run(a: AttemptHooks, task: Task) -> Contribution:
     """What the task's start gets for its job environment (nothing, where it has none); its
     release unpins the environment."""
     ctx = a.ctx
-    if not task.dependencies or not ctx.runner.installs_dependencies:
+    if not task.dependencies or not capabilities(ctx.settings).environments:
         return Contribution()
     if ctx.envs is None:
         raise AttemptLapsed("this node builds no job environments")

@@ -116,7 +116,7 @@ class Relay:
             try:
                 self.sweep(final=True)
             except Exception:  # a bug: the attempt's outcome must not depend on it
-                log.exception("lease %s: checkpoint relay failed", self._lease.lease_id)
+                log.exception("checkpoint relay failed")
 
     def _run(self) -> None:
         clock, every = self._a.ctx.clock, self._a.ctx.settings.checkpoint_scan_seconds
@@ -127,7 +127,7 @@ class Relay:
                 try:
                     self.sweep()
                 except Exception:
-                    log.exception("lease %s: checkpoint relay failed", self._lease.lease_id)
+                    log.exception("checkpoint relay failed")
 
     # --- one sweep --------------------------------------------------------------------------
 
@@ -237,13 +237,11 @@ class Relay:
             self._warn(c.name, f"checkpoint step {c.step} was refused: {exc}")
             return Shipped.REFUSED
         except (AttemptFailed, OSError) as exc:  # changed or vanished while it was read
-            log.debug("lease %s: checkpoint step %d: %s", lease.lease_id, c.step, exc)
+            log.debug("checkpoint step %d: %s", c.step, exc)
             return Shipped.AGAIN
         except (CoordinatorError, retry.GaveUp) as exc:
             log.warning(
-                "lease %s: checkpoint step %d could not be shipped (%s); the next one"
-                " supersedes it",
-                lease.lease_id,
+                "checkpoint step %d could not be shipped (%s); the next one supersedes it",
                 c.step,
                 exc,
             )
@@ -255,14 +253,8 @@ class Relay:
         try:  # what an agent that rejoins the task relays from
             self._a.ctx.outbox.write(record)
         except OSError as exc:
-            log.warning("lease %s: cannot keep the shipped step: %s", lease.lease_id, exc)
-        log.info(
-            "lease %s: checkpoint step %d shipped (%d file(s), %d bytes)",
-            lease.lease_id,
-            c.step,
-            len(parts),
-            c.size,
-        )
+            log.warning("cannot keep the shipped step: %s", exc)
+        log.info("checkpoint step %d shipped (%d file(s), %d bytes)", c.step, len(parts), c.size)
         return Shipped.SHIPPED
 
     def _upload(self, key: str, f: OutputFile) -> str:
@@ -291,10 +283,10 @@ class Relay:
                 try:
                     remove_checkpoint(self._ws, c.name)
                 except (AttemptFailed, OSError) as exc:
-                    log.debug("lease %s: cannot remove %s: %s", self._lease.lease_id, c.name, exc)
+                    log.debug("cannot remove %s: %s", c.name, exc)
 
     def _lose(self, reason: str) -> None:
-        log.warning("lease %s: %s; stopping", self._lease.lease_id, reason)
+        log.warning("%s; stopping", reason)
         keeper = self._a.keeper
         if keeper is not None:
             keeper.mark_lost(reason)
@@ -304,7 +296,7 @@ class Relay:
     def _warn(self, name: str, text: str) -> None:
         if name not in self._warned:
             self._warned.add(name)
-            log.warning("lease %s: %s", self._lease.lease_id, text)
+            log.warning("%s", text)
 
 
 class _StopsOnLoss:

@@ -78,17 +78,14 @@ def run(a: AttemptHooks, staged: Staged) -> Contribution:
     manifest = _latest(a, staged.lease)
     restored = None
     if manifest is None:
-        log.info("lease %s: no checkpoint yet; starting from the beginning", a.lease_id)
+        log.info("no checkpoint yet; starting from the beginning")
     else:
         try:
             files = _layout(manifest, task.output_prefix, a.ctx.settings.max_checkpoint_bytes)
             path, restored = _restore(a, staged.workspace, manifest, files)
         except Unusable as exc:
             log.warning(
-                "lease %s: checkpoint step %d is not usable (%s); starting from scratch",
-                a.lease_id,
-                manifest.step,
-                exc,
+                "checkpoint step %d is not usable (%s); starting from scratch", manifest.step, exc
             )
         else:
             env["FLASHML_RESUME"] = path
@@ -97,8 +94,7 @@ def run(a: AttemptHooks, staged: Staged) -> Contribution:
             a.record.resumed_from_step = manifest.step
             a.record.relayed = restored
             log.info(
-                "lease %s: resuming from step %d (%d file(s), %d bytes)",
-                a.lease_id,
+                "resuming from step %d (%d file(s), %d bytes)",
                 manifest.step,
                 len(files),
                 sum(p.size_bytes for p, _ in files),

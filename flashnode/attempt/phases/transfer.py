@@ -68,5 +68,5 @@ def _retry(
         rng=a.ctx.rng,
         clock=a.ctx.clock,
         stop=stop,
-        what=f"lease {a.lease_id}: {what}",
+        what=what,
     )

@@ -1,6 +1,7 @@
 """A running container as the attempt sees it (``ContainerHandle``): its wait (through the
 engine's outages), pause and unpause, stop, what it used and held, and its removal once its
-result is read.
+result is read. It stands on the engine the runner shares (``engine.Engine``), never on the
+runner itself.
 """
 
 from __future__ import annotations
@@ -10,16 +11,14 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.runners.container import ENGINE_ERRORS, brief
+from flashnode.runners.container.engine import Engine
 from flashnode.sandbox import diskuse
 from flashnode.sandbox.logcap import Pump, latest_line
 from flashnode.sandbox.procs.supervisor import Supervised
-
-if TYPE_CHECKING:
-    from flashnode.runners.container.runner import ContainerRunner
 
 WAIT_POLL_S = 30
 
@@ -27,20 +26,22 @@ WAIT_POLL_S = 30
 class ContainerHandle:
     """``watch``: the container's watch (``supervisor.py``), which removes it when the agent
     went and none came back within ``reattach_seconds``. Its output is read from the engine's
-    copy from the start (a rejoined container's whole output again) into ``stdout`` and
-    ``stderr``, capped."""
+    copy from the start (a rejoined container's whole output again) into ``logs`` (``stdout``
+    and ``stderr``), each capped at ``log_max_bytes``. ``engine`` is told when it
+    stops answering, and removes the container once its result is read."""
 
     def __init__(
         self,
-        runner: ContainerRunner,
+        engine: Engine,
         container: Any,
         image_id: str,
         on_exit: Callable[[], None],
         logs: tuple[Path, Path],
         workspace: Path,
         watch: Supervised,
+        log_max_bytes: int,
     ):
-        self._runner = runner
+        self._engine = engine
         self._container = container
         self._image_id = image_id
         self._watch = watch
@@ -56,7 +57,7 @@ class ContainerHandle:
             Pump(
                 container.logs(stream=True, follow=True, stdout=out, stderr=not out),
                 path,
-                runner.settings.log_max_bytes,
+                log_max_bytes,
                 "container-log",
                 ENGINE_ERRORS,
             )
@@ -71,10 +72,10 @@ class ContainerHandle:
                 self._code = int(result.get("StatusCode", -1))
                 break
             except ENGINE_ERRORS as exc:
-                if self._runner.engine_answers():
+                if self._engine.answers():
                     continue  # a long task: the wait request timed out, the engine is fine
                 self._cause = f"container engine unavailable ({type(exc).__name__})"
-                self._runner.engine_lost()
+                self._engine.lost()
                 break
         self._done.set()
         self._on_exit()
@@ -128,7 +129,7 @@ class ContainerHandle:
                 oom = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
         for capped in self._logs:
             capped.join(5.0)
-        self._runner.remove(self._container.id)
+        self._engine.remove(self._container.id)
         self._watch.done()
         self._watch.remove()
         code = self._code

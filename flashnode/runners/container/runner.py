@@ -1,6 +1,7 @@
 """The container runner (``ContainerRunner``): the owner's image policy applied, each task
 started in the sandbox the package's docstring describes, the module probe of allowed images,
-the engine's health, and this node's labelled containers removed, nothing else.
+and this node's labelled containers removed, nothing else; the engine's health and each
+container's removal are ``engine``'s, which the handles share.
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from flashnode.runners.container import (
     image_present,
     image_problem,
 )
+from flashnode.runners.container.engine import Engine
 from flashnode.runners.container.handle import ContainerHandle
 from flashnode.runners.container.preflight import engine_and_images
 from flashnode.runners.findings import Finding
@@ -52,10 +52,7 @@ class ContainerRunner(Runner):
         self.env = env
         self.node_id = env.node_id
         self.client = client
-        self._engine_up = True
-        self._checked_at = time.monotonic()
-        self._unremoved: set[str] = set()
-        self._lock = threading.Lock()
+        self.engine = Engine(client)
         self._rejoined: set[str] = set()  # containers an earlier run let go of, rejoined
         self._rejoined_homes: set[str] = set()  # ... and their watches' directories
         self.module_images: set[str] = set()
@@ -129,33 +126,9 @@ class ContainerRunner(Runner):
 
     # --- engine health ---------------------------------------------------------------------
 
-    def engine_answers(self) -> bool:
-        try:
-            self.client.ping()
-            return True
-        except ENGINE_ERRORS:
-            return False
-
-    def engine_lost(self) -> None:
-        if self._engine_up:
-            log.warning("container engine stopped answering: no claims until it is back")
-        self._engine_up = False
-
     def ready(self) -> bool:
-        """False while the engine is away (checked at most every 5 s); leftovers that could not
-        be removed meanwhile are removed once it is back."""
-        if self._engine_up:
-            return True
-        now = time.monotonic()
-        if now - self._checked_at < 5:
-            return False
-        self._checked_at = now
-        if self.engine_answers():
-            log.info("container engine answers again: claiming again")
-            self._engine_up = True
-            for cid in list(self._unremoved):
-                self.remove(cid)
-        return self._engine_up
+        """False while the engine is away (``Engine.ready``)."""
+        return self.engine.ready()
 
     # --- the contract ----------------------------------------------------------------------
 
@@ -188,9 +161,9 @@ class ContainerRunner(Runner):
             raise AttemptLapsed(f"cannot pull image {ref!r} ({type(exc).__name__})") from None
 
     def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
-        # The workspace at /work, the image's python and PATH, the GPUs as the device request
-        # renumbers them.
-        return RunnerFacts(python="python", home="/tmp", renumbers_gpus=True)
+        # The workspace at /work, HOME and TMPDIR its tmp/ (as in the trusted runner: the same
+        # world in both), the image's python and PATH, the GPUs as the device request renumbers.
+        return RunnerFacts(python="python", renumbers_gpus=True)
 
     def start(self, plan: TaskPlan) -> Handle:
         image = self._image(plan.image)
@@ -204,6 +177,7 @@ class ContainerRunner(Runner):
         mounts = [
             docker.types.Mount("/work/inputs", str(ws.inputs), type="bind", read_only=True),
             docker.types.Mount("/work/out", str(ws.out), type="bind", read_only=False),
+            docker.types.Mount("/work/tmp", str(ws.tmp), type="bind", read_only=False),
         ]
         if plan.module_spec is not None:  # written by the agent before the start
             mounts.append(
@@ -274,7 +248,14 @@ class ContainerRunner(Runner):
             container.start()
             logs = (plan.stdout, plan.stderr)
             return ContainerHandle(
-                self, container, str(image.id), plan.on_exit, logs, ws.root, watch
+                self.engine,
+                container,
+                str(image.id),
+                plan.on_exit,
+                logs,
+                ws.root,
+                watch,
+                s.log_max_bytes,
             )
         except BaseException as exc:
             self.remove(container.id)
@@ -310,7 +291,16 @@ class ContainerRunner(Runner):
         logs = (workspace.logs / "stdout.txt", workspace.logs / "stderr.txt")
         image = str(container.attrs.get("Image", ""))
         try:
-            handle = ContainerHandle(self, container, image, on_exit, logs, workspace.root, watch)
+            handle = ContainerHandle(
+                self.engine,
+                container,
+                image,
+                on_exit,
+                logs,
+                workspace.root,
+                watch,
+                self.settings.log_max_bytes,
+            )
         except BaseException:
             watch.detach()  # not rejoined: ``reconcile`` removes it, its watch ended
             raise
@@ -319,23 +309,14 @@ class ContainerRunner(Runner):
         return handle
 
     def _engine_failure(self, what: str, exc: BaseException) -> Exception:
-        if self.engine_answers():
+        if self.engine.answers():
             return AttemptFailed(f"{what} ({brief(exc)})")
-        self.engine_lost()
+        self.engine.lost()
         return AttemptLapsed(f"container engine unavailable ({type(exc).__name__})")
 
     def remove(self, container_id: str) -> None:
         """Remove one of this node's containers, now or once the engine is back."""
-        try:
-            self.client.containers.get(container_id).remove(force=True)
-        except docker.errors.NotFound:
-            pass
-        except ENGINE_ERRORS:
-            with self._lock:
-                self._unremoved.add(container_id)
-            return
-        with self._lock:
-            self._unremoved.discard(container_id)
+        self.engine.remove(container_id)
 
     def reap(self, identity: Mapping[str, Any]) -> None:
         cid = identity.get("container")
