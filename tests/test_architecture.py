@@ -247,3 +247,54 @@ def test_the_guards_beside_a_task_touch_the_world_only_through_what_they_are_giv
     for start in guards:
         found += [f"{start} reaches {e} via {n}" for n in _reach(start) for e in GRAPH[n][1] & set(EDGES)]
     assert not found, "\n".join(found)
+
+
+MUTATORS = {"append", "extend", "update", "pop", "clear", "setdefault", "insert", "remove"}
+
+
+def _attempt_written(target: ast.AST) -> bool:
+    """Whether ``target`` (assigned to, or a mutator's object) is the attempt or inside it: the
+    phases' name for it is ``a`` (``self._a`` in a watcher), its parts ``record`` and ``facts``."""
+    node = target
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute) and node.attr in ("record", "facts"):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr in ("_a", "a") and node is not target:
+            return True  # inside the attempt (``self._a = a`` only keeps it)
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "a" and node is not target
+
+
+def test_only_the_orchestrator_writes_the_attempt_phases_call_its_hooks() -> None:
+    """A phase reads the attempt and tells it what it made through a hook (``AttemptHooks``:
+    ``started``, ``report``, ``evidence``...), so that the record and the live view have one
+    writer: no phase assigns to the attempt or its record, nor grows a list of it."""
+    phases = [n for n in MODULES if n.startswith("flashnode.attempt.phases.")]
+    found = []
+    for name in phases:
+        tree = ast.parse(MODULES[name].read_text())
+        for node in ast.walk(tree):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS
+            ):
+                # a.pauses.append(...): the list grown is inside the attempt
+                targets = [ast.Attribute(value=node.func.value, attr="x")]
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if _attempt_written(t):
+                        found.append(f"{name}:{node.lineno}")
+    assert not found, found
+    bad = ast.parse("a.record.x = 1\na.facts['k'] = 2\na.devices = []\na.pauses.append(3)\nself._a.record.y += 1")
+    assert sum(
+        _attempt_written(t)
+        for n in ast.walk(bad)
+        if isinstance(n, (ast.Assign, ast.AugAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+    ) == 4

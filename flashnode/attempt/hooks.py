@@ -2,9 +2,11 @@
 
 ``AttemptHooks`` is the state every phase reads and the agent's loop looks at (its lease, its
 workspace once staged, its GPUs, the task's handle and use, its facts), with the hooks on it: a
-phase checks whether it must stop (``check``; every wait ends on ``stop``), saves the record to
-the outbox (``save``), times itself (``timed``), counts the bytes it moved and reports its facts;
-the loop reads ``snapshot``, asks for a suspension and cancels. The orchestrator
+phase checks whether it must stop (``check``; every wait ends on ``stop``), times itself
+(``timed``), counts the bytes it moved, and tells what it made through a hook (``report``,
+``started``, ``evidence``, ``shipped``...): only these write the attempt's record and its live
+view, never a phase itself (tests/test_architecture.py holds it); the loop reads ``snapshot``,
+asks for a suspension and cancels. The orchestrator
 (``attempt/orchestrator.py``) is the ``Attempt`` built on it; the phases
 (``attempt/phases/``) are handed this and see nothing of the orchestrator.
 """
@@ -12,6 +14,7 @@ the loop reads ``snapshot``, asks for a suspension and cancels. The orchestrator
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -20,12 +23,17 @@ from typing import Any, Literal, Protocol
 from flashnode.attempt.context import AttemptContext
 from flashnode.attempt.diskbudget import Budget
 from flashnode.attempt.keeper import LeaseKeeper
-from flashnode.attempt.record import AttemptRecord, Outcome, Staged, State
+from flashnode.attempt.record import AttemptRecord, Finished, Outcome, Staged, State
 from flashnode.coordinator.lease import Lease
-from flashnode.errors import AttemptFailed, AttemptLapsed, LeaseLost, Stopped
+from flashnode.coordinator.messages import ExecutionEvidence
+from flashnode.errors import AttemptFailed, AttemptLapsed, LeaseLost, Stopped, disk_full
 from flashnode.evidence.gpupool import Device
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.plan import Contribution
+
+log = logging.getLogger(__name__)
+
+PAUSES_KEPT = 20  # the pauses an attempt's record lists (all are counted)
 
 # Who suspends a task: the owner's controls (the loop), the owner's use of its GPU, heat.
 SuspendSource = Literal["owner", "gpu", "heat"]
@@ -235,6 +243,121 @@ class AttemptHooks:
         agent to rejoin; an attempt anywhere else is cancelled as ``Stopped`` with ``grace``."""
         self.detaching = True
         self.cancel(Stopped("agent stopping"), grace)
+
+    # --- what phases make: only these write the attempt's record and its live view ----------
+
+    def staging(self) -> None:
+        """The workspace is being made (in memory: no process exists yet)."""
+        self.record.state = State.STAGING
+
+    def hold_gpus(self, devices: list[Device]) -> None:
+        """The GPUs the attempt holds from now (released at its end)."""
+        self.devices = devices
+
+    def report(self, name: str, facts: Any) -> None:
+        """What a phase tells of itself (the job environment, the data it fetched, the labels
+        lent): in the attempt's status while it runs, and in its ledger line."""
+        self.facts[name] = facts
+
+    def environment_pinned(self, key: str) -> None:
+        """The job environment the task runs in: pinned again by an agent that rejoins it."""
+        self.record.environment = key
+
+    def restored(self, step: int, relayed: tuple[str, int] | None) -> None:
+        """The task resumes from checkpoint ``step`` (the relay's start: ``relayed``)."""
+        self.record.resumed_from_step = step
+        self.record.relayed = relayed
+
+    def beside(self, watcher: Watcher) -> None:
+        """``watcher`` runs beside the task: started with it, finished after it exits."""
+        self.during_run.append(watcher)
+
+    def started(self, identity: dict[str, Any], task_uid: int | None) -> None:
+        """The task's processes may exist from now: its identity (what a restarted agent
+        rejoins it by) kept in the outbox before anything starts."""
+        self.record.process, self.record.task_uid = identity, task_uid
+        self.record.task_started_at = self.ctx.clock.wall()
+        self.record.gpus = [d.visible for d in self.devices]
+        self.save(State.RUNNING)
+
+    def running(self, handle: Handle, usage: dict[str, float | None] | None) -> None:
+        """The task runs: its handle, and its use now as the sampler keeps it (live view)."""
+        self.handle, self.usage = handle, usage
+
+    def ran(self, result: RunResult | None) -> None:
+        """The task has ended (``result``), or its end is not for this agent to read (None: it
+        runs on for the next one); its live use is gone."""
+        self.result, self.usage, self.suspended_since = result, None, None
+
+    def paused(self, since: float | None) -> None:
+        """The task is paused since ``since`` (monotonic), or runs again (None)."""
+        self.suspended_since = since
+
+    def pause_ended(self, entry: dict[str, Any]) -> None:
+        """A pause ended: ``at`` (wall clock), ``seconds``, ``why``; the latest kept."""
+        self.pauses.append(entry)
+        del self.pauses[:-PAUSES_KEPT]
+
+    def keep_paused(self, seconds: float) -> None:
+        """Its time paused so far (earlier runs of the agent included), in its record: a
+        restart counts it neither as its running time nor against its timeout."""
+        self.record.timings["suspended"] = round(seconds, 4)
+        try:
+            self.save(State.RUNNING)
+        except OSError as exc:  # a full disk: only a restart's count would be off
+            log.warning("cannot keep its time suspended: %s", exc)
+
+    def evidence(
+        self,
+        evidence: ExecutionEvidence,
+        task_usage: dict[str, Any],
+        paused_seconds: float,
+        pause_count: int,
+    ) -> None:
+        """What the run's end says of it: its evidence, its own use, its pauses."""
+        record = self.record
+        record.evidence, record.task_usage = evidence, task_usage
+        if paused_seconds > 0:
+            record.timings["suspended"] = round(paused_seconds, 4)
+        if self.pauses:
+            self.facts["pauses"] = {
+                "count": pause_count,
+                "seconds": round(paused_seconds, 1),
+                "list": self.pauses[-PAUSES_KEPT:],
+            }
+
+    def shipped(self, step: int, relayed: tuple[str, int]) -> None:
+        """Checkpoint ``step`` is the coordinator's: what an agent that rejoins the task relays
+        from, kept in the outbox (a full disk costs only a restart's relay a step)."""
+        record = self.record
+        record.checkpoints_shipped += 1
+        record.checkpoint_step = step
+        record.relayed = relayed
+        try:
+            self.ctx.outbox.write(record)
+        except OSError as exc:
+            log.warning("cannot keep the shipped step: %s", exc)
+
+    def metrics_uploaded(self, sha256: str) -> None:
+        """metrics.json's digest, as the coordinator acknowledged its upload."""
+        self.output_sha256 = sha256
+
+    def spool(self, finished: Finished) -> None:
+        """The checked result into the record, kept durably; on a full disk it is committed
+        all the same, with no durable record (the one on disk says running)."""
+        finished.spool(self.record)
+        try:
+            self.save(State.FINISHED, durable=True)
+        except OSError as exc:
+            if disk_full(exc) is None:
+                raise
+            # A computed result is not given up for a full disk: committing it reads, never
+            # writes. Not spooled, it is not kept for a next start either.
+            self.record.state = State.RUNNING
+            log.warning(
+                "the result cannot be spooled (disk full);"
+                " committing it now without a durable record"
+            )
 
     # --- what phases use ----------------------------------------------------------------------
 

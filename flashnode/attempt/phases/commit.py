@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from flashnode import logcontext
 from flashnode.attempt.phases.transfer import transfer
-from flashnode.attempt.record import Finished, Outcome, State
+from flashnode.attempt.record import Finished, Outcome
 from flashnode.coordinator import retry, validators
 from flashnode.coordinator.checks import check_fedavg
 from flashnode.coordinator.ids import SAFE_ID
@@ -34,7 +34,6 @@ from flashnode.errors import (
     CredentialsError,
     LeaseLost,
     PayloadTooLarge,
-    disk_full,
 )
 from flashnode.sandbox.outputs import OutputFile, list_outputs, open_log, open_output
 from flashnode.sandbox.workspace import Workspace
@@ -61,18 +60,7 @@ T = TypeVar("T")
 def check(a: AttemptHooks, staged: Staged, evidence: ExecutionEvidence) -> Finished:
     """The outputs of a run that ended well, checked, then the result spooled durably."""
     finished = _finished(a, staged, evidence)
-    finished.spool(a.record)
-    try:
-        a.save(State.FINISHED, durable=True)
-    except OSError as exc:
-        if disk_full(exc) is None:
-            raise
-        # A computed result is not given up for a full disk: committing it reads, never writes.
-        # Not spooled, it is not kept for a next start either (the record on disk says running).
-        a.record.state = State.RUNNING
-        log.warning(
-            "the result cannot be spooled (disk full); committing it now without a durable record"
-        )
+    a.spool(finished)
     return finished
 
 
@@ -156,7 +144,7 @@ def commit(a: AttemptHooks, staged: Staged, finished: Finished) -> tuple[Outcome
         for f in finished.files:
             sha = _upload(a, prefix + f.rel, lambda f=f: _output(ws, f))  # type: ignore[misc]
             if f.rel == "metrics.json" and sha is not None:
-                a.output_sha256 = sha
+                a.metrics_uploaded(sha)
     evidence, sha = finished.evidence, a.output_sha256
     with a.timed("commit.complete", phase=False):
         accepted, detail = _retrying(

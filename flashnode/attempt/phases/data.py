@@ -57,7 +57,7 @@ def _lend(a: AttemptHooks, staged: Staged) -> tuple[tuple[str, str], ...]:
     still_lent(a, views)
     for mount in lent:
         (ws.inputs / mount.label).mkdir(mode=0o700)
-    a.facts["local_inputs"] = [m.label for m in lent]
+    a.report("local_inputs", [m.label for m in lent])
     return views
 
 
@@ -103,13 +103,16 @@ def _fetch(a: AttemptHooks, staged: Staged) -> list[ShardLease]:
             handle.release()
         raise
     fetched = [h for h in handles if h.fetched]
-    a.facts["data"] = {
-        "entries": len(handles),
-        "cache_hits": len(handles) - len(fetched),
-        "bytes_fetched": sum(h.size for h in fetched),
-        "bytes": needed,
-        "seconds": round(a.ctx.clock.monotonic() - started, 3),
-    }
+    a.report(
+        "data",
+        {
+            "entries": len(handles),
+            "cache_hits": len(handles) - len(fetched),
+            "bytes_fetched": sum(h.size for h in fetched),
+            "bytes": needed,
+            "seconds": round(a.ctx.clock.monotonic() - started, 3),
+        },
+    )
     return list(handles)
 
 

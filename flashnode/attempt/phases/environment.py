@@ -60,13 +60,16 @@ def run(a: AttemptHooks, task: Task) -> Contribution:
         stop=a.stop,
         timeout_s=ctx.settings.env_build_timeout_seconds,
     )
-    a.record.environment = env.key  # pinned again by an agent that rejoins the task
-    a.facts["environment"] = {
-        "key": env.key[:16],
-        "python": python,
-        "built": env.built,
-        "build_seconds": round(env.build_seconds, 3),
-    }
+    a.environment_pinned(env.key)
+    a.report(
+        "environment",
+        {
+            "key": env.key[:16],
+            "python": python,
+            "built": env.built,
+            "build_seconds": round(env.build_seconds, 3),
+        },
+    )
     if task.module is not None:
         return Contribution(python=str(env.python), environment=str(env.path), release=env.release)
     return Contribution(

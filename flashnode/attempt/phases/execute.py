@@ -28,7 +28,6 @@ from flashnode.attempt.guards.suspension import SuspensionGuard
 from flashnode.attempt.guards.timeout import TimeoutGuard
 from flashnode.attempt.phases.data import still_lent
 from flashnode.attempt.phases.relay import Relay
-from flashnode.attempt.record import State
 from flashnode.coordinator.messages import ExecutionEvidence
 from flashnode.errors import AttemptFailed, AttemptLapsed, Detached
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
@@ -49,9 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PAUSES_KEPT = 20  # the pauses an attempt's record lists (all are counted)
-
-
 def run(
     a: AttemptHooks, staged: Staged, contributions: Sequence[Contribution]
 ) -> ExecutionEvidence:
@@ -64,10 +60,7 @@ def run(
     cpu = ctx.cpu_window()
 
     def record(identity: dict[str, Any]) -> None:
-        a.record.process, a.record.task_uid = identity, ws.task_uid
-        a.record.task_started_at = ctx.clock.wall()
-        a.record.gpus = [d.visible for d in a.devices]
-        a.save(State.RUNNING)
+        a.started(identity, ws.task_uid)
 
     space, use = ctx.space(), outputs.usage(ws)
     caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
@@ -92,7 +85,8 @@ def run(
     cpu.start()
     launched = ctx.clock.monotonic()  # the task may make files from here on
     with a.timed("execute.start", phase=False):
-        a.handle = handle = ctx.runner.start(plan)
+        handle = ctx.runner.start(plan)
+        a.running(handle, None)
     if a.keeper is not None:
         a.lease_renewed(a.keeper.deadline - ctx.clock.monotonic())
     return _watch(a, staged, handle, (space, use, caps), timeout, cpu, launched)
@@ -108,7 +102,7 @@ def rejoin(a: AttemptHooks, staged: Staged, handle: Handle) -> ExecutionEvidence
     space, use = ctx.space(), outputs.usage(ws)
     caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
     if task.checkpoint is not None:
-        a.during_run.append(Relay(a, staged, a.record.relayed))
+        a.beside(Relay(a, staged, a.record.relayed))
     started = a.record.task_started_at
     # Its pauses before the restart are neither its running time nor against its timeout.
     paused = a.record.timings.get("suspended", 0.0)
@@ -143,7 +137,7 @@ def _watch(
         paused=lambda: a.suspended_since is not None,
     )
     ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
-    a.usage = sampler.live
+    a.running(handle, sampler.live)
     for watcher in a.during_run:
         watcher.start(a)
     log.info("running (%s runner, timeout %g s)", ctx.runner.name, timeout)
@@ -152,9 +146,7 @@ def _watch(
         t0, cpu0 = t0 - ran, 0.0
     before = a.record.timings.get("suspended", 0.0)  # a rejoined task's, before the restart
     guards = _guards(a, staged, disk, timeout, t0, launched)
-    supervisor = Supervisor(
-        handle, guards, ctx.clock, a.wake, _Pauses(a), s.kill_grace_seconds, before
-    )
+    supervisor = Supervisor(handle, guards, ctx.clock, a.wake, a, s.kill_grace_seconds, before)
     ended: End | None = None
     try:
         with a.timed("execute.wait", phase=False):
@@ -165,11 +157,12 @@ def _watch(
         with a.timed("execute.result", phase=False):
             host_gpu, task_gpu = sampler.finish()
             task_cpu = handle.cpu_seconds()
-            a.result = result = handle.result()
+            result = handle.result()
+            a.ran(result)
     finally:
         supervisor.finish(ctx.clock.monotonic())
-        a.suspended_since = None
-        a.usage = None
+        if a.result is None:  # not read here: it runs on, or the attempt's end reads it
+            a.ran(None)
         sampler.finish()
         for watcher in a.during_run:
             if ended is not None and isinstance(ended.why, Detached):
@@ -178,15 +171,7 @@ def _watch(
                 watcher.finish(a)
     suspended = supervisor.paused_total(t0 + wall)
     active = wall - suspended
-    if suspended + before > 0:
-        a.record.timings["suspended"] = round(suspended + before, 4)
-    if a.pauses:
-        a.facts["pauses"] = {
-            "count": supervisor.pause_count,
-            "seconds": round(suspended + before, 1),
-            "list": a.pauses[-PAUSES_KEPT:],
-        }
-    a.record.task_usage = {
+    task_usage: dict[str, Any] = {
         # Over the time the task could run (a suspension is not the task idling), and from the
         # moment it was handed over: the CPU of its launch is not its own.
         "cpu_percent_mean": task_cpu_percent(
@@ -194,13 +179,14 @@ def _watch(
         ),
         "gpu_util_percent_mean": task_gpu,
     }
-    a.record.evidence = evidence = ExecutionEvidence(
+    evidence = ExecutionEvidence(
         wall_seconds=round(active, 4),  # its running time: pauses are not the task's
         cpu_percent_mean=cpu.stop(),
         gpu_util_percent_mean=host_gpu,
         image_digest=result.image_digest,
         exit_code=result.status,
     )
+    a.evidence(evidence, task_usage, suspended + before, supervisor.pause_count)
     a.check()
     if ended is not None and ended.why is not None:
         raise ended.why
@@ -255,28 +241,6 @@ def _guards(
     return guards
 
 
-class _Pauses:
-    """The task's pauses, into the attempt: its live view, its list, its record."""
-
-    def __init__(self, a: AttemptHooks) -> None:
-        self.a = a
-
-    def paused(self, since: float | None) -> None:
-        self.a.suspended_since = since
-
-    def pause_ended(self, entry: dict[str, Any]) -> None:
-        self.a.pauses.append(entry)
-        del self.a.pauses[:-PAUSES_KEPT]
-
-    def keep_paused(self, seconds: float) -> None:
-        a = self.a
-        a.record.timings["suspended"] = round(seconds, 4)
-        try:
-            a.save(State.RUNNING)
-        except OSError as exc:  # a full disk: only a restart's count would be off
-            log.warning("cannot keep its time suspended: %s", exc)
-
-
 def _verdict(result: RunResult) -> None:
     """Raise the reason a run that did not succeed failed; return for a clean exit."""
     if result.cause:
@@ -301,7 +265,7 @@ def release(a: AttemptHooks) -> None:
     try:
         if a.handle is not None and a.result is None:
             a.handle.terminate(0.0)
-            a.result = a.handle.result()
+            a.ran(a.handle.result())
     finally:
         a.ctx.gpus.release(a.devices)
         a.ctx.reserved.end(a.lease_id)

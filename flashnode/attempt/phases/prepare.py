@@ -19,14 +19,14 @@ if TYPE_CHECKING:
 
 
 def run(a: AttemptHooks, lease: Lease) -> Task:
-    """The lease's task, checked by the runner, its GPUs held (in ``a.devices``)."""
+    """The lease's task, checked by the runner, its GPUs held (``a.hold_gpus``)."""
     task = parse_task(lease)
     a.ctx.runner.check(task, a.ctx.settings)
     if len(a.devices) != task.gpus:
         a.ctx.gpus.release(a.devices)
-        a.devices = []
+        a.hold_gpus([])
         try:
-            a.devices = a.ctx.gpus.acquire(task.gpus)
+            a.hold_gpus(a.ctx.gpus.acquire(task.gpus))
         except AttemptFailed as exc:
             # The coordinator placed it by the GPUs this node registered; that they are not
             # free now is not the task's fault.

@@ -246,14 +246,7 @@ class Relay:
                 exc,
             )
             return Shipped.FAILED
-        record = self._a.record
-        record.checkpoints_shipped += 1
-        record.checkpoint_step = c.step
-        record.relayed = (c.name, c.step)
-        try:  # what an agent that rejoins the task relays from
-            self._a.ctx.outbox.write(record)
-        except OSError as exc:
-            log.warning("cannot keep the shipped step: %s", exc)
+        self._a.shipped(c.step, (c.name, c.step))
         log.info("checkpoint step %d shipped (%d file(s), %d bytes)", c.step, len(parts), c.size)
         return Shipped.SHIPPED
 

@@ -91,15 +91,14 @@ def run(a: AttemptHooks, staged: Staged) -> Contribution:
             env["FLASHML_RESUME"] = path
             if task.module is not None:
                 inputs[RESUME_INPUT] = path
-            a.record.resumed_from_step = manifest.step
-            a.record.relayed = restored
+            a.restored(manifest.step, restored)
             log.info(
                 "resuming from step %d (%d file(s), %d bytes)",
                 manifest.step,
                 len(files),
                 sum(p.size_bytes for p, _ in files),
             )
-    a.during_run.append(Relay(a, staged, restored))
+    a.beside(Relay(a, staged, restored))
     return Contribution(env=env, module_inputs=inputs)
 
 

@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from flashnode.attempt.phases.transfer import Ladder, transfer
-from flashnode.attempt.record import Staged, State
+from flashnode.attempt.record import Staged
 from flashnode.errors import AttemptFailed, AttemptLapsed
 from flashnode.sandbox import archives
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def make(a: AttemptHooks, lease: Lease, task: Task) -> Staged:
     """The attempt's workspace, new and empty: the orchestrator holds it before anything is
     downloaded into it, so that it is retired however the attempt ends."""
-    a.record.state = State.STAGING  # in memory: no process exists yet (prepare.py)
+    a.staging()
     return Staged.make(lease, task, a.ctx.settings.state_dir)
 
 
