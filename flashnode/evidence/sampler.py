@@ -11,7 +11,7 @@ is None for the whole run.
   launch, and a short task's whole life inside that launch, never count against no wall time).
   It lies within 0 … 100 times the machine's cores; a run shorter than ``MIN_WALL_S``, or whose
   counter went backwards, is not measured (None), never a huge figure.
-* GPU, host-wide and task-scoped: sampled every ``interval`` seconds while the task runs (not
+* GPU, host-wide and task-scoped: sampled every ``sample_seconds`` while the task runs (not
   while it is suspended: a pause is not the task's use), and once more at its end so that a run
   shorter than one interval still has a reading.
   Host-wide is the mean over all of this node's GPUs; task-scoped is the SM utilisation of the
@@ -108,12 +108,12 @@ class _Series:
 
 
 class Sampler:
-    """Samples one running attempt on its own thread until ``finish``."""
+    """Samples one running attempt, a reading each ``sample`` (the attempt's sampling guard
+    asks every ``sample_seconds``), until ``finish``."""
 
     def __init__(
         self,
         clock: Clock,
-        interval: float,
         probe: TaskProbe,
         gpu: GpuReader | None = None,
         host_devices: list[Device] | None = None,
@@ -124,14 +124,13 @@ class Sampler:
     ) -> None:
         """``cpu``: the task's CPU seconds so far, read once now: the baseline of its figure.
         ``paused``: whether the task is suspended now (its GPUs are not sampled meanwhile)."""
-        self._clock, self._interval, self._probe = clock, interval, probe
+        self._clock, self._probe = clock, probe
         self._cores = cores
         self._paused = paused
         self._gpu = gpu
         self._host = list(host_devices or []) if gpu else []
         self._task = list(task_devices or []) if gpu else []
         self._since = {d.visible: 0 for d in self._task}
-        self._stop = threading.Event()
         self._lock = threading.Lock()
         self._seen: set[int] = set()  # every pid the task ever had: samples outlive processes
         # Its processes' CPU so far first (without cgroup accounting, reading its processes is
@@ -146,11 +145,6 @@ class Sampler:
             ("cpu_percent", "memory_bytes", "gpu_percent")
         )
 
-    def run(self) -> None:
-        self._remember_pids()
-        while not self._clock.wait(self._stop, self._interval):
-            self.sample()
-
     @property
     def cpu_start(self) -> tuple[float, float | None]:
         """When the task was handed over (monotonic) and the CPU seconds it had used then."""
@@ -159,7 +153,6 @@ class Sampler:
     def finish(self) -> tuple[float | None, float | None]:
         """Stop and return (host GPU mean, task GPU mean). A run that ended before its first
         reading gets one now."""
-        self._stop.set()
         with self._lock:
             taken = self._readings
         if not taken:

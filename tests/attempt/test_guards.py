@@ -22,6 +22,7 @@ from flashnode.attempt.guards.cancel import CancelGuard
 from flashnode.attempt.guards.disk import DiskGuard
 from flashnode.attempt.guards.lease import LeaseGuard
 from flashnode.attempt.guards.restart import RestartGuard
+from flashnode.attempt.guards.sampling import SamplingGuard
 from flashnode.attempt.guards.supervisor import Supervisor
 from flashnode.attempt.guards.suspension import SuspensionGuard
 from flashnode.attempt.guards.timeout import TimeoutGuard
@@ -356,3 +357,15 @@ def test_a_guard_added_to_the_context_pauses_and_ends_a_running_task(
     ]
     [pause] = entry["pauses"]["list"]
     assert pause["why"] == "its quota refills" and pause["seconds"] == pytest.approx(3, abs=0.6)
+
+
+def test_sampling_reads_at_its_interval_and_never_bursts_after_a_late_turn() -> None:
+    taken: list[float] = []
+    clock = FakeClock()
+    guard = SamplingGuard(lambda: taken.append(clock.now), 1.0, clock.now)
+    view = View()
+    for at in (0.5, 1.0, 1.5, 2.0, 7.3, 7.4, 8.3):
+        clock.now = 1000.0 + at
+        assert guard.turn(clock.now, view) is None  # it never acts on the task
+    assert [round(t - 1000.0, 1) for t in taken] == [1.0, 2.0, 7.3, 8.3]
+    assert guard.next_at(view) == pytest.approx(1009.3)

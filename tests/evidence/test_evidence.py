@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 from conftest import FakeNvml
 from fakes import FakeClock
 from harness import AgentProcess, CoordinatorServer, argv_job
 
+from flashnode.attempt.guards.sampling import SamplingGuard
+from flashnode.attempt.guards.supervisor import Supervisor
 from flashnode.evidence.gpu import Nvml
 from flashnode.evidence.sampler import Sampler
 
@@ -123,7 +126,7 @@ def test_the_live_cpu_figure_stays_within_what_the_machine_has() -> None:
     """The live view's CPU figure (since the last sample) never shows more than the machine's
     cores: here the clock moves far less than the CPU this process burns between samples."""
     clock = FakeClock()
-    sampler = Sampler(clock, 1.0, Pids({os.getpid()}), cores=1)
+    sampler = Sampler(clock, Pids({os.getpid()}), cores=1)
     sampler.sample()
     assert sampler.live["cpu_percent"] is None  # no figure before a second sample
     deadline = time.process_time() + 0.1
@@ -196,12 +199,12 @@ def test_inventory_and_means_through_the_real_binding(
         (0, "NVIDIA H200", 143771, "550.54.15", "9.0"),
         (1, "NVIDIA H200", 143771, "550.54.15", "9.0"),
     ]
-    sampler = Sampler(FakeClock(), 1.0, Pids({4242}), nvml, nvml.devices, [nvml.devices[0]])
+    sampler = Sampler(FakeClock(), Pids({4242}), nvml, nvml.devices, [nvml.devices[0]])
     for _ in range(3):
         sampler.sample()
     assert sampler.finish() == (50.0, 55.0)
     # A process that is not the task's is not counted.
-    other = Sampler(FakeClock(), 1.0, Pids({1}), nvml, nvml.devices, [nvml.devices[0]])
+    other = Sampler(FakeClock(), Pids({1}), nvml, nvml.devices, [nvml.devices[0]])
     assert other.finish() == (50.0, 0.0)
     nvml.close()
 
@@ -213,14 +216,14 @@ def test_an_nvml_error_mid_run_gives_none_not_a_crash(
     monkeypatch.setenv("FAKE_NVML_CONFIG", env["FAKE_NVML_CONFIG"])
     nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
     assert nvml is not None
-    sampler = Sampler(FakeClock(), 1.0, Pids(set()), nvml, nvml.devices, [nvml.devices[1]])
+    sampler = Sampler(FakeClock(), Pids(set()), nvml, nvml.devices, [nvml.devices[1]])
     for _ in range(4):
         sampler.sample()
     assert sampler.finish() == (None, None)
     nvml.close()
 
 
-def test_sampler_thread_reads_at_its_interval_until_finished(
+def test_the_sampler_reads_at_its_interval_beside_the_task_until_it_ends(
     fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     env = fake_nvml.script(H200)
@@ -228,18 +231,20 @@ def test_sampler_thread_reads_at_its_interval_until_finished(
     nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
     assert nvml is not None
     clock = FakeClock()
-    sampler = Sampler(clock, 1.0, Pids(set()), nvml, nvml.devices, [])
-    done = threading.Event()
+    sampler = Sampler(clock, Pids(set()), nvml, nvml.devices, [])
 
-    def limited_wait(event: threading.Event, timeout: float) -> bool:
-        if clock.now >= 1010:
-            done.set()
-            return True
-        return FakeClock.wait(clock, event, timeout)
+    class TenSeconds:  # a task that runs 10 s of the fake clock
+        def __init__(self) -> None:
+            self.until = clock.now + 10.0
 
-    clock.wait = limited_wait  # type: ignore[method-assign]
-    sampler.run()
-    assert done.is_set() and len(sampler.host_gpu.values) == 10
+        def exited(self) -> bool:
+            return clock.now >= self.until
+
+    guard = SamplingGuard(sampler.sample, 1.0, clock.now)
+    pauses = Mock()
+    Supervisor(TenSeconds(), [guard], clock, threading.Event(), pauses, 0.0).run()  # type: ignore[arg-type]
+    assert len(sampler.host_gpu.values) == 9  # at 1 s ... 9 s: at 10 s it has ended
+    assert sampler.finish()[0] is not None and len(sampler.host_gpu.values) == 9
     nvml.close()
 
 

@@ -3,4 +3,5 @@ asks them in turn (``supervisor.py``). Each guard is one rule (``base.py`` is th
 the lease (``lease.py``), the agent's restart (``restart.py``), a cancel (``cancel.py``), the
 owner's suspension and its bound (``suspension.py``), the timeout (``timeout.py``), the task's
 disk (``disk.py``); the execute phase builds them in that order, then those the agent's wiring
-adds (``AttemptContext.guards``)."""
+adds (``AttemptContext.guards``), then the sampling of the task's use (``sampling.py``: it
+never acts)."""

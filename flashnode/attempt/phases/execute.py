@@ -23,6 +23,7 @@ from flashnode.attempt.guards.cancel import CancelGuard
 from flashnode.attempt.guards.disk import DiskGuard
 from flashnode.attempt.guards.lease import LeaseGuard
 from flashnode.attempt.guards.restart import RestartGuard
+from flashnode.attempt.guards.sampling import SamplingGuard
 from flashnode.attempt.guards.supervisor import Supervisor
 from flashnode.attempt.guards.suspension import SuspensionGuard
 from flashnode.attempt.guards.timeout import TimeoutGuard
@@ -127,7 +128,6 @@ def _watch(
     cores = os.cpu_count() or 1
     sampler = Sampler(
         ctx.clock,
-        s.sample_seconds,
         handle,
         ctx.gpu,
         ctx.gpus.devices,
@@ -136,7 +136,6 @@ def _watch(
         cores=cores,
         paused=lambda: a.suspended_since is not None,
     )
-    ctx.start_thread(sampler.run, f"sampler-{a.lease_id}")
     a.running(handle, sampler.live)
     for watcher in a.during_run:
         watcher.start(a)
@@ -146,6 +145,7 @@ def _watch(
         t0, cpu0 = t0 - ran, 0.0
     before = a.record.timings.get("suspended", 0.0)  # a rejoined task's, before the restart
     guards = _guards(a, staged, disk, timeout, t0, launched)
+    guards.append(SamplingGuard(sampler.sample, s.sample_seconds, ctx.clock.monotonic()))
     supervisor = Supervisor(handle, guards, ctx.clock, a.wake, a, s.kill_grace_seconds, before)
     ended: End | None = None
     try:
