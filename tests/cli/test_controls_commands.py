@@ -181,6 +181,8 @@ def test_logs_follow_shows_a_printed_line_within_a_second_and_ends_with_the_atte
             proc.wait()
     for t in threads:
         t.join(timeout=5)
+    proc.stdout.close()
+    proc.stderr.close()
     assert got["out"] == b"first\nstep 2 of 10\nlast words\n"
     assert got["err"] == b"warn \\x1b]0;owned\\x07 \\u202e\n"
 
@@ -234,6 +236,7 @@ def test_a_reader_that_goes_away_ends_history_quietly(tmp_path: Path) -> None:
     proc.stdout.read(100)
     proc.stdout.close()
     err = proc.stderr.read().decode()
+    proc.stderr.close()
     assert proc.wait(30) == 141 and err == "", err
 
 

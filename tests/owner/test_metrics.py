@@ -222,6 +222,7 @@ def test_eight_dripping_connections_of_a_local_user_never_hold_the_owners_scrape
     finally:
         dripper.kill()
         dripper.wait(10)
+        dripper.stdout.close()
         m.close()
 
 
