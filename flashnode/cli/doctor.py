@@ -16,6 +16,7 @@ import psutil
 from flashnode.caches import datacache
 from flashnode.cli.common import config_option, needs_root, roots_config
 from flashnode.cli.login import probe_node_id, register_dry_run
+from flashnode.config.loading import top_level_runner_keys
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.config.sizes import format_size
 from flashnode.coordinator.client import Coordinator
@@ -82,7 +83,12 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         flags = {"coordinator": coordinator, "state_dir": state_dir}
         s = load_settings(flags, os.environ, config_file)
     except ConfigError as exc:
-        r.fail("configuration", str(exc), "correct the setting named above")
+        r.fail(
+            "configuration",
+            str(exc),
+            "correct the setting named above (every setting and its values: the reference,"
+            " docs/reference.md; installed: /usr/share/doc/flashnode/docs/reference.md)",
+        )
         sys.exit(1)
     slots = s.slots if isinstance(s.slots, int) else 1
     limits = task_limits(s, slots, psutil.virtual_memory().total, os.cpu_count() or 1)
@@ -92,6 +98,13 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         f" {format_size(limits.memory_bytes or 0)} memory, {limits.cpus:g} CPU(s),"
         f" {limits.pids} pids, {format_size(s.task_disk_bytes)} disk",
     )
+    path = config_file or (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
+    for key, table in top_level_runner_keys(path) if path is not None else []:
+        r.warn(
+            "configuration",
+            f"{key} at the top level of {path} is read for this release only"
+            f" (fix: move it into the [{table}] table, at the end of the file)",
+        )
     for finding in preflight.check(s, service=_service(r, config_file)):
         if isinstance(finding, Ok):
             r.ok(finding.what, finding.detail)

@@ -164,7 +164,7 @@ def key_lines(path: Path) -> dict[str, int]:
     return found
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path) -> dict[str, Any]:
     # here, not at the top: an agent without a config file need not load a TOML parser
     if sys.version_info >= (3, 11):
         import tomllib
@@ -173,19 +173,28 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
     try:
         with path.open("rb") as fh:
-            data = tomllib.load(fh)
+            return tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    data = _runner_tables(data, path)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The file's settings by name (a runner's table read into the settings it holds);
+    ConfigError for a file that cannot be read, or a key that is no setting."""
+    data = _runner_tables(_read_toml(path), path)
     unknown = sorted(set(data) - set(SETTABLE))
     if unknown:
         key = unknown[0]
         import difflib  # here, not at the top: only a misspelt key needs it
 
         close = difflib.get_close_matches(key, SETTABLE, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else " (see docs/reference.md: Settings)"
+        hint = (
+            f" (did you mean {close[0]!r}?)"
+            if close
+            else " (every setting: the reference, docs/reference.md)"
+        )
         more = f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""
         if key in ("token", "join_code"):
             hint = f" (secrets never go in the config file: use {key}_file or flashnode login)"
@@ -206,10 +215,7 @@ def _runner_tables(data: dict[str, Any], path: Path) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: {table} must be a table ([{table}])")
         for key, value in given.items():
             if key not in keys:
-                raise ConfigError(
-                    f"config file {path}: unknown key {key!r} in [{table}]"
-                    f" (its keys: {', '.join(keys)})"
-                )
+                raise ConfigError(f"config file {path}: {_not_in_table(key, table)}")
             if key in data:
                 raise ConfigError(
                     f"config file {path}: {key} is set both in [{table}] and at the top level:"
@@ -228,6 +234,34 @@ def _runner_tables(data: dict[str, Any], path: Path) -> dict[str, Any]:
                     table,
                 )
     return flat
+
+
+def _not_in_table(key: str, table: str) -> str:
+    """Why ``key`` is refused in ``[table]``, and where it goes."""
+    keys = RUNNER_TABLES[table]
+    home = next((t for t, k in RUNNER_TABLES.items() if key in k), None)
+    if home is not None:
+        return f"{key} belongs in [{home}], not in [{table}]"
+    if key in SETTABLE:
+        return (
+            f"{key} is not a [{table}] option: a setting of the whole agent goes above the first"
+            " table (every key after a table's header belongs to it)"
+        )
+    import difflib  # here, not at the top: only a misspelt key needs it
+
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"its keys: {', '.join(keys)}"
+    return f"unknown key {key!r} in [{table}] ({hint})"
+
+
+def top_level_runner_keys(path: Path) -> list[tuple[str, str]]:
+    """A runner's options the file sets at the top level, with the table each belongs in: read
+    for this release only (the doctor warns of each)."""
+    try:
+        data = _read_toml(path)
+    except ConfigError:
+        return []
+    return [(k, t) for t, keys in RUNNER_TABLES.items() for k in keys if k in data]
 
 
 def _secret(

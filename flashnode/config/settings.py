@@ -40,7 +40,7 @@ POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 UI_DEFAULT_LISTEN = "127.0.0.1:7469"  # the console's port: ours, registered to nothing common
 
 # A runner's name: which it is, and what it can do, is flashnode.runners.registry's to say.
-RUNNER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+RUNNER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Each runner's own options, in the config file's table named for it (``[docker]``); read at the
 # top level too for one release, with a warning that names the table (config.loading).
 RUNNER_TABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(

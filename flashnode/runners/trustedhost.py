@@ -56,7 +56,8 @@ def users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
                 "task user",
                 "this agent is not root, so it cannot run tasks as a distinct task user",
                 "run it as root with task_user set (tasks then run as <task_user>-<slot>), or"
-                " set allow_same_user = true to run them as this agent's own user (README)",
+                " set allow_same_user = true under [trusted] to run them as this agent's own user"
+                " (the owner's manual: Security model)",
             )
         else:
             yield Ok("task user", f"tasks run as this agent's own user (uid {os.geteuid()})")
@@ -65,7 +66,8 @@ def users_and_sandbox(s: Settings, slots: int) -> Iterator[Finding]:
         yield Problem(
             "task user",
             "the agent runs as root and task_user is not set",
-            'set task_user = "flashnode-task" (slot N then runs as flashnode-task-N)',
+            'set task_user = "flashnode-task" under [trusted] (slot N then runs as'
+            " flashnode-task-N)",
         )
         return
     with contextlib.suppress(KeyError):

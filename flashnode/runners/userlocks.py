@@ -101,7 +101,7 @@ class UserLocks:
                 f"{' …' if len(held) > 4 else ''}. Stop that agent first, or give this one task"
                 f" users of its own: make them (for i in $(seq 0 {slots - 1}); do useradd"
                 f" --system --user-group --no-create-home {self.task_user}-x-$i; done) and set"
-                f' task_user = "{self.task_user}-x"'
+                f' task_user = "{self.task_user}-x" under [trusted]'
             )
         names = "".join(f"{u.name}\n" for u in self.users).encode()
         with contextlib.suppress(OSError):  # the next run's slots get the same users

@@ -736,3 +736,8 @@ def test_doctor_shows_slots_and_limits_and_warns_of_limits_the_machine_lacks(
     assert "1 slot(s); per task 100 TiB memory, 4096 CPU(s), 4096 pids" in done.stdout, done.stdout
     assert "warn  task memory: task_memory_bytes (100 TiB) is more than this machine" in done.stdout
     assert "warn  task cpus: task_cpus (4096) is more than this machine's" in done.stdout
+    # A runner's option at the top level (as before 0.5): read, and the doctor says where it goes.
+    assert (
+        f"warn  configuration: allow_same_user at the top level of {config} is read for this"
+        " release only (fix: move it into the [trusted] table" in done.stdout
+    )

@@ -57,7 +57,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ({}, {}, "no coordinator"),
         ({"coordinator": URL, "runner": "trusted"}, {}, "needs at least one pool"),
         ({"coordinator": URL, "runner": "podman"}, {}, "no such runner (known: docker, trusted)"),
-        ({"coordinator": URL, "runner": "Bad runner"}, {}, "runner"),
+        ({"coordinator": URL, "runner": "Docker"}, {}, "no such runner (known: docker, trusted)"),
         ({"coordinator": "ftp://x"}, {}, "not an http(s) URL"),
         ({"coordinator": "http://example.com"}, {}, "refusing plain http"),
         ({"coordinator": URL, "pools": ("bad pool",)}, {}, "not a valid pool id"),
@@ -140,8 +140,8 @@ def test_cli_exit_codes(flashnode: Callable[..., Any], tmp_path: Path) -> None:
             "heartbeat_seconds = 'soon' (from FLASHNODE_HEARTBEAT_SECONDS): must be a number",
         ),
         (
-            {"FLASHNODE_RUNNER": "Podman"},
-            "runner = 'Podman' (from FLASHNODE_RUNNER): is not a runner's name",
+            {"FLASHNODE_RUNNER": "a runner"},
+            "runner = 'a runner' (from FLASHNODE_RUNNER): is not a runner's name",
         ),
         (
             {"FLASHNODE_TASK_MEMORY_BYTES": "1M"},
@@ -363,7 +363,9 @@ def test_a_runners_options_are_read_from_its_table(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('[docker]\ntask_user = "x"\n', "unknown key 'task_user' in [docker] (its keys: "),
+        ('[docker]\ntask_user = "x"\n', "task_user belongs in [trusted], not in [docker]"),
+        ("[docker]\nslots = 2\n", "slots is not a [docker] option: a setting of the whole agent"),
+        ('[docker]\ncontaner_user = "1:1"\n', "unknown key 'contaner_user' in [docker] (did you"),
         ('container_user = "1:1"\n[docker]\ncontainer_user = "2:2"\n', "set both in [docker]"),
         ('docker = "yes"\n', "docker must be a table ([docker])"),
     ],

@@ -47,6 +47,16 @@ def start(tmp_path: Path, script: str, reattach: float = 30.0) -> TaskProcess:
     )
 
 
+def let_go(proc: TaskProcess) -> None:
+    """``proc.detach()``, as an agent that restarts does. That agent then exits; this process
+    stays, so its supervisor (this process's child) is reaped once it ends, as init would: else
+    a zombie, and a ResourceWarning for its Popen dropped unreaped."""
+    popen = proc._sup._popen
+    proc.detach()
+    if popen is not None:
+        threading.Thread(target=popen.wait, daemon=True).start()
+
+
 def test_a_task_let_go_of_runs_on_and_the_next_agent_gets_its_whole_output_and_status(
     tmp_path: Path,
 ) -> None:
@@ -56,7 +66,7 @@ def test_a_task_let_go_of_runs_on_and_the_next_agent_gets_its_whole_output_and_s
     )
     identity = first.identity()
     wait_for("its first line", lambda: b"before" in out(tmp_path))
-    first.detach()
+    let_go(first)
     gate.touch()  # it goes on while no agent is there
     wait_for("its last line", lambda: b"after" in out(tmp_path))
     ended = threading.Event()
@@ -74,7 +84,7 @@ def test_a_task_suspended_when_let_go_of_runs_again_once_rejoined(tmp_path: Path
     wait_for("a line", lambda: b"tick" in out(tmp_path))
     first.suspend()  # no cgroup here: SIGSTOP
     identity = first.identity()
-    first.detach()
+    let_go(first)
     again = TaskProcess.rejoin(identity, lambda: None)
     assert again is not None
     size = len(out(tmp_path))
@@ -87,7 +97,7 @@ def test_a_task_suspended_when_let_go_of_runs_again_once_rejoined(tmp_path: Path
 def test_with_no_agent_back_its_supervisor_ends_it_and_goes(tmp_path: Path) -> None:
     proc = start(tmp_path, "sleep 300", reattach=0.5)
     pid = proc.pid
-    proc.detach()
+    let_go(proc)
     wait_for("the task gone", lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
     wait_for("its supervisor gone", lambda: not supervisors(tmp_path), timeout=10)
     assert TaskProcess.rejoin(proc.identity(), lambda: None) is None
@@ -108,7 +118,7 @@ def test_with_no_agent_back_a_task_is_ended_when_its_lease_would_end(tmp_path: P
     proc = start(tmp_path, "sleep 300", reattach=300)
     proc.lease_left(1.0)
     pid = proc.pid
-    proc.detach()
+    let_go(proc)
     wait_for("the task gone", lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
 
 
@@ -117,7 +127,7 @@ def test_a_supervisor_no_agent_will_rejoin_is_ended_with_its_task_at_once(tmp_pa
     them): they do not wait on beside its own tasks for ``reattach_seconds``."""
     proc = start(tmp_path, "sleep 300", reattach=300)
     pid = proc.pid
-    proc.detach()
+    let_go(proc)
     sweep_homes(tmp_path, keep=set())
     assert not os.path.exists(f"/proc/{pid}") or procs.process_state(pid) in (None, "Z")
     assert not supervisors(tmp_path)

@@ -9,8 +9,9 @@ Sandbox: no network, read-only root with a size-capped tmpfs ``/tmp``, all capab
 ``no-new-privileges``, a non-root user, pids/memory/CPU limits, private IPC, never privileged, no
 Docker socket, no host device but the GPUs the attempt was given, and an engine log capped in
 size (the agent keeps its own capped copy). The workspace is mounted at ``/work``: ``inputs/``
-read-only, ``out/`` writable by the container's user, ``data/`` (dataset slices) read-only, and
-nothing else of the workspace; the owner's lent directories read-only at ``/work/inputs/<label>``.
+read-only, ``out/`` and ``tmp/`` (its ``HOME`` and ``TMPDIR``, as on the trusted runner)
+writable by the container's user, ``data/`` (dataset slices) read-only, and nothing else of the
+workspace; the owner's lent directories read-only at ``/work/inputs/<label>``.
 Containers carry labels naming this node and the attempt (or the module probe); at start the
 agent removes this node's labelled containers, and nothing else.
 

@@ -28,7 +28,8 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
         yield Problem(
             "allowed images",
             "allowed_images is empty: this node would refuse every container task",
-            'list the images you allow, pinned, e.g. allowed_images = ["python:3.11-slim"]',
+            "list the images you allow, pinned, under [docker]:"
+            ' e.g. allowed_images = ["python:3.11-slim"]',
         )
     try:
         client = connect(s, timeout=10)
@@ -37,8 +38,8 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
         yield Problem(
             "docker engine",
             f"no container engine answers at {s.docker_host} ({brief(exc)})",
-            "start Docker (systemctl start docker), or run the trusted runner for pool work"
-            " (runner = 'trusted')",
+            "start Docker (systemctl start docker), check docker_host under [docker], or run"
+            " the trusted runner for pool work (runner = 'trusted')",
             code=ExitCode.UNAVAILABLE,
         )
         return
@@ -51,7 +52,7 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
                 "allowed images",
                 f"none is present ({', '.join(absent)}) and pull_images is off:"
                 " this node could run nothing",
-                f"docker pull {absent[0]}, or set pull_images = true",
+                f"docker pull {absent[0]}, or set pull_images = true under [docker]",
             )
             return
         for image in absent:
@@ -61,7 +62,7 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
                 yield Problem(
                     "image",
                     f"{image} is not present and pull_images is off: tasks naming it fail",
-                    f"docker pull {image}, or set pull_images = true",
+                    f"docker pull {image}, or set pull_images = true under [docker]",
                     code=None,
                 )
         for image in present:
