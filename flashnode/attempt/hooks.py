@@ -298,10 +298,17 @@ class AttemptHooks:
         self.pauses.append(entry)
         del self.pauses[:-PAUSES_KEPT]
 
-    def keep_paused(self, seconds: float) -> None:
+    def keep_paused(self, seconds: float, frozen_since: float | None = None) -> None:
         """Its time paused so far (earlier runs of the agent included), in its record: a
-        restart counts it neither as its running time nor against its timeout."""
-        self.record.timings["suspended"] = round(seconds, 4)
+        restart counts it neither as its running time nor against its timeout; nor the time it
+        stays frozen after the agent let go of it paused (``frozen_since``, wall clock) until
+        the next agent takes it over (``execute.rejoin``)."""
+        timings = self.record.timings
+        timings["suspended"] = round(seconds, 4)
+        if frozen_since is None:
+            timings.pop("frozen_at", None)
+        else:
+            timings["frozen_at"] = round(frozen_since, 3)
         try:
             self.save(State.RUNNING)
         except OSError as exc:  # a full disk: only a restart's count would be off

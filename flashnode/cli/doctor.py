@@ -98,6 +98,7 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         f" {format_size(limits.memory_bytes or 0)} memory, {limits.cpus:g} CPU(s),"
         f" {limits.pids} pids, {format_size(s.task_disk_bytes)} disk",
     )
+    r.ok(f"{s.runner} runner", capabilities(s).describe())
     path = config_file or (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
     for key, table in top_level_runner_keys(path) if path is not None else []:
         r.warn(

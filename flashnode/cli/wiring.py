@@ -27,6 +27,7 @@ from flashnode.caches.envcache import ENVS_DIR, EnvCache
 from flashnode.caches.fetcher import Fetcher
 from flashnode.cli.ending import AgentExit, lock_state_dir
 from flashnode.clock import SystemClock
+from flashnode.config.loading import top_level_runner_keys
 from flashnode.config.schedule import Pause, PauseMode
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.coordinator.client import Coordinator
@@ -303,7 +304,7 @@ def _run_agent(
         courtesy=courtesy,
     )
     readers.task_cpu = agent.task_cpu  # every running task, containers included
-    _log_start(settings, node, edges.slots)
+    _log_start(settings, node, edges.slots, source.file)
     previous = _install_signals(agent, pause_reader)
     console = _console(settings, agent, edges.coordinator, ring, source, given)
     try:
@@ -486,7 +487,7 @@ def _usage_ring(settings: Settings, edges: _Edges) -> UsageRing | None:
     return UsageRing(gpu=lambda: _gpu_percent(edges.nvml, edges.gpus))
 
 
-def _log_start(settings: Settings, node: str, slots: int) -> None:
+def _log_start(settings: Settings, node: str, slots: int, config_file: Path | None) -> None:
     log.info(
         "flashnode %s: node %s, %s runner, %d slot(s), pools %s, coordinator %s",
         __version__,
@@ -496,6 +497,14 @@ def _log_start(settings: Settings, node: str, slots: int) -> None:
         ",".join(settings.pools) or "-",
         settings.coordinator,
     )
+    for key, table in top_level_runner_keys(config_file) if config_file is not None else []:
+        log.warning(
+            "%s: %s at the top level is read for this release only: move it into the [%s]"
+            " table, at the end of the file",
+            config_file,
+            key,
+            table,
+        )
 
 
 _Handler = Callable[[int, FrameType | None], Any]

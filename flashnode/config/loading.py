@@ -10,7 +10,6 @@ Secrets (the bearer token, the join code) are never flags: they come from a file
 
 from __future__ import annotations
 
-import logging
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -37,9 +36,6 @@ from flashnode.config.urls import normalise_url
 from flashnode.errors import ConfigError
 
 # Keys that are settable; secrets are loaded separately and never from flags or the config file.
-log = logging.getLogger(__name__)
-_WARNED: set[tuple[str, str]] = set()  # (file, key): a runner's option at the top level, told
-
 # What a layer above asks of loaded settings: given them and how to name a setting with where it
 # was set ("runner = 'trusted' (from --runner)"); raises ConfigError.
 Check = Callable[[Settings, Callable[[str], str]], None]
@@ -204,8 +200,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 def _runner_tables(data: dict[str, Any], path: Path) -> dict[str, Any]:
     """The runners' tables (``[docker]``, ``[trusted]``: ``RUNNER_TABLES``) read into the
-    settings they hold; such a setting at the top level still reads, with a warning (once per
-    file and key) that names its table."""
+    settings they hold; such a setting at the top level still reads (the agent's start and the
+    doctor warn of it: ``top_level_runner_keys``)."""
     flat = {k: v for k, v in data.items() if k not in RUNNER_TABLES}
     for table, keys in RUNNER_TABLES.items():
         given = data.get(table)
@@ -222,17 +218,6 @@ def _runner_tables(data: dict[str, Any], path: Path) -> dict[str, Any]:
                     " keep the one in the table"
                 )
             flat[key] = value
-    for table, keys in RUNNER_TABLES.items():
-        for key in keys:
-            if key in data and (str(path), key) not in _WARNED:
-                _WARNED.add((str(path), key))
-                log.warning(
-                    "config file %s: %s at the top level is read for this release only:"
-                    " move it into the [%s] table",
-                    path,
-                    key,
-                    table,
-                )
     return flat
 
 

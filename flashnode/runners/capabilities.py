@@ -1,4 +1,4 @@
-"""What a runner can do for a task, stated by the runner itself (``Runner.capabilities``).
+"""What a runner can do for a task, stated in its registry entry (``runners.registry``).
 
 Everything outside ``flashnode/runners/`` asks this record, never a runner's name: what the node
 advertises to the coordinator, whether the agent builds job environments or lends local
@@ -40,13 +40,36 @@ class Capabilities:
     # its own) or as the host does ("host": CUDA_VISIBLE_DEVICES names them).
     gpu_addressing: Literal["renumbered", "host"]
     # ``Handle.suspend``/``resume`` freeze a task and let it go on (the owner's controls, the
-    # courtesy); without, a suspension ends the task.
+    # courtesy, the disk watch's frozen walks); without, a pause asked for ends the task.
     pause: bool
     # A running task outlives an agent restart and is rejoined (``Handle.detach``, ``rejoin``).
     reattach: bool
     # Runs allowlisted ``python -m`` module tasks when given an interpreter or an image for them
     # (whether it has one is the runner's ``module_capable``, known once it is built).
     modules: bool
+
+    def describe(self) -> str:
+        """The abilities in the owner's words (``flashnode doctor``)."""
+        words = [
+            "sandboxed" if self.sandbox else "on the host (pool work only)",
+            "no network" if self.network_isolation else "the host's network",
+            "GPUs numbered from 0"
+            if self.gpu_addressing == "renumbered"
+            else "GPUs as the host numbers them",
+        ]
+        words += [
+            w
+            for w, on in (
+                ("pauses", self.pause),
+                ("re-attaches", self.reattach),
+                ("job environments", self.environments),
+                ("lends local data", self.lends_data),
+            )
+            if on
+        ]
+        who = self.task_identity
+        words.append("tasks as each slot's task user" if who is None else f"tasks as uid {who[0]}")
+        return ", ".join(words)
 
     def offer(self, settings: Settings, module_capable: bool) -> Offer:
         """What the node advertises when it registers with these abilities."""

@@ -64,7 +64,6 @@ class RunnerFacts:
     root: str = WORK  # where the task sees its workspace: /work, or its host path
     python: str | None = None  # a module task's interpreter, where no phase gave one
     home: str = f"{WORK}/tmp"  # HOME and TMPDIR: the workspace's tmp/ (its disk is counted)
-    renumbers_gpus: bool = False  # the task sees its GPUs as 0..n-1 (a container's request)
     path: str | None = None  # the task's PATH after the phases' entries (None: left alone)
     env: Mapping[str, str] = field(default_factory=dict)  # under everything (the locale)
     group: int | None = None  # the group that reads the agent's files in the workspace
@@ -125,12 +124,14 @@ def resolve(
     *,
     gpus: Sequence[Device],
     gpu_node: bool,
+    renumbered: bool = False,
     limits: Limits,
     on_exit: Callable[[], None],
     record: Callable[[dict[str, Any]], None],
     max_file_bytes: int | None = None,
 ) -> TaskPlan:
-    """The task's plan. Raises AttemptLapsed for what this node cannot give it (no module
+    """The task's plan. ``renumbered``: the task sees its GPUs as 0..n-1 (the runner's
+    ``gpu_addressing``). Raises AttemptLapsed for what this node cannot give it (no module
     interpreter, a read-only view outside the workspace)."""
     root = facts.root
     views = tuple(view for c in contributions for view in c.views)
@@ -164,7 +165,7 @@ def resolve(
     if facts.path is not None:
         env["PATH"] = ":".join([*(p for c in contributions for p in c.path), facts.path])
     env.update(HOME=facts.home, TMPDIR=facts.home, FLASHML_WORK_DIR=root)
-    visible = cuda_visible(gpus, gpu_node, facts.renumbers_gpus)
+    visible = cuda_visible(gpus, gpu_node, renumbered)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     environment = None

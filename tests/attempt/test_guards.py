@@ -220,6 +220,7 @@ class Told:
         self.since: list[float | None] = []
         self.ended: list[dict[str, Any]] = []
         self.kept: list[float] = []
+        self.frozen: list[float | None] = []
 
     def paused(self, since: float | None) -> None:
         self.since.append(since)
@@ -227,8 +228,9 @@ class Told:
     def pause_ended(self, entry: dict[str, Any]) -> None:
         self.ended.append(entry)
 
-    def keep_paused(self, seconds: float) -> None:
+    def keep_paused(self, seconds: float, frozen_since: float | None = None) -> None:
         self.kept.append(seconds)
+        self.frozen.append(frozen_since)
 
 
 class Scripted:
@@ -369,3 +371,56 @@ def test_sampling_reads_at_its_interval_and_never_bursts_after_a_late_turn() -> 
         assert guard.turn(clock.now, view) is None  # it never acts on the task
     assert [round(t - 1000.0, 1) for t in taken] == [1.0, 2.0, 7.3, 8.3]
     assert guard.next_at(view) == pytest.approx(1009.3)
+
+
+def test_no_pause_outlasts_the_supervisors_bound_whichever_guard_holds_it() -> None:
+    """A guard that pauses and never resumes (one the wiring added, say) cannot hold a task and
+    its lease frozen for ever."""
+    clock = FakeClock()
+    task, t0 = Task(clock), clock.now
+    told = Told()
+    stuck = Scripted(clock, [(1.0, Pause("a rule that forgot its resume"))])
+    supervisor = Supervisor(task, [stuck], clock, threading.Event(), told, 9.0, max_paused=30.0)
+    ended = supervisor.run()
+    assert ended is not None and isinstance(ended.why, Stopped) and ended.fault == "owner"
+    assert "paused for longer than 30 s (a rule that forgot its resume)" in str(ended.why)
+    assert clock.now == t0 + 31.0 and task.calls == ["suspend", "terminate 9"]
+
+
+def test_a_runner_that_cannot_pause_has_a_pause_stop_its_task_and_no_frozen_walk(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    task = Task(clock)
+    told = Told()
+    asked = Scripted(clock, [(1.0, Pause("the owner is here"))])
+    supervisor = Supervisor(task, [asked], clock, threading.Event(), told, 9.0, can_pause=False)
+    ended = supervisor.run()
+    assert ended is not None and isinstance(ended.why, Stopped)
+    assert "its runner cannot pause a task (the owner is here)" in str(ended.why)
+    assert task.calls == ["terminate 9"]
+    room = Space(free_bytes=1 << 40, total_bytes=1 << 41, free_inodes=10**6, total_inodes=10**7)
+    usage = Usage(output_bytes=0, output_files=0, disk_bytes=10, disk_files=1)
+    guard, _ = _disk_guard(clock, usage, room, tmp_path, first=Look(room, 10, 1))
+    guard.can_freeze = False
+    view = View(handle=Task(clock))
+    guard.space = lambda: Space(0, 1 << 41, 10**6, 10**7)
+    clock.now += 1.0
+    guard.turn(clock.now, view)
+    assert "suspend" not in view.handle.calls  # measured running
+
+
+def test_a_restart_lets_go_of_a_task_only_where_its_runner_re_attaches_one() -> None:
+    asks, view = Asking(detaching=True), View(handle=Task(FakeClock()))
+    view.handle.detachable = True
+    assert RestartGuard(asks, reattach=False).turn(0.0, view) is None  # the cancel ends it
+    assert isinstance(RestartGuard(asks, reattach=True).turn(0.0, view), End)
+
+
+def test_a_task_let_go_of_paused_keeps_when_it_was_frozen_for_the_next_agent() -> None:
+    clock = FakeClock()
+    task = Task(clock)
+    told = Told()
+    script = [(1.0, Pause("heat")), (4.0, End(Detached()))]
+    Supervisor(task, [Scripted(clock, script)], clock, threading.Event(), told, 9.0).run()
+    assert told.kept == [3.0] and told.frozen == [clock.wall()]

@@ -10,6 +10,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 from fakes import FakeClock, FakeCoordinator, FakeHandle, FakeRunner, context, lease
 
 from flashnode.attempt import Attempt, Outcome
@@ -153,3 +154,68 @@ def test_a_rejoined_attempt_that_ends_before_watching_its_task_ends_the_task(
     again.cancel(Stopped("paused by the owner"), 0.0)
     assert again.rejoin(task) is Outcome.LAPSED
     assert task.terminated
+
+
+class Freezing(LettingGo):
+    """Runs only while not frozen; paused by the owner ``pause_at`` seconds in."""
+
+    def __init__(self, clock: FakeClock, work: float, stop_at: float, attempt: Attempt):
+        super().__init__(clock, work, stop_at, attempt)
+        self.done, self.last, self.frozen = 0.0, clock.now, False
+        self.pause_at: float | None = 10.0
+
+    def _advance(self) -> None:
+        if not self.frozen:
+            self.done += self.clock.now - self.last
+        self.last = self.clock.now
+
+    def exited(self) -> bool:
+        self._advance()
+        if self.pause_at is not None and self.clock.now - self.t0 >= self.pause_at:
+            self.pause_at = None
+            self.attempt.request_suspension("the owner is here")
+        if self.stop_at is not None and self.clock.now - self.t0 >= self.stop_at:
+            self.stop_at = None
+            self.attempt.detach(1.0)
+        return self.terminated or self.done >= self.work
+
+    def suspend(self) -> None:
+        self._advance()
+        self.frozen = True
+
+    def resume(self) -> None:
+        self._advance()
+        self.frozen = False
+
+
+def test_a_task_let_go_of_paused_is_not_charged_the_time_it_stayed_frozen(
+    tmp_path: Path,
+) -> None:
+    """Paused by its owner 10 s in, let go of 10 s later (the agent stops), frozen while no agent
+    runs (30 s), thawed by the next agent's rejoin: 40 s frozen in all, none of it its running
+    time nor against its timeout."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock)
+    runner = LettingGoRunner(clock, work=60, stop_at=20)
+    ctx = context(tmp_path, clock, coord, runner)
+    first = runner.attempt = Attempt(ctx, lease(0, timeout_seconds=90))
+    task = Freezing(clock, 60, 20, first)
+    start = runner.start
+
+    def freezing(plan: TaskPlan) -> Handle:
+        start(plan)
+        return task
+
+    runner.start = freezing  # type: ignore[method-assign]
+    assert first.run() is Outcome.DETACHED and task.frozen
+    clock.now += 30  # no agent: the task stays frozen
+    record = ctx.outbox.read(first.lease_id)
+    assert record is not None and "frozen_at" in record.timings
+    task.resume()  # the runner's rejoin thaws it
+    again = Attempt(ctx, record.lease, record.slot, record=record)
+    task.attempt = again
+    assert again.rejoin(task) is Outcome.COMMITTED  # within its 90 s timeout: 60 s of work
+    entry = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[-1])
+    assert entry["evidence"]["wall_seconds"] == pytest.approx(60, abs=1.5)
+    assert entry["timings"]["suspended"] == pytest.approx(40, abs=1.5)
+    assert "frozen_at" not in entry["timings"]

@@ -19,6 +19,7 @@ from flashnode.evidence.gpupool import Device, GpuPool
 from flashnode.runners.base import RunnerEnv
 from flashnode.runners.container.runner import ContainerRunner
 from flashnode.runners.plan import Contribution, RunnerFacts, TaskPlan, resolve, write_module_spec
+from flashnode.runners.registry import RUNNERS
 from flashnode.runners.trusted import TrustedRunner
 from flashnode.sandbox.limits import Limits
 from flashnode.sandbox.procs import TaskUser
@@ -82,6 +83,7 @@ def plan_of(
     contributions: Sequence[Contribution] = (),
     gpus: Sequence[Device] = (),
     gpu_node: bool = False,
+    renumbered: bool = False,
     **payload: Any,
 ) -> TaskPlan:
     task, data = task_of(**payload)
@@ -94,6 +96,7 @@ def plan_of(
         contributions,
         gpus=gpus,
         gpu_node=gpu_node,
+        renumbered=renumbered,
         limits=Limits(1 << 30, 1.0, 64),
         on_exit=lambda: None,
         record=lambda identity: None,
@@ -231,13 +234,14 @@ def test_a_task_sees_only_its_own_gpus_by_the_hosts_numbers_on_the_host(
 
 
 def test_a_container_sees_its_gpus_renumbered(ws: Workspace, container: ContainerRunner) -> None:
-    plan = plan_of(ws, container.facts(ws, 0), gpus=GPUS[2:], gpu_node=True)
+    assert RUNNERS["docker"].capabilities(container.settings).gpu_addressing == "renumbered"
+    plan = plan_of(ws, container.facts(ws, 0), gpus=GPUS[2:], gpu_node=True, renumbered=True)
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "0,1" and plan.gpus == tuple(GPUS[2:])
 
 
 @pytest.mark.parametrize("renumbered", [False, True])
 def test_a_task_holding_no_gpu_on_a_gpu_node_sees_none(ws: Workspace, renumbered: bool) -> None:
-    plan = plan_of(ws, RunnerFacts(renumbers_gpus=renumbered), gpu_node=True)
+    plan = plan_of(ws, RunnerFacts(), gpu_node=True, renumbered=renumbered)
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "" and plan.gpu_node
 
 

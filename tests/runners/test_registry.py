@@ -134,3 +134,14 @@ def test_the_registered_runners_state_what_the_readme_promises(tmp_path: Path) -
     else:
         assert trusted.task_identity == (os.geteuid(), os.getegid())
         assert not trusted.lends_data
+
+
+def test_the_doctor_tells_the_owner_what_the_runner_can_do(tmp_path: Path) -> None:
+    s = Settings(coordinator=URL, runner="docker", container_user="1234:99", state_dir=tmp_path)
+    told = registry.capabilities(s).describe()
+    assert told.startswith("sandboxed, no network, GPUs numbered from 0, pauses, re-attaches")
+    assert told.endswith("tasks as uid 1234") and "job environments" not in told
+    assert HOSTLY.describe() == (
+        "on the host (pool work only), the host's network, GPUs as the host numbers them,"
+        " job environments, tasks as uid 4242"
+    )

@@ -40,11 +40,14 @@ class DiskGuard:
         usage: Callable[[], Usage],
         held: Callable[[int, int], None],
         started: float,
+        can_freeze: bool = True,
     ) -> None:
         """``space``: the state dir's disk now; ``usage``: a walk of the task's files; ``held``:
         told what the task holds (bytes, files) after each walk (the other tasks' room);
-        ``started``: when the task started (monotonic)."""
+        ``started``: when the task started (monotonic); ``can_freeze``: its runner can pause it
+        (else a walk runs with the task running)."""
         self.watch, self.s, self.clock = watch, settings, clock
+        self.can_freeze = can_freeze
         self.space, self.usage, self.held = space, usage, held
         self.next_walk = started + WATCH_S
         self.next_space = started
@@ -71,7 +74,7 @@ class DiskGuard:
         write on) or the disk is full and the task's files do not explain it."""
         handle, s = task.handle, self.s
         froze = False
-        if frozen and task.paused_since is None:
+        if frozen and self.can_freeze and task.paused_since is None:
             try:
                 handle.suspend()
                 froze = True

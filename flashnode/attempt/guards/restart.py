@@ -1,6 +1,7 @@
 """The agent restarts (``flashnode`` stopped for an upgrade, a reload of the unit): the running
-task is let go of, not stopped, for the next agent to rejoin (``Handle.detach``); a task its
-runner cannot let go of is ended by the cancel that comes with the restart."""
+task is let go of, not stopped, for the next agent to rejoin (``Handle.detach``); a task whose
+runner cannot re-attach one (its ``Capabilities.reattach``), or cannot let go of this one, is
+ended by the cancel that comes with the restart."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ log = logging.getLogger(__name__)
 
 
 class RestartGuard:
-    def __init__(self, asks: Asks) -> None:
-        self.asks = asks
+    def __init__(self, asks: Asks, reattach: bool = True) -> None:
+        self.asks, self.reattach = asks, reattach
 
     def turn(self, now: float, task: Running) -> Action | None:
-        if self.asks.detaching and task.handle.detach():
+        if self.asks.detaching and self.reattach and task.handle.detach():
             log.info("its task runs on for the next agent")
             return End(Detached())
         return None

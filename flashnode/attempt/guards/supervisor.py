@@ -39,8 +39,10 @@ class PauseLog(Protocol):
     def pause_ended(self, entry: dict[str, Any]) -> None:
         """A pause ended: ``at`` (wall clock), ``seconds``, ``why``."""
 
-    def keep_paused(self, seconds: float) -> None:
-        """Keep the time paused so far (earlier runs of the agent included) in the record."""
+    def keep_paused(self, seconds: float, frozen_since: float | None = None) -> None:
+        """Keep the time paused so far (earlier runs of the agent included) in the record;
+        ``frozen_since``: the agent let go of the task paused (wall clock): it stays frozen
+        until the next agent takes it over, and that is not its running time either."""
 
 
 class Supervisor:
@@ -55,10 +57,17 @@ class Supervisor:
         pauses: PauseLog,
         kill_grace: float,
         before: float = 0.0,
+        max_paused: float = math.inf,
+        can_pause: bool = True,
     ) -> None:
-        """``before``: seconds the task was paused before this run of the agent (rejoined)."""
+        """``before``: seconds the task was paused before this run of the agent (rejoined).
+        ``max_paused``: the longest pause, whichever guards hold it (each guard may bound its
+        own sooner): past it the task is stopped and its lease lapses. ``can_pause``: whether
+        its runner can pause a task at all (without, a pause asked for stops it: the owner's
+        word wins)."""
         self._handle, self.guards, self.clock, self.wake = handle, list(guards), clock, wake
         self.pauses, self.kill_grace, self.before = pauses, kill_grace, before
+        self.max_paused, self.can_pause = max_paused, can_pause
         self._paused_since: float | None = None
         self._paused_before = 0.0
         self._holds: set[int] = set()  # the guards that hold the task paused (their ids)
@@ -97,10 +106,23 @@ class Supervisor:
                     ended = self._apply(id(guard), action, clock.monotonic())
                     if ended is not None:
                         return ended
+            too_long = self._too_long_at()
+            if clock.monotonic() >= too_long:
+                return self._end(
+                    Stopped(
+                        f"paused for longer than {self.max_paused:g} s"
+                        f" ({'; '.join(self._why)}); the lease lapses"
+                    )
+                )
             until = min((g.next_at(self) for g in self.guards), default=math.inf)
+            until = min(until, too_long)
             clock.wait(self.wake, min(until - clock.monotonic(), MAX_WAIT_S))
             self.wake.clear()
         return None
+
+    def _too_long_at(self) -> float:
+        since = self._paused_since
+        return math.inf if since is None else since + self.max_paused
 
     def finish(self, now: float) -> None:
         """The task has ended: its present pause, if any, into its pauses."""
@@ -114,11 +136,14 @@ class Supervisor:
         if isinstance(action, End):
             if isinstance(action.why, Detached):
                 if self._paused_since is not None:  # not its running time after the rejoin
-                    self.pauses.keep_paused(self.before + self.paused_total(now))
+                    total = self.before + self.paused_total(now)
+                    self.pauses.keep_paused(total, frozen_since=self.clock.wall())
             else:
                 handle.terminate(action.grace)
             return action
         if isinstance(action, Pause) and by not in self._holds:
+            if not self.can_pause:
+                return self._end(Stopped(f"its runner cannot pause a task ({action.why})"))
             if not self._holds:
                 try:
                     handle.suspend()

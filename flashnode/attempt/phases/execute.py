@@ -34,6 +34,7 @@ from flashnode.errors import AttemptFailed, AttemptLapsed, Detached
 from flashnode.evidence.sampler import Sampler, task_cpu_percent
 from flashnode.runners import plan as plans
 from flashnode.runners.base import Handle, RunResult
+from flashnode.runners.registry import capabilities
 from flashnode.sandbox import outputs
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def run(
 
     space, use = ctx.space(), outputs.usage(ws)
     caps = ctx.reserved.start(a.lease_id, s, use, space)  # released in ``release``
-    facts = ctx.runner.facts(ws, a.record.slot)
+    facts, abilities = ctx.runner.facts(ws, a.record.slot), capabilities(s)
     plan = plans.resolve(
         task,
         lease,
@@ -75,6 +76,7 @@ def run(
         contributions,
         gpus=a.devices,
         gpu_node=bool(ctx.gpus.devices),
+        renumbered=abilities.gpu_addressing == "renumbered",
         limits=ctx.limits,
         on_exit=a.wake.set,
         record=record,
@@ -105,8 +107,14 @@ def rejoin(a: AttemptHooks, staged: Staged, handle: Handle) -> ExecutionEvidence
     if task.checkpoint is not None:
         a.beside(Relay(a, staged, a.record.relayed))
     started = a.record.task_started_at
-    # Its pauses before the restart are neither its running time nor against its timeout.
+    # Its pauses before the restart are neither its running time nor against its timeout, nor
+    # the time it stayed frozen since the agent let go of it paused (its runner's rejoin just
+    # let it run again).
     paused = a.record.timings.get("suspended", 0.0)
+    frozen_at = a.record.timings.get("frozen_at")
+    if frozen_at is not None:
+        paused += max(ctx.clock.wall() - frozen_at, 0.0)
+        a.keep_paused(paused)
     ran = max(ctx.clock.wall() - started - paused, 0.0) if started is not None else 0.0
     cpu.start()
     return _watch(a, staged, handle, (space, use, caps), timeout, cpu, ctx.clock.monotonic(), ran)
@@ -146,7 +154,18 @@ def _watch(
     before = a.record.timings.get("suspended", 0.0)  # a rejoined task's, before the restart
     guards = _guards(a, staged, disk, timeout, t0, launched)
     guards.append(SamplingGuard(sampler.sample, s.sample_seconds, ctx.clock.monotonic()))
-    supervisor = Supervisor(handle, guards, ctx.clock, a.wake, a, s.kill_grace_seconds, before)
+    supervisor = Supervisor(
+        handle,
+        guards,
+        ctx.clock,
+        a.wake,
+        a,
+        s.kill_grace_seconds,
+        before,
+        # No pause, whichever guards hold it, outlasts the suspension's own longest bound.
+        max_paused=(s.max_suspend_seconds or staged.lease.window) + s.gpu_yield_stop_seconds,
+        can_pause=capabilities(s).pause,
+    )
     ended: End | None = None
     try:
         with a.timed("execute.wait", phase=False):
@@ -214,10 +233,10 @@ def _guards(
     ctx, s = a.ctx, a.ctx.settings
     space, use, caps = disk
     first = Look(space, use.disk_bytes, use.disk_files) if space is not None else None
-    lease_id, ws = a.lease_id, staged.workspace
+    lease_id, ws, abilities = a.lease_id, staged.workspace, capabilities(s)
     guards: list[Guard] = [
         LeaseGuard(a, s.kill_grace_seconds),
-        RestartGuard(a),
+        RestartGuard(a, abilities.reattach),
         CancelGuard(a),
         SuspensionGuard(
             a,
@@ -234,6 +253,7 @@ def _guards(
             lambda: outputs.usage(ws),
             lambda nbytes, files: ctx.reserved.held(lease_id, nbytes, files),
             started,
+            abilities.pause,
         ),
     ]
     beside = Beside(s, staged.lease, a, ctx.clock, started)

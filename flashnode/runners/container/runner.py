@@ -162,8 +162,8 @@ class ContainerRunner(Runner):
 
     def facts(self, workspace: Workspace, slot: int) -> RunnerFacts:
         # The workspace at /work, HOME and TMPDIR its tmp/ (as in the trusted runner: the same
-        # world in both), the image's python and PATH, the GPUs as the device request renumbers.
-        return RunnerFacts(python="python", renumbers_gpus=True)
+        # world in both), the image's python and PATH.
+        return RunnerFacts(python="python")
 
     def start(self, plan: TaskPlan) -> Handle:
         image = self._image(plan.image)
