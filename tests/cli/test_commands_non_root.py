@@ -36,7 +36,7 @@ def node() -> Iterator[Path]:
     config.write_text(
         f'coordinator = "http://127.0.0.1:9"\nstate_dir = "{state}"\n'
         f'credentials_dir = "{creds}"\nrunner = "trusted"\npools = ["team-a"]\n'
-        'task_user = "flashnode-task"\n'
+        '[trusted]\ntask_user = "flashnode-task"\n'
     )
     (creds / "127.0.0.1_9.token").write_text("secret\n")
     (creds / "127.0.0.1_9.token").chmod(0o600)
