@@ -158,8 +158,7 @@ PATH = click.Path(path_type=Path, exists=False, readable=False)
 @click.option(
     "--runner",
     type=RunnerName(),
-    help="How tasks run: " + ", ".join(names()) + " (docker: sandboxed, the default;"
-    " trusted: on the host, pool-only).",
+    help="How tasks run: docker (sandboxed, default) or trusted (host, pool-only).",
 )
 @click.option(
     "--pool",
