@@ -41,7 +41,7 @@ from flashnode.sanitise import sanitise
 
 if TYPE_CHECKING:
     from flashnode.attempt.context import AttemptContext
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.attempt.record import Staged
     from flashnode.coordinator.lease import Task
     from flashnode.coordinator.messages import ExecutionEvidence
@@ -57,14 +57,14 @@ T = TypeVar("T")
 # --- check ---------------------------------------------------------------------------------
 
 
-def check(a: AttemptHooks, staged: Staged, evidence: ExecutionEvidence) -> Finished:
+def check(a: AttemptView, staged: Staged, evidence: ExecutionEvidence) -> Finished:
     """The outputs of a run that ended well, checked, then the result spooled durably."""
     finished = _finished(a, staged, evidence)
     a.spool(finished)
     return finished
 
 
-def recheck(a: AttemptHooks, staged: Staged) -> Finished:
+def recheck(a: AttemptView, staged: Staged) -> Finished:
     """For a result found in the outbox after a restart (``staged`` read back from its record):
     the outputs, checked again, must be the ones spooled."""
     evidence = a.record.evidence
@@ -76,14 +76,14 @@ def recheck(a: AttemptHooks, staged: Staged) -> Finished:
     return finished
 
 
-def _finished(a: AttemptHooks, staged: Staged, evidence: ExecutionEvidence) -> Finished:
+def _finished(a: AttemptView, staged: Staged, evidence: ExecutionEvidence) -> Finished:
     """The outputs walked and checked, and the sha256 of metrics.json (the last of them)."""
     ws = staged.workspace
     files = _checked_outputs(a, staged.task, ws)
     return Finished(evidence, files, _sha256(ws, files[-1]))
 
 
-def _checked_outputs(a: AttemptHooks, task: Task, ws: Workspace) -> list[OutputFile]:
+def _checked_outputs(a: AttemptView, task: Task, ws: Workspace) -> list[OutputFile]:
     s = a.ctx.settings
     files = list_outputs(ws, s.max_output_file_bytes, s.max_output_total_bytes, s.max_output_files)
     by_name = {f.rel: f for f in files}
@@ -134,7 +134,7 @@ def _sha256(ws: Workspace, f: OutputFile) -> str:
 # --- commit --------------------------------------------------------------------------------
 
 
-def commit(a: AttemptHooks, staged: Staged, finished: Finished) -> tuple[Outcome, str]:
+def commit(a: AttemptView, staged: Staged, finished: Finished) -> tuple[Outcome, str]:
     """Upload the logs and every output (metrics.json last), then complete: the attempt's
     outcome and its reason."""
     ws, prefix = staged.workspace, staged.task.output_prefix
@@ -170,7 +170,7 @@ def _log_file(ws: Workspace, name: str) -> Opened:
     return open_log(ws, name)
 
 
-def _upload(a: AttemptHooks, key: str, open_file: Callable[[], Opened]) -> str | None:
+def _upload(a: AttemptView, key: str, open_file: Callable[[], Opened]) -> str | None:
     """Upload one file (opened anew, and checked, on every try); None when there is nothing."""
 
     def once() -> str | None:
@@ -189,7 +189,7 @@ def _upload(a: AttemptHooks, key: str, open_file: Callable[[], Opened]) -> str |
         raise AttemptFailed(f"the coordinator refused {key} as too large ({exc})") from None
 
 
-def _retrying(a: AttemptHooks, what: str, call: Callable[[], T]) -> T:
+def _retrying(a: AttemptView, what: str, call: Callable[[], T]) -> T:
     """Retry transport errors and 5xx with the shared backoff for as long as the lease lives
     (the keeper says when it is lost) and the attempt is not stopped."""
     return transfer(a, what, call, policy=retry.RESULT)
@@ -198,7 +198,7 @@ def _retrying(a: AttemptHooks, what: str, call: Callable[[], T]) -> T:
 # --- failure ---------------------------------------------------------------------------------
 
 
-def report_failure(a: AttemptHooks, reason: str) -> tuple[Outcome, str]:
+def report_failure(a: AttemptView, reason: str) -> tuple[Outcome, str]:
     """Report the task's failure with ``fail`` (and its logs, when it ran), unless the lease is
     already lost."""
     reason = bounded(reason)
@@ -218,7 +218,7 @@ def report_failure(a: AttemptHooks, reason: str) -> tuple[Outcome, str]:
     return Outcome.FAILED, reason
 
 
-def _upload_logs_best_effort(a: AttemptHooks, prefix: str, ws: Workspace) -> None:
+def _upload_logs_best_effort(a: AttemptView, prefix: str, ws: Workspace) -> None:
     for name in LOGS:
         try:
             with open_log(ws, name) as opened:

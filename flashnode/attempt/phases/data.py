@@ -27,12 +27,12 @@ from flashnode.runners.registry import capabilities
 
 if TYPE_CHECKING:
     from flashnode.attempt.context import ShardLease
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.attempt.record import Staged
     from flashnode.config.settings import Settings
 
 
-def run(a: AttemptHooks, staged: Staged) -> Contribution:
+def run(a: AttemptView, staged: Staged) -> Contribution:
     """What the task's start gets for its data: the views of the lent directories it asked for,
     and its dataset slices laid out in its workspace; its release unpins the slices."""
     views = _lend(a, staged)
@@ -47,7 +47,7 @@ def run(a: AttemptHooks, staged: Staged) -> Contribution:
     return Contribution(views=views, datasets=True, release=release)
 
 
-def _lend(a: AttemptHooks, staged: Staged) -> tuple[tuple[str, str], ...]:
+def _lend(a: AttemptView, staged: Staged) -> tuple[tuple[str, str], ...]:
     task, ws = staged.task, staged.workspace
     if not task.local_inputs:
         return ()
@@ -61,7 +61,7 @@ def _lend(a: AttemptHooks, staged: Staged) -> tuple[tuple[str, str], ...]:
     return views
 
 
-def still_lent(a: AttemptHooks, views: Sequence[tuple[str, str]]) -> None:
+def still_lent(a: AttemptView, views: Sequence[tuple[str, str]]) -> None:
     """Raise AttemptLapsed when the owner stopped lending a directory of ``views`` (host path,
     ``/work/inputs/<label>``) since the claim (a reload): such a directory is mounted by no
     task from then on. Checked when the views are made and again just before the task starts
@@ -77,7 +77,7 @@ def still_lent(a: AttemptHooks, views: Sequence[tuple[str, str]]) -> None:
             )
 
 
-def _fetch(a: AttemptHooks, staged: Staged) -> list[ShardLease]:
+def _fetch(a: AttemptView, staged: Staged) -> list[ShardLease]:
     """The slices fetched, pinned and laid out; unpinned again here if anything of it fails."""
     entries, cache = staged.task.datasets, a.ctx.data
     if not entries:

@@ -25,14 +25,14 @@ from flashnode.runners.registry import capabilities
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.coordinator.lease import Task
 
 # A task that names no ``python``: the version of the interpreter the agent runs under.
 DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def rejoin(a: AttemptHooks) -> Contribution:
+def rejoin(a: AttemptView) -> Contribution:
     """For a task rejoined after a restart: its job environment pinned again (the agent that
     pinned it is gone), so that no eviction removes it under the task; released at its end."""
     key, envs = a.record.environment, a.ctx.envs
@@ -45,7 +45,7 @@ def rejoin(a: AttemptHooks) -> Contribution:
     return Contribution(release=env.release)
 
 
-def run(a: AttemptHooks, task: Task) -> Contribution:
+def run(a: AttemptView, task: Task) -> Contribution:
     """What the task's start gets for its job environment (nothing, where it has none); its
     release unpins the environment."""
     ctx = a.ctx

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from flashnode.attempt.diskwatch import DiskCaps
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.attempt.record import Staged
     from flashnode.evidence.sampler import CpuWindow
     from flashnode.runners.plan import Contribution
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 def run(
-    a: AttemptHooks, staged: Staged, contributions: Sequence[Contribution]
+    a: AttemptView, staged: Staged, contributions: Sequence[Contribution]
 ) -> ExecutionEvidence:
     """The task run to its end, started by the plan resolved from what the phases before
     contributed (its module spec written first); the evidence of a run that ended well (also in
@@ -95,7 +95,7 @@ def run(
     return _watch(a, staged, handle, (space, use, caps), timeout, cpu, launched)
 
 
-def rejoin(a: AttemptHooks, staged: Staged, handle: Handle) -> ExecutionEvidence:
+def rejoin(a: AttemptView, staged: Staged, handle: Handle) -> ExecutionEvidence:
     """The task an earlier run of the agent started and let go of, rejoined (``handle``):
     watched from here to its end as ``run`` watches it, its timeout counted from its start, its
     checkpoints relayed on from the newest one shipped."""
@@ -121,7 +121,7 @@ def rejoin(a: AttemptHooks, staged: Staged, handle: Handle) -> ExecutionEvidence
 
 
 def _watch(
-    a: AttemptHooks,
+    a: AttemptView,
     staged: Staged,
     handle: Handle,
     disk: tuple[Space | None, Usage, DiskCaps],
@@ -222,7 +222,7 @@ def _watch(
 
 
 def _guards(
-    a: AttemptHooks,
+    a: AttemptView,
     staged: Staged,
     disk: tuple[Space | None, Usage, DiskCaps],
     timeout: float,
@@ -280,7 +280,7 @@ def _verdict(result: RunResult) -> None:
     raise AttemptFailed(f"{what}: {tail}" if tail else what)
 
 
-def release(a: AttemptHooks) -> None:
+def release(a: AttemptView) -> None:
     """Whatever way the attempt ends: nothing of the task left running, its GPUs free again."""
     try:
         if a.handle is not None and a.result is None:

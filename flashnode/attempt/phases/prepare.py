@@ -14,11 +14,11 @@ from flashnode.coordinator.lease import parse_task
 from flashnode.errors import AttemptFailed, AttemptLapsed, Stopped
 
 if TYPE_CHECKING:
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.coordinator.lease import Lease, Task
 
 
-def run(a: AttemptHooks, lease: Lease) -> Task:
+def run(a: AttemptView, lease: Lease) -> Task:
     """The lease's task, checked by the runner, its GPUs held (``a.hold_gpus``)."""
     task = parse_task(lease)
     a.ctx.runner.check(task, a.ctx.settings)

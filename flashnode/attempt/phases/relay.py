@@ -58,7 +58,7 @@ from flashnode.sandbox.outputs import OutputFile, open_output
 from flashnode.sandbox.workspace import CKPT
 
 if TYPE_CHECKING:
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.attempt.record import Staged
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Relay:
     flashruntime's layout: only newer ones are shipped."""
 
     def __init__(
-        self, a: AttemptHooks, staged: Staged, restored: tuple[str, int] | None = None
+        self, a: AttemptView, staged: Staged, restored: tuple[str, int] | None = None
     ) -> None:
         self._a = a
         self._lease, self._task, self._ws = staged.lease, staged.task, staged.workspace
@@ -102,14 +102,14 @@ class Relay:
 
     # --- the watcher ------------------------------------------------------------------------
 
-    def start(self, a: AttemptHooks) -> None:
+    def start(self, a: AttemptView) -> None:
         a.ctx.start_thread(self._run, f"relay-{self._lease.lease_id}")
 
     def stop(self) -> None:
         self._exited = True
         self._wake.set()
 
-    def finish(self, a: AttemptHooks) -> None:
+    def finish(self, a: AttemptView) -> None:
         self._exited = True
         self._wake.set()
         with self._lock:

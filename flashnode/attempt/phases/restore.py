@@ -53,7 +53,7 @@ from flashnode.sandbox.workspace import CKPT
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.attempt.record import Staged
     from flashnode.coordinator.lease import Lease
     from flashnode.sandbox.workspace import Workspace
@@ -67,7 +67,7 @@ class Unusable(Exception):
     """The latest manifest cannot be resumed from; the message says why."""
 
 
-def run(a: AttemptHooks, staged: Staged) -> Contribution:
+def run(a: AttemptView, staged: Staged) -> Contribution:
     """What the task's start gets for its checkpoints: their variables, and the checkpoint
     restored for it, if any. The relay is set to watch the run."""
     task = staged.task
@@ -102,7 +102,7 @@ def run(a: AttemptHooks, staged: Staged) -> Contribution:
     return Contribution(env=env, module_inputs=inputs)
 
 
-def _latest(a: AttemptHooks, lease: Lease) -> CheckpointManifest | None:
+def _latest(a: AttemptView, lease: Lease) -> CheckpointManifest | None:
     ladder = Ladder(
         gave_up=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
         refused=lambda e: AttemptLapsed(f"could not ask for the task's latest checkpoint: {e}"),
@@ -156,7 +156,7 @@ def _layout(
 
 
 def _restore(
-    a: AttemptHooks,
+    a: AttemptView,
     ws: Workspace,
     manifest: CheckpointManifest,
     files: list[tuple[CheckpointPart, str]],
@@ -208,7 +208,7 @@ def _flashruntime_layout(name: str, rels: list[str]) -> bool:
 
 
 def _retarget(
-    a: AttemptHooks,
+    a: AttemptView,
     ws: Workspace,
     directory: Path,
     manifest: CheckpointManifest,
@@ -235,7 +235,7 @@ def _retarget(
         fh.write(manifests.retarget(data, where))
 
 
-def _fetch(a: AttemptHooks, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -> Path:
+def _fetch(a: AttemptView, ws: Workspace, files: list[tuple[CheckpointPart, str]]) -> Path:
     """Download and check every part into .stage/resume/; that directory."""
     fetched = ws.stage / RESUME_INPUT
     budget = a.budget
@@ -261,7 +261,7 @@ def _fetch(a: AttemptHooks, ws: Workspace, files: list[tuple[CheckpointPart, str
     return fetched
 
 
-def _download(a: AttemptHooks, part: CheckpointPart, dest: Path) -> int:
+def _download(a: AttemptView, part: CheckpointPart, dest: Path) -> int:
     ladder = Ladder(
         missing=lambda _: Unusable(f"part {part.key} is missing from the store"),
         gave_up=lambda e: AttemptLapsed(f"the task's checkpoint could not be fetched: {e}"),

@@ -15,18 +15,18 @@ from flashnode.sandbox import archives
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
     from flashnode.coordinator.lease import Lease, Task
 
 
-def make(a: AttemptHooks, lease: Lease, task: Task) -> Staged:
+def make(a: AttemptView, lease: Lease, task: Task) -> Staged:
     """The attempt's workspace, new and empty: the orchestrator holds it before anything is
     downloaded into it, so that it is retired however the attempt ends."""
     a.staging()
     return Staged.make(lease, task, a.ctx.settings.state_dir)
 
 
-def run(a: AttemptHooks, staged: Staged) -> None:
+def run(a: AttemptView, staged: Staged) -> None:
     """The task's inputs, downloaded into the workspace (archives unpacked), each byte and inode
     taken from the attempt's disk budget before it is written (``diskbudget.py``)."""
     ws, s = staged.workspace, a.ctx.settings
@@ -52,7 +52,7 @@ def run(a: AttemptHooks, staged: Staged) -> None:
             a.budget.give_back(size, 1)
 
 
-def fetch(a: AttemptHooks, key: str, dest: Path, max_bytes: int, what: str, ladder: Ladder) -> int:
+def fetch(a: AttemptView, key: str, dest: Path, max_bytes: int, what: str, ladder: Ladder) -> int:
     """Download artifact ``key`` into ``dest`` (made here, never through a link), retried with
     the shared backoff while the attempt goes on; counted as staged. Its inode and every chunk
     are taken from the attempt's disk budget before they are written (a chunk that does not fit
@@ -78,7 +78,7 @@ def fetch(a: AttemptHooks, key: str, dest: Path, max_bytes: int, what: str, ladd
     return transfer(a, f"download of {what}", once, ladder=ladder)
 
 
-def _download(a: AttemptHooks, name: str, key: str, dest: Path, budget: int) -> int:
+def _download(a: AttemptView, name: str, key: str, dest: Path, budget: int) -> int:
     ladder = Ladder(
         missing=lambda _: AttemptFailed(f"input {name!r} is missing: no artifact at {key}"),
         gave_up=lambda e: AttemptLapsed(f"input {name!r} could not be fetched: {e.__cause__}"),

@@ -15,7 +15,7 @@ from flashnode.coordinator import retry
 from flashnode.errors import CoordinatorError, LeaseLost, NotFound
 
 if TYPE_CHECKING:
-    from flashnode.attempt.hooks import AttemptHooks
+    from flashnode.attempt.hooks import AttemptView
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ class Ladder:
 
 
 def transfer(
-    a: AttemptHooks,
+    a: AttemptView,
     what: str,
     call: Callable[[], T],
     *,
@@ -60,7 +60,7 @@ def transfer(
 
 
 def _retry(
-    a: AttemptHooks, what: str, call: Callable[[], T], policy: retry.Policy, stop: threading.Event
+    a: AttemptView, what: str, call: Callable[[], T], policy: retry.Policy, stop: threading.Event
 ) -> T:
     return retry.retry(
         call,
