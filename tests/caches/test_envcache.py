@@ -897,6 +897,7 @@ def test_a_crash_mid_build_leaves_no_usable_entry(root: Path, index: PackageInde
         index.files_gate.set()
         if agent.poll() is None:
             agent.kill()
+            agent.wait()
     assert any((root / ".tmp").iterdir()), "the crash should have left a half build"
     assert not list(root.glob("*/env"))
 

@@ -586,6 +586,7 @@ def test_one_user_holding_connections_open_cannot_lock_the_owner_out(
     finally:
         nobody.kill()
         nobody.wait()
+        nobody.stdout.close()
 
 
 def test_the_browser_is_handed_a_private_page_never_the_login_link(

@@ -53,6 +53,7 @@ def test_logs_without_a_lease_follows_the_only_running_task_to_its_end(
     finally:
         if follower.poll() is None:
             follower.kill()
+            follower.communicate()  # its pipes closed, its status read
     assert follower.returncode == 0, err
     assert first + rest == "started\n" and err == "done\n"
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED"

@@ -72,9 +72,10 @@ def test_an_agent_whose_task_users_are_all_held_refuses_naming_the_holder_and_a_
         assert len(held) == 16 and held[0].startswith(f"{USER}-0 (the agent of pid")
         assert held_elsewhere(USER, Path("/srv/a"), lock_dir) == []  # its own agent's
     finally:
-        assert holder.stdin is not None
+        assert holder.stdin is not None and holder.stdout is not None
         holder.stdin.close()
         holder.wait(10)
+        holder.stdout.close()
     assert [u.name for u in UserLocks(USER, lock_dir).take(1, tmp_path / "s")] == [f"{USER}-0"]
 
 

@@ -69,6 +69,8 @@ def python_imports(python: str, modules: Sequence[str]) -> str | None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            if proc.stderr is not None:  # left open by a communicate that timed out
+                proc.stderr.close()
             return "TimeoutExpired"
         finally:
             with contextlib.suppress(OSError):
@@ -137,6 +139,8 @@ def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        if proc.stdout is not None:  # left open by a communicate that timed out
+            proc.stdout.close()
     try:
         verdict = json.loads(out)
     except ValueError:
