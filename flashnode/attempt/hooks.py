@@ -194,10 +194,11 @@ class AttemptHooks:
         clock = self.ctx.clock
         now, wall = clock.monotonic(), clock.wall()
         keeper, since = self.keeper, self.suspended_since
-        snap = {
+        snap: dict[str, Any] = {
             "lease_id": lease.lease_id,
             "job_id": lease.job_id,
             "task_id": lease.task_id,
+            "pool": self.staged.task.pool if self.staged else None,
             "attempt_number": lease.attempt_number,
             "started_at": self.record.claimed_at,
             "phase": self.phase,

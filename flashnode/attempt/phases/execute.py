@@ -36,9 +36,10 @@ from flashnode.runners import plan as plans
 from flashnode.runners.base import Handle, RunResult
 from flashnode.runners.registry import capabilities
 from flashnode.sandbox import outputs
+from flashnode.sandbox.progress import newest_metrics_step
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from flashnode.attempt.diskwatch import DiskCaps
     from flashnode.attempt.hooks import AttemptView
@@ -47,12 +48,12 @@ if TYPE_CHECKING:
     from flashnode.runners.plan import Contribution
     from flashnode.sandbox.diskuse import Space
     from flashnode.sandbox.outputs import Usage
+    from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
-def run(
-    a: AttemptView, staged: Staged, contributions: Sequence[Contribution]
-) -> ExecutionEvidence:
+
+def run(a: AttemptView, staged: Staged, contributions: Sequence[Contribution]) -> ExecutionEvidence:
     """The task run to its end, started by the plan resolved from what the phases before
     contributed (its module spec written first); the evidence of a run that ended well (also in
     the record)."""
@@ -153,7 +154,13 @@ def _watch(
         t0, cpu0 = t0 - ran, 0.0
     before = a.record.timings.get("suspended", 0.0)  # a rejoined task's, before the restart
     guards = _guards(a, staged, disk, timeout, t0, launched)
-    guards.append(SamplingGuard(sampler.sample, s.sample_seconds, ctx.clock.monotonic()))
+    progress = _progress(a, ws)
+
+    def sample() -> None:
+        sampler.sample()
+        progress()
+
+    guards.append(SamplingGuard(sample, s.sample_seconds, ctx.clock.monotonic()))
     supervisor = Supervisor(
         handle,
         guards,
@@ -180,6 +187,7 @@ def _watch(
             a.ran(result)
     finally:
         supervisor.finish(ctx.clock.monotonic())
+        progress()
         if a.result is None:  # not read here: it runs on, or the attempt's end reads it
             a.ran(None)
         sampler.finish()
@@ -219,6 +227,20 @@ def _watch(
             raise full
     _verdict(result)
     return evidence
+
+
+def _progress(a: AttemptView, ws: Workspace) -> Callable[[], None]:
+    """A reading of how far the task says it got (the newest step in its metrics log), reported
+    to the live view and the ledger line when it moved."""
+    last: list[int | None] = [None]
+
+    def read() -> None:
+        step = newest_metrics_step(ws)
+        if step is not None and step != last[0]:
+            last[0] = step
+            a.report("metrics_step", step)
+
+    return read
 
 
 def _guards(
