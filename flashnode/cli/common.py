@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -184,46 +185,82 @@ def needs_root(what: str, group: bool = False, denied: bool = True) -> NoReturn:
 def history(config_file: Path | None, state_dir: Path | None, count: int, as_json: bool) -> None:
     """Recent attempts from the local ledger."""
     ledger = Ledger(state_dir_of(config_file, state_dir) / "ledger.jsonl")
-    cores = os.cpu_count() or 1
     try:
         records = ledger.records(last=count)
     except PermissionError:
         needs_root(f"cannot read {ledger.path} (the agent's alone)")
-    if records and not as_json:
-        zone = time.strftime("%Z")
-        click.echo(
-            f"{'ended (' + zone + ')':19}  lease  job/task  outcome  took  cpu  gpu"
-            "  [facts]  reason"
-        )
-    for r in records:
-        if as_json:
+    if as_json:
+        for r in records:
             click.echo(json.dumps(r, sort_keys=True))
-            continue
-        at = r.get("ended_at")
-        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if _number(at) else "-" * 19
-        ev = _dict(r.get("evidence"))
-        # The task's own figures (its process tree or cgroup, its GPU processes): the wire's
-        # host-wide ones would charge the task with whatever else the machine did.
-        usage = _dict(r.get("task_usage"))
-        wall, cpu, gpu = (
-            ev.get("wall_seconds"),
-            usage.get("cpu_percent_mean"),
-            usage.get("gpu_util_percent_mean"),
-        )
-        took = f"{wall:.1f}s" if _number(wall) else "-"
-        job = f"{r.get('job_id') or '-'}/{r.get('task_id') or '-'}"
-        # The lease names the attempt for `flashnode logs LEASE`.
-        line = (
-            f"{ended}  {r.get('lease_id') or '-'}  {job}  {r.get('outcome') or '-'!s:9}  {took:>8}"
-        )
-        line += f"  cpu {_figure(cpu, 100.0 * cores)}  gpu {_figure(gpu, 100.0)}"
-        facts = status.describe_facts(r)
-        if facts:
-            line += f"  [{facts}]"
-        if r.get("reason"):
-            line += f"  {r['reason']}"
-        # What a task wrote (its stderr is in reasons) never drives the owner's terminal.
-        click.echo(sanitise(line))
+        return
+    if records:
+        for line in history_table(records, os.cpu_count() or 1, _terminal_width()):
+            click.echo(line)
+
+
+HISTORY_HEADER = ("ended", "lease", "job/task", "outcome", "took", "cpu", "gpu", "[facts] reason")
+RIGHT = {"took", "cpu", "gpu"}  # figures: aligned on their right
+JOB_TASK_MOST = 48  # a longer job/task id is cut (its whole id: --json)
+NOTES_LEAST = 20  # on a narrow terminal the facts and reason still get this much
+
+
+def history_table(records: list[dict[str, Any]], cores: int, width: int = 0) -> list[str]:
+    """The header and a row per attempt, each column as wide as its widest cell, so that every
+    row lines up under the header whatever it holds; the last column (facts, reason) is cut
+    with "…" where the line would pass ``width`` (a terminal's; 0: no limit). Every cell is
+    sanitised first: what a task wrote (its stderr is in reasons) never drives the owner's
+    terminal, and the widths are those of what is shown."""
+    header = list(HISTORY_HEADER)
+    header[0] = f"ended ({time.strftime('%Z')})"
+    rows = [header] + [_history_row(r, cores) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(w) if name in RIGHT else cell.ljust(w)
+            for name, cell, w in zip(HISTORY_HEADER, row, widths, strict=False)  # less notes
+        ]
+        fixed = "  ".join(cells)
+        notes = row[-1]
+        if width > 0 and notes:
+            room = max(width - len(fixed) - 2, NOTES_LEAST)
+            notes = _cut(notes, room)
+        lines.append(f"{fixed}  {notes}".rstrip())
+    return lines
+
+
+def _history_row(r: dict[str, Any], cores: int) -> list[str]:
+    at = r.get("ended_at")
+    ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if _number(at) else "-"
+    ev = _dict(r.get("evidence"))
+    # The task's own figures (its process tree or cgroup, its GPU processes): the wire's
+    # host-wide ones would charge the task with whatever else the machine did.
+    usage = _dict(r.get("task_usage"))
+    wall = ev.get("wall_seconds")
+    took = f"{wall:.1f}s" if _number(wall) else "-"
+    # The lease names the attempt for `flashnode logs LEASE`: never cut.
+    job = _cut(sanitise(f"{r.get('job_id') or '-'}/{r.get('task_id') or '-'}"), JOB_TASK_MOST)
+    facts = status.describe_facts(r)
+    notes = " ".join(x for x in (f"[{facts}]" if facts else "", str(r.get("reason") or "")) if x)
+    return [
+        ended,
+        sanitise(str(r.get("lease_id") or "-")),
+        job,
+        sanitise(str(r.get("outcome") or "-")),
+        took,
+        _figure(usage.get("cpu_percent_mean"), 100.0 * cores),
+        _figure(usage.get("gpu_util_percent_mean"), 100.0),
+        sanitise(notes),
+    ]
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[: most - 1] + "…"
+
+
+def _terminal_width() -> int:
+    """The terminal's width (or $COLUMNS); 0 when the table goes to a file or a pipe."""
+    return shutil.get_terminal_size(fallback=(0, 0)).columns
 
 
 def _figure(value: object, most: float) -> str:

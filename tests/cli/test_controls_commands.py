@@ -219,7 +219,8 @@ def test_history_names_each_attempts_lease_which_logs_takes(
     (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
     code, out = flashnode("history", "--state-dir", str(tmp_path))
     header, row = out.splitlines()
-    assert code == 0 and "lease" in header.split() and "ls-4c3324eda35e  j/t  failed" in row
+    assert code == 0 and "lease" in header.split()
+    assert row.split()[1:4] == ["ls-4c3324eda35e", "j/t", "failed"]
 
 
 def test_a_reader_that_goes_away_ends_history_quietly(tmp_path: Path) -> None:
@@ -311,7 +312,89 @@ def test_history_shows_the_task_scoped_cpu_and_a_dash_for_what_was_not_measured(
     assert code == 0, out
     header, first, second, third = out.splitlines()
     assert header.startswith(f"ended ({time.strftime('%Z')})") and "outcome" in header
-    assert "cpu 0.15%  gpu -" in first and "52" not in first
-    assert "j/t2" in second and "cpu -  gpu -" in second
-    assert "cpu 150%  gpu 87.5%" in third and third.endswith("exit code 1")
+
+    def figure(row: str, name: str) -> str:  # a figure's column ends where its header does
+        return row[: header.index(f" {name}") + 1 + len(name)].split()[-1]
+
+    assert (figure(first, "cpu"), figure(first, "gpu")) == ("0.15%", "-") and "52" not in first
+    assert "j/t2" in second and (figure(second, "cpu"), figure(second, "gpu")) == ("-", "-")
+    assert (figure(third, "cpu"), figure(third, "gpu")) == ("150%", "87.5%")
+    assert third.endswith("exit code 1")
     assert "None" not in out
+
+
+def test_history_rows_line_up_under_the_header_whatever_they_hold(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Columns as wide as their widest cell: a long lease, a short one, a missing end time, a
+    figure of each width; each cell starts (figures: ends) where its header does."""
+    records = [
+        {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "outcome": "lost", "ended_at": None},
+        {
+            "ended_at": 1.7e9,
+            "lease_id": "ls-4c3324eda35e0f1e",
+            "job_id": "job-with-a-long-name",
+            "task_id": "task-0042",
+            "outcome": "committed",
+            "evidence": {"wall_seconds": 1234.5},
+            "task_usage": {"cpu_percent_mean": 97.25, "gpu_util_percent_mean": 100.0},
+        },
+        {
+            "ended_at": 1.7e9,
+            "lease_id": "ls-22",
+            "job_id": "j2",
+            "task_id": "t",
+            "outcome": "failed",
+            "evidence": {"wall_seconds": 0.5},
+            "task_usage": {"cpu_percent_mean": 3.0},
+            "reason": "exit code 1",
+        },
+    ]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out = flashnode("history", "--state-dir", str(tmp_path))
+    assert code == 0, out
+    header, *rows = out.splitlines()
+    cells = [
+        ("ls-1", "j/t", "lost", "-", "-", "-", ""),
+        (
+            "ls-4c3324eda35e0f1e",
+            "job-with-a-long-name/task-0042",
+            "committed",
+            "1234.5s",
+            "97.2%",
+            "100%",
+            "",
+        ),
+        ("ls-22", "j2/t", "failed", "0.5s", "3%", "-", "exit code 1"),
+    ]
+    for row, (lease, job, outcome, took, cpu, gpu, reason) in zip(rows, cells):
+        for name, cell in (("lease", lease), ("job/task", job), ("outcome", outcome)):
+            at = header.index(name)
+            assert row[at : at + len(cell)] == cell and row[at - 2 : at] == "  ", (name, out)
+        for name, cell in (("took", took), ("cpu", cpu), ("gpu", gpu)):
+            end = header.index(f" {name}") + 1 + len(name)
+            assert row[end - len(cell) : end] == cell and row[end - len(cell) - 1] == " ", out
+        if reason:
+            assert row[header.index("[facts]") :] == reason, out
+
+
+def test_history_cuts_a_long_reason_at_the_terminals_width(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    """On an 80-column terminal a long reason ends in "…" at the 80th column; --json keeps it."""
+    reason = "exit code 1: " + "Traceback line " * 40
+    line = {
+        "lease_id": "ls-1",
+        "job_id": "j",
+        "task_id": "t",
+        "outcome": "failed",
+        "reason": reason,
+    }
+    (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
+    argv = ["history", "--state-dir", str(tmp_path)]
+    shown = CliRunner().invoke(main, argv, env={"FLASHNODE_STATE_DIR": None, "COLUMNS": "80"})
+    header, row = shown.output.splitlines()
+    assert shown.exit_code == 0 and len(row) == 80 and row.endswith("…"), shown.output
+    assert row[header.index("[facts]") :].startswith("exit code 1: Traceback")
+    code, out = flashnode("history", "--json", "--state-dir", str(tmp_path))
+    assert code == 0 and json.loads(out)["reason"] == reason
