@@ -303,7 +303,7 @@ class Agent:
         except Exception:  # the last status and log line must still be written
             log.exception("closing the runner failed")
         self._publish(final=True)
-        log.info("agent stopped: %s", self.workers.outcomes())
+        log.info("agent stopped: %s", self.workers.summary())
 
     # --- what each turn weighs ----------------------------------------------------------------
 

@@ -55,6 +55,19 @@ class Stats:
         self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
 
 
+def describe_outcomes(outcomes: dict[str, int]) -> str:
+    """``no attempt ended``, ``1 attempt ended: committed``, ``3 attempts ended: 2 committed,
+    1 failed`` (the outcomes in their enum's order)."""
+    total = sum(outcomes.values())
+    if total == 0:
+        return "no attempt ended"
+    order = [o.value for o in Outcome]
+    counts = sorted(outcomes.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)
+    if total == 1:
+        return f"1 attempt ended: {counts[0][0]}"
+    return f"{total} attempts ended: " + ", ".join(f"{n} {o}" for o, n in counts if n)
+
+
 @dataclass(frozen=True)
 class Ended:
     """An attempt that ended: how, after how long, and when (monotonic)."""
@@ -217,6 +230,10 @@ class Workers:
         """How many attempts ended in each outcome so far."""
         with self._lock:
             return dict(self.stats.outcomes)
+
+    def summary(self) -> str:
+        """The attempts that ended, in words: ``3 attempts ended: 2 committed, 1 failed``."""
+        return describe_outcomes(self.outcomes())
 
     def ended(self) -> list[Ended]:
         """The attempts that ended since the last call, for the loop to act on."""

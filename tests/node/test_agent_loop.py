@@ -671,3 +671,25 @@ def test_gpus_found_after_the_start_add_no_slot_the_runner_never_made(tmp_path: 
     assert agent.workers.slots(agent.settings) == 1
     ctx.gpus.set_devices([Device(GpuInfo(index=i), str(i)) for i in range(3)])  # hot-plugged
     assert agent.workers.slots(agent.settings) == 1
+
+
+def test_the_stop_line_says_in_words_how_the_attempts_ended(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a Python dict (``{'committed': 2}``): words an owner reads in the journal."""
+    clock = FakeClock()
+    coord = FakeCoordinator(clock, claims=[lease(0), lease(1)])
+    agent = make_agent(tmp_path, coord, clock, max_tasks=2)
+    with caplog.at_level(logging.INFO):
+        agent.run()
+    [stopped] = [r.getMessage() for r in caplog.records if "agent stopped" in r.getMessage()]
+    assert stopped == "agent stopped: 2 attempts ended: 2 committed"
+
+
+def test_the_stop_lines_words_for_none_one_and_several_outcomes() -> None:
+    from flashnode.node.workers import describe_outcomes
+
+    assert describe_outcomes({}) == "no attempt ended"
+    assert describe_outcomes({"failed": 1}) == "1 attempt ended: failed"
+    many = {"lost": 1, "failed": 2, "committed": 3}
+    assert describe_outcomes(many) == "6 attempts ended: 3 committed, 2 failed, 1 lost"
