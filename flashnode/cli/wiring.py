@@ -27,6 +27,7 @@ from flashnode.caches.envcache import ENVS_DIR, EnvCache
 from flashnode.caches.fetcher import Fetcher
 from flashnode.cli.ending import AgentExit, lock_state_dir
 from flashnode.clock import SystemClock
+from flashnode.config.credentials import StoredCredentials
 from flashnode.config.loading import top_level_runner_keys
 from flashnode.config.schedule import Pause, PauseMode
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
@@ -302,6 +303,9 @@ def _run_agent(
         machine_stopping=machine_stopping,
         totals=given.totals,
         courtesy=courtesy,
+        credentials=StoredCredentials(
+            settings, reload or (lambda: settings), edges.coordinator.set_credentials, os.environ
+        ),
     )
     readers.task_cpu = agent.task_cpu  # every running task, containers included
     _log_start(settings, node, edges.slots, source.file)
@@ -414,6 +418,10 @@ class _Running:
 
     def on_settings(self, new: Settings, limits: Limits) -> None:
         data, envs = self._edges.data, self._edges.envs
+        token, code = new.token, new.join_code  # a reload re-reads the stored credentials too
+        self._edges.coordinator.set_credentials(
+            token.get_secret_value() if token else None, code.get_secret_value() if code else None
+        )
         data.budget_bytes = new.dataset_cache_bytes
         self.settings = new
         data.fetcher.policy = OriginPolicy.of(new.dataset_allow_private_origins)

@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from flashnode.config.urls import normalise_url
 from flashnode.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flashnode.config.settings import Settings
 
 # systemd's LoadCredential=ID:DIRECTORY names each file of DIRECTORY "ID_<file name>".
 CREDENTIAL_ID = "flashnode"
@@ -67,6 +71,15 @@ def stored_credential(
     Under systemd the unit hands the credentials in with ``LoadCredential=`` and the agent reads
     them from ``$CREDENTIALS_DIRECTORY`` first; then from ``directory`` (what login wrote).
     """
+    candidates = credential_candidates(coordinator, kind, directory, env)
+    return next((p for p in candidates if _exists(p)), None)
+
+
+def credential_candidates(
+    coordinator: str, kind: str, directory: Path, env: Mapping[str, str]
+) -> list[Path]:
+    """Every place a stored token or join code for ``coordinator`` may be, the first found
+    taken (``stored_credential``)."""
     candidates = []
     loaded = env.get("CREDENTIALS_DIRECTORY")
     for stem in credentials_names(coordinator):  # its own name first, then its aliases
@@ -74,7 +87,61 @@ def stored_credential(
         if loaded:
             candidates += [Path(loaded) / f"{CREDENTIAL_ID}_{name}", Path(loaded) / name]
         candidates.append(directory / name)
-    return next((p for p in candidates if _exists(p)), None)
+    return candidates
+
+
+class StoredCredentials:
+    """The agent's credentials as stored, read again while the coordinator refuses them
+    (``node/session.py``): ``changed`` looks (a stat of each place they may be) whether they
+    changed since they were last read; ``reread`` loads the settings again (``load``: the same
+    loader the agent started with) and hands the token and join code to the client
+    (``present``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        load: Callable[[], Settings],
+        present: Callable[[str | None, str | None], None],
+        env: Mapping[str, str],
+    ) -> None:
+        self._load = load
+        self._present = present
+        self._env = env
+        self._paths = self._places(settings)
+        self._seen = self._look()
+
+    def _places(self, settings: Settings) -> list[Path]:
+        directory = settings.credentials_dir
+        places: list[Path] = []
+        for given, kind in ((settings.token_file, "token"), (settings.join_code_file, "join-code")):
+            if given is not None:
+                places.append(given)
+            else:
+                places += credential_candidates(settings.coordinator, kind, directory, self._env)
+        return places
+
+    def _look(self) -> tuple[tuple[int, int, int] | None, ...]:
+        seen: list[tuple[int, int, int] | None] = []
+        for path in self._paths:
+            try:
+                st = path.stat()
+                seen.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                seen.append(None)
+        return tuple(seen)
+
+    def changed(self) -> bool:
+        return self._look() != self._seen
+
+    def reread(self) -> None:
+        seen = self._look()
+        settings = self._load()  # ConfigError: a file unreadable, or readable by others
+        self._paths = self._places(settings)
+        self._seen = seen if len(seen) == len(self._paths) else self._look()
+        token, code = settings.token, settings.join_code
+        self._present(
+            token.get_secret_value() if token else None, code.get_secret_value() if code else None
+        )
 
 
 def _exists(path: Path) -> bool:

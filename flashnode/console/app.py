@@ -206,6 +206,7 @@ class App:
             "counters": snapshot.get("counters") or {},
         }
         out["why"] = _why(snapshot, controls or {}, lastexit.read(self.w.state_dir))
+        out["stale"] = status.staleness(snapshot, self.w.clock())
         out["running"] = [self._attempt(a) for a in snapshot.get("running") or []]
         return out
 
@@ -400,8 +401,9 @@ def _why(
 ) -> dict[str, Any]:
     """Why the node is not working, in general terms: each hold with its reason and its fix,
     a failing coordinator conversation, the last refused reload, and how the agent before
-    this one exited (refused credentials, a configuration error, ...) when that was an
-    error."""
+    this one exited (refused credentials, a configuration error, ...) while that still holds
+    (``status.current_exit``: not a second agent refused beside this one, not refused
+    credentials the coordinator accepted since)."""
     holds = []
     for h in controls.get("held_by") or []:
         if isinstance(h, dict):
@@ -425,7 +427,8 @@ def _why(
         if isinstance(p, dict)
     ]
     exited = None
-    if last_exit is not None and last_exit.get("code"):
+    last_exit = status.current_exit(last_exit, snapshot)
+    if last_exit is not None:
         started = snapshot.get("started_at")
         exited = {
             **{k: last_exit.get(k) for k in ("at", "code")},

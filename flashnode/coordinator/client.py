@@ -87,14 +87,12 @@ class Coordinator:
         # any local user can take it while the coordinator is down. Each new connection first
         # checks who listens there (transport None: a real socket, not a test's stand-in).
         parts = urlsplit(base_url)
-        self._guard = (
-            (parts.hostname, parts.port or 80)
-            if transport is None
-            and parts.scheme == "http"
-            and is_loopback(parts.hostname or "")
-            and (token or join_code)
+        self._loopback = (
+            (parts.hostname or "", parts.port or 80)
+            if transport is None and parts.scheme == "http" and is_loopback(parts.hostname or "")
             else None
         )
+        self._guard = self._loopback if token or join_code else None
         self._client = httpx.Client(
             base_url=base_url + API,
             headers=headers,
@@ -110,6 +108,16 @@ class Coordinator:
 
     def close(self) -> None:
         self._client.close()
+
+    def set_credentials(self, token: str | None, join_code: str | None) -> None:
+        """Present these from the next request on: the node read its stored credentials
+        again after the coordinator refused the ones it had."""
+        if token:
+            self._client.headers["Authorization"] = f"Bearer {token}"
+        else:
+            self._client.headers.pop("Authorization", None)
+        self._join_code = join_code
+        self._guard = self._loopback if token or join_code else None
 
     def health(self) -> None:
         """GET /healthz: raises CoordinatorError unless the coordinator answers 200."""

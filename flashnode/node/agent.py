@@ -3,7 +3,7 @@ coordinator (register, heartbeat, claim), attempts handed to free slots, the dra
 
 ``run`` has three phases, as uvicorn's server does: ``startup`` (reap what an earlier run left,
 resume the outbox), the loop, and ``shutdown``, which runs in every case (a drain, a second
-signal, refused credentials, a bug) and stops, ends and records every running attempt before the
+signal, a bug) and stops, ends and records every running attempt before the
 agent returns.
 
 It imports no edge: the coordinator, the runner, the clock and the way attempts are started are
@@ -43,7 +43,7 @@ from flashnode.attempt import AttemptContext, Outcome
 from flashnode.clock import Clock
 from flashnode.config.settings import Settings
 from flashnode.coordinator.messages import NodeRegistration
-from flashnode.errors import CredentialsError, Stopped
+from flashnode.errors import Stopped
 from flashnode.node.controls import Controls
 from flashnode.node.courtesy.rules import CourtesyRules
 from flashnode.node.courtesy.watch import CourtesyWatch
@@ -55,7 +55,7 @@ from flashnode.node.publisher import NodeView, Publisher
 from flashnode.node.recovery import recover
 from flashnode.node.reload import Config, Reloader
 from flashnode.node.rules import Rules
-from flashnode.node.session import AgentCoordinator, Session
+from flashnode.node.session import AgentCoordinator, Credentials, Session
 from flashnode.node.workers import Workers, effective_slots
 from flashnode.owner.status import StatusSink
 from flashnode.sandbox.diskuse import Space
@@ -94,6 +94,7 @@ class Agent:
         limits: Callable[[Settings], Limits] | None = None,
         machine_stopping: Callable[[], bool] | None = None,
         courtesy: CourtesyWatch | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         """``ctx``: the edges every attempt is given, and the configuration the agent starts
         with (``settings``, ``limits``; after a reload the current one is ``reloader.current``,
@@ -108,7 +109,9 @@ class Agent:
         restarts), for status.json. ``machine_stopping``: whether the machine is shutting down
         (a stop then ends running tasks instead of letting go of them). ``courtesy``: the
         owner's courtesy (GPUs given back, heat, power), run on a thread of its own from the
-        start to the shutdown (None: none). Counts go to ``ctx.metrics``."""
+        start to the shutdown (None: none). ``credentials``: the stored credentials, read
+        again while the coordinator refuses them (the node holds meanwhile: ``session.py``).
+        Counts go to ``ctx.metrics``."""
         self._machine_stopping = machine_stopping or (lambda: False)
         self.rejoined = 0  # tasks an earlier run let go of, rejoined at the start
         self.ctx = ctx
@@ -131,7 +134,9 @@ class Agent:
         )
         self.publisher = Publisher(self.clock, sink, status_extra, totals)
         pacing = Pacing(ctx.settings, ctx.rng)
-        self.session = Session(coordinator, registration, self.clock, pacing, ctx.metrics)
+        self.session = Session(
+            coordinator, registration, self.clock, pacing, ctx.metrics, credentials
+        )
         self.workers = Workers(ctx, self.clock, self._wake.set)
         self.drain = Drain()
         # The node's own holds: the black-hole guard, the backoff after a revoked lease, the disk.
@@ -182,21 +187,14 @@ class Agent:
 
     def run(self) -> None:
         """Run until drained, stopped, or ``max_tasks`` attempts have finished. Refused
-        credentials end the loop and are raised again once every attempt is stopped."""
+        credentials do not end it: the node holds until the coordinator accepts them."""
         self.startup()
-        fatal: BaseException | None = None
+        fatal = True
         try:
             self._loop()
-        except CredentialsError as exc:
-            log.error("the coordinator refused this node's credentials: %s", exc)
-            fatal = exc
-        except BaseException as exc:
-            fatal = exc
-            raise
+            fatal = False
         finally:
-            self.shutdown(fatal is not None)
-        if fatal is not None:
-            raise fatal
+            self.shutdown(fatal)
 
     def startup(self) -> None:
         """Before any claim: rejoin the tasks an earlier run of this agent let go of, commit
@@ -313,7 +311,8 @@ class Agent:
         hold claiming and say why, but stop or suspend nothing."""
         d = self.controls.evaluate() if self.controls else Decision()
         courtesy = self.courtesy.holds() if self.courtesy else []
-        self.decision = d.holding(*self.holds.holds(self.settings), *courtesy)
+        refused = self.session.hold(self.settings)
+        self.decision = d.holding(*self.holds.holds(self.settings), *courtesy, refused)
         self.workers.obey(d, self.settings.kill_grace_seconds)
         self.ctx.metrics.set_controls(d.paused is not None, [h.rule for h in self.decision.holds])
 
@@ -391,4 +390,5 @@ class Agent:
             last_ended=self.workers.last_ended,
             reload_refused=self.reloader.refused,
             rejoined=self.rejoined,
+            registered_at=session.registered_wall,
         )

@@ -18,9 +18,19 @@ class Hold:
 
     # The owner's rules, and the node's own holds: a full disk, the black-hole guard's
     # quarantine, the backoff after a revoked lease (guard.py); the owner's courtesy (every GPU
-    # the owner's or too hot, or the CPU too hot: courtesy/).
+    # the owner's or too hot, or the CPU too hot: courtesy/); the coordinator refusing the
+    # node's credentials (session.py).
     rule: Literal[
-        "pause", "window", "battery", "active", "load", "disk", "quarantine", "revoked", "courtesy"
+        "pause",
+        "window",
+        "battery",
+        "active",
+        "load",
+        "disk",
+        "quarantine",
+        "revoked",
+        "courtesy",
+        "credentials",
     ]
     reason: str
     suspends: bool = False

@@ -3,6 +3,12 @@
 The loop hands ``Publisher.publish`` a ``NodeView``: a frozen copy of what it knows this turn.
 The publisher reads nothing else of the loop, so what it writes is one consistent moment, and
 the status text and snapshot are built (and tested) apart from the loop that changes them.
+
+status.json is written when what it says changes, and at least once every heartbeat period
+(``heartbeat_seconds``) even when nothing did, with its time (``updated_at``) and the period it
+promises (``fresh_for_s``): a snapshot much older than its promise is stale (the loop stopped
+writing), and ``flashnode status`` and the console say so (``status.staleness``). Whatever runs
+(elapsed, the task's output, the lease left) is thus never older than one period.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class NodeView:
     last_ended: Mapping[str, Any] | None
     reload_refused: Mapping[str, Any] | None
     rejoined: int = 0  # tasks an earlier run let go of, re-attached at this run's start
+    registered_at: float | None = None  # the latest registration the coordinator accepted (wall)
 
 
 class _Quiet:
@@ -76,17 +83,23 @@ class Publisher:
         self._totals = totals
         self._pid = os.getpid()
         self._published: tuple[str, int, object] | None = None
+        self._written_at: float | None = None  # when status.json was last written (monotonic)
         self._failing = False
 
     def publish(self, view: NodeView, final: bool = False) -> None:
         """Say what the node does: the status text at every call; status.json when it
-        changed (the text, a heartbeat, a refused reload) or at the ``final`` call."""
+        changed (the text, a heartbeat, a refused reload), when one heartbeat period passed
+        since it was last written, or at the ``final`` call."""
         text = "stopped" if final else self.text(view)
         self.sink.status(text)
         key = (text, view.beats, view.reload_refused)
-        if key == self._published and not final:
+        now = self.clock.monotonic()
+        period = view.settings.heartbeat_seconds
+        due = self._written_at is None or now - self._written_at >= period
+        if key == self._published and not final and not due:
             return
         self._published = key
+        self._written_at = now
         snapshot = {
             "pid": None if final else self._pid,
             "node_id": view.node_id,
@@ -106,7 +119,9 @@ class Publisher:
             "last_ended": None if view.last_ended is None else dict(view.last_ended),
             "reload_refused": None if view.reload_refused is None else dict(view.reload_refused),
             "rejoined": view.rejoined,
+            "registered_at": view.registered_at,
             "updated_at": self.clock.wall(),
+            "fresh_for_s": period,
             **self._extra,
         }
         try:

@@ -52,6 +52,7 @@ HELD_RULES = (
     "quarantine",
     "revoked",
     "courtesy",
+    "credentials",
 )
 _LABEL = re.compile(r"[^a-z0-9_]+")
 

@@ -20,10 +20,13 @@ from typing import Any, Protocol, TextIO, TypeGuard
 
 from flashnode import statefile
 from flashnode.clock import duration, moment
-from flashnode.errors import disk_full
+from flashnode.errors import ExitCode, disk_full
 from flashnode.sanitise import sanitise
 
 STATUS_FILE = "status.json"
+STALE_PERIODS = 3  # a snapshot older than this many of its promised periods is stale ...
+STALE_FLOOR_S = 30.0  # ... and never one younger than this
+DEFAULT_FRESH_FOR_S = 5.0  # the promise of a snapshot that states none (heartbeat_seconds)
 BLOCK_BYTES = 4096
 SLACK_BYTES = 1024  # what a snapshot may grow by and still be written in place
 
@@ -78,6 +81,42 @@ def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
     for attempt in snapshot.get("running", []):
         attempt.update(ages(attempt, now))
     return snapshot
+
+
+def staleness(snapshot: dict[str, Any], now: float) -> dict[str, Any]:
+    """Whether a snapshot is stale: older than ``STALE_PERIODS`` of the period it promises
+    (``fresh_for_s``), and never before ``STALE_FLOOR_S``. ``age_s``: seconds since it was
+    written (None: it carries no time, and counts as stale); ``limit_s``: the age it may
+    reach; ``since``: when it was written. The one rule ``flashnode status`` and the
+    console both follow."""
+    promise = snapshot.get("fresh_for_s")
+    period = promise if _number(promise) and promise > 0 else DEFAULT_FRESH_FOR_S
+    limit = max(STALE_PERIODS * period, STALE_FLOOR_S)
+    written = snapshot.get("updated_at")
+    if not _number(written):
+        return {"stale": True, "age_s": None, "limit_s": limit, "since": None}
+    age = round(max(now - written, 0.0), 1)
+    return {"stale": age > limit, "age_s": age, "limit_s": limit, "since": written}
+
+
+def current_exit(
+    last_exit: dict[str, Any] | None, snapshot: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The last exit record while it still says something about this node, else None. Not
+    an error: a clean stop; while an agent runs (``snapshot``), a second agent refused because
+    it runs (exit 75), or refused credentials (exit 77) once the running agent registered
+    after that exit: the coordinator accepts them now."""
+    if last_exit is None or not last_exit.get("code"):
+        return None
+    if snapshot is None:
+        return last_exit
+    code, at = last_exit.get("code"), last_exit.get("at")
+    if code == ExitCode.LOCKED:
+        return None
+    registered = snapshot.get("registered_at")
+    if code == ExitCode.CREDENTIALS and _number(registered) and _number(at) and registered > at:
+        return None
+    return last_exit
 
 
 def _number(value: Any) -> TypeGuard[float]:
@@ -168,6 +207,9 @@ def render(
         f"runner      {snapshot.get('runner')}   pools {pools}",
         f"state       {snapshot.get('state')}",
     ]
+    stale = staleness(snapshot, now)
+    if stale["stale"]:
+        lines += stale_lines(snapshot, stale, now)
     if _number(snapshot.get("started_at")):
         lines.append(f"started     {moment(snapshot['started_at'], now)}")
     rejoined = snapshot.get("rejoined")
@@ -199,8 +241,9 @@ def render(
             also = " (suspends running tasks)" if h.get("suspends") else ""
             lines.append(f"  {h.get('rule')}: {h.get('reason')}{also}")
             lines += _fix(h.get("fix"), "    ")
-    if last_exit is not None and last_exit.get("code"):
-        lines += exit_lines(last_exit, now, before=snapshot.get("started_at"))
+    shown = current_exit(last_exit, snapshot)
+    if shown is not None:
+        lines += exit_lines(shown, now, before=snapshot.get("started_at"))
     last = snapshot.get("last_ended")
     if isinstance(last, dict):
         why = f": {last['reason']}" if last.get("reason") else ""
@@ -212,7 +255,8 @@ def render(
             line += f" at {moment(last['ended_at'], now)}"
         lines.append(line)
     running = snapshot.get("running") or []
-    lines.append(f"running     {len(running)}")
+    as_of = f" (as of {moment(stale['since'], now)}: stale)" if stale["stale"] and running else ""
+    lines.append(f"running     {len(running)}{as_of}")
     for a in running:
         lines.append(f"  {a.get('lease_id')}  {a.get('job_id')}/{a.get('task_id')}")
         state = f"{a.get('phase')}, {duration(a.get('elapsed_s'))}"
@@ -243,6 +287,29 @@ def render(
         )
         lines.append(f"    last output  {a.get('last_output') or '-'}")
     return "\n".join(sanitise(line) for line in lines)
+
+
+def stale_lines(snapshot: dict[str, Any], stale: dict[str, Any], now: float) -> list[str]:
+    """A stale snapshot: how old, what it promised, and what fails (the coordinator problems it
+    carries; in any case the agent's loop, which has not written it since)."""
+    since = stale["since"]
+    when = moment(since, now) if _number(since) else "an unknown time"
+    period = snapshot.get("fresh_for_s")
+    promise = f"; it promises one every {duration(period)}" if _number(period) else ""
+    lines = [
+        f"STALE       status written {duration(stale['age_s'])} ago{promise}:"
+        " what follows may no longer hold"
+    ]
+    for problem in snapshot.get("coordinator_problems") or []:
+        if isinstance(problem, dict):
+            lines.append(
+                f"  failing: coordinator {problem.get('conversation')}: {problem.get('error')}"
+            )
+    lines.append(
+        f"  the agent's loop has not written status since {when}; it may be stuck: see the"
+        " journal (journalctl -u flashnode)"
+    )
+    return lines
 
 
 RELOAD_FIX = (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
-from flashnode.errors import CoordinatorUnavailable, CredentialsError, Unregistered
+from flashnode.errors import CoordinatorUnavailable, Unregistered
 from flashnode.evidence.inventory import registration
 from flashnode.node.agent import Agent
 from flashnode.sandbox.diskuse import Space
@@ -124,14 +124,6 @@ def test_node_heartbeat_about_every_five_seconds_while_idle_and_a_last_one_on_ex
     assert len(beats) >= 6
     assert all(4.5 - 1e-6 <= g <= 5.5 + 1e-6 for g in gaps(beats)[:-1])
     assert [c[2] for c in coord.calls if c[1] == "node_heartbeat"][-1] == "terminating"
-
-
-def test_refused_credentials_end_the_agent(tmp_path: Path) -> None:
-    clock = FakeClock()
-    coord = FakeCoordinator(clock, claims=[CredentialsError("401 invalid or missing node token")])
-    agent = make_agent(tmp_path, coord, clock)
-    with pytest.raises(CredentialsError):
-        agent.run()
 
 
 def test_low_disk_stops_claims_and_says_why_once(
