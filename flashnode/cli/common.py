@@ -183,12 +183,15 @@ def needs_root(what: str, group: bool = False, denied: bool = True) -> NoReturn:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 def history(config_file: Path | None, state_dir: Path | None, count: int, as_json: bool) -> None:
-    """Recent attempts from the local ledger."""
+    """Recent attempts from the local ledger.
+
+    The ledger is readable by root and the group flashnode (who may run `flashnode status`
+    and look at the console, which shows it too)."""
     ledger = Ledger(state_dir_of(config_file, state_dir) / "ledger.jsonl")
     try:
         records = ledger.records(last=count)
     except PermissionError:
-        needs_root(f"cannot read {ledger.path} (the agent's alone)")
+        needs_root(f"cannot read {ledger.path}", group=True)
     if as_json:
         for r in records:
             click.echo(json.dumps(r, sort_keys=True))

@@ -383,7 +383,7 @@ def _context(settings: Settings, edges: _Edges, served: metrics.MetricsSink) -> 
         runner=edges.runner,
         settings=settings,
         clock=edges.clock,
-        ledger=Ledger(settings.state_dir / "ledger.jsonl"),
+        ledger=Ledger.shared(settings.state_dir / "ledger.jsonl"),
         outbox=Outbox(settings.state_dir / "outbox"),
         start_thread=_thread,
         rng=random.Random(),

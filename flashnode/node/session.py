@@ -337,6 +337,7 @@ class Session:
         self.problems[what] = Problem(what, since, str(exc))
 
     def _working(self, what: str) -> None:
+        self._metrics.coordinator_working(what)
         known = self.problems.pop(what, None)
         if known is not None:
             log.info("%s works again after %.0f s", what, self._clock.monotonic() - known.since)

@@ -1,5 +1,11 @@
 """The local audit ledger: one JSON line per attempt, appended and fsynced.
 
+The agent's ledger is ``0640``, group ``flashnode`` (``Ledger.shared``), as ``status.json`` is:
+who may run ``flashnode status`` and look at the console (which shows the ledger's lines) may run
+``flashnode history`` too; no one else. A ledger an older agent made ``0600`` is opened up when
+the agent opens it. Where the group cannot own it (no such group, an agent not in it) it stays
+``0600``, the agent's alone.
+
 A line that cannot be written (a full disk) is kept in memory, in order, and written before the
 next one, or by ``flush``, which the agent's loop calls while lines wait: the ledger is complete
 again once space is back. At most ``MAX_PENDING`` lines wait; an agent that stops meanwhile loses
@@ -8,13 +14,18 @@ them (its log has each attempt's outcome too).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import grp
 import json
 import logging
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
+
+from flashnode import statefile
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +33,42 @@ MAX_PENDING = 10_000
 
 
 class Ledger:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, group: str | None = None) -> None:
+        """``group``: the group that may read it (the agent's ledger: ``shared``); None: a
+        reader's ledger, or one that is the agent's alone."""
         self.path = path
+        self.group = group
         self._lock = threading.Lock()
         self._pending: list[bytes] = []
         self._failing = False
+
+    @classmethod
+    def shared(cls, path: Path) -> Ledger:
+        """The agent's ledger, readable by group ``flashnode``; one that is there already gets
+        that mode now (an older agent made it ``0600``)."""
+        ledger = cls(path, statefile.STATUS_GROUP)
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                ledger._share(fd)
+            finally:
+                os.close(fd)
+        return ledger
+
+    def _share(self, fd: int) -> None:
+        """``0640`` with the group when the group can own the file, else ``0600``."""
+        if self.group is None:
+            return
+        st = os.fstat(fd)
+        try:
+            gid = grp.getgrnam(self.group).gr_gid
+            if st.st_gid != gid:
+                os.fchown(fd, -1, gid)
+            mode = 0o640
+        except (KeyError, PermissionError):
+            mode = 0o600  # no such group, or the agent is not in it: its own group is no one's
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
 
     @property
     def pending(self) -> int:
@@ -67,8 +109,10 @@ class Ledger:
     def _write_pending(self) -> None:
         waiting = len(self._pending)
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(self.path, flags, 0o600)
             try:
+                self._share(fd)
                 while self._pending:
                     line = self._pending[0]
                     # Whole or not at all: a partly written line is cut back, so that the line

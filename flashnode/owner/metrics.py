@@ -13,6 +13,7 @@ The series (all prefixed ``flashnode_``):
 ``attempt_duration_seconds``       histogram  claim to final outcome, per attempt
 ``claim_duration_seconds{result}`` histogram  one claim request (result: work, empty, error)
 ``coordinator_errors_total{conversation}``  counter  failed coordinator conversations
+``coordinator_failing{conversation}``      gauge    1 while that conversation fails
 ``uploaded_bytes_total``           counter    output bytes uploaded
 ``downloaded_bytes_total``         counter    input bytes downloaded
 ``running_attempts``               gauge      attempts running now
@@ -22,7 +23,15 @@ The series (all prefixed ``flashnode_``):
 ``task_cpu_percent``               histogram  per attempt, the task's mean CPU (% of one core)
 ``task_gpu_percent``               histogram  per attempt, the task's mean GPU use (%)
 ``info{version}``                  gauge      always 1
+``start_time_seconds``             gauge      when this agent started (Unix time)
+``status_published_timestamp_seconds``  gauge  when the loop last published its status
+``last_attempt_finished_timestamp_seconds``  gauge  when an attempt last ended here (0: none yet)
 =================================  =========  ===================================================
+
+The three timestamps are the wall clock's (Prometheus's convention): an alert compares them with
+``time()``. ``PublishedSink`` is the status sink (``owner/status.py``'s ``StatusSink``) that feeds
+``status_published_timestamp_seconds``: the agent's sinks include it, so a loop that stops
+turning shows in the metrics as the stale status it leaves.
 
 The metrics and their no-op twin take the same calls (``MetricsSink``), and ``HELD_RULES`` names
 every hold a ``Decision`` can carry: tests/owner/test_metrics.py holds both. The HTTP server is
@@ -54,6 +63,9 @@ HELD_RULES = (
     "courtesy",
     "credentials",
 )
+# The conversations ``node/session.py`` names (as labels): their series exist from the start, so
+# that a rate sees the first error and a dashboard shows each before it ever failed.
+CONVERSATIONS = ("registration", "node_heartbeat", "claim")
 _LABEL = re.compile(r"[^a-z0-9_]+")
 
 
@@ -69,6 +81,8 @@ class MetricsSink(Protocol):
     ) -> None: ...
     def claim_finished(self, seconds: float, result: str) -> None: ...
     def coordinator_error(self, conversation: str) -> None: ...
+    def coordinator_working(self, conversation: str) -> None: ...
+    def status_published(self) -> None: ...
     def uploaded(self, nbytes: int) -> None: ...
     def downloaded(self, nbytes: int) -> None: ...
     def set_running(self, running: int, suspended: int = 0) -> None: ...
@@ -96,6 +110,12 @@ class NullMetrics:
     def coordinator_error(self, conversation: str) -> None:
         pass
 
+    def coordinator_working(self, conversation: str) -> None:
+        pass
+
+    def status_published(self) -> None:
+        pass
+
     def uploaded(self, nbytes: int) -> None:
         pass
 
@@ -109,6 +129,23 @@ class NullMetrics:
         pass
 
     def close(self) -> None:
+        pass
+
+
+class PublishedSink:
+    """A status sink (``owner/status.py``'s ``StatusSink``) that tells the metrics each time the
+    loop publishes its status; what it says goes to the other sinks."""
+
+    def __init__(self, metrics: MetricsSink) -> None:
+        self._metrics = metrics
+
+    def status(self, text: str) -> None:
+        self._metrics.status_published()
+
+    def send(self, **fields: str | int) -> None:
+        pass
+
+    def tick(self) -> None:
         pass
 
 
@@ -153,6 +190,12 @@ class Metrics:
             ["conversation"],
             registry=r,
         )
+        self._failing = Gauge(
+            "flashnode_coordinator_failing",
+            "1 while this conversation with the coordinator fails (0 once it works again).",
+            ["conversation"],
+            registry=r,
+        )
         self._up = Counter("flashnode_uploaded_bytes", "Output bytes uploaded.", registry=r)
         self._down = Counter("flashnode_downloaded_bytes", "Input bytes downloaded.", registry=r)
         self._running = Gauge("flashnode_running_attempts", "Attempts running now.", registry=r)
@@ -184,8 +227,25 @@ class Metrics:
         )
         info = Gauge("flashnode_info", "This agent's version.", ["version"], registry=r)
         info.labels(version=__version__).set(1)
+        started = Gauge(
+            "flashnode_start_time_seconds", "When this agent started, in Unix time.", registry=r
+        )
+        started.set_to_current_time()
+        self._published = Gauge(
+            "flashnode_status_published_timestamp_seconds",
+            "When the agent's loop last published its status, in Unix time (0: not yet).",
+            registry=r,
+        )
+        self._finished = Gauge(
+            "flashnode_last_attempt_finished_timestamp_seconds",
+            "When an attempt last reached its final outcome here, in Unix time (0: none yet).",
+            registry=r,
+        )
         for rule in HELD_RULES:
             self._held.labels(rule=rule).set(0)
+        for conversation in CONVERSATIONS:
+            self._errors.labels(conversation=conversation)
+            self._failing.labels(conversation=conversation).set(0)
 
     # --- recording -----------------------------------------------------------------------------
 
@@ -204,6 +264,7 @@ class Metrics:
             self._cpu.observe(max(float(cpu_percent), 0.0))  # type: ignore[arg-type]
         if _usable(gpu_percent):
             self._gpu.observe(max(float(gpu_percent), 0.0))  # type: ignore[arg-type]
+        self._finished.set_to_current_time()
         # Counted last: a scrape that sees the attempt counted sees its figures too.
         self._attempts.labels(outcome=_label(outcome)).inc()
 
@@ -211,7 +272,17 @@ class Metrics:
         self._claim.labels(result=_label(result)).observe(max(seconds, 0.0))
 
     def coordinator_error(self, conversation: str) -> None:
-        self._errors.labels(conversation=_label(conversation)).inc()
+        """A conversation failed: counted, and marked failing until it works again."""
+        label = _label(conversation)
+        self._errors.labels(conversation=label).inc()
+        self._failing.labels(conversation=label).set(1)
+
+    def coordinator_working(self, conversation: str) -> None:
+        """A conversation worked (call it at each success: it is one assignment)."""
+        self._failing.labels(conversation=_label(conversation)).set(0)
+
+    def status_published(self) -> None:
+        self._published.set_to_current_time()
 
     def uploaded(self, nbytes: int) -> None:
         if nbytes > 0:

@@ -45,8 +45,13 @@ def node() -> Iterator[Path]:
     status.chmod(0o640)
     with __import__("contextlib").suppress(KeyError):
         os.chown(status, 0, grp.getgrnam("flashnode").gr_gid)
-    (state / "ledger.jsonl").write_text("{}\n")
-    (state / "ledger.jsonl").chmod(0o600)
+    ledger = state / "ledger.jsonl"
+    ledger.write_text(
+        '{"lease_id": "ls-0c1d", "job_id": "j", "task_id": "t", "outcome": "failed"}\n'
+    )
+    ledger.chmod(0o640)  # as the agent keeps it: root:flashnode, like status.json
+    with __import__("contextlib").suppress(KeyError):
+        os.chown(ledger, 0, grp.getgrnam("flashnode").gr_gid)
     (state / "pause.json").write_text('{"version": 1, "mode": "drain", "until": null}\n')
     (state / "attempts").mkdir(mode=0o700)
     (state / "envs").mkdir(mode=0o711)
@@ -149,3 +154,24 @@ def test_a_member_of_group_flashnode_reads_the_status_and_is_told_what_it_may_no
     )
     assert paused.returncode == 1 and "run it with sudo" in paused.stderr, paused.stderr
     assert "Traceback" not in paused.stderr
+
+
+def test_a_member_of_group_flashnode_reads_the_history_the_console_shows_her(node: Path) -> None:
+    """The console's view-only level shows the ledger; `flashnode history` reads it for the same
+    people (the group), and still not for anyone else."""
+    gid = grp.getgrnam("flashnode").gr_gid
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    env = {"PYTHONPATH": f"{ROOT}:{site}", "HOME": "/nonexistent", "PATH": "/usr/bin:/bin"}
+    state = str(node.parent.parent / "state")
+    member = ["setpriv", f"--reuid={USER}", f"--regid={gid}", f"--groups={gid}", "--"]
+    stranger = ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", "--"]
+    history = ["/usr/bin/python3", "-m", "flashnode", "history", "--state-dir", state]
+    shown = subprocess.run([*member, *history], env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    header, row = shown.stdout.splitlines()
+    assert "lease" in header and row.split()[1:4] == ["ls-0c1d", "j/t", "failed"]
+    refused = subprocess.run(
+        [*stranger, *history], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1 and "join the group flashnode" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -10,6 +10,7 @@ import pwd
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import get_args, get_type_hints
@@ -20,7 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flashnode.config.listen import parse_listen
 from flashnode.node.decision import Hold
-from flashnode.owner.metrics import HELD_RULES, Metrics, MetricsSink, NullMetrics, create
+from flashnode.owner.metrics import (
+    HELD_RULES,
+    Metrics,
+    MetricsSink,
+    NullMetrics,
+    PublishedSink,
+    create,
+)
 from flashnode.owner.metricsserver import MAX_PER_CLIENT, REQUEST_S
 
 
@@ -301,6 +309,44 @@ def test_the_no_op_twin_takes_every_call_the_metrics_take_alike() -> None:
     assert sink == _calls(NullMetrics)
     exported = _calls(Metrics)
     assert {name: exported.get(name) for name in sink} == sink
+
+
+def test_a_failing_conversation_is_marked_until_it_works_again() -> None:
+    m = Metrics()
+    fresh = samples(m.exposition().decode())
+    for conversation in ("registration", "node_heartbeat", "claim"):  # there before any error
+        labels = (("conversation", conversation),)
+        assert fresh[("flashnode_coordinator_failing", labels)] == 0
+        assert fresh[("flashnode_coordinator_errors_total", labels)] == 0
+    m.coordinator_error("node heartbeat")
+    m.coordinator_error("node heartbeat")
+    failing = samples(m.exposition().decode())
+    assert failing[("flashnode_coordinator_failing", (("conversation", "node_heartbeat"),))] == 1
+    assert failing[("flashnode_coordinator_failing", (("conversation", "claim"),))] == 0
+    m.coordinator_working("node heartbeat")
+    again = samples(m.exposition().decode())
+    assert again[("flashnode_coordinator_failing", (("conversation", "node_heartbeat"),))] == 0
+    assert again[("flashnode_coordinator_errors_total", (("conversation", "node_heartbeat"),))] == 2
+
+
+def test_the_timestamps_say_when_the_agent_started_published_and_last_finished() -> None:
+    before = time.time()
+    m = Metrics()
+    got = samples(m.exposition().decode())
+    assert before <= got[("flashnode_start_time_seconds", ())] <= time.time()
+    assert got[("flashnode_status_published_timestamp_seconds", ())] == 0  # not yet
+    assert got[("flashnode_last_attempt_finished_timestamp_seconds", ())] == 0  # none yet
+    sink = PublishedSink(m)
+    sink.send(READY=1)
+    sink.tick()
+    published = ("flashnode_status_published_timestamp_seconds", ())
+    assert samples(m.exposition().decode())[published] == 0
+    sink.status("idle")
+    m.attempt_finished("failed", None)
+    got = samples(m.exposition().decode())
+    assert before <= got[("flashnode_status_published_timestamp_seconds", ())] <= time.time()
+    assert before <= got[("flashnode_last_attempt_finished_timestamp_seconds", ())] <= time.time()
+    PublishedSink(NullMetrics()).status("idle")  # metrics off: nothing to tell
 
 
 def test_every_hold_a_decision_names_has_its_claiming_held_series() -> None:

@@ -259,6 +259,8 @@ def test_rpm_builds_with_the_right_files(packages: list[Path]) -> None:
         "/usr/share/doc/flashnode/docs/owner-manual.md",
         "/usr/share/doc/flashnode/docs/job-author-guide.md",
         "/usr/share/doc/flashnode/docs/reference.md",
+        "/usr/share/doc/flashnode/docs/monitoring/flashnode-dashboard.json",
+        "/usr/share/doc/flashnode/docs/monitoring/flashnode-alerts.yml",
     ):
         assert expected in files
     assert not [f for f in files if f.endswith(("/bin/pip", "/bin/activate"))]
