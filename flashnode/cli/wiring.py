@@ -316,6 +316,8 @@ def _run_agent(
     finally:
         if console is not None:
             console.close()
+        if ring is not None:
+            ring.close()
         given.save()
         edges.janitor.drain(60)
         for sig, old in previous:
@@ -487,12 +489,13 @@ def _health(accepted: frozenset[str]) -> Callable[[Settings], list[str]]:
 
 
 def _usage_ring(settings: Settings, edges: _Edges) -> UsageRing | None:
-    """The console's record of recent use, when the console is served."""
+    """The console's record of recent use (kept in the state dir across restarts), when the
+    console is served."""
     if settings.ui_listen is None:
         return None
     from flashnode.console.usage import UsageRing
 
-    return UsageRing(gpu=lambda: _gpu_percent(edges.nvml, edges.gpus))
+    return UsageRing(gpu=lambda: _gpu_percent(edges.nvml, edges.gpus), state_dir=settings.state_dir)
 
 
 def _log_start(settings: Settings, node: str, slots: int, config_file: Path | None) -> None:

@@ -47,7 +47,8 @@ OUTPUT_LINES = 12
 COORDINATOR_CACHE_S = 15.0
 TEXT_CHARS = 2000
 # Terminal control but newline and tab, DEL, C1, and the bidi controls that reorder text.
-SPANS = {"hour": (3600, 300), "day": (86400, 3600)}  # span: (seconds, tasks-chart bin)
+# span: (seconds, seconds between usage points, tasks-chart bin)
+SPANS = {"hour": (3600, 10, 300), "day": (86400, 60, 3600), "week": (7 * 86400, 600, 6 * 3600)}
 EDITABLE = ("run_windows", "task_cpu_percent")
 
 
@@ -243,18 +244,21 @@ class App:
         }
 
     def charts(self, span: str) -> dict[str, Any]:
-        seconds, bin_seconds = SPANS.get(span, SPANS["hour"])
+        """The usage history (``usage.py``: kept across restarts) and the tasks done per bin
+        (from the ledger) over the last hour, day or week (anything else: the hour)."""
+        span = span if span in SPANS else "hour"
+        seconds, step, bin_seconds = SPANS[span]
         now = self.w.clock()
         since = now - seconds
-        points = [list(p) for p in self.w.ring.series(since)]
-        cpu, memory, gpu = self.w.ring.now() if not points else (None, None, None)
-        if not points:  # a fresh agent: at least this moment
-            points.append([int(now), _pct(cpu), _pct(memory), _pct(gpu)])
+        points: list[list[int | None]] = [list(p) for p in self.w.ring.series(since, step)]
+        if not points:  # a fresh agent before its first sample: this moment, not measured yet
+            points.append([int(now), None, None, None])
         return {
-            "span": span if span in SPANS else "hour",
+            "span": span,
             "since": since,
             "now": now,
             "usage": points,
+            "step_seconds": step,
             "tasks": self.ledger.per_bin(since, bin_seconds),
             "bin_seconds": bin_seconds,
         }

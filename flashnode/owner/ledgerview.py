@@ -5,10 +5,11 @@ is gone.
 
 Nothing is read until someone asks; then only what was appended since the last look (the file's
 offset is kept; a torn last line waits for its end). All time totals are sums kept as the lines go
-by, and memory stays bounded: the latest ``RECENT`` attempts and what the last day's gave. The
-agent keeps those sums in a checkpoint (``<state dir>/ledger-totals.json``: the offset they cover
-and the ledger's inode), so a start reads only what was appended since, and the latest attempts
-from the ledger's end: the ledger grows without bound, a start's cost does not.
+by, and memory stays bounded: the latest ``RECENT`` attempts, what the last day's gave, and the
+tasks committed per hour over the last week. The agent keeps those sums in a checkpoint
+(``<state dir>/ledger-totals.json``: the offset they cover and the ledger's inode), so a start
+reads only what was appended since, and the latest attempts from the ledger's end: the ledger
+grows without bound, a start's cost does not.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ CHECKPOINT_FILE = "ledger-totals.json"
 SAVE_EVERY_S = 30.0
 RECENT = 500
 DAY = 86400.0
+WEEK = 7 * DAY
+HOUR = 3600
 CHUNK = 1 << 20
 
 
@@ -141,6 +144,7 @@ class LedgerView:
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # brief, newest last
         self.all_time = Totals()
         self._day: deque[Given] = deque()  # what the last day's attempts gave
+        self._hours: dict[int, int] = {}  # tasks committed per hour (its start), the last week's
 
     def refresh(self) -> None:
         """Read what was appended since the last call (from the start after a rotation)."""
@@ -165,6 +169,8 @@ class LedgerView:
             cutoff = self._clock() - DAY
             while self._day and (self._day[0].ended or 0.0) < cutoff:
                 self._day.popleft()
+            for hour in [h for h in self._hours if h < cutoff - WEEK]:
+                del self._hours[hour]
             if (
                 self._offset != self._saved_offset
                 and self._clock() - self._saved_at >= SAVE_EVERY_S
@@ -189,6 +195,7 @@ class LedgerView:
             "offset": self._offset - len(self._partial),
             "all_time": asdict(self.all_time),
             "day": [list(asdict(g).values()) for g in self._day],
+            "hours": sorted(self._hours.items()),
         }
         try:
             statefile.write(self._checkpoint, json.dumps(data).encode())
@@ -208,10 +215,15 @@ class LedgerView:
                 return
             totals = Totals.of(data["all_time"])
             day = [Given(number(e), str(o), float(c), float(g)) for e, o, c, g in data["day"]]
+            hours = {int(h): int(n) for h, n in data.get("hours", [])}
         except (OSError, ValueError, KeyError, TypeError):
             return
         self._inode, self._offset, self.all_time = inode, offset, totals
         self._day.extend(day)
+        if "hours" not in data:  # a checkpoint from before the week was kept: the last day's
+            for given in day:
+                self._count_hour(given)
+        self._hours.update(hours)
         self._saved_offset = offset
         for record in parse(tail_lines(fd, offset, RECENT)):
             self.recent.append(brief(record))
@@ -220,6 +232,7 @@ class LedgerView:
         self._inode, self._offset, self._partial = inode, 0, b""
         self.recent.clear()
         self._day.clear()
+        self._hours.clear()
         self.all_time = Totals()
 
     def _lines(self, chunk: bytes) -> None:
@@ -232,6 +245,13 @@ class LedgerView:
             self.recent.append(brief(record))
             if given.ended is not None and given.ended >= cutoff:
                 self._day.append(given)
+            if given.ended is not None and given.ended >= cutoff + DAY - WEEK:
+                self._count_hour(given)
+
+    def _count_hour(self, given: Given) -> None:
+        if given.outcome == "committed" and given.ended is not None:
+            hour = int(given.ended // HOUR) * HOUR
+            self._hours[hour] = self._hours.get(hour, 0) + 1
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -251,12 +271,18 @@ class LedgerView:
 
     def per_bin(self, since: float, bin_seconds: int) -> list[tuple[int, int]]:
         """Committed tasks per ``bin_seconds`` from ``since`` on: (bin start, count), every bin
-        listed (zeros included)."""
+        listed (zeros included). Bins of whole hours reach back a week; shorter ones a day."""
         self.refresh()
         start = int(since // bin_seconds) * bin_seconds
         end = self._clock()
         counts = {b: 0 for b in range(start, int(end) + 1, bin_seconds)}
         with self._lock:
+            if bin_seconds % HOUR == 0:
+                for hour, n in self._hours.items():
+                    b = hour // bin_seconds * bin_seconds
+                    if b in counts:
+                        counts[b] += n
+                return sorted(counts.items())
             for given in self._day:
                 ended = given.ended or 0.0
                 if ended >= start and given.outcome == "committed":
@@ -284,6 +310,7 @@ def brief(record: dict[str, Any]) -> dict[str, Any]:
         "lease_id": record.get("lease_id"),
         "job_id": record.get("job_id"),
         "task_id": record.get("task_id"),
+        "pool": record.get("pool"),
         "outcome": record.get("outcome"),
         "reason": reason[:BRIEF_TEXT] if isinstance(reason, str) else None,
         "ended_at": number(record.get("ended_at")),
@@ -291,5 +318,7 @@ def brief(record: dict[str, Any]) -> dict[str, Any]:
         "cpu_percent": cpu,
         "gpu_percent": gpu,
         "checkpoints": number(record.get("checkpoints_shipped")),
+        "checkpoint_step": number(record.get("checkpoint_step")),
+        "metrics_step": number(record.get("metrics_step")),
         "facts": describe_facts(record)[:BRIEF_TEXT],
     }

@@ -24,7 +24,6 @@ from harness import AgentProcess, CoordinatorServer, argv_job, free_port, wait_f
 
 from flashnode.config.loading import load
 from flashnode.console import auth
-from flashnode.console.usage import UsageRing
 from flashnode.errors import ConfigError
 from flashnode.owner.ledgerview import LedgerView
 
@@ -504,27 +503,6 @@ def test_ledger_totals_and_tasks_per_hour_read_only_what_was_appended(tmp_path: 
     ledger.unlink()
     ledger.write_text(line("lapsed", now[0], None, None, 1) + "\n")  # replaced: read afresh
     assert view.totals()["all_time"]["outcomes"] == {"lapsed": 1}
-
-
-def test_the_usage_ring_keeps_a_day_of_minutes_and_marks_what_was_not_measured() -> None:
-    now = [1_800_000_000.0]
-    busy = [0.0, 0.0]
-
-    def cpu() -> tuple[float, float]:
-        busy[0] += 30.0
-        busy[1] += 60.0
-        return busy[0], busy[1]
-
-    ring = UsageRing(cpu=cpu, memory=lambda: 41.6, gpu=lambda: None, clock=lambda: now[0])
-    for _ in range(24 * 60 + 30):
-        ring.tick()
-        ring.tick()  # within the same minute: no second sample
-        now[0] += 60
-    points = ring.series(0)
-    assert len(points) == 24 * 60
-    assert all(p[1:] == (50, 42, None) for p in points)
-    assert points[-1][0] - points[0][0] == (24 * 60 - 1) * 60
-    assert len(ring.series(now[0] - 3600)) == 60
 
 
 def test_every_asset_ships_in_the_package_and_the_page_fetches_nothing_else() -> None:
