@@ -294,7 +294,12 @@ def _run_agent(
         edges.coordinator,
         _registration(edges, node),
         reload=reload,
-        sink=Sinks(Notifier(), *([line] if line else []), *([ring] if ring else [])),
+        sink=Sinks(
+            Notifier(),
+            metrics.PublishedSink(served),
+            *([line] if line else []),
+            *([ring] if ring else []),
+        ),
         on_settings=running.on_settings,
         limits=edges.limits_of,
         controls=controls,
