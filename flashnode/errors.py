@@ -28,7 +28,15 @@ class FlashnodeError(Exception):
 
 
 class ConfigError(FlashnodeError):
-    """The configuration (flags, environment, file) is invalid; the agent cannot start."""
+    """The configuration (flags, environment, file) is invalid; the agent cannot start.
+
+    ``setting``: the setting refused, where one is; ``where``: where it was set, as the message
+    says it (``in FILE, line N``, ``from FLASHNODE_X``, ``from --x``; None: not set, its default).
+    """
+
+    def __init__(self, message: str, setting: str | None = None, where: str | None = None):
+        super().__init__(message)
+        self.setting, self.where = setting, where
 
 
 class CredentialsError(FlashnodeError):

@@ -16,6 +16,7 @@ import psutil
 from flashnode.caches import datacache
 from flashnode.cli.common import config_option, needs_root, roots_config
 from flashnode.cli.login import probe_node_id, register_dry_run
+from flashnode.config.explain import where_to_correct
 from flashnode.config.loading import top_level_runner_keys
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, Settings
 from flashnode.config.sizes import format_size
@@ -83,11 +84,12 @@ def doctor(config_file: Path | None, coordinator: str | None, state_dir: Path | 
         flags = {"coordinator": coordinator, "state_dir": state_dir}
         s = load_settings(flags, os.environ, config_file)
     except ConfigError as exc:
+        path = config_file or (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
         r.fail(
             "configuration",
             str(exc),
-            "correct the setting named above (every setting and its values: the reference,"
-            " docs/reference.md; installed: /usr/share/doc/flashnode/docs/reference.md)",
+            f"{where_to_correct(exc, path)}; every setting and its values: the reference,"
+            " docs/reference.md (installed: /usr/share/doc/flashnode/docs/reference.md)",
         )
         sys.exit(1)
     slots = s.slots if isinstance(s.slots, int) else 1

@@ -5,12 +5,17 @@ line, the variable or the flag), what it was, and what is allowed (``explain``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from flashnode.config.settings import ENV_PREFIX, RUNNER_TABLES, Settings
 from flashnode.config.sizes import format_size
+from flashnode.errors import ConfigError
+
+SETTABLE_KEYS = frozenset(k for k in Settings.model_fields if k not in ("token", "join_code"))
 
 _EXPECTED = {
     "int_parsing": "must be a whole number",
@@ -47,6 +52,40 @@ def _allowed(error: ErrorDetails, key: str) -> str:
     if kind == "literal_error":
         return f"must be {ctx.get('expected', 'one of the documented values')}"
     return _EXPECTED.get(kind, str(error["msg"]).removeprefix("Value error, "))
+
+
+def refused_setting(exc: ValidationError) -> str:
+    """The setting ``explain`` names first."""
+    errors = exc.errors()
+    return str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else "settings"
+
+
+def where_to_correct(exc: ConfigError, config_file: Path | None) -> str:
+    """Where the owner corrects a refused setting: the config file (and, for a runner's option,
+    its table), the variable or the flag the refusal names; ``config_file``: the file the
+    settings were read from (None: none was)."""
+    key, where = exc.setting, exc.where or ""
+    table = next((t for t, keys in RUNNER_TABLES.items() if key in keys), None)
+    file = config_file.absolute() if config_file is not None else None
+    place = f"the [{table}] table of {file}" if table else str(file)
+    if where.startswith("in ") and file is not None:
+        return f"correct the setting named above in {place}"
+    if where.startswith("from --"):
+        return f"correct the flag {where.removeprefix('from ')}"
+    if where.startswith("from "):
+        return (
+            f"correct {where.removeprefix('from ')} where it is set (this shell, or the"
+            " service's Environment=: sudo systemctl edit flashnode)"
+        )
+    tables = " or ".join(f"[{t}]" for t in RUNNER_TABLES)
+    if key is not None and key in SETTABLE_KEYS:  # not set anywhere: its default is refused
+        if file is None:
+            variable = f"{ENV_PREFIX}{key.upper()}"
+            return f"set {key} in the config file (--config), with its flag or {variable}"
+        return f"set {key} in {place}"
+    if file is not None:
+        return f"correct {file} as said above (a runner's option goes in its table, {tables})"
+    return f"correct the setting named above (a flag or a {ENV_PREFIX}* variable)"
 
 
 def explain(exc: ValidationError, merged: Mapping[str, Any], origin: Mapping[str, str]) -> str:

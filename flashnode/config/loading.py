@@ -24,7 +24,7 @@ from flashnode.config.credentials import (
     read_secret_file,
     stored_credential,
 )
-from flashnode.config.explain import explain
+from flashnode.config.explain import explain, refused_setting
 from flashnode.config.settings import (
     DEFAULT_CONFIG_FILE,
     ENV_PREFIX,
@@ -65,7 +65,11 @@ def load(
     try:
         coordinator = normalise_url(str(merged["coordinator"]))
     except ValueError as exc:
-        raise ConfigError(f"coordinator ({origin.get('coordinator', '')}): {exc}") from None
+        raise ConfigError(
+            f"coordinator ({origin.get('coordinator', '')}): {exc}",
+            "coordinator",
+            origin.get("coordinator"),
+        ) from None
     directory = Path(merged.get("credentials_dir") or default_credentials_dir())
 
     merged["token"] = _secret(
@@ -87,7 +91,8 @@ def load(
     try:
         settings = Settings.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(explain(exc, merged, origin)) from None
+        key = refused_setting(exc)
+        raise ConfigError(explain(exc, merged, origin), key, origin.get(key)) from None
     _check_consistency(settings, origin, check)
     return settings
 
@@ -275,9 +280,24 @@ def _check_consistency(
     """Settings that are refused together; each is named as it was set, with where (the file
     and line, the variable or the flag), never as a flag it did not come from."""
 
+    keys: list[str] = []  # the settings a refusal names, the first its ConfigError's
+
     def named(key: str) -> str:
+        keys.append(key)
         where = f" ({origin[key]})" if key in origin else ""
         return f"{key} = {getattr(settings, key)!r}{where}"
+
+    try:
+        _refuse_together(settings, named, check)
+    except ConfigError as exc:
+        if exc.setting is None and keys:
+            exc.setting, exc.where = keys[0], origin.get(keys[0])
+        raise
+
+
+def _refuse_together(
+    settings: Settings, named: Callable[[str], str], check: Check | None = None
+) -> None:
 
     if (
         urlsplit(settings.coordinator).scheme == "http"
