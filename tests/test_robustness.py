@@ -24,6 +24,7 @@ from harness import (
     CoordinatorServer,
     NotifySocket,
     argv_job,
+    run_flashnode,
     shared_dir,
     wait_for,
 )
@@ -234,7 +235,7 @@ def test_a_payload_cannot_set_the_gpu_visibility(tmp_path: Path) -> None:
 # --- the agent's own faults ----------------------------------------------------------------------
 
 
-def test_credentials_revoked_mid_run_stop_the_agent_cleanly(
+def test_a_revoked_token_holds_the_agent_until_a_fixed_token_lets_it_work_again(
     token_coordinator: TokenCoordinator, start_agent: Callable[..., AgentProcess]
 ) -> None:
     tc = token_coordinator
@@ -243,14 +244,40 @@ def test_credentials_revoked_mid_run_stop_the_agent_cleanly(
     wait_for("the task to run", lambda: tc.server.tasks(job)[0]["state"] == "LEASED")
     agent.wait_log("running (trusted runner")
     # The operator revokes this node's token: the coordinator comes back knowing another one.
+    new_token = "tok-" + os.urandom(12).hex()
     tc.server.stop()
-    tc.server.extra_env["FLASHML_NODE_TOKENS"] = "node-x:a-new-token-the-node-does-not-have"
+    tc.server.extra_env["FLASHML_NODE_TOKENS"] = f"node-x:{new_token}"
     tc.server.start()
-    assert agent.wait(60) == 77, agent.log
-    [entry] = agent.ledger()  # stopped with the agent, or lost with the lease: never failed
+    # The agent does not exit: it holds, claims nothing, and says why with the fix.
+    held = wait_for("the credentials hold", lambda: _held_by(agent, "credentials"), timeout=60)
+    assert "401" in held["reason"] and "flashnode login" in held["fix"], held
+    [entry] = agent.wait_ledger(1, timeout=60)  # the running attempt: its lease is lost
     assert entry["outcome"] in ("lapsed", "lost"), entry
-    assert not list((agent.state_dir / "attempts").iterdir())
+    assert agent.proc.poll() is None, agent.log
+    text = run_flashnode("status", "--state-dir", str(agent.state_dir)).stdout
+    assert "  credentials: the coordinator refused this node's credentials" in text, text
+    # The owner stores the new token where the agent reads it: no restart.
+    fresh = tc.token_file.with_name("token.new")
+    fresh.write_text(new_token)
+    fresh.chmod(0o600)
+    fresh.replace(tc.token_file)
+    second = tc.server.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
+    assert tc.server.wait_state(second, {"SUCCEEDED", "FAILED"}, 60) == "SUCCEEDED", agent.log
+    assert "the coordinator accepts this node's credentials again" in agent.log
+    assert _held_by(agent, "credentials") is None
+    assert agent.proc.poll() is None
     assert "Traceback" not in agent.log
+
+
+def _held_by(agent: AgentProcess, rule: str) -> dict[str, Any] | None:
+    """The hold ``rule`` as the agent's status.json shows it, or None."""
+    try:
+        snapshot = json.loads((agent.state_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    held = snapshot.get("controls", {}).get("held_by") or []
+    found: dict[str, Any] | None = next((h for h in held if h.get("rule") == rule), None)
+    return found
 
 
 def test_a_slow_reload_keeps_the_watchdog_fed(
