@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import io
 import os
 import stat
 import sys
@@ -198,8 +199,11 @@ def logs(
     Without LEASE: follow the task that runs (when several run, name one). With LEASE: a
     running task's, or an ended one's while the node keeps it (the latest `keep_logs`
     attempts'; `flashnode history` lists them). With -f, follow a running task until its
-    attempt ends. Control characters the task printed are shown escaped unless --raw: a task
-    must not drive the owner's terminal.
+    attempt ends. Where both end up in one place (a terminal, `2>&1`), each stretch of output
+    is headed by the stream it came from, `==> stdout <==` or `==> stderr <==`; one stream
+    alone: send the other away (`2>/dev/null`, `>/dev/null`). Control characters the task
+    printed are shown escaped unless --raw (the bytes unchanged, no headers): a task must not
+    drive the owner's terminal.
     """
     directory = state_dir_of(config_file, state_dir)
     if lease is None:
@@ -227,9 +231,10 @@ def logs(
         out, err = sys.stdout.buffer, sys.stderr.buffer
     else:
         out, err = Clean(sys.stdout), Clean(sys.stderr)
+    marked = not raw and _one_place(sys.stdout, sys.stderr)
     try:
         # An attempt that ended is printed whole; a running one followed until its end.
-        tail(path, out, err, follow and live)
+        tail(path, out, err, follow and live, marked=marked)
     except PermissionError:
         needs_root(f"cannot read {path}")
     except KeyboardInterrupt:
@@ -338,6 +343,37 @@ class _Stream:
             self.fd = None
 
 
+def _one_place(a: TextIO, b: TextIO) -> bool:
+    """Whether two output streams end in the same file, pipe or terminal (where the reader sees
+    them merged)."""
+    try:
+        x, y = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+class _Headed:
+    """One stream's sink that, where output switches from the other stream, first writes
+    ``==> NAME <==`` on a line of its own (after a newline if the other stopped mid-line)."""
+
+    def __init__(self, name: str, sink: Sink, shared: dict[str, object]) -> None:
+        self.name, self.sink, self.shared = name, sink, shared
+
+    def write(self, data: bytes, /) -> object:
+        if data and self.shared.get("current") != self.name:
+            if self.shared.get("mid_line"):
+                self.sink.write(b"\n")
+            self.sink.write(f"==> {self.name} <==\n".encode())
+            self.shared["current"] = self.name
+        if data:
+            self.shared["mid_line"] = not data.endswith((b"\n", b"\r"))
+        return self.sink.write(data)
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+
 def tail(
     logs: Path,
     out: Sink,
@@ -345,10 +381,15 @@ def tail(
     follow: bool,
     poll: float = POLL_SECONDS,
     sleep: Callable[[float], None] = time.sleep,
+    marked: bool = False,
 ) -> None:
     """Copy ``logs/stdout.txt`` to ``out`` and ``logs/stderr.txt`` to ``err``; with ``follow``,
     keep copying (every ``poll`` seconds) until the directory disappears (the attempt ended and
-    its workspace went), then copy what is left."""
+    its workspace went), then copy what is left. ``marked``: head each stretch of output with
+    the stream it came from (the two end up in one place)."""
+    if marked:
+        shared: dict[str, object] = {}
+        out, err = _Headed("stdout", out, shared), _Headed("stderr", err, shared)
     streams = [_Stream(logs / "stdout.txt", out), _Stream(logs / "stderr.txt", err)]
     try:
         for s in streams:

@@ -266,6 +266,53 @@ def test_tail_follows_a_replaced_file_and_copies_the_rest_after_the_directory_go
     assert sleeps == [0.2] * 4
 
 
+def test_logs_merged_into_one_place_head_each_stretch_with_its_stream(tmp_path: Path) -> None:
+    """`flashnode logs L 2>&1` (or a terminal): which lines are stderr is shown, not lost."""
+    attempt = attempt_dir(tmp_path, "L3")
+    append(attempt / "logs" / "stdout.txt", b"step 1\nstep 2\n")
+    append(attempt / "logs" / "stderr.txt", b"warning: slow\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
+    argv = [sys.executable, "-m", "flashnode", "logs", "L3", "--state-dir", str(tmp_path)]
+    merged = subprocess.run(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=60
+    )
+    assert merged.returncode == 0
+    assert merged.stdout == (b"==> stdout <==\nstep 1\nstep 2\n==> stderr <==\nwarning: slow\n"), (
+        merged.stdout
+    )
+    # Apart (a pipe each, or one sent away): each stream as the task wrote it, no headers.
+    apart = subprocess.run(argv, capture_output=True, env=env, timeout=60)
+    assert (apart.stdout, apart.stderr) == (b"step 1\nstep 2\n", b"warning: slow\n")
+    raw = subprocess.run(
+        [*argv, "--raw"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, timeout=60
+    )
+    assert raw.stdout == b"step 1\nstep 2\n"  # one stream, its bytes unchanged
+
+
+def test_tail_marked_heads_each_switch_and_ends_a_cut_line_first(tmp_path: Path) -> None:
+    attempt = attempt_dir(tmp_path)
+    out_file, err_file = attempt / "logs" / "stdout.txt", attempt / "logs" / "stderr.txt"
+    one = io.BytesIO()
+    append(out_file, b"10%")
+    steps = iter(
+        [
+            lambda: append(err_file, b"oops\n"),
+            lambda: append(out_file, b" 20%\n"),
+            lambda: shutil.rmtree(attempt),
+        ]
+    )
+    tail(
+        attempt / "logs",
+        one,
+        one,
+        follow=True,
+        poll=0.1,
+        sleep=lambda _: next(steps)(),
+        marked=True,
+    )
+    assert one.getvalue() == (b"==> stdout <==\n10%\n==> stderr <==\noops\n==> stdout <==\n 20%\n")
+
+
 def test_clean_keeps_text_and_escapes_terminal_control_across_chunks() -> None:
     s = io.StringIO()
     clean = Clean(s)
