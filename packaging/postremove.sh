@@ -1,7 +1,8 @@
 #!/bin/sh
 # After removal. On purge (deb: "purge"; rpm: 0, an erase; never on an upgrade: deb "upgrade",
 # rpm 1) nothing of flashnode is left: its state (node id, journal, ledger, workspaces), the
-# stored credentials, and the users and the group the package made (flashnode.sysusers). A
+# stored credentials, and the users and the group the package made (flashnode.sysusers); a
+# state dir the owner chose elsewhere (state_dir) is the owner's: it is named, not removed. A
 # plain removal (deb "remove") keeps the users, for the config and the state it keeps too.
 set -e
 case "$1" in
@@ -18,7 +19,17 @@ case "$1" in
       users=$(sed -n 's/^user \(flashnode-[a-z0-9-]*\)$/\1/p' "$record" | sort -u)
       ! grep -qx "group flashnode" "$record" || group=flashnode
     fi
+    # The state dir the owner chose (preremove noted it from the config): left, and named.
+    chosen=
+    if [ -f /var/lib/flashnode/.owner-state-dir ]; then
+      chosen=$(head -n 1 /var/lib/flashnode/.owner-state-dir)
+    fi
     rm -rf /var/lib/flashnode /etc/flashnode/credentials
+    if [ -n "$chosen" ] && [ -d "$chosen" ]; then
+      echo "flashnode: the agent's state dir $chosen (state_dir in /etc/flashnode/flashnode.toml) is"
+      echo "  the owner's choice and is left as it is (its ledger, node id, caches): remove it with"
+      echo "  sudo rm -rf '$chosen'"
+    fi
     rmdir /etc/flashnode 2>/dev/null || true
     rmdir /work 2>/dev/null || true  # the mount point, if nothing was put there
     # The agent is stopped (preremove): no process of these users is left to keep them. Each

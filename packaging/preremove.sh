@@ -33,5 +33,18 @@ sweep_homes(state_dir_of(config, None), set())' 2>/dev/null || true
     elif command -v systemctl >/dev/null 2>&1; then
       systemctl disable flashnode.service >/dev/null 2>&1 || true
     fi
+    # A state dir the owner chose (state_dir in the config, not the service's /var/lib/flashnode)
+    # is the owner's, not the package's to remove: noted now, while the config is still here,
+    # for a purge to name it (and say how to remove it).
+    chosen=$(/opt/flashnode/bin/python -IB -c 'import pathlib
+from flashnode.cli.common import SERVICE_STATE_DIR, config_value
+chosen = config_value(pathlib.Path("/etc/flashnode/flashnode.toml"), "state_dir")
+if isinstance(chosen, str) and chosen.startswith("/"):
+    path = pathlib.Path(chosen)
+    if path.resolve() != SERVICE_STATE_DIR.resolve():
+        print(path)' 2>/dev/null || true)
+    if [ -n "$chosen" ] && [ -d /var/lib/flashnode ]; then
+      printf '%s\n' "$chosen" >/var/lib/flashnode/.owner-state-dir
+    fi
     ;;
 esac
