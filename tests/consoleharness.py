@@ -89,10 +89,14 @@ class ConsoleAgent:
         )
 
 
-def start_console_agent(start_agent, url: str, tmp_path: Path, *args: str) -> ConsoleAgent:  # type: ignore[no-untyped-def]
+def start_console_agent(  # type: ignore[no-untyped-def]
+    start_agent, url: str, tmp_path: Path, *args: str, state_dir: Path | None = None
+) -> ConsoleAgent:
+    """``state_dir``: an earlier agent's, to start again on (its config file is kept)."""
     port = free_port()
     config = tmp_path / "flashnode.toml"
-    config.write_text(CONFIG)
+    if not config.exists():
+        config.write_text(CONFIG)
     agent = start_agent(
         url,
         "--runner",
@@ -101,6 +105,7 @@ def start_console_agent(start_agent, url: str, tmp_path: Path, *args: str) -> Co
         str(config),
         *args,
         env={"FLASHNODE_UI_LISTEN": f"127.0.0.1:{port}"},
+        state_dir=state_dir,
     )
     console = ConsoleAgent(agent, port, config)
     console.wait_console()

@@ -339,6 +339,7 @@ class Attempt(AttemptHooks):
             "lease_id": lease.lease_id if lease else lease_id,
             "job_id": lease.job_id if lease else "",
             "task_id": lease.task_id if lease else "",
+            "pool": self.staged.task.pool if self.staged else None,
             "attempt_number": lease.attempt_number if lease else None,
             "payload_sha256": digest,
             "runner": self.ctx.runner.name,

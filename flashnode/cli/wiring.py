@@ -183,6 +183,7 @@ def _console(
         overridden=source.overridden,
         reload=agent.request_reload,
         node_view=coordinator.node_view,
+        job_view=coordinator.job_view,
         ring=ring,
         task_uids=_task_uids(settings),
         ledger=ledger,

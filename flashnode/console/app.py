@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -29,7 +30,7 @@ from flashnode.console import auth
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.coordinator.ids import SAFE_ID
-from flashnode.errors import FlashnodeError
+from flashnode.errors import FlashnodeError, NotFound
 from flashnode.owner import lastexit, pausefile, status
 from flashnode.owner.ledgerview import LedgerView
 from flashnode.sandbox import logcap
@@ -41,10 +42,16 @@ STATIC = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/console.js": ("console.js", "text/javascript; charset=utf-8"),
     "/console.css": ("console.css", "text/css; charset=utf-8"),
+    "/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 OUTPUT_TAIL_BYTES = 4096
 OUTPUT_LINES = 12
 COORDINATOR_CACHE_S = 15.0
+JOB_CACHE_S = 300.0  # a job's name never changes; its state (cancelled?) may
+JOB_CACHE_MISS_S = 60.0  # a coordinator that did not answer is asked again after this
+JOB_CACHE_SIZE = 256
+JOBS_PER_REQUEST = 64
+LOWERED_BY = 20  # the latest attempts listed as what may have lowered the scores
 TEXT_CHARS = 2000
 # Terminal control but newline and tab, DEL, C1, and the bidi controls that reorder text.
 # span: (seconds, seconds between usage points, tasks-chart bin)
@@ -73,6 +80,7 @@ class Wiring:
     task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
     clock: Callable[[], float] = time.time
     ledger: LedgerView | None = None  # the agent's (None: the console reads the ledger itself)
+    job_view: Callable[[str], dict[str, Any] | None] = lambda job_id: None  # NotFound: no job
 
 
 class App:
@@ -84,6 +92,8 @@ class App:
         self.ledger = wiring.ledger or LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
         self._coordinator: tuple[float, dict[str, Any]] | None = None
         self._coordinator_lock = threading.Lock()
+        self._jobs: OrderedDict[str, tuple[float, dict[str, str | None]]] = OrderedDict()
+        self._jobs_lock = threading.Lock()
         self._edit_lock = threading.Lock()
 
     # --- every request --------------------------------------------------------------------------
@@ -176,6 +186,9 @@ class App:
             return _json(self.history(request.query.get("outcome") or None, limit))
         if path == "/api/coordinator":
             return _json(self.coordinator_view())
+        if path == "/api/jobs":
+            ids = [j for j in request.query.get("ids", "").split(",") if SAFE_ID.match(j)]
+            return _json({j: self.job(j) for j in dict.fromkeys(ids[:JOBS_PER_REQUEST])})
         return _error(404, "not found")
 
     # --- what the console shows -----------------------------------------------------------------
@@ -215,8 +228,8 @@ class App:
         lease = str(a.get("lease_id") or "")
         shown = {k: v for k, v in a.items() if k not in ("last_output",)}
         shown = dict(json.loads(json.dumps(shown, default=str)))  # plain data only
-        for key in ("lease_id", "job_id", "task_id", "phase", "suspend_reason"):
-            shown[key] = clean(a.get(key), 300)
+        for key in ("lease_id", "job_id", "task_id", "pool", "phase", "suspend_reason"):
+            shown[key] = clean(a.get(key), 300) or None
         shown["facts"] = clean(status.describe_facts(a), 500)
         shown["output"] = self.output_tail(lease)
         return shown
@@ -267,7 +280,7 @@ class App:
         out = []
         for r in self.ledger.latest(outcome, limit):
             shown = dict(r)
-            for key in ("lease_id", "job_id", "task_id", "outcome", "reason", "facts"):
+            for key in ("lease_id", "job_id", "task_id", "pool", "outcome", "reason", "facts"):
                 shown[key] = clean(r.get(key))
             shown["output"] = self.output_tail(str(r.get("lease_id") or ""))
             out.append(shown)
@@ -295,8 +308,70 @@ class App:
                         if found
                         else {"error": "the coordinator lists no such node"}
                     )
+            if "error" not in view:
+                view["explained"] = SCORES_EXPLAINED
+                view["lowered_by"] = self.lowered_by(snapshot.get("started_at"))
             self._coordinator = (now, view)
             return view
+
+    def lowered_by(self, since: object) -> list[dict[str, Any]]:
+        """The attempts since this agent started (the coordinator counts since the node last
+        registered) that may have lowered its scores, newest first, each with who caused it in
+        plain words: the job's own error, its author's cancel, this node letting it go."""
+        start = since if isinstance(since, (int, float)) and not isinstance(since, bool) else 0
+        found = []
+        for r in self.ledger.latest(None, 500):
+            ended = r.get("ended_at")
+            if isinstance(ended, (int, float)) and ended < start:
+                break
+            if r.get("outcome") not in LOWERING:
+                continue
+            job = clean(r.get("job_id"), 200)
+            state = self.job(job)["state"] if SAFE_ID.match(job) else None
+            found.append(
+                {
+                    "job_id": job,
+                    "task_id": clean(r.get("task_id"), 200),
+                    "outcome": clean(r.get("outcome"), 40),
+                    "ended_at": ended,
+                    "cause": cause(str(r.get("outcome")), state),
+                    "reason": clean(str(r.get("reason") or "").split("\n")[0], 300),
+                }
+            )
+            if len(found) >= LOWERED_BY:
+                break
+        return found
+
+    def job(self, job_id: str) -> dict[str, str | None]:
+        """A job's name and state as its coordinator says (cached: every open page asks);
+        nothing when the coordinator does not say."""
+        now = self.w.clock()
+        with self._jobs_lock:
+            cached = self._jobs.get(job_id)
+            if cached is not None and now < cached[0]:
+                return cached[1]
+        record: dict[str, Any] | None = None
+        keep = JOB_CACHE_S
+        try:
+            record = self.w.job_view(job_id)
+        except NotFound:
+            pass  # no such job: nothing to show
+        except FlashnodeError:
+            keep = JOB_CACHE_MISS_S
+        spec = record.get("spec") if isinstance(record, dict) else None
+        meta = spec.get("metadata") if isinstance(spec, dict) else None
+        name = meta.get("name") if isinstance(meta, dict) else None
+        state = record.get("state") if isinstance(record, dict) else None
+        found = {
+            "name": clean(name, 80) or None,
+            "state": clean(state, 40).lower() or None,
+        }
+        with self._jobs_lock:
+            self._jobs[job_id] = (now + keep, found)
+            self._jobs.move_to_end(job_id)
+            while len(self._jobs) > JOB_CACHE_SIZE:
+                self._jobs.popitem(last=False)
+        return found
 
     # --- what the console changes ---------------------------------------------------------------
 
@@ -390,6 +465,34 @@ class App:
         log.info("console: changed %s in %s; reloading", ", ".join(keys), path)
         self.w.reload()
         return _json({"ok": True, "message": f"{', '.join(keys)} changed in {path}; reloading"})
+
+
+LOWERING = ("failed", "lapsed", "lost")
+
+SCORES_EXPLAINED = {
+    "reliability": (
+        "accepted tasks ÷ (accepted + failed attempts + abandoned leases), counted by the"
+        " coordinator since this node last registered (a restart of the coordinator, or of"
+        " this agent, starts the count again)"
+    ),
+    "placement_tier": (
+        "unproven: fewer than 5 attempts resolved; steady: 90 % or more accepted; shaky: under"
+        " 75 %; mixed: between. Only a coordinator that orders claims by reliability uses it:"
+        " steady nodes get the tasks with the fewest attempts left, shaky ones those with the"
+        " most. It never decides whether this node gets work"
+    ),
+}
+
+
+def cause(outcome: str, job_state: str | None) -> str:
+    """Who made an attempt end without a result, in words an owner reads."""
+    if job_state == "cancelled":
+        return "cancelled by its author"
+    if outcome == "failed":
+        return "the job's own error"
+    if outcome == "lost":
+        return "the coordinator took the lease back"
+    return "this node let it go"
 
 
 ACTIONS: dict[str, Callable[[App, dict[str, Any]], Response]] = {

@@ -30,6 +30,7 @@ class Done(Exception):
 STATUS: dict[str, dict[int, type[Exception]]] = {
     "health": {},
     "nodes": {},
+    "job": {404: NotFound},
     "register": {401: CredentialsError, 403: CredentialsError},
     "node heartbeat": {401: CredentialsError, 403: CredentialsError, 404: Unregistered},
     "claim": {401: CredentialsError, 403: Unregistered},

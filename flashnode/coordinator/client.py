@@ -191,6 +191,13 @@ class Coordinator:
                 return node
         return None
 
+    def job_view(self, job_id: str) -> dict[str, Any]:
+        """A job's record as its submitter sees it (``GET /jobs/{id}``: its name, its state),
+        as the coordinator sent it; NotFound when it knows no such job. The coordinator's
+        text: check and escape before showing it."""
+        _, body = self._call("job", "GET", f"/jobs/{_segment(job_id, 'job id')}")
+        return json_object(body, "job")
+
     # --- leases -------------------------------------------------------------------------------
 
     def claim(self, node_id: str) -> dict[str, Any] | None:

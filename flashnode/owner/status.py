@@ -255,7 +255,10 @@ def render(
             line += f" at {moment(last['ended_at'], now)}"
         lines.append(line)
     running = snapshot.get("running") or []
-    as_of = f" (as of {moment(stale['since'], now)}: stale)" if stale["stale"] and running else ""
+    since = stale["since"]
+    as_of = ""
+    if stale["stale"] and running:
+        as_of = f" (as of {moment(since, now)}: stale)" if _number(since) else " (stale)"
     lines.append(f"running     {len(running)}{as_of}")
     for a in running:
         lines.append(f"  {a.get('lease_id')}  {a.get('job_id')}/{a.get('task_id')}")

@@ -507,9 +507,13 @@ def test_ledger_totals_and_tasks_per_hour_read_only_what_was_appended(tmp_path: 
 
 def test_every_asset_ships_in_the_package_and_the_page_fetches_nothing_else() -> None:
     names = {p.name for p in STATIC.iterdir()}
-    assert names == {"index.html", "console.js", "console.css"}
+    assert names == {"index.html", "console.js", "console.css", "favicon.svg"}
     html = (STATIC / "index.html").read_text()
-    assert re.findall(r'(?:src|href)="([^"]+)"', html) == ["/console.css", "/console.js"]
+    assert re.findall(r'(?:src|href)="([^"]+)"', html) == [
+        "/favicon.svg",
+        "/console.css",
+        "/console.js",
+    ]
     for path in STATIC.iterdir():
         urls = set(re.findall(r"https?://[^\s\"')]+", path.read_text()))
         assert urls <= {"http://www.w3.org/2000/svg"}, (path.name, urls)

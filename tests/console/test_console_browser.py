@@ -1,12 +1,16 @@
-"""The console's page in a real headless Chromium (Debian's, driven by Playwright): the node and
-a running task appear, charts are drawn, the Pause and Resume buttons stop and restart claiming,
-and a task's output with HTML and script in it is shown as text. Screenshots are kept under the
-test's tmp dir, and in ``$FLASHNODE_TEST_ARTIFACTS`` when it names a directory."""
+"""The console's page in a real headless Chromium (Debian's, driven by Playwright): it fits a
+phone and a desktop with no sideways scroll and no serious accessibility violation (axe-core);
+a running task shows its job, pool, steps and newest output (as text, however hostile); the
+Pause and Resume buttons stop and restart claiming; an opened history row and a refused setting
+survive the page's refreshes; the usage and task history survive an agent restart. Screenshots
+are kept under the test's tmp dir, and in ``$FLASHNODE_TEST_ARTIFACTS`` when it names a
+directory."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,18 +29,27 @@ ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+PHONE = {"width": 390, "height": 844}
+DESKTOP = {"width": 1280, "height": 900}
 # What a hostile task prints: markup that would run or load something if set as HTML.
 HOSTILE = (
     "<script>window.__pwned = 1</script>"
     ' <img src=x onerror="window.__pwned = 2">'
     ' <b id=injected>bold</b> </pre><svg onload="window.__pwned = 3">'
 )
+# A task as flashruntime's torch helper writes one: a metrics line a step, 40 lines printed.
+TRAINING = (
+    "for i in $(seq 1 40); do echo \"line $i\"; done; echo 'the newest line';"
+    " for s in 1 2 3 4 5 6 7; do echo \"{\\\"step\\\": $s, \\\"loss\\\": 0.5}\""
+    " >> /work/out/metrics.jsonl; done; echo '{}' > /work/out/metrics.json; sleep 60"
+)
+SEVERE = ("serious", "critical")
 
 
-def wait_page(page: Any, expression: str, timeout: float = 30) -> None:
+def wait_page(page: Any, expression: str, timeout: float = 30) -> Any:
     """Poll a JavaScript expression from here (Playwright's own ``wait_for_function`` polls by
     ``eval`` in the page, which the console's Content-Security-Policy rightly refuses)."""
-    wait_for(expression, lambda: page.evaluate(expression), timeout)
+    return wait_for(expression, lambda: page.evaluate(expression), timeout)
 
 
 @pytest.fixture
@@ -54,16 +67,25 @@ def browser() -> Iterator[Any]:
             b.close()
 
 
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1200, "height": 1400})
+def new_page(browser: Any, viewport: dict[str, int], dark: bool = False) -> Any:
+    context = browser.new_context(
+        viewport=viewport, color_scheme="dark" if dark else "light", timezone_id="Europe/Paris"
+    )
     p = context.new_page()
     p.dialogs = []
     p.on("dialog", lambda d: (p.dialogs.append(d.message), d.dismiss()))
     p.requests = []
     p.on("request", lambda r: p.requests.append(r.url))
+    p.failed = []
+    p.on("response", lambda r: r.status >= 400 and p.failed.append(f"{r.status} {r.url}"))
+    return p
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    p = new_page(browser, DESKTOP)
     yield p
-    context.close()
+    p.context.close()
 
 
 def shot(page: Any, tmp_path: Path, name: str) -> Path:
@@ -75,6 +97,31 @@ def shot(page: Any, tmp_path: Path, name: str) -> Path:
     return path
 
 
+def severe_violations(page: Any) -> list[str]:
+    """axe-core's serious and critical findings on the page as it is now."""
+    from axe_playwright_python.sync_playwright import Axe
+
+    results = Axe().run(page)
+    return [
+        f"{v['id']} ({v['impact']}): {v['help']} at {[n['target'] for n in v['nodes']][:3]}"
+        for v in results.response["violations"]
+        if v.get("impact") in SEVERE
+    ]
+
+
+def sideways(page: Any) -> list[str]:
+    """What sticks out of the viewport sideways (nothing: the page fits it)."""
+    if page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"):
+        return []
+    return list(
+        page.evaluate(
+            "[...document.querySelectorAll('body *')].filter((e) =>"
+            " e.getBoundingClientRect().right > window.innerWidth + 0.5).slice(-5).map((e) =>"
+            " e.tagName + '#' + e.id + '.' + e.className + ' ' + e.getBoundingClientRect().right)"
+        )
+    )
+
+
 @pytest.fixture
 def console(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess], tmp_path: Path
@@ -82,60 +129,126 @@ def console(
     return start_console_agent(start_agent, coordinator.url, tmp_path)
 
 
-def test_the_page_shows_the_node_a_running_task_its_output_as_text_and_draws_charts(
-    console: ConsoleAgent, coordinator: CoordinatorServer, page: Any, tmp_path: Path
+def test_a_running_task_shows_its_job_pool_steps_and_newest_output_on_a_phone_and_a_desktop(
+    console: ConsoleAgent, coordinator: CoordinatorServer, browser: Any, tmp_path: Path
 ) -> None:
-    coordinator.submit(argv_job(["sh", "-c", "echo '{}' > metrics.json"]))
-    wait_for("a first task done", lambda: console.agent.ledger())
-    job = coordinator.submit(
-        argv_job(["sh", "-c", f"echo '{HOSTILE}'; echo step 2 of 9 >&2; sleep 60"])
-    )
-    page.goto(console.base + "/")  # no session yet: the page asks to log in, shows no data
-    page.wait_for_selector("#login:not([hidden])")
-    assert page.inner_text("#node-id") == ""
-    shot(page, tmp_path, "console-login")
+    coordinator.submit(argv_job(["sh", "-c", "exit 3"], max_attempts=1))
+    console.agent.wait_ledger(1)
+    job = coordinator.submit(argv_job(["sh", "-c", f"echo '{HOSTILE}' >&2; {TRAINING}"]))
+    login = new_page(browser, PHONE)
+    login.goto(console.link())  # a login link is good once: its cookie serves every page here
+    cookies = login.context.cookies()
+    login.context.close()
+    for viewport, label, dark in ((PHONE, "phone", False), (PHONE, "phone-dark", True),
+                                  (DESKTOP, "desktop", False)):
+        page = new_page(browser, viewport, dark)
+        page.context.add_cookies(cookies)
+        page.goto(console.base + "/")
+        look_at_running(page, job, console.base)
+        shot(page, tmp_path, f"console-running-{label}")
+        assert sideways(page) == [], f"{label}: the page scrolls sideways"
+        assert severe_violations(page) == [], label
+        assert page.dialogs == [] and page.failed == [], page.failed
+        assert all(u.startswith(console.base) for u in page.requests), page.requests
+        # The charts' text is drawn at the width shown: 12 px on a phone too.
+        size = page.evaluate(
+            "parseFloat(getComputedStyle(document.querySelector('#usage-chart text')).fontSize)"
+            " * document.querySelector('#usage-chart').getBoundingClientRect().width"
+            " / document.querySelector('#usage-chart').viewBox.baseVal.width"
+        )
+        assert size >= 11.5, (label, size)
+        background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        assert (background == "rgb(244, 245, 247)") != dark, f"{label}: {background}"
+        page.context.close()
 
-    page.goto(console.link())
-    assert page.url == console.base + "/"
-    page.wait_for_selector(f"#slots tbody tr:has-text('{job}')", timeout=30_000)
-    wait_page(
-        page,
-        "document.querySelector('#slots td.output pre').textContent.includes('step 2 of 9')",
-        30,
+
+def look_at_running(page: Any, job: str, base: str) -> None:
+    """The running task's card names its job, pool and steps, shows its newest output line and
+    its hostile output as text; the history's times are 24-hour with their zone; outcomes are
+    coloured."""
+    card = f"#slot-list article[data-lease]:has-text('{job}')"
+    page.wait_for_selector(card, timeout=30_000)
+    wait_for("the task's step 7", lambda: "step 7 logged" in page.inner_text(card), 40)
+    wait_for("the job's name", lambda: "test-argv" in page.inner_text(card), 30)
+    wait_page(page, "document.querySelector('#history-table tbody tr.row') !== null")
+    wait_page(page, "document.querySelector('#usage-chart polyline') !== null")
+    text = page.inner_text(card)
+    assert "pool team-a" in text and "test-argv" in text, text
+    # The newest output line is shown, last, and nothing of its box is cut off.
+    out = page.locator(f"{card} pre.output").first
+    assert out.inner_text().rstrip().endswith("the newest line")
+    assert page.evaluate("(e) => e.scrollHeight <= e.clientHeight + 1", out.element_handle()), (
+        "the output box scrolls: its newest line may be hidden"
     )
-    node = page.inner_text("#node-facts")
-    assert "trusted" in node and "team-a" in node and "registered" in node
-    assert page.inner_text("#node-id") in node
-    # Each refresh draws the rows anew, and the phase comes from status.json, which the agent
-    # writes at its next turn (within half a second): the row first seen may say "claimed".
-    wait_page(
-        page,
-        "[...document.querySelectorAll('#slots tbody tr')].some((tr) =>"
-        f" tr.textContent.includes('{job}') && tr.cells[1].textContent.startsWith('execute'))",
-    )
-    output = page.inner_text("#slots td.output pre")
-    assert HOSTILE in output  # shown as it was printed: text
+    assert out.is_visible()
+    stderr = page.locator(f"{card} pre.output").nth(1).inner_text()
+    assert HOSTILE in stderr  # shown as it was printed: text
     assert page.evaluate("window.__pwned") is None
     assert page.query_selector("#injected") is None and page.query_selector("main img") is None
-    assert page.dialogs == []
+    ended = page.inner_text("#history-table tbody tr.row td")
+    assert "AM" not in ended and "PM" not in ended and ("CET" in ended or "GMT+1" in ended)
+    assert page.query_selector("#history-table .outcome.failed") is not None
 
-    page.wait_for_selector("#usage-chart polyline.mem", state="attached", timeout=30_000)
-    points = page.get_attribute("#usage-chart polyline.mem", "points")
-    assert len(points.split()) >= 2
-    page.wait_for_selector("#tasks-chart rect.bar", state="attached", timeout=30_000)
-    assert "1 in all" in page.inner_text("#tasks-caption")
-    page.wait_for_selector("#history-table tbody tr[data-outcome='committed']", timeout=30_000)
-    totals = page.inner_text("#totals-body")
-    assert "all time\t1" in totals or "all time 1" in totals
-    wait_page(
-        page, "document.querySelector('#coordinator-facts').textContent.includes('unproven')", 40
+
+def test_an_opened_history_row_and_a_refused_setting_survive_the_refreshes(
+    console: ConsoleAgent, coordinator: CoordinatorServer, page: Any, tmp_path: Path
+) -> None:
+    coordinator.submit(argv_job(["sh", "-c", "echo done here; echo '{}' > /work/out/metrics.json"]))
+    console.agent.wait_ledger(1)
+    page.goto(console.link())
+    row = "#history-table tbody tr.row[data-outcome=committed]"
+    page.wait_for_selector(row, timeout=30_000)
+    page.click(row)
+    page.wait_for_selector("#history-table tr.detail", timeout=5_000)
+    assert "done here" in page.inner_text("#history-table tr.detail")
+    drawn = page.query_selector("#history-table tr.detail")
+    # The next refresh (every 10 s) draws the rows anew: the opened one is open again.
+    wait_for("the history drawn anew", lambda: not drawn.evaluate("(e) => e.isConnected"), 30)
+    assert page.query_selector("#history-table tr.detail") is not None
+
+    page.fill("#run-windows", "Someday 25:00-99:00")
+    page.click("#btn-save")
+    page.wait_for_selector("#settings-message.error", timeout=10_000)
+    shown = page.get_attribute("#app", "data-state-at")
+    wait_for(
+        "the state drawn anew", lambda: page.get_attribute("#app", "data-state-at") != shown, 30
     )
-    shot(page, tmp_path, "console-running")
+    assert page.input_value("#run-windows") == "Someday 25:00-99:00"
+    shot(page, tmp_path, "console-refused-setting")
 
-    page.click("[data-span=day]")
-    wait_page(page, "document.querySelector('#tasks-caption').textContent.includes('per hour')")
-    shot(page, tmp_path, "console-day")
-    assert all(u.startswith(console.base) for u in page.requests), page.requests
+
+def test_the_usage_and_task_history_outlast_an_agent_restart(
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    browser: Any,
+    tmp_path: Path,
+) -> None:
+    first = start_console_agent(start_agent, coordinator.url, tmp_path)
+    coordinator.submit(argv_job(["sh", "-c", "echo '{}' > /work/out/metrics.json"]))
+    first.agent.wait_ledger(1)
+    client, _ = first.session()
+    with client:
+        before = wait_for(
+            "a usage sample",
+            lambda: [p for p in client.get("/api/charts").json()["usage"] if p[2] is not None],
+            60,
+        )
+    first.agent.signal(signal.SIGTERM)
+    assert first.agent.wait() == 0
+
+    again = start_console_agent(
+        start_agent, coordinator.url, tmp_path, state_dir=first.agent.state_dir
+    )
+    page = new_page(browser, DESKTOP)
+    page.goto(again.link())
+    page.wait_for_selector("#history-table tbody tr.row[data-outcome=committed]", timeout=30_000)
+    wait_page(page, "document.querySelector('#tasks-caption').textContent.includes('1 in all')")
+    client, _ = again.session()
+    with client:
+        after = client.get("/api/charts").json()["usage"]
+    assert before[0] in after, "the samples taken before the restart are gone"
+    shot(page, tmp_path, "console-after-restart")
+    page.context.close()
 
 
 def test_the_pause_and_resume_buttons_stop_and_restart_claiming(

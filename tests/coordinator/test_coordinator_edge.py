@@ -49,6 +49,7 @@ def call(c: Coordinator, what: str) -> Any:
     calls: dict[str, Callable[[], Any]] = {
         "health": c.health,
         "nodes": lambda: c.node_view("n1"),
+        "job": lambda: c.job_view("j1"),
         "register": lambda: c.register(registration),
         "node heartbeat": lambda: c.node_heartbeat(NodeHeartbeat(node_id="n1")),
         "claim": lambda: c.claim("n1"),

@@ -1,6 +1,7 @@
 // The flashnode console. Everything the agent sends is set as text (textContent, never HTML):
-// task output and the coordinator's words are hostile. It asks for data only while the page is
-// visible; state every 2 s, charts and the coordinator's view every 30 s.
+// task output, job names and the coordinator's words are hostile. It asks for data only while
+// the page is visible; state every 2 s, history every 10 s, charts and the coordinator's view
+// every 30 s. Times are shown in 24-hour form with their zone.
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -8,6 +9,13 @@ let csrf = "";
 let level = "";
 let span = "hour";
 let timers = [];
+let lastState = null;
+let lastHistory = [];
+let lastCharts = null;
+const jobs = {};  // job id -> {name, state} as the coordinator says (or {} while unknown)
+const asked = {};  // job id -> when it was last asked for
+const open = new Set();  // the history rows the owner opened (by lease id): kept open
+let settingsDirty = false;  // the owner typed in the settings: no refresh overwrites it
 
 function $(id) { return document.getElementById(id); }
 
@@ -16,20 +24,33 @@ function el(tag, attrs, ...children) {
     : document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
   for (const c of children) {
-    if (c === null || c === undefined) continue;
+    if (c === null || c === undefined || c === false) continue;
     node.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
   return node;
 }
 
-function replace(node, ...children) { node.replaceChildren(...children.filter((c) => c !== null)); }
+function replace(node, ...children) { node.replaceChildren(...children.filter((c) => c !== null && c !== undefined)); }
+
+// --- words for numbers ----------------------------------------------------------------------
 
 function duration(s) {
   if (s === null || s === undefined) return "-";
   s = Math.max(Math.floor(s), 0);
-  if (s < 60) return s + "s";
-  if (s < 3600) return Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
-  return Math.floor(s / 3600) + "h" + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + "m";
+  if (s < 60) return s + " s";
+  if (s < 3600) return Math.floor(s / 60) + " min " + String(s % 60).padStart(2, "0") + " s";
+  if (s < 86400) return Math.floor(s / 3600) + " h " + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + " min";
+  return Math.floor(s / 86400) + " d " + Math.floor((s % 86400) / 3600) + " h";
+}
+
+// Hours given, read well for short work: seconds, minutes, then hours.
+function hours(h) {
+  if (typeof h !== "number") return "-";
+  const s = h * 3600;
+  if (s === 0) return "0 min";
+  if (s < 60) return Math.max(Math.round(s), 1) + " s";
+  if (s < 3600) return Math.round(s / 60) + " min";
+  return (h < 10 ? h.toFixed(1) : Math.round(h)) + " h";
 }
 
 function pct(v) { return typeof v === "number" ? v.toFixed(v < 10 ? 1 : 0) + "%" : "-"; }
@@ -40,11 +61,40 @@ function bytes(n) {
   return n + " B";
 }
 
+const two = (n) => String(n).padStart(2, "0");
+let zoneName = null;
+function zone() {
+  if (zoneName === null) {
+    try {
+      const part = new Intl.DateTimeFormat([], { timeZoneName: "short" }).formatToParts(new Date())
+        .find((p) => p.type === "timeZoneName");
+      zoneName = part ? part.value : "";
+    } catch (e) { zoneName = ""; }
+    if (!zoneName) {
+      const off = -new Date().getTimezoneOffset();
+      zoneName = "UTC" + (off >= 0 ? "+" : "-") + two(Math.floor(Math.abs(off) / 60)) + ":" + two(Math.abs(off) % 60);
+    }
+  }
+  return zoneName;
+}
+
+// 24-hour, with the zone: "18:04:09 UTC" today, "2026-12-05 18:04 UTC" before.
 function when(t) {
   if (typeof t !== "number") return "-";
   const d = new Date(t * 1000);
-  return d.toLocaleString([], { dateStyle: "short", timeStyle: "long" });  // with the zone
+  const now = new Date();
+  const clock = two(d.getHours()) + ":" + two(d.getMinutes());
+  if (d.toDateString() === now.toDateString()) return clock + ":" + two(d.getSeconds()) + " " + zone();
+  return d.getFullYear() + "-" + two(d.getMonth() + 1) + "-" + two(d.getDate()) + " " + clock + " " + zone();
 }
+
+function clockAt(t, withDay) {
+  const d = new Date(t * 1000);
+  const clock = two(d.getHours()) + ":" + two(d.getMinutes());
+  return withDay ? d.toLocaleDateString([], { weekday: "short" }) + " " + clock : clock;
+}
+
+// --- talking to the agent -------------------------------------------------------------------
 
 async function api(path, body) {
   const init = { credentials: "same-origin", headers: {} };
@@ -76,35 +126,96 @@ function say(id, text, isError) {
   p.className = isError ? "error" : "";
 }
 
-// --- state --------------------------------------------------------------------------------
+// Job names: asked for once a job id shows up (the coordinator may not say: then the id alone).
+async function learnJobs(ids) {
+  const now = Date.now();
+  const wanted = [...new Set(ids)].filter((j) => j && !(j in jobs) && !(now - (asked[j] || 0) < 60000));
+  if (!wanted.length) return;
+  for (const j of wanted) asked[j] = now;
+  const found = await api("/api/jobs?ids=" + wanted.slice(0, 64).map(encodeURIComponent).join(","));
+  let learned = false;
+  for (const [j, v] of Object.entries(found)) {
+    if (v && (v.name || v.state)) { jobs[j] = v; learned = true; }
+  }
+  if (learned) {
+    if (lastState) renderSlots(lastState.running || []);
+    renderHistory();
+  }
+}
+
+function jobName(id) { return (jobs[id] && jobs[id].name) || null; }
+
+function outcome(name) { return el("span", { class: "outcome " + String(name).replace(/[^a-z]/g, "") }, name); }
+
+// --- state ----------------------------------------------------------------------------------
 
 async function refreshState() {
   const s = await api("/api/state");
+  lastState = s;
   const a = s.agent;
   const badge = $("state-badge");
+  renderSettings(s.settings);
+  renderTotals(s.totals);
   if (!a) {
-    badge.textContent = "starting";
-    badge.className = "badge";
+    badge.textContent = "not running";
+    badge.className = "badge down";
+    $("summary").textContent = "No agent runs on this machine's state dir: start it (sudo systemctl start flashnode).";
+    $("stale").hidden = true;
+    replace($("why-list"));
+    $("why").hidden = true;
+    renderSlots([]);
     return;
   }
+  const stale = s.stale && s.stale.stale;
   const held = (s.why && s.why.holds.length) || a.draining;
-  const down = !a.registered || /unreachable/.test(a.state);
-  badge.textContent = down ? "not connected" : held ? "held" : (s.running.length ? "working" : "idle");
-  badge.className = "badge " + (down ? "down" : held ? "held" : "working");
+  const down = !a.registered || (s.why && s.why.coordinator && s.why.coordinator.length);
+  const running = s.running || [];
+  let label, cls;
+  if (stale) { label = "stale"; cls = "down"; }
+  else if (down) { label = "not connected"; cls = "down"; }
+  else if (held) { label = "held"; cls = "held"; }
+  else { label = running.length ? "working" : "idle"; cls = "working"; }
+  badge.textContent = label;
+  badge.className = "badge " + cls;
   $("node-id").textContent = a.node_id || "";
-  $("state").textContent = a.state;
+  renderStale(s.stale, s.why);
+  renderSummary(a, s.why || { holds: [] }, running);
   renderWhy(s.why || { holds: [] }, a);
   renderNode(a, s);
-  renderSlots(s.running || []);
-  renderTotals(s.totals);
-  renderSettings(s.settings);
+  renderSlots(running);
+  learnJobs(running.map((r) => r.job_id)).catch(() => null);
+  $("app").dataset.stateAt = String(s.now);  // the moment the page last showed
+}
+
+function renderStale(st, why) {
+  const box = $("stale");
+  if (!st || !st.stale) { box.hidden = true; return; }
+  const failing = ((why && why.coordinator) || []).map((p) => p.conversation + " failing: " + p.error);
+  let text = st.age_s === null
+    ? "The agent's status carries no time."
+    : "The agent last wrote its status " + duration(st.age_s) + " ago (at " + when(st.since) + "); it writes it at least every " + duration(st.limit_s / 3) + ".";
+  text += failing.length ? " What fails: " + failing.join("; ") + "."
+    : " Its loop may be stuck: see the journal (journalctl -u flashnode).";
+  $("stale-text").textContent = text;
+  box.hidden = false;
+}
+
+function renderSummary(a, why, running) {
+  let text;
+  if (a.draining) text = "Stopping: no new work; " + running.length + " task(s) finishing.";
+  else if (!a.registered) text = "Not registered with the coordinator yet.";
+  else if (why.coordinator && why.coordinator.length) text = "The coordinator does not answer; the agent keeps trying.";
+  else if (running.length) text = "Running " + running.length + " of " + a.slots + " slot(s).";
+  else text = "Waiting for work.";
+  if (why.holds && why.holds.length) text += " Not claiming: " + why.holds.map((h) => h.rule).join(", ") + ".";
+  $("summary").textContent = text;
 }
 
 function renderWhy(why, a) {
   const items = [];
   for (const h of why.holds) {
     const li = el("li", { "data-rule": h.rule }, el("strong", {}, h.rule), ": ", h.reason,
-      h.suspends ? " (running tasks are suspended)" : "");
+      h.suspends ? " (running tasks are paused)" : "");
     if (h.fix) li.append(el("span", { class: "fix" }, "fix: ", h.fix));
     items.push(li);
   }
@@ -147,144 +258,229 @@ function renderNode(a, s) {
   fact(dl, "version", "flashnode " + s.version);
 }
 
+function stream(name, text) {
+  if (!text) return null;
+  return el("div", { class: "stream" }, el("div", { class: "stream-name" }, name), el("pre", { class: "output" }, text));
+}
+
 function renderSlots(running) {
-  const rows = running.map((r) => {
+  const cards = running.map((r) => {
     const u = r.usage || {};
-    let cps = typeof r.checkpoints === "number" ? String(r.checkpoints) : "-";
-    if (r.checkpoint_step !== null && r.checkpoint_step !== undefined) cps += " (step " + r.checkpoint_step + ")";
+    const name = jobName(r.job_id);
     let phase = r.phase;
-    if (r.suspended_s !== null && r.suspended_s !== undefined) {
-      phase += ", paused " + duration(r.suspended_s) + (r.suspend_reason ? ": " + r.suspend_reason : "");
+    if (typeof r.suspended_s === "number") {
+      phase = "paused " + duration(r.suspended_s) + (r.suspend_reason ? ": " + r.suspend_reason : "");
     }
-    if (r.facts) phase += " (" + r.facts + ")";
-    const out = [r.output && r.output.stdout, r.output && r.output.stderr].filter((x) => x).join("\n");
-    return el("tr", { "data-lease": r.lease_id },
-      el("td", {}, el("div", { class: "mono" }, r.job_id + "/" + r.task_id), el("div", { class: "muted mono" }, r.lease_id)),
-      el("td", {}, phase), el("td", {}, duration(r.elapsed_s)), el("td", {}, duration(r.lease_left_s)),
-      el("td", {}, pct(u.cpu_percent)), el("td", {}, bytes(u.memory_bytes)), el("td", {}, pct(u.gpu_percent)),
-      el("td", {}, cps), el("td", { class: "output" }, el("pre", {}, out || "-")));
+    const dl = el("dl", {});
+    fact(dl, "running for", duration(r.elapsed_s));
+    if (typeof r.lease_left_s === "number") fact(dl, "lease left", duration(r.lease_left_s));
+    const steps = [];
+    if (typeof r.metrics_step === "number") steps.push("step " + r.metrics_step + " logged");
+    if (typeof r.checkpoint_step === "number") steps.push("checkpoint at step " + r.checkpoint_step);
+    else if (typeof r.checkpoints === "number" && r.checkpoints) steps.push(r.checkpoints + " checkpoint(s)");
+    if (typeof r.resumed_from_step === "number") steps.push("resumed from step " + r.resumed_from_step);
+    fact(dl, "progress", steps.join(" · ") || "no step logged yet");
+    fact(dl, "use now", "CPU " + pct(u.cpu_percent) + " · memory " + bytes(u.memory_bytes) + " · GPU " + pct(u.gpu_percent));
+    if (r.facts) fact(dl, "prepared", r.facts);
+    const out = r.output || {};
+    return el("article", { class: "card", "data-lease": r.lease_id },
+      el("h3", {}, name || r.job_id),
+      el("div", { class: "sub" }, (r.pool ? "pool " + r.pool + " · " : "") + (name ? "job " + r.job_id + " · " : "") + "task " + r.task_id),
+      el("span", { class: "phase outcome " + (typeof r.suspended_s === "number" ? "lapsed" : "running") }, phase),
+      dl,
+      stream("stdout, newest last", out.stdout), stream("stderr, newest last", out.stderr),
+      !out.stdout && !out.stderr ? el("p", { class: "muted" }, "no output yet") : null,
+      el("div", { class: "sub mono" }, "lease " + r.lease_id));
   });
-  replace($("slots").tBodies[0], ...rows);
-  $("slots-empty").hidden = rows.length > 0;
+  replace($("slot-list"), ...cards);
+  $("slots-empty").hidden = cards.length > 0;
 }
 
 function renderTotals(t) {
-  const row = (name, x) => el("tr", {}, el("th", {}, name), el("td", {}, x.tasks),
-    el("td", {}, x.cpu_hours.toFixed(2)), el("td", {}, x.gpu_hours.toFixed(2)),
-    el("td", {}, Object.entries(x.outcomes).map(([k, v]) => k + " " + v).join(", ") || "-"));
-  replace($("totals-body"), row("today", t.today), row("all time", t.all_time));
+  const box = (label, x) => el("div", {},
+    el("h3", {}, label),
+    el("div", {}, x.tasks + " task(s) done · CPU " + hours(x.cpu_hours) + " · GPU " + hours(x.gpu_hours)),
+    el("div", { class: "chips" }, ...Object.entries(x.outcomes).map(([k, v]) => el("span", { class: "outcome " + k.replace(/[^a-z]/g, "") }, k + " " + v))));
+  replace($("totals-body"), box("today", t.today), box("all time", t.all_time));
 }
 
 let settingsShown = "";
 function renderSettings(st) {
-  $("config-file").textContent = st.config_file ? "(" + st.config_file + ")" : "(no config file: nothing to change)";
+  $("config-file").textContent = st.config_file ? "in " + st.config_file : "no config file: nothing to change";
   $("pools-now").textContent = (st.pools || []).join(", ") || "-";
+  if (settingsDirty) return;  // what the owner typed stays until it is saved
   const key = JSON.stringify([st.run_windows, st.task_cpu_percent]);
-  if (key !== settingsShown && document.activeElement !== $("run-windows") && document.activeElement !== $("cpu-cap")) {
+  if (key !== settingsShown) {
     settingsShown = key;
     $("run-windows").value = (st.run_windows || []).join("\n");
     $("cpu-cap").value = st.task_cpu_percent === null ? "" : st.task_cpu_percent;
   }
 }
 
-// --- charts -------------------------------------------------------------------------------
+// --- charts ---------------------------------------------------------------------------------
 
 async function refreshCharts() {
-  const c = await api("/api/charts?span=" + span);
-  drawUsage(c);
-  drawTasks(c);
+  lastCharts = await api("/api/charts?span=" + span);
+  drawCharts();
 }
 
-function xOf(t, c, w) { return 30 + ((t - c.since) / (c.now - c.since)) * (w - 40); }
+function drawCharts() {
+  if (!lastCharts) return;
+  drawUsage(lastCharts);
+  drawTasks(lastCharts);
+}
 
-function axes(svg, c, w, h, top) {
-  svg.append(el("svg:line", { class: "grid", x1: 30, x2: w - 10, y1: h - 20, y2: h - 20 }));
-  svg.append(el("svg:text", { class: "axis", x: 2, y: 12 }, top));
-  svg.append(el("svg:text", { class: "axis", x: 30, y: h - 6 }, c.span === "day" ? "24 h ago" : "1 h ago"));
-  svg.append(el("svg:text", { class: "axis", x: w - 40, y: h - 6 }, "now"));
+const LEFT = 38, RIGHT = 10;
+function widthOf(svg) { return Math.max(Math.round(svg.getBoundingClientRect().width), 200); }
+function xOf(t, c, w) { return LEFT + ((t - c.since) / Math.max(c.now - c.since, 1)) * (w - LEFT - RIGHT); }
+
+function timeAxis(svg, c, w, h) {
+  svg.append(el("svg:line", { class: "grid", x1: LEFT, x2: w - RIGHT, y1: h - 22, y2: h - 22 }));
+  const ticks = Math.max(2, Math.min(6, Math.floor((w - LEFT) / 90)));
+  const withDay = c.now - c.since > 86400 * 1.5;
+  for (let i = 0; i <= ticks; i++) {
+    const t = c.since + ((c.now - c.since) * i) / ticks;
+    const x = xOf(t, c, w);
+    const anchor = i === 0 ? "start" : i === ticks ? "end" : "middle";
+    svg.append(el("svg:text", { class: "axis", x: x.toFixed(1), y: h - 6, "text-anchor": anchor }, i === ticks ? "now" : clockAt(t, withDay)));
+  }
 }
 
 function drawUsage(c) {
   const svg = $("usage-chart");
-  const w = 600, h = 160;
+  const w = widthOf(svg), h = 180;
+  svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+  svg.setAttribute("height", h);
   replace(svg);
-  axes(svg, c, w, h, "100%");
-  svg.append(el("svg:line", { class: "grid", x1: 30, x2: w - 10, y1: 10, y2: 10 }));
-  const y = (v) => h - 20 - (v / 100) * (h - 30);
+  const y = (v) => h - 22 - (v / 100) * (h - 34);
+  for (const v of [0, 50, 100]) {
+    if (v) svg.append(el("svg:line", { class: "grid", x1: LEFT, x2: w - RIGHT, y1: y(v), y2: y(v) }));
+    svg.append(el("svg:text", { class: "axis", x: LEFT - 4, y: y(v) + 4, "text-anchor": "end" }, v + "%"));
+  }
+  timeAxis(svg, c, w, h);
+  const gap = (c.step_seconds || 60) * 2.5;  // a longer silence (the agent was off) breaks the line
   [["cpu", 1], ["mem", 2], ["gpu", 3]].forEach(([name, i]) => {
-    const pts = c.usage.filter((p) => typeof p[i] === "number").map((p) => xOf(p[0], c, w).toFixed(1) + "," + y(p[i]).toFixed(1));
-    if (pts.length === 1) pts.push((Number(pts[0].split(",")[0]) + 2).toFixed(1) + "," + pts[0].split(",")[1]);
-    if (pts.length) svg.append(el("svg:polyline", { class: name, points: pts.join(" ") }));
+    let run = [], prev = null;
+    const flush = () => {
+      if (run.length === 1) run.push([run[0][0] + 2, run[0][1]]);
+      if (run.length) svg.append(el("svg:polyline", { class: name, points: run.map((p) => p[0].toFixed(1) + "," + p[1].toFixed(1)).join(" ") }));
+      run = [];
+    };
+    for (const p of c.usage) {
+      if (typeof p[i] !== "number") { flush(); prev = null; continue; }
+      if (prev !== null && p[0] - prev > gap) flush();
+      run.push([xOf(p[0], c, w), y(p[i])]);
+      prev = p[0];
+    }
+    flush();
   });
 }
 
 function drawTasks(c) {
   const svg = $("tasks-chart");
-  const w = 600, h = 100;
+  const w = widthOf(svg), h = 110;
+  svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+  svg.setAttribute("height", h);
   replace(svg);
   const most = Math.max(1, ...c.tasks.map((b) => b[1]));
-  axes(svg, c, w, h, String(most));
-  const bw = Math.max(((w - 40) * c.bin_seconds) / (c.now - c.since) - 2, 1);
+  svg.append(el("svg:text", { class: "axis", x: LEFT - 4, y: 16, "text-anchor": "end" }, String(most)));
+  svg.append(el("svg:text", { class: "axis", x: LEFT - 4, y: h - 22, "text-anchor": "end" }, "0"));
+  timeAxis(svg, c, w, h);
+  const bw = Math.max(((w - LEFT - RIGHT) * c.bin_seconds) / Math.max(c.now - c.since, 1) - 1, 1);
   for (const [t, n] of c.tasks) {
     if (!n) continue;
-    const bh = (n / most) * (h - 30);
-    svg.append(el("svg:rect", { class: "bar", x: Math.max(xOf(t, c, w), 30).toFixed(1), y: (h - 20 - bh).toFixed(1), width: bw.toFixed(1), height: bh.toFixed(1) },
+    const bh = (n / most) * (h - 36);
+    svg.append(el("svg:rect", { class: "bar", x: Math.max(xOf(t, c, w), LEFT).toFixed(1), y: (h - 22 - bh).toFixed(1), width: bw.toFixed(1), height: bh.toFixed(1) },
       el("svg:title", {}, n + " task(s) from " + when(t))));
   }
-  $("tasks-caption").textContent = "tasks done per " + (c.bin_seconds >= 3600 ? "hour" : c.bin_seconds / 60 + " minutes") + ", " + c.tasks.reduce((s, b) => s + b[1], 0) + " in all";
+  const per = c.bin_seconds >= 86400 ? "day" : c.bin_seconds >= 3600 ? (c.bin_seconds === 3600 ? "hour" : c.bin_seconds / 3600 + " hours") : c.bin_seconds / 60 + " minutes";
+  $("tasks-caption").textContent = "tasks done per " + per + ", " + c.tasks.reduce((s, b) => s + b[1], 0) + " in all";
 }
 
-// --- history and the coordinator's view -------------------------------------------------------
+// --- history and the coordinator's view -----------------------------------------------------
 
 async function refreshHistory() {
-  const outcome = $("outcome-filter").value;
-  const rows = await api("/api/history?limit=100" + (outcome ? "&outcome=" + encodeURIComponent(outcome) : ""));
-  const body = $("history-table").tBodies[0];
-  replace(body, ...rows.map((r) => {
-    const tr = el("tr", { "data-lease": r.lease_id, "data-outcome": r.outcome },
-      el("td", {}, when(r.ended_at)), el("td", { class: "mono" }, r.job_id + "/" + r.task_id),
-      el("td", {}, r.outcome), el("td", {}, r.wall_seconds === null ? "-" : r.wall_seconds.toFixed(1) + "s"),
-      el("td", {}, pct(r.cpu_percent)), el("td", {}, pct(r.gpu_percent)), el("td", {}, r.reason.split("\n")[0].slice(0, 120)));
-    tr.addEventListener("click", () => toggleDetail(tr, r));
-    return tr;
-  }));
+  const filter = $("outcome-filter").value;
+  lastHistory = await api("/api/history?limit=100" + (filter ? "&outcome=" + encodeURIComponent(filter) : ""));
+  renderHistory();
+  learnJobs(lastHistory.map((r) => r.job_id)).catch(() => null);
 }
 
-function toggleDetail(tr, r) {
-  const next = tr.nextElementSibling;
-  if (next && next.classList.contains("detail")) { next.remove(); return; }
-  const out = r.output ? [r.output.stdout, r.output.stderr].filter((x) => x).join("\n") : "";
+function renderHistory() {
+  const body = $("history-table").tBodies[0];
+  const rows = [];
+  for (const r of lastHistory) {
+    const name = jobName(r.job_id);
+    const td = (label, ...c) => el("td", { "data-label": label }, ...c);
+    const tr = el("tr", { class: "row", "data-lease": r.lease_id, "data-outcome": r.outcome },
+      td("ended", when(r.ended_at)),
+      td("job", el("button", { type: "button", class: "link", "aria-expanded": open.has(r.lease_id) ? "true" : "false" },
+        (name ? name + " · " : "") + r.job_id + "/" + r.task_id)),
+      td("outcome", outcome(r.outcome)),
+      td("took", r.wall_seconds === null ? "-" : duration(r.wall_seconds)),
+      td("CPU", pct(r.cpu_percent)), td("GPU", pct(r.gpu_percent)),
+      el("td", { class: "reason", "data-label": "reason" }, (r.reason || "").split("\n")[0].slice(0, 160) || "-"));
+    const toggle = () => { if (open.has(r.lease_id)) open.delete(r.lease_id); else open.add(r.lease_id); renderHistory(); };
+    tr.addEventListener("click", toggle);  // the row's button, by keyboard, clicks it too
+    rows.push(tr);
+    if (open.has(r.lease_id)) rows.push(detail(r));
+  }
+  replace(body, ...rows);
+  $("history-empty").hidden = rows.length > 0;
+}
+
+function detail(r) {
+  const out = r.output || {};
+  const facts = [];
+  if (r.pool) facts.push("pool " + r.pool);
+  if (typeof r.metrics_step === "number") facts.push("last step logged " + r.metrics_step);
+  if (typeof r.checkpoint_step === "number") facts.push("checkpoint at step " + r.checkpoint_step);
+  else if (typeof r.checkpoints === "number") facts.push("checkpoints " + r.checkpoints);
+  if (r.facts) facts.push(r.facts);
   const td = el("td", { colspan: 7 },
-    el("div", {}, "lease ", el("span", { class: "mono" }, r.lease_id), r.facts ? " · " + r.facts : "",
-      typeof r.checkpoints === "number" ? " · checkpoints " + r.checkpoints : ""),
+    el("div", {}, "lease ", el("span", { class: "mono" }, r.lease_id), facts.length ? " · " + facts.join(" · ") : ""),
     el("div", {}, "reason:"), el("pre", {}, r.reason || "-"),
-    el("div", {}, "output:"), el("pre", {}, out || "not kept on this node"));
-  tr.after(el("tr", { class: "detail" }, td));
+    stream("stdout", out.stdout), stream("stderr", out.stderr),
+    !out.stdout && !out.stderr ? el("p", { class: "muted" }, "output: not kept on this node") : null);
+  return el("tr", { class: "detail", "data-detail": r.lease_id }, td);
 }
 
 async function refreshCoordinator() {
   const v = await api("/api/coordinator");
   const dl = $("coordinator-facts");
   replace(dl);
-  if (v.error) { fact(dl, "unavailable", v.error); return; }
+  if (v.error) { fact(dl, "unavailable", v.error); $("lowered").hidden = true; return; }
+  const explained = v.explained || {};
   fact(dl, "online", v.online ? "yes" : "no");
   fact(dl, "accepted tasks", v.accepted_tasks ?? "-");
   fact(dl, "failed attempts", v.failed_attempts ?? "-");
   fact(dl, "abandoned leases", v.abandoned_leases ?? "-");
-  fact(dl, "reliability", typeof v.reliability === "number" ? (v.reliability * 100).toFixed(0) + "%" : "-");
+  fact(dl, "reliability", typeof v.reliability === "number" ? (v.reliability * 100).toFixed(0) + "%" : "not yet");
   fact(dl, "placement tier", v.placement_tier || "-");
+  const words = $("scores-explained");
+  replace(words, ...["reliability", "placement_tier"].filter((k) => explained[k]).map((k) =>
+    el("p", {}, el("strong", {}, k.replace("_", " ")), ": ", explained[k])));
+  $("scores").hidden = !words.childElementCount;
+  const lowered = v.lowered_by || [];
+  replace($("lowered-list"), ...lowered.map((x) => el("li", {},
+    outcome(x.outcome), " ", (jobName(x.job_id) ? jobName(x.job_id) + " · " : "") + x.job_id + "/" + x.task_id,
+    " at ", when(x.ended_at), ": ", el("strong", {}, x.cause), x.reason ? " (" + x.reason + ")" : "")));
+  $("lowered").hidden = lowered.length === 0;
 }
 
-// --- actions ------------------------------------------------------------------------------
+// --- actions --------------------------------------------------------------------------------
 
 async function act(path, body, messageId) {
+  let ok = false;
   try {
     const r = await api(path, body);
     say(messageId, r.message || "done", false);
+    ok = true;
   } catch (e) {
     say(messageId, e.message, true);
   }
   await run(refreshState);
+  return ok;
 }
 
 function bind() {
@@ -294,14 +490,15 @@ function bind() {
   });
   $("btn-pause-for").addEventListener("click", () => act("/api/pause", { mode: "drain", for: $("pause-for").value }, "message"));
   $("btn-resume").addEventListener("click", () => act("/api/resume", {}, "message"));
-  $("settings-form").addEventListener("submit", (ev) => {
+  for (const id of ["run-windows", "cpu-cap"]) $(id).addEventListener("input", () => { settingsDirty = true; });
+  $("settings-form").addEventListener("submit", async (ev) => {
     ev.preventDefault();
     const cap = $("cpu-cap").value.trim();
-    settingsShown = "";
-    act("/api/settings", {
+    const saved = await act("/api/settings", {
       run_windows: $("run-windows").value.split("\n").map((x) => x.trim()).filter((x) => x),
       task_cpu_percent: cap === "" ? null : Number(cap),
     }, "settings-message");
+    if (saved) { settingsDirty = false; settingsShown = ""; await run(refreshState); }
   });
   $("btn-join").addEventListener("click", () => act("/api/pools", { join: $("pool-id").value.trim() }, "settings-message"));
   $("btn-leave").addEventListener("click", () => act("/api/pools", { leave: $("pool-id").value.trim() }, "settings-message"));
@@ -310,10 +507,15 @@ function bind() {
   for (const b of document.querySelectorAll("[data-span]")) {
     b.addEventListener("click", () => {
       span = b.dataset.span;
-      for (const o of document.querySelectorAll("[data-span]")) o.classList.toggle("on", o === b);
+      for (const o of document.querySelectorAll("[data-span]")) {
+        o.classList.toggle("on", o === b);
+        o.setAttribute("aria-pressed", o === b ? "true" : "false");
+      }
       run(refreshCharts);
     });
   }
+  let pending = null;
+  window.addEventListener("resize", () => { clearTimeout(pending); pending = setTimeout(drawCharts, 150); });
 }
 
 async function run(fn) {

@@ -1,0 +1,169 @@
+"""What the console's data says, without a browser or an agent: a job's name and state as the
+coordinator gives them (hostile text escaped, asked once, a silent coordinator asked again
+later), and which attempts may have lowered the coordinator's scores and who caused each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashnode.config.settings import Settings
+from flashnode.console import auth
+from flashnode.console.app import JOB_CACHE_MISS_S, App, Wiring
+from flashnode.console.server import Request
+from flashnode.console.usage import UsageRing
+from flashnode.errors import CoordinatorUnavailable
+from flashnode.owner import status
+
+NOW = 1_800_000_000.0
+
+
+class Coordinator:
+    """GET /jobs/{id} and GET /nodes as a coordinator answers them; counts the asks."""
+
+    def __init__(self, jobs: dict[str, Any]) -> None:
+        self.jobs = jobs
+        self.asked: list[str] = []
+        self.down = False
+
+    def job_view(self, job_id: str) -> dict[str, Any] | None:
+        self.asked.append(job_id)
+        if self.down:
+            raise CoordinatorUnavailable("job: 503 scripted")
+        return self.jobs.get(job_id)
+
+    def node_view(self, node_id: str) -> dict[str, Any] | None:
+        return {
+            "node_id": node_id,
+            "accepted_tasks": 3,
+            "failed_attempts": 1,
+            "abandoned_leases": 2,
+            "reliability": 0.5,
+            "placement_tier": "unproven",
+        }
+
+
+def job(name: str, state: str = "RUNNING") -> dict[str, Any]:
+    return {"job_id": "x", "state": state, "spec": {"metadata": {"name": name}}}
+
+
+def make_app(tmp_path: Path, coordinator: Coordinator, clock: list[float]) -> App:
+    settings = Settings(coordinator="http://127.0.0.1:1", runner="trusted", state_dir=tmp_path)
+    wiring = Wiring(
+        state_dir=tmp_path,
+        settings=lambda: settings,
+        config_file=None,
+        validate=lambda path: None,
+        overridden=lambda key: None,
+        reload=lambda: None,
+        node_view=coordinator.node_view,
+        ring=UsageRing(clock=lambda: clock[0]),
+        clock=lambda: clock[0],
+        job_view=coordinator.job_view,
+    )
+    gate = auth.Gate(clock=lambda: clock[0])
+    return App(wiring, gate, frozenset({"console.test"}), "flashnode-console")
+
+
+def get(app: App, path: str, query: dict[str, str]) -> Any:
+    token = auth.mint("view", app.gate.keys["view"], app.w.clock())
+    found = app.gate.login(token)
+    assert found is not None
+    headers = {"host": "console.test", "cookie": f"flashnode-console={found[0]}"}
+    response = app.handle(Request("GET", path, query, headers, b"", ("127.0.0.1", 1)))
+    assert response.status == 200, response.body
+    return json.loads(response.body)
+
+
+def test_a_jobs_name_and_state_are_asked_once_and_shown_escaped(tmp_path: Path) -> None:
+    hostile = "train\x1b[2J\u202eevil"
+    coordinator = Coordinator({"j1": job(hostile), "j2": job("sweep", "CANCELLED")})
+    app = make_app(tmp_path, coordinator, [NOW])
+    seen = get(app, "/api/jobs", {"ids": "j1,j2,j1,../etc,j3"})
+    assert set(seen) == {"j1", "j2", "j3"}  # an id no job has is never put in a URL
+    assert "\x1b" not in seen["j1"]["name"] and "\u202e" not in seen["j1"]["name"]
+    assert seen["j1"]["name"].startswith("train") and seen["j1"]["state"] == "running"
+    assert seen["j2"] == {"name": "sweep", "state": "cancelled"}
+    assert seen["j3"] == {"name": None, "state": None}
+    get(app, "/api/jobs", {"ids": "j1,j2"})
+    assert sorted(coordinator.asked) == ["j1", "j2", "j3"]  # every open page asks: cached
+
+
+def test_a_coordinator_that_did_not_answer_is_asked_again_after_a_while(tmp_path: Path) -> None:
+    coordinator = Coordinator({"j1": job("train")})
+    clock = [NOW]
+    app = make_app(tmp_path, coordinator, clock)
+    coordinator.down = True
+    assert app.job("j1") == {"name": None, "state": None}
+    coordinator.down = False
+    assert app.job("j1")["name"] is None  # not asked again at once
+    clock[0] += JOB_CACHE_MISS_S + 1
+    assert app.job("j1")["name"] == "train"
+
+
+def test_the_scores_are_explained_with_the_attempts_that_lowered_them_and_who_caused_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(status, "agent_alive", lambda pid: True)  # the snapshot's agent
+    coordinator = Coordinator(
+        {"own": job("buggy"), "gone": job("sweep", "CANCELLED"), "old": job("old")}
+    )
+    app = make_app(tmp_path, coordinator, [NOW])
+    lines = [
+        {
+            "job_id": "old",
+            "task_id": "t0",
+            "outcome": "failed",
+            "ended_at": NOW - 900,
+            "reason": "before this agent started",
+        },
+        {"job_id": "own", "task_id": "t1", "outcome": "committed", "ended_at": NOW - 50},
+        {
+            "job_id": "own",
+            "task_id": "t2",
+            "outcome": "failed",
+            "ended_at": NOW - 40,
+            "reason": "exit code 3\nTraceback ...",
+        },
+        {
+            "job_id": "gone",
+            "task_id": "t3",
+            "outcome": "lost",
+            "ended_at": NOW - 30,
+            "reason": "lease lost (410: lease not live)",
+        },
+        {
+            "job_id": "own",
+            "task_id": "t4",
+            "outcome": "lost",
+            "ended_at": NOW - 20,
+            "reason": "lease lost (410: revoked: no progress within 60s)",
+        },
+        {
+            "job_id": "own",
+            "task_id": "t5",
+            "outcome": "lapsed",
+            "ended_at": NOW - 10,
+            "reason": "the agent stopped",
+        },
+    ]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    status.write(tmp_path, {"pid": 1, "node_id": "n1", "started_at": NOW - 100})
+    view = app.coordinator_view()
+    assert view["reliability"] == 0.5 and view["placement_tier"] == "unproven"
+    assert "accepted" in view["explained"]["reliability"]
+    assert "unproven" in view["explained"]["placement_tier"]
+    causes = [(x["task_id"], x["cause"], x["reason"]) for x in view["lowered_by"]]
+    assert causes == [
+        ("t5", "this node let it go", "the agent stopped"),
+        (
+            "t4",
+            "the coordinator took the lease back",
+            "lease lost (410: revoked: no progress within 60s)",
+        ),
+        ("t3", "cancelled by its author", "lease lost (410: lease not live)"),
+        ("t2", "the job's own error", "exit code 3"),
+    ]
