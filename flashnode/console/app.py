@@ -310,14 +310,15 @@ class App:
                     )
             if "error" not in view:
                 view["explained"] = SCORES_EXPLAINED
-                view["lowered_by"] = self.lowered_by(snapshot.get("started_at"))
+                since = snapshot.get("registered_at") or snapshot.get("started_at")
+                view["lowered_by"] = self.lowered_by(since)
             self._coordinator = (now, view)
             return view
 
     def lowered_by(self, since: object) -> list[dict[str, Any]]:
-        """The attempts since this agent started (the coordinator counts since the node last
-        registered) that may have lowered its scores, newest first, each with who caused it in
-        plain words: the job's own error, its author's cancel, this node letting it go."""
+        """The attempts that ended ``since`` (the node's latest registration: the coordinator
+        counts from there) and may have lowered its scores, newest first, each with who caused
+        it in plain words: the job's own error, its author's cancel, this node letting it go."""
         start = since if isinstance(since, (int, float)) and not isinstance(since, bool) else 0
         found = []
         for r in self.ledger.latest(None, 500):

@@ -261,7 +261,8 @@ def render(
         as_of = f" (as of {moment(since, now)}: stale)" if _number(since) else " (stale)"
     lines.append(f"running     {len(running)}{as_of}")
     for a in running:
-        lines.append(f"  {a.get('lease_id')}  {a.get('job_id')}/{a.get('task_id')}")
+        pool = f"   pool {a['pool']}" if a.get("pool") else ""
+        lines.append(f"  {a.get('lease_id')}  {a.get('job_id')}/{a.get('task_id')}{pool}")
         state = f"{a.get('phase')}, {duration(a.get('elapsed_s'))}"
         if a.get("suspended_s") is not None:
             state += f", suspended for {duration(a.get('suspended_s'))}"
@@ -276,6 +277,8 @@ def render(
         if a.get("resumed_from_step") is not None:
             shipped += f", resumed from step {a['resumed_from_step']}"
         lines.append(f"    checkpoints  {shipped}")
+        if _number(a.get("metrics_step")):
+            lines.append(f"    step logged  {a['metrics_step']} (its metrics.jsonl)")
         lines.append(
             f"    staged       {size(a.get('bytes_staged'))}"
             f"   uploaded {size(a.get('bytes_uploaded'))}"

@@ -1,6 +1,7 @@
 """What the console's data says, without a browser or an agent: a job's name and state as the
 coordinator gives them (hostile text escaped, asked once, a silent coordinator asked again
-later), and which attempts may have lowered the coordinator's scores and who caused each."""
+later), which attempts may have lowered the coordinator's scores and who caused each, and a
+running task's pool and step as ``flashnode status`` shows them."""
 
 from __future__ import annotations
 
@@ -151,7 +152,10 @@ def test_the_scores_are_explained_with_the_attempts_that_lowered_them_and_who_ca
         },
     ]
     (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    status.write(tmp_path, {"pid": 1, "node_id": "n1", "started_at": NOW - 100})
+    # Registered again (a reload) after t0 ended: the coordinator's count starts there.
+    status.write(
+        tmp_path, {"pid": 1, "node_id": "n1", "started_at": NOW - 2000, "registered_at": NOW - 100}
+    )
     view = app.coordinator_view()
     assert view["reliability"] == 0.5 and view["placement_tier"] == "unproven"
     assert "accepted" in view["explained"]["reliability"]
@@ -167,3 +171,18 @@ def test_the_scores_are_explained_with_the_attempts_that_lowered_them_and_who_ca
         ("t3", "cancelled by its author", "lease lost (410: lease not live)"),
         ("t2", "the job's own error", "exit code 3"),
     ]
+
+
+def test_status_names_a_running_tasks_pool_and_the_newest_step_it_logged() -> None:
+    attempt = {
+        "lease_id": "ls-1",
+        "job_id": "j1",
+        "task_id": "t1",
+        "phase": "execute",
+        "pool": "team-a",
+        "metrics_step": 42,
+        "checkpoint_step": 40,
+    }
+    text = status.render({"node_id": "n1", "updated_at": NOW, "running": [attempt]}, now=NOW)
+    assert "ls-1  j1/t1   pool team-a" in text
+    assert "step logged  42" in text and "(step 40)" in text
