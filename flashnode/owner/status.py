@@ -373,13 +373,28 @@ def _given(totals: Any) -> list[str]:
         counted = [f"{outcomes.get(k, 0)} {k}" for k in GIVEN]
         counted += [f"{v} {k}" for k, v in sorted(outcomes.items()) if k not in GIVEN and v]
         cpu, gpu = t.get("cpu_hours"), t.get("gpu_hours")
-        hours = f"{cpu:.2f} CPU-hours, {gpu:.2f} GPU-hours" if _number(cpu) and _number(gpu) else ""
+        hours = (
+            f"CPU {given_time(cpu)}, GPU {given_time(gpu)}" if _number(cpu) and _number(gpu) else ""
+        )
         lead = "given       " if not lines else "            "
         lines.append(f"{lead}{label}: {', '.join(counted)}; {hours}")
     return lines
 
 
 GIVEN = ("committed", "failed", "lapsed")
+
+
+def given_time(hours: float) -> str:
+    """Hours of use as they read well for short work too: ``0 min``, ``42 s``, ``12 min``,
+    ``3.4 h``, ``27 h``."""
+    seconds = hours * 3600
+    if seconds <= 0:
+        return "0 min"
+    if seconds < 60:
+        return f"{max(round(seconds), 1)} s"
+    if seconds < 3600:
+        return f"{round(seconds / 60)} min"
+    return f"{hours:.1f} h" if hours < 10 else f"{round(hours)} h"
 
 
 def describe_facts(attempt: dict[str, Any]) -> str:

@@ -186,3 +186,16 @@ def test_status_names_a_running_tasks_pool_and_the_newest_step_it_logged() -> No
     text = status.render({"node_id": "n1", "updated_at": NOW, "running": [attempt]}, now=NOW)
     assert "ls-1  j1/t1   pool team-a" in text
     assert "step logged  42" in text and "(step 40)" in text
+
+
+def test_what_the_node_gave_reads_in_seconds_minutes_or_hours() -> None:
+    assert [status.given_time(h) for h in (0, 0.005, 0.2, 3.44, 27.4)] == [
+        "0 min",
+        "18 s",
+        "12 min",
+        "3.4 h",
+        "27 h",
+    ]
+    totals = {"today": {"outcomes": {"committed": 2}, "cpu_hours": 0.2, "gpu_hours": 0.0}}
+    text = status.render({"node_id": "n1", "updated_at": NOW, "totals": totals}, now=NOW)
+    assert "today: 2 committed, 0 failed, 0 lapsed; CPU 12 min, GPU 0 min" in text
