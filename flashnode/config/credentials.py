@@ -107,6 +107,7 @@ class StoredCredentials:
         self._load = load
         self._present = present
         self._env = env
+        self._coordinator = settings.coordinator  # the one the running client talks to
         self._paths = self._places(settings)
         self._seen = self._look()
 
@@ -136,6 +137,13 @@ class StoredCredentials:
     def reread(self) -> None:
         seen = self._look()
         settings = self._load()  # ConfigError: a file unreadable, or readable by others
+        if settings.coordinator != self._coordinator:
+            # Another coordinator's token must never reach this one (a reload refuses the
+            # change of coordinator too): only a restart moves the agent.
+            raise ConfigError(
+                f"the config now names coordinator {settings.coordinator}, but this agent talks"
+                f" to {self._coordinator}: restart the agent (sudo systemctl restart flashnode)"
+            )
         self._paths = self._places(settings)
         self._seen = seen if len(seen) == len(self._paths) else self._look()
         token, code = settings.token, settings.join_code

@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+from pydantic import SecretStr
 
+from flashnode.config.credentials import StoredCredentials
+from flashnode.config.settings import Settings
 from flashnode.coordinator.messages import NodeRegistration
 from flashnode.errors import ConfigError, CredentialsError
 from flashnode.evidence.inventory import registration
@@ -163,3 +167,18 @@ def test_credentials_that_cannot_be_read_keep_the_hold_and_say_why(tmp_path: Pat
     assert stored.rereads == 1
     refused = agent.session.refused
     assert refused is not None and "accessible to other users" in refused.error
+
+
+def test_another_coordinators_token_is_never_handed_to_the_running_one(tmp_path: Path) -> None:
+    """The owner moves the config to coordinator B and logs in there while the agent holds on
+    A's refusal: B's token must not reach A; the hold says to restart."""
+    a = Settings(coordinator="http://a.test:80", runner="trusted", state_dir=tmp_path)
+    b = a.model_copy(update={"coordinator": "http://b.test:80", "token": SecretStr("TOKEN-B")})
+    presented: list[tuple[str | None, str | None]] = []
+    stored = StoredCredentials(a, lambda: b, lambda t, c: presented.append((t, c)), {})
+    with pytest.raises(ConfigError, match="restart the agent"):
+        stored.reread()
+    assert presented == []
+    stored = StoredCredentials(a, lambda: a, lambda t, c: presented.append((t, c)), {})
+    stored.reread()
+    assert presented == [(None, None)]
