@@ -3,8 +3,10 @@
 ``start`` binds the listener, writes the login keys ``flashnode ui`` reads, and returns the
 running ``Console``; ``close`` stops serving and removes the keys. Parts: ``auth`` (login links,
 sessions, the checks on each request), ``server`` (the HTTP edge), ``app`` (what each request
-means), ``usage`` (the node's use over the last day), ``static/`` (the page: no asset comes from
-anywhere else); totals and history come from the agent's ``flashnode.owner.ledgerview``.
+means), ``lookups`` (what it asks the coordinator, on a thread of its own), ``usage`` (the
+node's use over the last hour, day and week, kept in the state dir), ``static/`` (the page: no
+asset comes from anywhere else); totals and history come from the agent's
+``flashnode.owner.ledgerview``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 from flashnode.config.listen import parse_listen
 
 if TYPE_CHECKING:  # the parts are imported when the console starts (``start``)
-    from flashnode.console.app import Wiring
+    from flashnode.console.app import App, Wiring
     from flashnode.console.server import ConsoleServer
 
 log = logging.getLogger(__name__)
@@ -29,11 +31,14 @@ class Console:
     url: str
     server: ConsoleServer
     wiring: Wiring
+    app: App | None = None
 
     def close(self) -> None:
         from flashnode.console import auth
 
         self.server.close()
+        if self.app is not None:
+            self.app.lookups.close()
         auth.Gate.withdraw(self.wiring.state_dir)
 
 
@@ -61,7 +66,7 @@ def start(listen: str, wiring: Wiring) -> Console:
         server.close()
         raise
     log.info("console served at %s (log in with `flashnode ui`)", url)
-    return Console(url, server, wiring)
+    return Console(url, server, wiring, app)
 
 
 def _local_names() -> list[str]:

@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -27,10 +26,10 @@ from flashnode import __version__
 from flashnode.config import configedit
 from flashnode.config.settings import Settings
 from flashnode.console import auth
+from flashnode.console.lookups import Lookups
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.coordinator.ids import SAFE_ID
-from flashnode.errors import FlashnodeError, NotFound
 from flashnode.owner import lastexit, pausefile, status
 from flashnode.owner.ledgerview import LedgerView
 from flashnode.sandbox import logcap
@@ -46,10 +45,6 @@ STATIC = {
 }
 OUTPUT_TAIL_BYTES = 4096
 OUTPUT_LINES = 12
-COORDINATOR_CACHE_S = 15.0
-JOB_CACHE_S = 300.0  # a job's name never changes; its state (cancelled?) may
-JOB_CACHE_MISS_S = 60.0  # a coordinator that did not answer is asked again after this
-JOB_CACHE_SIZE = 256
 JOBS_PER_REQUEST = 64
 LOWERED_BY = 20  # the latest attempts listed as what may have lowered the scores
 TEXT_CHARS = 2000
@@ -90,10 +85,7 @@ class App:
         self.hosts = hosts
         self.cookie = cookie
         self.ledger = wiring.ledger or LedgerView(wiring.state_dir / "ledger.jsonl", wiring.clock)
-        self._coordinator: tuple[float, dict[str, Any]] | None = None
-        self._coordinator_lock = threading.Lock()
-        self._jobs: OrderedDict[str, tuple[float, dict[str, str | None]]] = OrderedDict()
-        self._jobs_lock = threading.Lock()
+        self.lookups = Lookups(wiring.node_view, wiring.job_view, wiring.clock)
         self._edit_lock = threading.Lock()
 
     # --- every request --------------------------------------------------------------------------
@@ -115,6 +107,9 @@ class App:
         if session is None:
             return _error(401, "not logged in: run `flashnode ui` for a login link")
         if request.method == "GET":
+            site = request.header("sec-fetch-site")
+            if request.path.startswith("/api/") and site not in (None, "same-origin"):
+                return _error(403, "refused: the request does not come from this console's page")
             return self._get(request, session)
         if request.method != "POST":
             return _error(405, "method not allowed")
@@ -228,8 +223,12 @@ class App:
         lease = str(a.get("lease_id") or "")
         shown = {k: v for k, v in a.items() if k not in ("last_output",)}
         shown = dict(json.loads(json.dumps(shown, default=str)))  # plain data only
-        for key in ("lease_id", "job_id", "task_id", "pool", "phase", "suspend_reason"):
+        for key in ("lease_id", "job_id", "task_id", "phase", "suspend_reason"):
             shown[key] = clean(a.get(key), 300) or None
+        pool = clean(a.get("pool"), 128) or None
+        if pool is not None and pool not in self.w.settings().pools:  # the payload's word only
+            pool += " (not one of this node's pools)"
+        shown["pool"] = pool
         shown["facts"] = clean(status.describe_facts(a), 500)
         shown["output"] = self.output_tail(lease)
         return shown
@@ -287,33 +286,24 @@ class App:
         return out
 
     def coordinator_view(self) -> dict[str, Any]:
-        """This node as the coordinator sees it (cached a few seconds: every open page asks)."""
-        now = self.w.clock()
-        with self._coordinator_lock:
-            if self._coordinator and now - self._coordinator[0] < COORDINATOR_CACHE_S:
-                return self._coordinator[1]
-            snapshot = status.read(self.w.state_dir) or {}
-            node = snapshot.get("node_id")
-            view: dict[str, Any]
-            if not isinstance(node, str) or not SAFE_ID.match(node):
-                view = {"error": "not registered yet"}
-            else:
-                try:
-                    found = self.w.node_view(node)
-                except FlashnodeError as exc:
-                    view = {"error": clean(f"the coordinator did not answer: {exc}", 300)}
-                else:
-                    view = (
-                        _node_view(found)
-                        if found
-                        else {"error": "the coordinator lists no such node"}
-                    )
-            if "error" not in view:
-                view["explained"] = SCORES_EXPLAINED
-                since = snapshot.get("registered_at") or snapshot.get("started_at")
-                view["lowered_by"] = self.lowered_by(since)
-            self._coordinator = (now, view)
-            return view
+        """This node as the coordinator last said it sees it (asked on the lookup thread:
+        ``pending`` until the first answer), its scores explained."""
+        snapshot = status.read(self.w.state_dir) or {}
+        node = snapshot.get("node_id")
+        if not isinstance(node, str) or not SAFE_ID.match(node):
+            return {"error": "not registered yet"}
+        known, found, error = self.lookups.node(node)
+        if not known:
+            return {"error": "asking the coordinator", "pending": True}
+        if error is not None:
+            return {"error": clean(f"the coordinator did not answer: {error}", 300)}
+        if not found:
+            return {"error": "the coordinator lists no such node"}
+        view = _node_view(found)
+        view["explained"] = SCORES_EXPLAINED
+        since = snapshot.get("registered_at") or snapshot.get("started_at")
+        view["lowered_by"] = self.lowered_by(since)
+        return view
 
     def lowered_by(self, since: object) -> list[dict[str, Any]]:
         """The attempts that ended ``since`` (the node's latest registration: the coordinator
@@ -344,35 +334,14 @@ class App:
         return found
 
     def job(self, job_id: str) -> dict[str, str | None]:
-        """A job's name and state as its coordinator says (cached: every open page asks);
-        nothing when the coordinator does not say."""
-        now = self.w.clock()
-        with self._jobs_lock:
-            cached = self._jobs.get(job_id)
-            if cached is not None and now < cached[0]:
-                return cached[1]
-        record: dict[str, Any] | None = None
-        keep = JOB_CACHE_S
-        try:
-            record = self.w.job_view(job_id)
-        except NotFound:
-            pass  # no such job: nothing to show
-        except FlashnodeError:
-            keep = JOB_CACHE_MISS_S
+        """A job's name and state as its coordinator last said (asked on the lookup thread);
+        nothing while it has not said."""
+        record = self.lookups.job(job_id)
         spec = record.get("spec") if isinstance(record, dict) else None
         meta = spec.get("metadata") if isinstance(spec, dict) else None
         name = meta.get("name") if isinstance(meta, dict) else None
         state = record.get("state") if isinstance(record, dict) else None
-        found = {
-            "name": clean(name, 80) or None,
-            "state": clean(state, 40).lower() or None,
-        }
-        with self._jobs_lock:
-            self._jobs[job_id] = (now + keep, found)
-            self._jobs.move_to_end(job_id)
-            while len(self._jobs) > JOB_CACHE_SIZE:
-                self._jobs.popitem(last=False)
-        return found
+        return {"name": clean(name, 80) or None, "state": clean(state, 40).lower() or None}
 
     # --- what the console changes ---------------------------------------------------------------
 
@@ -487,7 +456,7 @@ SCORES_EXPLAINED = {
 
 def cause(outcome: str, job_state: str | None) -> str:
     """Who made an attempt end without a result, in words an owner reads."""
-    if job_state == "cancelled":
+    if outcome == "lost" and job_state == "cancelled":  # a cancel kills the live lease
         return "cancelled by its author"
     if outcome == "failed":
         return "the job's own error"
@@ -597,9 +566,6 @@ def _tail(path: Path) -> str:
     kept = [x for x in lines if x.strip()][-OUTPUT_LINES:]
     return clean("\n".join(kept), OUTPUT_TAIL_BYTES, keep="\n\t")
 
-
-def _pct(value: float | None) -> int | None:
-    return None if value is None else round(value)
 
 
 def _cookie(header: str | None, cookie: str) -> str | None:

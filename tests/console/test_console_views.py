@@ -6,14 +6,17 @@ running task's pool and step as ``flashnode status`` shows them."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import wait_for
 
 from flashnode.config.settings import Settings
 from flashnode.console import auth
-from flashnode.console.app import JOB_CACHE_MISS_S, App, Wiring
+from flashnode.console.app import App, Wiring
+from flashnode.console.lookups import MISS_KEEP_S, WANTED_MAX
 from flashnode.console.server import Request
 from flashnode.console.usage import UsageRing
 from flashnode.errors import CoordinatorUnavailable
@@ -69,28 +72,40 @@ def make_app(tmp_path: Path, coordinator: Coordinator, clock: list[float]) -> Ap
     return App(wiring, gate, frozenset({"console.test"}), "flashnode-console")
 
 
-def get(app: App, path: str, query: dict[str, str]) -> Any:
+def get(app: App, path: str, query: dict[str, str], status_code: int = 200, **more: str) -> Any:
     token = auth.mint("view", app.gate.keys["view"], app.w.clock())
     found = app.gate.login(token)
     assert found is not None
-    headers = {"host": "console.test", "cookie": f"flashnode-console={found[0]}"}
+    headers = {"host": "console.test", "cookie": f"flashnode-console={found[0]}", **more}
     response = app.handle(Request("GET", path, query, headers, b"", ("127.0.0.1", 1)))
-    assert response.status == 200, response.body
+    assert response.status == status_code, response.body
     return json.loads(response.body)
+
+
+def test_data_goes_only_to_the_consoles_own_page(tmp_path: Path) -> None:
+    """A page of another port of this host is same-site: its fetch carries the owner's cookie
+    (SameSite ignores ports) but says where it comes from."""
+    app = make_app(tmp_path, Coordinator({}), [NOW])
+    for path in ("/api/state", "/api/jobs", "/api/history"):
+        get(app, path, {}, 403, **{"sec-fetch-site": "same-site"})
+        get(app, path, {}, 200, **{"sec-fetch-site": "same-origin"})
 
 
 def test_a_jobs_name_and_state_are_asked_once_and_shown_escaped(tmp_path: Path) -> None:
     hostile = "train\x1b[2J\u202eevil"
     coordinator = Coordinator({"j1": job(hostile), "j2": job("sweep", "CANCELLED")})
     app = make_app(tmp_path, coordinator, [NOW])
-    seen = get(app, "/api/jobs", {"ids": "j1,j2,j1,../etc,j3"})
-    assert set(seen) == {"j1", "j2", "j3"}  # an id no job has is never put in a URL
+    first = get(app, "/api/jobs", {"ids": "j1,j2,j1,../etc,j3"})
+    assert set(first) == {"j1", "j2", "j3"}  # an id no job has is never put in a URL
+    wait_for("the jobs looked up", lambda: all(j in app.lookups._jobs for j in first), 10)
+    seen = get(app, "/api/jobs", {"ids": "j1,j2,j3"})
     assert "\x1b" not in seen["j1"]["name"] and "\u202e" not in seen["j1"]["name"]
     assert seen["j1"]["name"].startswith("train") and seen["j1"]["state"] == "running"
     assert seen["j2"] == {"name": "sweep", "state": "cancelled"}
     assert seen["j3"] == {"name": None, "state": None}
-    get(app, "/api/jobs", {"ids": "j1,j2"})
-    assert sorted(coordinator.asked) == ["j1", "j2", "j3"]  # every open page asks: cached
+    get(app, "/api/jobs", {"ids": "j1,j2,j3"})
+    app.lookups.close()
+    assert sorted(coordinator.asked) == ["j1", "j2", "j3"]  # every open page asks: kept
 
 
 def test_a_coordinator_that_did_not_answer_is_asked_again_after_a_while(tmp_path: Path) -> None:
@@ -99,10 +114,40 @@ def test_a_coordinator_that_did_not_answer_is_asked_again_after_a_while(tmp_path
     app = make_app(tmp_path, coordinator, clock)
     coordinator.down = True
     assert app.job("j1") == {"name": None, "state": None}
+    wait_for("the lookup", lambda: coordinator.asked, 10)
     coordinator.down = False
-    assert app.job("j1")["name"] is None  # not asked again at once
-    clock[0] += JOB_CACHE_MISS_S + 1
-    assert app.job("j1")["name"] == "train"
+    wait_for("the miss kept", lambda: "j1" in app.lookups._jobs, 10)
+    assert app.job("j1")["name"] is None and not app.lookups._wanted  # not asked again at once
+    clock[0] += MISS_KEEP_S + 1
+    wait_for("the name", lambda: app.job("j1")["name"] == "train", 10)
+    app.lookups.close()
+
+
+def test_a_coordinator_that_never_answers_holds_no_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack: a coordinator that answers the agent's lookups never (or a page asking for
+    many jobs): each request of the console still answers at once, from what is known."""
+    release = threading.Event()
+    coordinator = Coordinator({"j1": job("train")})
+
+    def stuck(_: str) -> dict[str, Any] | None:
+        release.wait(60)
+        return None
+
+    coordinator.job_view = stuck  # type: ignore[method-assign]
+    coordinator.node_view = stuck  # type: ignore[method-assign]
+    app = make_app(tmp_path, coordinator, [NOW])
+    monkeypatch.setattr(status, "agent_alive", lambda pid: True)  # the snapshot's agent
+    status.write(tmp_path, {"pid": 1, "node_id": "n1"})
+    ids = ",".join(f"job{i}" for i in range(200))
+    for _ in range(20):
+        assert set(get(app, "/api/jobs", {"ids": ids})) == {f"job{i}" for i in range(64)}
+        get(app, "/api/state", {})
+        assert get(app, "/api/coordinator", {})["pending"] is True
+    assert len(app.lookups._wanted) <= WANTED_MAX
+    release.set()
+    app.lookups.close()
 
 
 def test_the_scores_are_explained_with_the_attempts_that_lowered_them_and_who_caused_each(
@@ -156,7 +201,17 @@ def test_the_scores_are_explained_with_the_attempts_that_lowered_them_and_who_ca
     status.write(
         tmp_path, {"pid": 1, "node_id": "n1", "started_at": NOW - 2000, "registered_at": NOW - 100}
     )
-    view = app.coordinator_view()
+    assert app.coordinator_view() == {"error": "asking the coordinator", "pending": True}
+    view = wait_for(
+        "the node and its jobs looked up",
+        lambda: (
+            (v := app.coordinator_view()).get("lowered_by")
+            and any(x["cause"].startswith("cancelled") for x in v["lowered_by"])
+            and v
+        ),
+        10,
+    )
+    app.lookups.close()
     assert view["reliability"] == 0.5 and view["placement_tier"] == "unproven"
     assert "accepted" in view["explained"]["reliability"]
     assert "unproven" in view["explained"]["placement_tier"]

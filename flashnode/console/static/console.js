@@ -13,7 +13,8 @@ let lastState = null;
 let lastHistory = [];
 let lastCharts = null;
 const jobs = {};  // job id -> {name, state} as the coordinator says (or {} while unknown)
-const asked = {};  // job id -> when it was last asked for
+const askAt = {};  // job id -> when to ask for it next (the agent looks it up meanwhile)
+const tries = {};
 const open = new Set();  // the history rows the owner opened (by lease id): kept open
 let settingsDirty = false;  // the owner typed in the settings: no refresh overwrites it
 
@@ -129,10 +130,13 @@ function say(id, text, isError) {
 // Job names: asked for once a job id shows up (the coordinator may not say: then the id alone).
 async function learnJobs(ids) {
   const now = Date.now();
-  const wanted = [...new Set(ids)].filter((j) => j && !(j in jobs) && !(now - (asked[j] || 0) < 60000));
+  const wanted = [...new Set(ids)].filter((j) => j && !(j in jobs) && now >= (askAt[j] || 0)).slice(0, 64);
   if (!wanted.length) return;
-  for (const j of wanted) asked[j] = now;
-  const found = await api("/api/jobs?ids=" + wanted.slice(0, 64).map(encodeURIComponent).join(","));
+  for (const j of wanted) {
+    tries[j] = (tries[j] || 0) + 1;
+    askAt[j] = now + Math.min(2000 * tries[j], 60000);
+  }
+  const found = await api("/api/jobs?ids=" + wanted.map(encodeURIComponent).join(","));
   let learned = false;
   for (const [j, v] of Object.entries(found)) {
     if (v && (v.name || v.state)) { jobs[j] = v; learned = true; }
@@ -449,7 +453,13 @@ async function refreshCoordinator() {
   const v = await api("/api/coordinator");
   const dl = $("coordinator-facts");
   replace(dl);
-  if (v.error) { fact(dl, "unavailable", v.error); $("lowered").hidden = true; return; }
+  if (v.error) {
+    fact(dl, "unavailable", v.error);
+    $("lowered").hidden = true;
+    $("scores").hidden = true;
+    if (v.pending) setTimeout(() => run(refreshCoordinator), 2000);  // the agent is asking
+    return;
+  }
   const explained = v.explained || {};
   fact(dl, "online", v.online ? "yes" : "no");
   fact(dl, "accepted tasks", v.accepted_tasks ?? "-");
