@@ -205,6 +205,7 @@ HISTORY_HEADER = ("ended", "lease", "job/task", "outcome", "took", "cpu", "gpu",
 RIGHT = {"took", "cpu", "gpu"}  # figures: aligned on their right
 JOB_TASK_MOST = 48  # a longer job/task id is cut (its whole id: --json)
 NOTES_LEAST = 20  # on a narrow terminal the facts and reason still get this much
+WIDE = 120  # a terminal narrower than this shows the times without their year and seconds
 
 
 def history_table(records: list[dict[str, Any]], cores: int, width: int = 0) -> list[str]:
@@ -215,7 +216,8 @@ def history_table(records: list[dict[str, Any]], cores: int, width: int = 0) -> 
     terminal, and the widths are those of what is shown."""
     header = list(HISTORY_HEADER)
     header[0] = f"ended ({time.strftime('%Z')})"
-    rows = [header] + [_history_row(r, cores) for r in records]
+    narrow = 0 < width < WIDE
+    rows = [header] + [_history_row(r, cores, narrow) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = []
     for row in rows:
@@ -225,16 +227,21 @@ def history_table(records: list[dict[str, Any]], cores: int, width: int = 0) -> 
         ]
         fixed = "  ".join(cells)
         notes = row[-1]
+        if width > 0 and notes and len(fixed) + 2 + NOTES_LEAST > width:
+            # No room beside the row: on a line of its own under it, indented.
+            lines.append(fixed.rstrip())
+            lines.append(f"    {_cut(notes, max(width - 4, NOTES_LEAST))}")
+            continue
         if width > 0 and notes:
-            room = max(width - len(fixed) - 2, NOTES_LEAST)
-            notes = _cut(notes, room)
+            notes = _cut(notes, max(width - len(fixed) - 2, NOTES_LEAST))
         lines.append(f"{fixed}  {notes}".rstrip())
     return lines
 
 
-def _history_row(r: dict[str, Any], cores: int) -> list[str]:
+def _history_row(r: dict[str, Any], cores: int, narrow: bool = False) -> list[str]:
     at = r.get("ended_at")
-    ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if _number(at) else "-"
+    shape = "%m-%d %H:%M" if narrow else "%Y-%m-%d %H:%M:%S"  # a narrow terminal: no year
+    ended = time.strftime(shape, time.localtime(at)) if _number(at) else "-"
     ev = _dict(r.get("evidence"))
     # The task's own figures (its process tree or cgroup, its GPU processes): the wire's
     # host-wide ones would charge the task with whatever else the machine did.

@@ -445,3 +445,25 @@ def test_history_cuts_a_long_reason_at_the_terminals_width(
     assert row[header.index("[facts]") :].startswith("exit code 1: Traceback")
     code, out = flashnode("history", "--json", "--state-dir", str(tmp_path))
     assert code == 0 and json.loads(out)["reason"] == reason
+
+
+def test_history_fits_an_80_column_terminal_with_real_ids(tmp_path: Path) -> None:
+    """Leases and job ids as a coordinator makes them: no line passes the 80th column; the
+    reason goes under its row when there is no room beside it."""
+    line = {
+        "lease_id": "ls-5d4ecf6f0bf7",
+        "job_id": "9c973c707a54",
+        "task_id": "task-000",
+        "outcome": "committed",
+        "reason": "accepted by the coordinator after a long and winding road",
+        "ended_at": 1_800_000_000.0,
+        "evidence": {"wall_seconds": 12.5},
+        "task_usage": {"cpu_percent_mean": 42.0},
+    }
+    (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
+    argv = ["history", "--state-dir", str(tmp_path)]
+    shown = CliRunner().invoke(main, argv, env={"FLASHNODE_STATE_DIR": None, "COLUMNS": "80"})
+    lines = shown.output.splitlines()
+    assert shown.exit_code == 0 and all(len(x) <= 80 for x in lines), shown.output
+    assert lines[1].strip() == "[facts] reason"  # the header says where the reason goes
+    assert "ls-5d4ecf6f0bf7" in lines[2] and lines[3].strip().startswith("accepted by")

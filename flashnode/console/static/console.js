@@ -204,23 +204,37 @@ function renderStale(st, why) {
   box.hidden = false;
 }
 
+function count(n, one, many) { return n + " " + (n === 1 ? one : many); }
+
 function renderSummary(a, why, running) {
+  const tasks = count(running.length, "task", "tasks");
   let text;
-  if (a.draining) text = "Stopping: no new work; " + running.length + " task(s) finishing.";
+  if (a.draining) text = "Stopping: no new work; " + tasks + " finishing.";
   else if (!a.registered) text = "Not registered with the coordinator yet.";
   else if (why.coordinator && why.coordinator.length) text = "The coordinator does not answer; the agent keeps trying.";
-  else if (running.length) text = "Running " + running.length + " of " + a.slots + " slot(s).";
-  else text = "Waiting for work.";
+  else if (!running.length) text = "Waiting for work.";
+  if (running.length && !a.draining) text = (text ? text + " " : "") + "Running " + tasks + " of " + count(a.slots, "slot", "slots") + ".";
   if (why.holds && why.holds.length) text += " Not claiming: " + why.holds.map((h) => h.rule).join(", ") + ".";
   $("summary").textContent = text;
+  // The buttons that apply now: Resume while paused, the pauses while not.
+  const paused = Boolean(why.paused);
+  for (const id of ["btn-pause", "btn-pause-now", "btn-pause-for", "pause-for-label"]) $(id).hidden = paused;
+  $("btn-resume").hidden = !paused;
+  $("why-title").textContent = running.length ? "Why this node takes no new work" : "Why this node is not working";
+}
+
+// Text in which `a command` is shown as code (still text: never markup).
+function words(text) {
+  const parts = String(text || "").split("`");
+  return parts.map((p, i) => (i % 2 ? el("code", {}, p) : p));
 }
 
 function renderWhy(why, a) {
   const items = [];
   for (const h of why.holds) {
-    const li = el("li", { "data-rule": h.rule }, el("strong", {}, h.rule), ": ", h.reason,
+    const li = el("li", { "data-rule": h.rule }, el("strong", {}, h.rule), ": ", ...words(h.reason),
       h.suspends ? " (running tasks are paused)" : "");
-    if (h.fix) li.append(el("span", { class: "fix" }, "fix: ", h.fix));
+    if (h.fix) li.append(el("span", { class: "fix" }, "fix: ", ...words(h.fix)));
     items.push(li);
   }
   if (why.stop_reason) items.push(el("li", {}, "running tasks are stopped: ", why.stop_reason));
@@ -231,17 +245,17 @@ function renderWhy(why, a) {
   if (why.reload_refused) {
     items.push(el("li", { "data-rule": "reload" }, el("strong", {}, "reload refused"), " at ",
       when(why.reload_refused.at), " (the running configuration is kept): ", why.reload_refused.reason,
-      el("span", { class: "fix" }, "fix: ", why.reload_fix)));
+      el("span", { class: "fix" }, "fix: ", ...words(why.reload_fix))));
   }
   for (const p of why.coordinator || []) {
     items.push(el("li", { "data-rule": "coordinator" }, el("strong", {}, p.conversation + " failing"),
-      " since ", when(p.since), ": ", p.error, el("span", { class: "fix" }, "fix: ", p.fix)));
+      " since ", when(p.since), ": ", p.error, el("span", { class: "fix" }, "fix: ", ...words(p.fix))));
   }
   if (why.last_exit) {
     const x = why.last_exit;
     items.push(el("li", { "data-rule": "last-exit" },
       el("strong", {}, x.before_start ? "the agent before this start exited " + x.code : "an agent beside this one exited " + x.code),
-      " at ", when(x.at), ": ", x.error, x.fix ? el("span", { class: "fix" }, "fix: ", x.fix) : null));
+      " at ", when(x.at), ": ", x.error, x.fix ? el("span", { class: "fix" }, "fix: ", ...words(x.fix)) : null));
   }
   if (!a.registered && !(why.coordinator || []).length) items.push(el("li", {}, "not registered with the coordinator yet: ", a.state));
   if (a.draining) items.push(el("li", {}, "draining: the agent is stopping"));
@@ -257,7 +271,7 @@ function renderNode(a, s) {
   fact(dl, "node", a.node_id || "-");
   fact(dl, "coordinator", a.coordinator || "-");
   fact(dl, "connection", a.registered ? "registered; last heartbeat " + duration(a.last_heartbeat_age_s) + " ago" : "not registered");
-  fact(dl, "runner", a.runner + ", " + a.slots + " slot(s)");
+  fact(dl, "runner", a.runner + ", " + count(a.slots, "slot", "slots"));
   fact(dl, "pools", (a.pools || []).join(", ") || "-");
   fact(dl, "version", "flashnode " + s.version);
 }
@@ -303,7 +317,7 @@ function renderSlots(running) {
 function renderTotals(t) {
   const box = (label, x) => el("div", {},
     el("h3", {}, label),
-    el("div", {}, x.tasks + " task(s) done · CPU " + hours(x.cpu_hours) + " · GPU " + hours(x.gpu_hours)),
+    el("div", {}, count(x.tasks, "task", "tasks") + " done · CPU " + hours(x.cpu_hours) + (x.gpu_hours ? " · GPU " + hours(x.gpu_hours) : "")),
     el("div", { class: "chips" }, ...Object.entries(x.outcomes).map(([k, v]) => el("span", { class: "outcome " + k.replace(/[^a-z]/g, "") }, k + " " + v))));
   replace($("totals-body"), box("today", t.today), box("all time", t.all_time));
 }
@@ -476,6 +490,7 @@ async function refreshCoordinator() {
     outcome(x.outcome), " ", (jobName(x.job_id) ? jobName(x.job_id) + " · " : "") + x.job_id + "/" + x.task_id,
     " at ", when(x.ended_at), ": ", el("strong", {}, x.cause), x.reason ? " (" + x.reason + ")" : "")));
   $("lowered").hidden = lowered.length === 0;
+  learnJobs(lowered.map((x) => x.job_id)).catch(() => null);
 }
 
 // --- actions --------------------------------------------------------------------------------
