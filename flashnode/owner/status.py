@@ -201,15 +201,14 @@ def render(
     the agent before it exited); what the node gave (from the ledger: it survives restarts)."""
     now = time.time() if now is None else now
     pools = ",".join(snapshot.get("pools") or []) or "-"
-    lines = [
+    stale = staleness(snapshot, now)
+    lines = stale_lines(snapshot, stale, now) if stale["stale"] else []  # said first
+    lines += [
         f"node        {snapshot.get('node_id') or '-'}",
         f"coordinator {snapshot.get('coordinator')}",
         f"runner      {snapshot.get('runner')}   pools {pools}",
         f"state       {snapshot.get('state')}",
     ]
-    stale = staleness(snapshot, now)
-    if stale["stale"]:
-        lines += stale_lines(snapshot, stale, now)
     if _number(snapshot.get("started_at")):
         lines.append(f"started     {moment(snapshot['started_at'], now)}")
     rejoined = snapshot.get("rejoined")
@@ -306,11 +305,13 @@ def stale_lines(snapshot: dict[str, Any], stale: dict[str, Any], now: float) -> 
         f"STALE       status written {duration(stale['age_s'])} ago{promise}:"
         " what follows may no longer hold"
     ]
-    for problem in snapshot.get("coordinator_problems") or []:
-        if isinstance(problem, dict):
-            lines.append(
-                f"  failing: coordinator {problem.get('conversation')}: {problem.get('error')}"
-            )
+    failing = [
+        str(p.get("conversation"))
+        for p in snapshot.get("coordinator_problems") or []
+        if isinstance(p, dict)
+    ]
+    if failing:
+        lines.append(f"  failing: coordinator {', '.join(failing)} (below: since when, why)")
     lines.append(
         f"  the agent's loop has not written status since {when}; it may be stuck: see the"
         " journal (journalctl -u flashnode)"
