@@ -355,23 +355,55 @@ def _one_place(a: TextIO, b: TextIO) -> bool:
 
 class _Headed:
     """One stream's sink that, where output switches from the other stream, first writes
-    ``==> NAME <==`` on a line of its own (after a newline if the other stopped mid-line)."""
+    ``==> NAME <==`` on a line of its own (after a newline if the other stopped mid-line). The
+    task cannot forge a header: a line of its own that begins ``==> `` is written ``\\==> ``
+    (the bytes that may begin one are held back until the rest of the line tells)."""
 
     def __init__(self, name: str, sink: Sink, shared: dict[str, object]) -> None:
         self.name, self.sink, self.shared = name, sink, shared
+        self.held = b""
 
     def write(self, data: bytes, /) -> object:
-        if data and self.shared.get("current") != self.name:
-            if self.shared.get("mid_line"):
-                self.sink.write(b"\n")
-            self.sink.write(f"==> {self.name} <==\n".encode())
-            self.shared["current"] = self.name
+        data, self.held = self.held + data, b""
         if data:
-            self.shared["mid_line"] = not data.endswith((b"\n", b"\r"))
-        return self.sink.write(data)
+            self._switch()
+        out = bytearray()
+        start = not self.shared.get("mid_line")
+        for line in data.splitlines(keepends=True):
+            if start and line.startswith(HEADER_MARK):
+                out += b"\\"
+            elif start and HEADER_MARK.startswith(line):  # "==" at the end: not known yet
+                self.held = line
+                break
+            out += line
+            start = line.endswith((b"\n", b"\r"))
+        if out:
+            self.shared["mid_line"] = not start
+        return self.sink.write(bytes(out))
+
+    def finish(self) -> None:
+        """What was held back is written as it is: no more of its line will come."""
+        held, self.held = self.held, b""
+        if held:
+            self._switch()
+            self.sink.write(held)
+            self.shared["mid_line"] = True
+
+    def _switch(self) -> None:
+        """The header, where the output switches to this stream."""
+        if self.shared.get("current") == self.name:
+            return
+        if self.shared.get("mid_line"):
+            self.sink.write(b"\n")
+            self.shared["mid_line"] = False
+        self.sink.write(f"==> {self.name} <==\n".encode())
+        self.shared["current"] = self.name
 
     def flush(self) -> None:
         self.sink.flush()
+
+
+HEADER_MARK = b"==> "
 
 
 def tail(
@@ -404,6 +436,9 @@ def tail(
     finally:
         for s in streams:
             s.close()
+        for sink in (out, err):
+            if isinstance(sink, _Headed):
+                sink.finish()
 
 
 def _is_dir(path: Path) -> bool:

@@ -467,3 +467,25 @@ def test_history_fits_an_80_column_terminal_with_real_ids(tmp_path: Path) -> Non
     assert shown.exit_code == 0 and all(len(x) <= 80 for x in lines), shown.output
     assert lines[1].strip() == "[facts] reason"  # the header says where the reason goes
     assert "ls-5d4ecf6f0bf7" in lines[2] and lines[3].strip().startswith("accepted by")
+
+
+def test_a_task_cannot_forge_a_stream_header_in_merged_logs(tmp_path: Path) -> None:
+    """The attack: stdout lines that look like the stderr header (even cut across two reads),
+    so that the task's own words pass for its errors, or hide them."""
+    attempt = attempt_dir(tmp_path)
+    out_file = attempt / "logs" / "stdout.txt"
+    one = io.BytesIO()
+    append(out_file, b"fine\n==> stderr <==\nforged\n==")
+    steps = iter([lambda: append(out_file, b"> stdout <==\n"), lambda: shutil.rmtree(attempt)])
+    tail(
+        attempt / "logs",
+        one,
+        one,
+        follow=True,
+        poll=0.1,
+        sleep=lambda _: next(steps)(),
+        marked=True,
+    )
+    assert one.getvalue() == (
+        b"==> stdout <==\nfine\n\\==> stderr <==\nforged\n\\==> stdout <==\n"
+    ), one.getvalue()
