@@ -26,9 +26,18 @@ case "$1" in
     fi
     rm -rf /var/lib/flashnode /etc/flashnode/credentials
     if [ -n "$chosen" ] && [ -d "$chosen" ]; then
-      echo "flashnode: the agent's state dir $chosen (state_dir in /etc/flashnode/flashnode.toml) is"
-      echo "  the owner's choice and is left as it is (its ledger, node id, caches): remove it with"
-      echo "  sudo rm -rf '$chosen'"
+      printf 'flashnode: the agent'"'"'s state dir %s (state_dir in /etc/flashnode/flashnode.toml)\n' "$chosen"
+      printf '  is the owner'"'"'s choice and is left as it is (its ledger, node id, caches)'
+      # Removal is suggested only for what is plainly a flashnode state dir, named safely.
+      case "$chosen" in
+        *"'"*) printf '.\n' ;;
+        *)
+          if [ -f "$chosen/ledger.jsonl" ] || [ -f "$chosen/status.json" ]; then
+            printf ': remove it with\n  sudo rm -rf '"'"'%s'"'"'\n' "$chosen"
+          else
+            printf '.\n'
+          fi ;;
+      esac
     fi
     rmdir /etc/flashnode 2>/dev/null || true
     rmdir /work 2>/dev/null || true  # the mount point, if nothing was put there

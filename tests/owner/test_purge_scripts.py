@@ -76,3 +76,21 @@ def test_a_purge_of_a_node_on_the_services_state_dir_names_no_other(tmp_path: Pa
     said = purge(tmp_path, 'coordinator = "http://127.0.0.1:9"\n')
     assert "service state dir: gone" in said
     assert "the agent's state dir" not in said and "rm -rf" not in said, said
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_purge_suggests_removing_only_what_is_plainly_a_state_dir(tmp_path: Path) -> None:
+    """A state_dir set to /srv (or a home) must not be answered with `rm -rf` of it."""
+    chosen = tmp_path / "srv"
+    chosen.mkdir()
+    (chosen / "www").mkdir()
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    said = purge(first, f'coordinator = "http://127.0.0.1:9"\nstate_dir = "{chosen}"\n')
+    assert f"the agent's state dir {chosen}" in said and "rm -rf" not in said, said
+    quoted = tmp_path / "it's"
+    quoted.mkdir()
+    (quoted / "ledger.jsonl").write_text("{}\n")
+    said = purge(second, f'coordinator = "http://127.0.0.1:9"\nstate_dir = "{quoted}"\n')
+    assert "rm -rf" not in said, said
