@@ -2,9 +2,9 @@
 ``out/metrics.jsonl`` (what ``flashruntime.torch.log_metrics`` appends, one JSON object a line).
 
 The file is the task's: it may be a symlink, a FIFO, a device, huge, or half-written. It is
-opened beneath the workspace without following anything, read only if it is a regular file, and
-only its last ``TAIL_BYTES``; a line that does not parse, or a step that is not a whole number,
-says nothing.
+opened beneath the workspace without following anything, read only if it is a regular file the
+task's user owns, and only its last ``TAIL_BYTES``; a line that does not parse, or a step that is
+not a whole number, says nothing.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def newest_metrics_step(ws: Workspace) -> int | None:
         os.close(dir_fd)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
+        if not stat.S_ISREG(st.st_mode) or (ws.task_uid is not None and st.st_uid != ws.task_uid):
+            return None  # not a file, or not the task's (a hard link to someone else's)
         start = max(st.st_size - TAIL_BYTES, 0)
         data = os.pread(fd, TAIL_BYTES, start)
     except OSError:

@@ -67,3 +67,12 @@ def test_a_fifo_in_its_place_neither_blocks_nor_counts(tmp_path: Path) -> None:
     ws = workspace(tmp_path)
     os.mkfifo(ws.out / "metrics.jsonl")
     assert newest_metrics_step(ws) is None
+
+
+def test_a_log_the_tasks_user_does_not_own_is_not_read(tmp_path: Path) -> None:
+    ws = workspace(tmp_path)
+    log(ws, {"step": 5})
+    ws.task_uid = os.getuid() + 1  # out/ is another user's: this file is not the task's
+    assert newest_metrics_step(ws) is None
+    ws.task_uid = os.getuid()
+    assert newest_metrics_step(ws) == 5
