@@ -269,7 +269,10 @@ def _cut(text: str, most: int) -> str:
 
 
 def _terminal_width() -> int:
-    """The terminal's width (or $COLUMNS); 0 when the table goes to a file or a pipe."""
+    """The terminal's width (or $COLUMNS) when the table goes to a terminal; 0 (no limit) when
+    it goes to a file or a pipe, whatever $COLUMNS says (a script reads every line whole)."""
+    if not sys.stdout.isatty():
+        return 0
     return shutil.get_terminal_size(fallback=(0, 0)).columns
 
 

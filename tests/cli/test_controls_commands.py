@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from flashnode.cli import common
 from flashnode.cli.controls import Clean, tail
 from flashnode.cli.main import main
 from flashnode.node.controls import Controls
@@ -426,7 +427,7 @@ def test_history_rows_line_up_under_the_header_whatever_they_hold(
 
 
 def test_history_cuts_a_long_reason_at_the_terminals_width(
-    flashnode: Callable[..., Any], tmp_path: Path
+    flashnode: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On an 80-column terminal a long reason ends in "…" at the 80th column; --json keeps it."""
     reason = "exit code 1: " + "Traceback line " * 40
@@ -439,7 +440,8 @@ def test_history_cuts_a_long_reason_at_the_terminals_width(
     }
     (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
     argv = ["history", "--state-dir", str(tmp_path)]
-    shown = CliRunner().invoke(main, argv, env={"FLASHNODE_STATE_DIR": None, "COLUMNS": "80"})
+    monkeypatch.setattr(common, "_terminal_width", lambda: 80)  # an 80-column terminal
+    shown = CliRunner().invoke(main, argv, env={"FLASHNODE_STATE_DIR": None})
     header, row = shown.output.splitlines()
     assert shown.exit_code == 0 and len(row) == 80 and row.endswith("…"), shown.output
     assert row[header.index("[facts]") :].startswith("exit code 1: Traceback")
@@ -447,7 +449,9 @@ def test_history_cuts_a_long_reason_at_the_terminals_width(
     assert code == 0 and json.loads(out)["reason"] == reason
 
 
-def test_history_fits_an_80_column_terminal_with_real_ids(tmp_path: Path) -> None:
+def test_history_fits_an_80_column_terminal_with_real_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Leases and job ids as a coordinator makes them: no line passes the 80th column; the
     reason goes under its row when there is no room beside it."""
     line = {
@@ -462,7 +466,8 @@ def test_history_fits_an_80_column_terminal_with_real_ids(tmp_path: Path) -> Non
     }
     (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
     argv = ["history", "--state-dir", str(tmp_path)]
-    shown = CliRunner().invoke(main, argv, env={"FLASHNODE_STATE_DIR": None, "COLUMNS": "80"})
+    monkeypatch.setattr(common, "_terminal_width", lambda: 80)  # an 80-column terminal
+    shown = CliRunner().invoke(main, argv, env={"FLASHNODE_STATE_DIR": None})
     lines = shown.output.splitlines()
     assert shown.exit_code == 0 and all(len(x) <= 80 for x in lines), shown.output
     assert lines[1].strip() == "[facts] reason"  # the header says where the reason goes
@@ -489,3 +494,15 @@ def test_a_task_cannot_forge_a_stream_header_in_merged_logs(tmp_path: Path) -> N
     assert one.getvalue() == (
         b"==> stdout <==\nfine\n\\==> stderr <==\nforged\n\\==> stdout <==\n"
     ), one.getvalue()
+
+
+def test_history_to_a_pipe_is_whole_whatever_columns_says(tmp_path: Path) -> None:
+    line = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "outcome": "failed"}
+    line["reason"] = "exit code 1: " + "Traceback line " * 40
+    (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
+    argv = [sys.executable, "-m", "flashnode", "history", "--state-dir", str(tmp_path)]
+    shown = subprocess.run(
+        argv, capture_output=True, text=True, env={**env, "COLUMNS": "80"}, timeout=60
+    )
+    assert shown.returncode == 0 and line["reason"].strip() in shown.stdout, shown.stdout
