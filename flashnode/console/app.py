@@ -4,8 +4,9 @@ uses too (``pausefile`` for pause and resume, ``configedit`` for the config file
 
 The data is what the agent publishes: ``status.json`` (``flashnode status``), the ledger
 (``flashnode history``), the running attempts' captured output (``flashnode logs``), the
-node's use over the last day (``usage.py``) and, asked on demand, the coordinator's view of
-this node. Whatever a task printed and whatever the coordinator said is hostile: it leaves here
+node's use over the last hour, day and week (``usage.py``) and what the coordinator says of
+this node and of the jobs shown (asked on the lookup thread, ``lookups.py``, never on a
+request's). Whatever a task printed and whatever the coordinator said is hostile: it leaves here
 as JSON strings with terminal control escaped, and the page only ever sets it as text.
 """
 
@@ -565,7 +566,6 @@ def _tail(path: Path) -> str:
         lines = lines[1:]  # the first may be cut
     kept = [x for x in lines if x.strip()][-OUTPUT_LINES:]
     return clean("\n".join(kept), OUTPUT_TAIL_BYTES, keep="\n\t")
-
 
 
 def _cookie(header: str | None, cookie: str) -> str | None:
