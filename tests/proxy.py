@@ -1,5 +1,8 @@
 """A TCP proxy for the tests: forwards, stalls (accepts and forwards nothing), or resets every
-connection; counts the connections it sees in each mode."""
+connection; counts the connections it sees in each mode. It can also lose one answer: the first
+request whose bytes hold ``lose_answer_to`` goes through, its answer is kept in ``lost_answer``
+and the client's connection is reset instead (the server did the work; the client never hears
+it), or, with ``hold_lost``, held open with nothing passed on."""
 
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ class Proxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self._stop = threading.Event()
         self._held: list[socket.socket] = []
+        self.lose_answer_to: bytes | None = None
+        self.lost = threading.Event()
+        self.lost_answer = b""
+        self.hold_lost = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def set_mode(self, mode: str) -> None:
@@ -78,6 +85,7 @@ class Proxy:
             return
         upstream.settimeout(None)
         socks = [client, upstream]
+        losing = False
         try:
             while not self._stop.is_set():
                 if self.mode == "reset":
@@ -89,6 +97,16 @@ class Proxy:
                     data = s.recv(65536)
                     if not data:
                         return
+                    if s is client and self.lose_answer_to and self.lose_answer_to in data:
+                        self.lose_answer_to, losing = None, True
+                    elif s is upstream and losing:
+                        self.lost_answer += data
+                        whole = b"\r\n\r\n" in self.lost_answer and b"}" in self.lost_answer
+                        if whole and not self.lost.is_set():
+                            self.lost.set()
+                            if not self.hold_lost:
+                                return  # the client's connection is reset
+                        continue
                     (upstream if s is client else client).sendall(data)
         except OSError:
             pass

@@ -18,6 +18,8 @@ from boxes import IMAGE, LABEL, box_job, import_image, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, processes_with, wait_for
 from proxy import Proxy
 
+from flashnode.runners.container.runner import LABEL_LEASE, LABEL_PROBE
+
 docker = pytest.importorskip("docker")
 
 
@@ -220,6 +222,8 @@ def test_a_container_left_with_no_agent_back_is_removed_after_reattach_seconds(
 
 @pytest.fixture
 def engine_proxy() -> Iterator[Proxy]:
+    if not os.path.exists("/var/run/docker.sock"):
+        pytest.skip("the engine is not on /var/run/docker.sock")
     path = Path(tempfile.mkdtemp(prefix="flashnode-engine-")) / "docker.sock"
     proxy = Proxy(unix_listen=str(path), unix_target="/var/run/docker.sock")
     yield proxy
@@ -234,8 +238,6 @@ def test_engine_going_away_lets_the_lease_lapse_and_claims_resume_when_it_is_bac
     start_agent: Callable[..., AgentProcess],
     engine_proxy: Proxy,
 ) -> None:
-    if not os.path.exists("/var/run/docker.sock"):
-        pytest.skip("the engine is not on /var/run/docker.sock")
     socket_path = engine_proxy._listener.getsockname()
     job = coordinator.submit(box_job(["sleep", "600"], max_attempts=1))
     node = unique("dock-engine")
@@ -261,6 +263,63 @@ def test_engine_going_away_lets_the_lease_lapse_and_claims_resume_when_it_is_bac
     engine_proxy.set_mode("forward")
     assert coordinator.wait_state(second, {"FAILED", "SUCCEEDED"}, timeout=60) == "SUCCEEDED"
     wait_for("the orphaned container to be removed", lambda: not ours(engine, node), timeout=30)
+    assert agent.proc.poll() is None
+
+
+def test_a_container_made_as_its_agent_is_killed_is_removed_after_reattach_seconds(
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    engine_proxy: Proxy,
+) -> None:
+    engine_proxy.lose_answer_to = f'"{LABEL_LEASE}"'.encode()
+    engine_proxy.hold_lost = True  # the engine made it; the agent is killed before it hears so
+    socket_path = engine_proxy._listener.getsockname()
+    coordinator.submit(box_job(["sleep", "600"]))
+    node = unique("dock-killed")
+    agent = start(
+        start_agent,
+        coordinator.url,
+        node,
+        env={"FLASHNODE_DOCKER_HOST": f"unix://{socket_path}", "FLASHNODE_REATTACH_SECONDS": "2"},
+    )
+    assert engine_proxy.lost.wait(60), agent.log
+    assert len(ours(engine, node)) == 1
+    agent.proc.kill()
+    agent.proc.wait()
+    wait_for("its container removed", lambda: ours(engine, node) == [], timeout=20)
+
+
+@pytest.mark.parametrize("label", [LABEL_LEASE, LABEL_PROBE], ids=["task", "probe"])
+def test_a_container_whose_create_answer_was_lost_is_removed(
+    label: str,
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    engine_proxy: Proxy,
+) -> None:
+    engine_proxy.lose_answer_to = f'"{label}"'.encode()  # in the create's body
+    socket_path = engine_proxy._listener.getsockname()
+    job = coordinator.submit(box_job(["sh", "-c", "echo '{}' > /work/out/metrics.json"]))
+    node = unique("dock-lost")
+    agent = start(
+        start_agent, coordinator.url, node, env={"FLASHNODE_DOCKER_HOST": f"unix://{socket_path}"}
+    )
+    assert engine_proxy.lost.wait(60), agent.log
+    # The engine made the container; the agent never heard its id.
+    made = json.loads(engine_proxy.lost_answer.partition(b"\r\n\r\n")[2].splitlines()[-1])["Id"]
+
+    def removed() -> bool:
+        try:
+            engine.containers.get(made)
+        except docker.errors.NotFound:
+            return True
+        return False
+
+    wait_for("the container it never heard of removed", removed, timeout=30)
+    assert coordinator.wait_state(job, {"FAILED", "SUCCEEDED"}, timeout=60) == "SUCCEEDED"
     assert agent.proc.poll() is None
 
 

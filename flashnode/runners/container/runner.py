@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -101,11 +102,12 @@ class ContainerRunner(Runner):
         if image_problem(image, self.allowed) or not image_present(self.client, image):
             return False
         code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
-        container = None
-        try:
+        name = f"flashnode-probe-{secrets.token_hex(8)}"  # removed by name: a create that
+        try:  # timed out may still have made it
             container = self.client.containers.create(
                 image,
                 ["python", "-c", code, *MODULES],
+                name=name,
                 user=self.user,
                 network_mode="none",
                 read_only=True,
@@ -121,8 +123,7 @@ class ContainerRunner(Runner):
         except ENGINE_ERRORS:
             return False
         finally:
-            if container is not None:
-                self.remove(container.id)
+            self.remove(name)
 
     # --- engine health ---------------------------------------------------------------------
 
@@ -232,18 +233,18 @@ class ContainerRunner(Runner):
                     device_ids=[d.visible for d in plan.gpus], capabilities=[["gpu"]]
                 )
             ]
+        # Its watch first, by the name the container will have: no container exists that
+        # nothing removes once the agent is gone (an agent killed right after the create).
+        name = kwargs["name"] = f"flashnode-{secrets.token_hex(8)}"
+        try:
+            home = new_home(s.state_dir / HOMES)
+            watch = Supervised.watch(name, s.docker_host, home, s.reattach_seconds)
+        except (OSError, Gone) as exc:
+            raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
+        doing = "create"
         try:
             container = self.client.containers.create(**kwargs)
-        except ENGINE_ERRORS as exc:
-            raise self._engine_failure("cannot create the container", exc) from None
-        try:
-            # Its watch first: no container runs that nothing removes once the agent is gone.
-            home = new_home(s.state_dir / HOMES)
-            watch = Supervised.watch(container.id, s.docker_host, home, s.reattach_seconds)
-        except (OSError, Gone) as exc:
-            self.remove(container.id)
-            raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
-        try:
+            doing = "start"
             plan.record({"container": container.id, "supervisor": str(home)})
             container.start()
             logs = (plan.stdout, plan.stderr)
@@ -258,11 +259,11 @@ class ContainerRunner(Runner):
                 s.log_max_bytes,
             )
         except BaseException as exc:
-            self.remove(container.id)
+            self.remove(name)  # by name: a create that timed out may still have made it
             watch.done()
             watch.remove()
             if isinstance(exc, ENGINE_ERRORS):
-                raise self._engine_failure("cannot start the container", exc) from None
+                raise self._engine_failure(f"cannot {doing} the container", exc) from None
             raise
 
     def rejoin(

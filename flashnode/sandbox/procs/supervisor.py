@@ -517,8 +517,9 @@ class Supervised:
     def watch(
         cls, container: str, docker_host: str, home: Path, reattach_seconds: float
     ) -> Supervised:
-        """Start a watch of a container (the engine runs it): it removes the container when no
-        agent came back within ``reattach_seconds``."""
+        """Start a watch of a container (its id or name; the engine runs it): it removes the
+        container when no agent came back within ``reattach_seconds``. Started before the
+        container is created, by its name, it leaves none behind an agent killed in between."""
         spec = {"container": container, "docker_host": docker_host}
         return cls._spawn(spec, {}, home, reattach_seconds)
 
