@@ -5,7 +5,8 @@ is gone.
 
 Nothing is read until someone asks; then only what was appended since the last look (the file's
 offset is kept; a torn last line waits for its end). All time totals are sums kept as the lines go
-by, and memory stays bounded: the latest ``RECENT`` attempts, what the last day's gave, and the
+by, and memory stays bounded: the latest ``RECENT`` attempts, what the last day's gave (summed
+per minute, so a day of a thousand short tasks a minute costs what a day of a few does), and the
 tasks committed per hour over the last week. The agent keeps those sums in a checkpoint
 (``<state dir>/ledger-totals.json``: the offset they cover and the ledger's inode), so a start
 reads only what was appended since, and the latest attempts from the ledger's end: the ledger
@@ -31,6 +32,7 @@ from flashnode.owner.status import describe_facts
 CHECKPOINT_FILE = "ledger-totals.json"
 SAVE_EVERY_S = 30.0
 RECENT = 500
+MINUTE = 60
 DAY = 86400.0
 WEEK = 7 * DAY
 HOUR = 3600
@@ -98,6 +100,13 @@ class Totals:
         self.cpu_hours += given.cpu_hours
         self.gpu_hours += given.gpu_hours
 
+    def merge(self, other: Totals) -> None:
+        for outcome, n in other.outcomes.items():
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + n
+        self.tasks += other.tasks
+        self.cpu_hours += other.cpu_hours
+        self.gpu_hours += other.gpu_hours
+
     def view(self) -> dict[str, Any]:
         return {
             "tasks": self.tasks,
@@ -143,7 +152,7 @@ class LedgerView:
         self._saved_at = 0.0
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # brief, newest last
         self.all_time = Totals()
-        self._day: deque[Given] = deque()  # what the last day's attempts gave
+        self._day: dict[int, Totals] = {}  # what the last day's attempts gave, per minute
         self._hours: dict[int, int] = {}  # tasks committed per hour (its start), the last week's
 
     def refresh(self) -> None:
@@ -167,8 +176,8 @@ class LedgerView:
             finally:
                 os.close(fd)
             cutoff = self._clock() - DAY
-            while self._day and (self._day[0].ended or 0.0) < cutoff:
-                self._day.popleft()
+            for minute in [m for m in self._day if m + MINUTE <= cutoff]:
+                del self._day[minute]
             for hour in [h for h in self._hours if h < cutoff - WEEK]:
                 del self._hours[hour]
             if (
@@ -190,11 +199,11 @@ class LedgerView:
         if self._checkpoint is None or self._inode is None or not self._persist:
             return
         data = {
-            "version": 1,
+            "version": 2,
             "inode": self._inode,
             "offset": self._offset - len(self._partial),
             "all_time": asdict(self.all_time),
-            "day": [list(asdict(g).values()) for g in self._day],
+            "minutes": [[m, asdict(t)] for m, t in sorted(self._day.items())],
             "hours": sorted(self._hours.items()),
         }
         try:
@@ -211,18 +220,25 @@ class LedgerView:
         try:
             data = json.loads(self._checkpoint.read_bytes())
             inode, offset = data["inode"], data["offset"]
-            if data.get("version") != 1 or inode != st.st_ino or not 0 <= offset <= st.st_size:
+            version = data.get("version")
+            if version not in (1, 2) or inode != st.st_ino or not 0 <= offset <= st.st_size:
                 return
             totals = Totals.of(data["all_time"])
-            day = [Given(number(e), str(o), float(c), float(g)) for e, o, c, g in data["day"]]
+            day: dict[int, Totals] = {}
+            if version == 1:  # one entry per attempt (an older agent's): summed per minute
+                for e, o, c, g in data["day"]:
+                    _add_minute(day, Given(number(e), str(o), float(c), float(g)))
+            else:
+                day = {int(m): Totals.of(t) for m, t in data["minutes"]}
             hours = {int(h): int(n) for h, n in data.get("hours", [])}
         except (OSError, ValueError, KeyError, TypeError):
             return
         self._inode, self._offset, self.all_time = inode, offset, totals
-        self._day.extend(day)
+        self._day.update(day)
         if "hours" not in data:  # a checkpoint from before the week was kept: the last day's
-            for given in day:
-                self._count_hour(given)
+            for minute, given in day.items():
+                hour = minute // HOUR * HOUR
+                self._hours[hour] = self._hours.get(hour, 0) + given.tasks
         self._hours.update(hours)
         self._saved_offset = offset
         for record in parse(tail_lines(fd, offset, RECENT)):
@@ -244,7 +260,7 @@ class LedgerView:
             self.all_time.add(given)
             self.recent.append(brief(record))
             if given.ended is not None and given.ended >= cutoff:
-                self._day.append(given)
+                _add_minute(self._day, given)
             if given.ended is not None and given.ended >= cutoff + DAY - WEEK:
                 self._count_hour(given)
 
@@ -264,14 +280,15 @@ class LedgerView:
         )
         today = Totals()
         with self._lock:
-            for given in self._day:
-                if (given.ended or 0.0) >= midnight.timestamp():
-                    today.add(given)
+            for minute, given in self._day.items():
+                if minute >= midnight.timestamp():  # midnight starts a minute
+                    today.merge(given)
             return {"all_time": self.all_time.view(), "today": today.view()}
 
     def per_bin(self, since: float, bin_seconds: int) -> list[tuple[int, int]]:
         """Committed tasks per ``bin_seconds`` from ``since`` on: (bin start, count), every bin
-        listed (zeros included). Bins of whole hours reach back a week; shorter ones a day."""
+        listed (zeros included). Bins of whole hours reach back a week; shorter ones a day (each
+        attempt counted in the bin of the minute it ended in)."""
         self.refresh()
         start = int(since // bin_seconds) * bin_seconds
         end = self._clock()
@@ -283,12 +300,10 @@ class LedgerView:
                     if b in counts:
                         counts[b] += n
                 return sorted(counts.items())
-            for given in self._day:
-                ended = given.ended or 0.0
-                if ended >= start and given.outcome == "committed":
-                    b = int(ended // bin_seconds) * bin_seconds
-                    if b in counts:
-                        counts[b] += 1
+            for minute, given in self._day.items():
+                b = minute // bin_seconds * bin_seconds
+                if minute >= start and b in counts:
+                    counts[b] += given.tasks
         return sorted(counts.items())
 
     def latest(self, outcome: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
@@ -297,6 +312,15 @@ class LedgerView:
         with self._lock:
             found = [r for r in reversed(self.recent) if outcome in (None, r.get("outcome"))]
         return found[:limit]
+
+
+def _add_minute(day: dict[int, Totals], given: Given) -> None:
+    """Count ``given`` in the sums of the minute it ended in."""
+    minute = int((given.ended or 0.0) // MINUTE) * MINUTE
+    found = day.get(minute)
+    if found is None:
+        found = day[minute] = Totals()
+    found.add(given)
 
 
 BRIEF_TEXT = 2000
