@@ -31,7 +31,6 @@ one later, can still resume from it).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -250,10 +249,10 @@ def _fetch(a: AttemptView, ws: Workspace, files: list[tuple[CheckpointPart, str]
             budget.take(0, len(missing), f"the checkpoint's directories for {rel}")
             dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             made.update(missing)
-            size = _download(a, part, dest)
+            size, sha256 = _download(a, part, dest)  # hashed as it streamed: never read back
             if size != part.size_bytes:
                 raise Unusable(f"part {rel} has {size} bytes, not {part.size_bytes}")
-            if _sha256(dest) != part.sha256:
+            if sha256 != part.sha256:
                 raise Unusable(f"part {rel} does not match its sha256")
     except BaseException:
         remove_tree(fetched)
@@ -261,18 +260,12 @@ def _fetch(a: AttemptView, ws: Workspace, files: list[tuple[CheckpointPart, str]
     return fetched
 
 
-def _download(a: AttemptView, part: CheckpointPart, dest: Path) -> int:
+def _download(a: AttemptView, part: CheckpointPart, dest: Path) -> tuple[int, str]:
+    """The part fetched into ``dest``: its size and the sha256 of the bytes written."""
     ladder = Ladder(
         missing=lambda _: Unusable(f"part {part.key} is missing from the store"),
         gave_up=lambda e: AttemptLapsed(f"the task's checkpoint could not be fetched: {e}"),
         refused=lambda e: Unusable(f"part {part.key}: {e}"),
     )
-    return stage.fetch(a, part.key, dest, part.size_bytes, f"checkpoint part {part.key}", ladder)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    what = f"checkpoint part {part.key}"
+    return stage.fetch_hashed(a, part.key, dest, part.size_bytes, what, ladder)

@@ -4,8 +4,9 @@ during downloads."""
 
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from flashnode.attempt.phases.transfer import Ladder, transfer
 from flashnode.attempt.record import Staged
@@ -15,6 +16,7 @@ from flashnode.sandbox import archives
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from flashnode.attempt.diskbudget import BudgetedFile
     from flashnode.attempt.hooks import AttemptView
     from flashnode.coordinator.lease import Lease, Task
 
@@ -58,24 +60,53 @@ def fetch(a: AttemptView, key: str, dest: Path, max_bytes: int, what: str, ladde
     are taken from the attempt's disk budget before they are written (a chunk that does not fit
     ends the download: ``OverBudget``, ``ShortOfRoom``). How it can end is the ``ladder``'s
     (``transfer.py``)."""
+    return fetch_hashed(a, key, dest, max_bytes, what, ladder, hashed=False)[0]
+
+
+def fetch_hashed(
+    a: AttemptView,
+    key: str,
+    dest: Path,
+    max_bytes: int,
+    what: str,
+    ladder: Ladder,
+    *,
+    hashed: bool = True,
+) -> tuple[int, str]:
+    """``fetch``, and the sha256 of the bytes as they were written (hashed on the way: the
+    file is never read back); "" when not ``hashed``."""
     budget = a.budget
     budget.take(0, 1, what)
     written = 0  # by the last try: a retry writes the file anew
 
-    def once() -> int:
+    def once() -> tuple[int, str]:
         nonlocal written
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         budget.give_back(written, 0)
         written = 0
+        digest = hashlib.sha256() if hashed else None
         with budget.open(fd, what) as out:
             try:
-                size = a.ctx.coordinator.download(key, out, max_bytes, a.stop)
+                sink = cast(BinaryIO, _Hashing(out, digest)) if digest is not None else out
+                size = a.ctx.coordinator.download(key, sink, max_bytes, a.stop)
             finally:
                 written = out.written
         a.count_staged(size)
-        return size
+        return size, digest.hexdigest() if digest is not None else ""
 
     return transfer(a, f"download of {what}", once, ladder=ladder)
+
+
+class _Hashing:
+    """A file written through, each write hashed once it is on its way to the disk."""
+
+    def __init__(self, out: BudgetedFile, digest: Any) -> None:
+        self._out, self._digest = out, digest
+
+    def write(self, data: bytes) -> int:
+        done = self._out.write(data)  # all of it, or it raises (BudgetedFile)
+        self._digest.update(data)
+        return done
 
 
 def _download(a: AttemptView, name: str, key: str, dest: Path, budget: int) -> int:
