@@ -35,6 +35,7 @@ from flashnode.evidence.gpupool import Device
 
 CpuTimes = Callable[[], tuple[float, float]]  # (busy seconds, total seconds), host-wide
 MIN_WALL_S = 0.01  # shorter, a task's CPU figure is not measured: one clock tick
+QUIET_PERCENT = 1.0  # below this much of a core, a task is quiet (``Sampler.quiet``)
 
 
 def task_cpu_percent(cpu_seconds: float | None, wall_seconds: float, cores: int) -> float | None:
@@ -158,6 +159,14 @@ class Sampler:
         if not taken:
             self.sample(paused_too=True)
         return self.host_gpu.mean(), self.task_gpu.mean()
+
+    def quiet(self) -> bool:
+        """Whether the task holds no GPU this samples and its latest reading found it using
+        under ``QUIET_PERCENT`` of a core: it may be read less often meanwhile."""
+        if self._host or self._task:
+            return False
+        percent = self.live["cpu_percent"]
+        return percent is not None and percent < QUIET_PERCENT
 
     def _remember_pids(self) -> set[int] | None:
         try:

@@ -65,7 +65,7 @@ __all__ = ["Agent", "AgentCoordinator", "effective_slots"]
 
 log = logging.getLogger(__name__)
 
-TICK = 0.5  # the longest the loop sleeps before looking at its stop flags
+TICK = 1.0  # the longest the loop sleeps before looking at its stop flags (and the pause file)
 # A stop lets go of running tasks in seconds: an attempt elsewhere than its task's run (staging,
 # an upload) is stopped with at most this grace, and the agent waits at most this long in all.
 DETACH_GRACE_S = 3.0

@@ -90,8 +90,10 @@ class Publisher:
         """Say what the node does: the status text at every call; status.json when it
         changed (the text, a heartbeat, a refused reload), when one heartbeat period passed
         since it was last written, or at the ``final`` call."""
-        text = "stopped" if final else self.text(view)
-        self.sink.status(text)
+        self.sink.status("stopped" if final else self.text(view, timed=True))
+        # The file holds no ages (its readers work them out from its times): a task's seconds
+        # going by rewrite it no more often than the heartbeat period.
+        text = "stopped" if final else self.text(view, timed=False)
         key = (text, view.beats, view.reload_refused)
         now = self.clock.monotonic()
         period = view.settings.heartbeat_seconds
@@ -135,9 +137,9 @@ class Publisher:
             self._failing = False
             log.info("status.json is written again")
 
-    def text(self, view: NodeView) -> str:
+    def text(self, view: NodeView, timed: bool) -> str:
         """The one line: draining, the coordinator unreachable, or the running attempts and
-        what holds claiming."""
+        what holds claiming; ``timed``: with each attempt's ages (elapsed, lease left)."""
         running = view.running
         if view.draining:
             text = f"draining: {len(running)} attempt(s) running"
@@ -150,7 +152,7 @@ class Publisher:
             what = ", ".join(sorted(p.conversation for p in view.problems))
             return f"coordinator unreachable since {stamp(self._wall_of(since))} ({what})"
         held = view.decision.hold_reason
-        wall = self.clock.wall()
+        wall = self.clock.wall() if timed else None
         text = "; ".join(status.attempt_line(a, wall) for a in running) or "idle"
         if running:
             text = "running " + text

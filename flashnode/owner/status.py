@@ -154,15 +154,21 @@ def percent(value: Any) -> str:
     return f"{value:.3g}%" if value < 1000 else f"{value:.0f}%"
 
 
-def attempt_line(attempt: dict[str, Any], now: float) -> str:
-    """One attempt in a line (the terminal status line, systemd's STATUS)."""
-    t = ages(attempt, now)
+def attempt_line(attempt: dict[str, Any], now: float | None) -> str:
+    """One attempt in a line (the terminal status line, systemd's STATUS); with no ``now``,
+    without its ages (status.json's: its readers work them out from its times)."""
     line = f"{attempt.get('lease_id')} ({attempt.get('job_id')}/{attempt.get('task_id')})"
-    line += f" {attempt.get('phase')} {duration(t['elapsed_s'])}"
-    if t["suspended_s"] is not None:
-        line += f", suspended {duration(t['suspended_s'])}"
-    if t["lease_left_s"] is not None:
-        line += f", lease {duration(t['lease_left_s'])} left"
+    if now is None:
+        line += f" {attempt.get('phase')}"
+        if attempt.get("suspended_since") is not None:
+            line += ", suspended"
+    else:
+        t = ages(attempt, now)
+        line += f" {attempt.get('phase')} {duration(t['elapsed_s'])}"
+        if t["suspended_s"] is not None:
+            line += f", suspended {duration(t['suspended_s'])}"
+        if t["lease_left_s"] is not None:
+            line += f", lease {duration(t['lease_left_s'])} left"
     last = attempt.get("last_output")
     if isinstance(last, str) and last:
         line += f": {last}"

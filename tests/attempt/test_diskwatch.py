@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashnode.attempt.diskwatch import DiskCaps, DiskWatch, Look
+import pytest
+
+from flashnode.attempt.diskwatch import (
+    FAST_BYTES_S,
+    FAST_FILES_S,
+    QUIET_S,
+    SPACE_S,
+    DiskCaps,
+    DiskWatch,
+    Look,
+)
 from flashnode.config.settings import Settings
 from flashnode.errors import OutgrewRoom
 from flashnode.sandbox.diskuse import Space
@@ -143,3 +153,34 @@ def test_a_file_or_two_made_in_a_millisecond_is_no_race(tmp_path: Path) -> None:
     watch.walked(Look(space(19_000), 0, 9_500), 0.5, 0.5, space(19_000), frozen=True)
     ending = watch.outrun(Look(space(18_000), 0, 9_503), 0.5012, settings(tmp_path), "")
     assert ending is None, ending
+
+
+def test_a_task_with_room_for_a_fast_writers_burst_has_the_disk_read_once_a_second() -> None:
+    """A sleeping task with 16 GiB and a million files of room: a reading a second. With less
+    room, readings come often enough that a burst at a fast writer's pace takes at most a
+    quarter of what is left before the next one; down to every 20 ms."""
+    disk = Space(free_bytes=100 * GiB, total_bytes=200 * GiB, free_inodes=10**7, total_inodes=10**8)
+    for room, files, every in (
+        (16 * GiB, 1_000_000, QUIET_S),
+        (2 * GiB, 1_000_000, 0.125),
+        (16 * GiB, 100_000, 0.1),
+        (GiB // 8, 1_000_000, SPACE_S),
+    ):
+        watch = DiskWatch(DiskCaps(bytes=room, files=files), None)
+        watch.walked(Look(disk, 0, 0), 0.0, 0.0, None, frozen=False)
+        soon = watch.next_in(disk)
+        assert soon == pytest.approx(every)
+        assert FAST_BYTES_S * soon <= max(room / 4, FAST_BYTES_S * SPACE_S)
+        assert FAST_FILES_S * soon <= max(files / 4, FAST_FILES_S * SPACE_S)
+
+
+def test_a_disk_losing_room_fast_is_read_sooner_than_the_quiet_pace() -> None:
+    """The quiet pace never holds back a watch that sees the disk go: 64 GiB of room, 32 GiB
+    of it lost in a second; the next reading comes when half of the rest could be gone."""
+    watch = DiskWatch(DiskCaps(bytes=64 * GiB, files=1_000_000), None)
+    before = Space(free_bytes=90 * GiB, total_bytes=100 * GiB, free_inodes=10**7, total_inodes=10**8)
+    watch.walked(Look(before, 0, 0), 0.0, 0.0, None, frozen=False)
+    assert watch.next_in(before) == QUIET_S
+    after = Space(free_bytes=58 * GiB, total_bytes=100 * GiB, free_inodes=10**7, total_inodes=10**8)
+    watch.sample(1.0, after)
+    assert watch.next_in(after) == pytest.approx(0.5)

@@ -212,6 +212,45 @@ def test_the_disk_guard_ends_a_task_on_a_full_disk_it_did_not_fill_as_the_nodes_
     assert view.handle.calls[0] == "suspend"  # measured frozen
 
 
+def test_a_task_whose_files_stay_as_they_were_is_walked_less_and_less_often(
+    tmp_path: Path,
+) -> None:
+    """A sleeping task: walks 0.5 s, then 1, 2, 4 and 8 s apart (no further); the walk that
+    finds its files changed brings them back to 0.5 s."""
+    clock = FakeClock()
+    room = Space(free_bytes=1 << 40, total_bytes=1 << 41, free_inodes=10**6, total_inodes=10**7)
+    usage = Usage(output_bytes=0, output_files=0, disk_bytes=4096, disk_files=10)
+    guard, held = _disk_guard(clock, usage, room, tmp_path, first=Look(room, 4096, 10))
+    view = View(handle=Task(clock))
+    gaps = []
+    for _ in range(7):
+        walked = len(held)
+        while len(held) == walked:  # the disk's readings come between the walks
+            clock.now = guard.next_at(view)
+            assert guard.turn(clock.now, view) is None
+        gaps.append(guard.next_walk - clock.now)
+    assert gaps == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    guard.usage = lambda: Usage(output_bytes=0, output_files=0, disk_bytes=8192, disk_files=11)
+    clock.now = guard.next_walk
+    assert guard.turn(clock.now, view) is None and held[-1] == (8192, 11)
+    assert guard.next_walk - clock.now == 0.5
+
+
+def test_with_the_disk_unknown_a_quiet_task_is_still_walked_every_half_second(
+    tmp_path: Path,
+) -> None:
+    """Without the disk's readings nothing would set off a walk at once: no quiet walks."""
+    clock = FakeClock()
+    usage = Usage(output_bytes=0, output_files=0, disk_bytes=4096, disk_files=10)
+    guard, held = _disk_guard(clock, usage, None, tmp_path)
+    view = View(handle=Task(clock))
+    for _ in range(5):
+        clock.now = guard.next_at(view)
+        assert guard.turn(clock.now, view) is None
+        assert guard.next_walk - clock.now == 0.5
+    assert len(held) == 5
+
+
 # --- the supervisor -----------------------------------------------------------------------------
 
 
@@ -371,6 +410,24 @@ def test_sampling_reads_at_its_interval_and_never_bursts_after_a_late_turn() -> 
         assert guard.turn(clock.now, view) is None  # it never acts on the task
     assert [round(t - 1000.0, 1) for t in taken] == [1.0, 2.0, 7.3, 8.3]
     assert guard.next_at(view) == pytest.approx(1009.3)
+
+
+def test_sampling_a_quiet_task_comes_twice_as_far_apart_each_time_until_it_is_busy() -> None:
+    taken: list[float] = []
+    quiet = [True]
+    clock = FakeClock()
+    guard = SamplingGuard(lambda: taken.append(clock.now), 1.0, clock.now, lambda: quiet[0])
+    view = View()
+    start = clock.now
+    for _ in range(7):
+        clock.now = guard.next_at(view)
+        guard.turn(clock.now, view)
+    assert [round(t - start) for t in taken] == [1, 3, 7, 15, 23, 31, 39]
+    quiet[0] = False  # the reading at 47 s finds it busy: every second again
+    for _ in range(3):
+        clock.now = guard.next_at(view)
+        guard.turn(clock.now, view)
+    assert [round(t - start) for t in taken[-3:]] == [47, 48, 49]
 
 
 def test_no_pause_outlasts_the_supervisors_bound_whichever_guard_holds_it() -> None:

@@ -210,6 +210,37 @@ def test_inventory_and_means_through_the_real_binding(
     nvml.close()
 
 
+def test_a_task_is_quiet_only_idle_on_the_cpu_and_holding_no_gpu(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sleeping task (its process here: one that burns nothing between two readings) may be
+    read less often; not before it was measured twice, not while it uses the CPU, never while
+    the sampler reads a GPU."""
+    clock = FakeClock()
+    sleeping = Sampler(clock, Pids({os.getpid()}), cores=1)
+    sleeping.sample()
+    assert not sleeping.quiet()  # not measured yet
+    clock.now += 3600.0  # what this process burns meanwhile is under 1 % of an hour
+    sleeping.sample()
+    assert sleeping.quiet()
+    deadline = time.process_time() + 0.1
+    while time.process_time() < deadline:
+        pass
+    clock.now += 1.0
+    sleeping.sample()
+    assert not sleeping.quiet()  # 10 % of a core
+    env = fake_nvml.script(H200)
+    monkeypatch.setenv("FAKE_NVML_CONFIG", env["FAKE_NVML_CONFIG"])
+    nvml = Nvml.open(env["FLASHNODE_NVML_LIBRARY"])
+    assert nvml is not None
+    on_gpu = Sampler(clock, Pids({os.getpid()}), nvml, nvml.devices, [nvml.devices[0]])
+    for _ in range(2):
+        clock.now += 3600.0
+        on_gpu.sample()
+    assert not on_gpu.quiet()
+    nvml.close()
+
+
 def test_an_nvml_error_mid_run_gives_none_not_a_crash(
     fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:

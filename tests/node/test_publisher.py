@@ -69,8 +69,8 @@ def test_the_text_says_what_holds_claiming_and_when_a_drain_stops_the_attempts(
     clock = FakeClock()
     publisher = Publisher(clock)
     held = Decision(holds=(Hold("disk", "low disk: 1 GB free; claims resume above it"),))
-    assert publisher.text(view(tmp_path)) == "idle"
-    assert publisher.text(view(tmp_path, decision=held)) == (
+    assert publisher.text(view(tmp_path), timed=True) == "idle"
+    assert publisher.text(view(tmp_path, decision=held), timed=True) == (
         "idle | not claiming: low disk: 1 GB free; claims resume above it"
     )
     attempt = {"lease_id": "ls-1", "job_id": "j1", "task_id": "t1"}
@@ -78,7 +78,7 @@ def test_the_text_says_what_holds_claiming_and_when_a_drain_stops_the_attempts(
         tmp_path, draining=True, drain_deadline=clock.monotonic() + 60, running=(attempt,)
     )
     by = stamp(clock.wall() + 60)
-    assert publisher.text(draining) == (
+    assert publisher.text(draining, timed=True) == (
         f"draining: 1 attempt(s) running, stopped by {by} at the latest (drain_seconds)"
     )
 
@@ -95,7 +95,7 @@ def test_failing_coordinator_conversations_are_shown_with_their_first_failure_an
         Problem("claim", since, "connection refused"),
     )
     failing = view(tmp_path, problems=problems)
-    assert publisher.text(failing) == (
+    assert publisher.text(failing, timed=True) == (
         f"coordinator unreachable since {stamp(clock.wall() - 30)} (claim, node heartbeat)"
     )
     publisher.publish(failing)
@@ -133,6 +133,39 @@ def test_status_json_is_written_when_something_changes_and_a_refused_reload_at_o
     final = written(tmp_path)
     assert final["pid"] is None and final["state"] == "stopped"
     assert lines.lines == ["idle"] * 4 + ["stopped"]
+
+
+def test_a_running_tasks_seconds_going_by_rewrite_status_json_only_each_heartbeat_period(
+    tmp_path: Path,
+) -> None:
+    """The terminal line says the task's ages every turn; the file holds its times (its readers
+    work the ages out), so it is rewritten for them no sooner than the heartbeat period."""
+    clock = FakeClock()
+    lines = Lines()
+    publisher = Publisher(clock, lines)
+    task = {
+        "lease_id": "ls-1",
+        "job_id": "j",
+        "task_id": "t",
+        "phase": "execute",
+        "started_at": clock.wall(),
+        "lease_expires_at": clock.wall() + 60,
+    }
+    running = view(tmp_path, running=(task,))
+    publisher.publish(running)
+    first = written(tmp_path)
+    assert first["state"] == "running ls-1 (j/t) execute"
+    for _ in range(4):
+        clock.sleep(1)
+        publisher.publish(running)
+    assert written(tmp_path)["updated_at"] == first["updated_at"]
+    assert lines.lines[0] == "running ls-1 (j/t) execute 0s, lease 1m00s left"
+    assert lines.lines[-1] == "running ls-1 (j/t) execute 4s, lease 56s left"
+    clock.sleep(1)
+    publisher.publish(running)
+    assert written(tmp_path)["updated_at"] == clock.wall()
+    publisher.publish(view(tmp_path, running=({**task, "phase": "commit"},)))  # news: at once
+    assert written(tmp_path)["state"] == "running ls-1 (j/t) commit"
 
 
 def test_an_unwritable_status_file_is_said_once_and_its_recovery_too(

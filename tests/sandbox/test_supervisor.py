@@ -151,3 +151,25 @@ def test_a_task_that_fills_the_disk_cannot_take_its_exit_status_along(tmp_path: 
         wait_for("its end", proc.exited.is_set)
         assert proc.returncode == 3 and not proc.lost
         proc.close()
+
+
+def test_letting_go_of_a_running_task_ends_its_watcher_at_once_and_twice_is_harmless(
+    tmp_path: Path,
+) -> None:
+    """The watcher sleeps until its supervisor speaks or the agent lets go (no turn of its own
+    while the task sleeps): letting go wakes it, and its wake-up pipe goes with it."""
+    proc = start(tmp_path, "sleep 300", reattach=0.5)
+    pipe = {fd: f"pipe:[{os.fstat(fd).st_ino}]" for fd in (proc._stop_r, proc._stop_w)}
+    assert proc._watcher.is_alive()
+    let_go(proc)
+    assert not proc._watcher.is_alive()
+
+    def still(fd: int, name: str) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}") == name
+        except FileNotFoundError:
+            return False
+
+    assert not [fd for fd, name in pipe.items() if still(fd, name)]
+    proc.detach()  # again: nothing left to stop, nothing closed twice
+    wait_for("its supervisor gone", lambda: not supervisors(tmp_path), timeout=10)

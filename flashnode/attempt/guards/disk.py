@@ -1,6 +1,7 @@
 """The task's disk while it runs (``attempt/diskwatch.py`` says how near it is to its caps): its
 files walked every ``WATCH_S``, less often when a walk is slow (a tree of many files), so that
-walking never takes more than ``1/WATCH_COST`` of the agent's time; between walks the disk's
+walking never takes more than ``1/WATCH_COST`` of the agent's time, and less often while they
+stay as they were (up to ``QUIET_WALK_S``: a task that sleeps); between walks the disk's
 free space and inodes, and a walk at once, the task frozen meanwhile, when the disk lost half
 of what the task may still write. A task past a cap is killed at once (writing on would take
 more); a full disk the task's own files do not explain is the node's fault (``DiskFull``: the
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 WATCH_S = 0.5  # how often the task's files are walked
 WATCH_COST = 20  # ... or at most 1/WATCH_COST of the time: the next watch waits that many walks
+QUIET_WALK_S = 8.0  # ... or, while its files stay as they were, twice as long each time up to this
 
 
 class DiskGuard:
@@ -51,6 +53,8 @@ class DiskGuard:
         self.space, self.usage, self.held = space, usage, held
         self.next_walk = started + WATCH_S
         self.next_space = started
+        self.walk_every = WATCH_S
+        self._held: tuple[int, int] | None = None  # what the task held at its last walk
 
     def turn(self, now: float, task: Running) -> Action | None:
         if now >= self.next_space:
@@ -108,6 +112,12 @@ class DiskGuard:
         if look is not None:
             still = froze or task.paused_since is not None  # it made nothing meanwhile
             self.watch.walked(look, started, now, after, still)
-        self.held(usage.disk_bytes + held, usage.disk_files)
-        self.next_walk = now + max(WATCH_S, (now - started) * WATCH_COST)
+        holds = (usage.disk_bytes + held, usage.disk_files)
+        self.held(*holds)
+        # A task whose files stay as they were is walked less and less often: the disk's
+        # readings still set off a walk at once should it write much (``DiskWatch.sample``).
+        quiet = look is not None and holds == self._held
+        self.walk_every = min(self.walk_every * 2, QUIET_WALK_S) if quiet else WATCH_S
+        self._held = holds
+        self.next_walk = now + max(self.walk_every, (now - started) * WATCH_COST)
         return None

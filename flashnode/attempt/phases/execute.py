@@ -160,7 +160,7 @@ def _watch(
         sampler.sample()
         progress()
 
-    guards.append(SamplingGuard(sample, s.sample_seconds, ctx.clock.monotonic()))
+    guards.append(SamplingGuard(sample, s.sample_seconds, ctx.clock.monotonic(), sampler.quiet))
     supervisor = Supervisor(
         handle,
         guards,

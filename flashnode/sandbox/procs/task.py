@@ -49,7 +49,6 @@ from flashnode.sandbox.procs.supervisor import Gone, Supervised
 STOP_ROUNDS_S = 2.0  # SIGSTOP rounds: until no process of the task is left running
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 GO_TIMEOUT_S = 30.0  # the longest the chain may take to read its script
-WATCH_S = 0.2  # how often the watcher looks whether it is to stop watching
 
 
 class TaskProcess:
@@ -123,6 +122,7 @@ class TaskProcess:
         self.suspended = False
         self._on_exit = on_exit
         self._closing = threading.Event()
+        self._stop_r, self._stop_w = os.pipe()  # wakes the watcher when it is to stop watching
         self._script = None
         self._script_w = -1
 
@@ -259,11 +259,25 @@ class TaskProcess:
         the supervisor went), or the agent lets go of the task (``close``, ``detach``)."""
         poller = select.poll()
         poller.register(self._sup.fileno(), select.POLLIN)
-        while not self._closing.is_set():
-            if self._sup.ended or (poller.poll(WATCH_S * 1000) and self._sup.hear()):
-                self.exited.set()
-                self._on_exit()
+        poller.register(self._stop_r, select.POLLIN)
+        while not self._sup.ended:
+            ready = {fd for fd, _ in poller.poll()}
+            if self._closing.is_set():
                 return
+            if self._sup.fileno() in ready and self._sup.hear():
+                break
+        self.exited.set()
+        self._on_exit()
+
+    def _stop_watching(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        os.write(self._stop_w, b"x")
+        self._watcher.join(2.0)
+        if not self._watcher.is_alive():  # (else it may still poll them: a pipe left open)
+            os.close(self._stop_r)
+            os.close(self._stop_w)
 
     @property
     def returncode(self) -> int | None:
@@ -337,8 +351,7 @@ class TaskProcess:
             self._script = None
             with contextlib.suppress(OSError):
                 os.close(self._script_w)
-        self._closing.set()
-        self._watcher.join(2.0)
+        self._stop_watching()
         self._sup.done()
         self._sup.remove()
 
@@ -350,8 +363,7 @@ class TaskProcess:
     def detach(self) -> None:
         """Let go of the running task without ending it (the agent restarts): its supervisor
         keeps it for an agent that comes back (``rejoin``)."""
-        self._closing.set()
-        self._watcher.join(2.0)
+        self._stop_watching()
         self._sup.detach()
 
     def _alive(self) -> bool:
