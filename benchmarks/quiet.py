@@ -46,6 +46,12 @@ def run_ns(pid: int) -> dict[int, int]:
     return out
 
 
+def process_ns(pid: int) -> int:
+    """The process's CPU time so far (ns), threads that ended included (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 10**9 // os.sysconf("SC_CLK_TCK")
+
+
 def thread_names(py_spy: str | None, pid: int) -> dict[int, str]:
     """OS thread id -> the Python thread's name and where it waits (py-spy dump)."""
     if not py_spy:
@@ -102,10 +108,12 @@ def sleeping(
         if kind == "ours":  # the supervisor holds the task: its cost is the agent's too
             procs += [c.pid for c in agent.ps.children() if "supervisor" in " ".join(c.cmdline())]
         before = {p: run_ns(p) for p in procs}
+        whole = {p: process_ns(p) for p in procs}
         t0 = time.monotonic()
         time.sleep(seconds)
         after = {p: run_ns(p) for p in procs}
         wall = time.monotonic() - t0
+        whole = {p: process_ns(p) - whole[p] for p in procs}
         names = thread_names(py_spy, agent.proc.pid) if kind == "ours" else {}
     finally:
         if page is not None:
@@ -116,8 +124,11 @@ def sleeping(
             used = ns - before[p].get(tid, 0)
             label = "supervisor" if p != agent.proc.pid else names.get(tid, str(tid))
             threads.append({"thread": label, "cpu_percent": used / 1e9 / wall * 100})
+    # Threads that ended meanwhile (the console's per-request ones) count in the process's time.
+    listed = sum(t["cpu_percent"] for t in threads)
+    total = max(sum(whole.values()) / 1e9 / wall * 100, listed)
+    threads.append({"thread": "threads that ended meanwhile", "cpu_percent": total - listed})
     threads.sort(key=lambda t: -t["cpu_percent"])
-    total = sum(t["cpu_percent"] for t in threads)
     agent.stop()
     return {"cpu_percent": total, "threads": threads, "seconds": wall, "load": os.getloadavg()}
 

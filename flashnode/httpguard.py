@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from flashnode.tcptable import ESTABLISHED, hex_address, tcp_sockets
+from flashnode.tcptable import ESTABLISHED, connection_uid, hex_address, tcp_sockets
 
 AMBIGUOUS = "ambiguous"  # a connection whose user the tables do not tell apart: refused
 
@@ -25,7 +25,12 @@ def peer_uid(peer: tuple[str, int], server: tuple[str, int]) -> int | str | None
     an address and a port) on this machine, by the kernel's tables: the established socket
     whose local end is ``peer`` and whose remote end is ``server``, matched on both addresses
     and ports (a port alone can be made to match another socket). None when none is found;
-    ``AMBIGUOUS`` when sockets of several users match."""
+    ``AMBIGUOUS`` when sockets of several users match. The kernel is asked for that socket
+    (``connection_uid``); its tables are read only where it will not answer so."""
+    try:
+        return connection_uid(peer, server)
+    except OSError:
+        pass
     local, remote = hex_address(peer[0]), hex_address(server[0])
     uids = {
         s.uid

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 from flashnode.coordinator.listener import listener_uids
-from flashnode.tcptable import LISTEN, TcpSocket, tcp_sockets
+from flashnode.httpguard import peer_uid
+from flashnode.tcptable import LISTEN, TcpSocket, connection_uid, tcp_sockets
 
 
 def test_a_listening_socket_and_both_ends_of_a_connection_are_found_with_their_owner() -> None:
@@ -36,3 +39,33 @@ def test_an_unreadable_table_and_rows_that_are_not_sockets_are_passed_over(tmp_p
     )
     rows = list(tcp_sockets((str(tmp_path / "missing"), str(table))))
     assert rows == [TcpSocket(0x1F90, 0, LISTEN, 1000), TcpSocket(0x1F92, 0x1F90, 1, 0)]
+
+
+def test_the_owner_of_one_connection_is_asked_of_the_kernel_and_agrees_with_its_tables() -> None:
+    """A client socket held by another user (nobody, when this runs as root): the kernel's
+    answer for that socket names that user, as the tables do; no such socket: None."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        code = (
+            "import socket, sys; s = socket.create_connection(('127.0.0.1', int(sys.argv[1])));"
+            " print(s.getsockname()[1], flush=True); sys.stdin.read()"
+        )
+        command = [*(user if os.geteuid() == 0 else []), sys.executable, "-c", code, str(port)]
+        with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as child:
+            assert child.stdout is not None and child.stdin is not None
+            peer = int(child.stdout.readline())
+            conn, address = server.accept()
+            with conn:
+                expected = 65534 if os.geteuid() == 0 else os.geteuid()
+                assert connection_uid(address, ("127.0.0.1", port)) == expected
+                assert peer_uid(address, ("127.0.0.1", port)) == expected
+                assert address[1] == peer
+                tables = {
+                    s.uid for s in tcp_sockets() if (s.local_port, s.remote_port) == (peer, port)
+                }
+                assert tables == {expected}
+                assert connection_uid(("127.0.0.1", peer), ("127.0.0.1", port + 1)) is None
+                mapped = connection_uid(("::ffff:127.0.0.1", peer), ("::ffff:127.0.0.1", port))
+                assert mapped == expected
+            child.stdin.close()
