@@ -10,11 +10,12 @@ import signal
 import threading
 from pathlib import Path
 
+import pytest
 from harness import tmpfs_disk, wait_for
 
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
-from flashnode.sandbox.procs.supervisor import sweep_homes
+from flashnode.sandbox.procs.supervisor import Gone, Supervised, new_home, sweep_homes
 from flashnode.sandbox.procs.task import TaskProcess
 
 
@@ -173,3 +174,29 @@ def test_letting_go_of_a_running_task_ends_its_watcher_at_once_and_twice_is_harm
     assert not [fd for fd, name in pipe.items() if still(fd, name)]
     proc.detach()  # again: nothing left to stop, nothing closed twice
     wait_for("its supervisor gone", lambda: not supervisors(tmp_path), timeout=10)
+
+
+def test_a_containers_watch_is_answered_for_later_and_one_that_never_answers_is_gone(
+    tmp_path: Path,
+) -> None:
+    """The agent starts the container while its watch loads, and reads the watch's answer
+    after: a watch that answers says pid 0; one that died first is Gone (the agent then
+    removes the container and lets the lease lapse)."""
+    if not os.path.exists("/var/run/docker.sock"):
+        pytest.skip("the engine is not on /var/run/docker.sock (a watch asks it at its start)")
+    engine = "unix:///var/run/docker.sock"
+    homes = tmp_path / "tasks"
+    homes.mkdir()
+    watch = Supervised.watch("flashnode-none", engine, new_home(homes), 30.0)
+    watch.answer()
+    assert watch.pid == 0
+    watch.done()
+    watch.remove()
+    dead = Supervised.watch("flashnode-none", engine, new_home(homes), 30.0)
+    assert dead._popen is not None
+    dead._popen.kill()
+    dead._popen.wait()
+    with pytest.raises(Gone):
+        dead.answer()
+    dead.done()  # what the runner does then
+    dead.remove()

@@ -239,7 +239,7 @@ class ContainerRunner(Runner):
         try:
             home = new_home(s.state_dir / HOMES)
             watch = Supervised.watch(name, s.docker_host, home, s.reattach_seconds)
-        except (OSError, Gone) as exc:
+        except OSError as exc:
             raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
         doing = "create"
         try:
@@ -247,6 +247,8 @@ class ContainerRunner(Runner):
             doing = "start"
             plan.record({"container": container.id, "supervisor": str(home)})
             container.start()
+            doing = "watch"
+            watch.answer()  # it loaded meanwhile
             logs = (plan.stdout, plan.stderr)
             return ContainerHandle(
                 self.engine,
@@ -262,6 +264,8 @@ class ContainerRunner(Runner):
             self.remove(name)  # by name: a create that timed out may still have made it
             watch.done()
             watch.remove()
+            if isinstance(exc, Gone):
+                raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
             if isinstance(exc, ENGINE_ERRORS):
                 raise self._engine_failure(f"cannot {doing} the container", exc) from None
             raise

@@ -477,7 +477,14 @@ class Supervised:
     """The agent's end of a supervisor: its chain's pid, the task's end once it came. Built by
     ``start`` (a new chain) or ``connect`` (a task an earlier run of the agent started)."""
 
-    def __init__(self, sock: socket.socket, home: Path, popen: subprocess.Popen[bytes] | None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        home: Path,
+        popen: subprocess.Popen[bytes] | None,
+        answered: bool = True,
+    ):
+        """``answered``: its first line is read now (else by ``answer``)."""
         self._sock = sock
         self.home = home
         self._popen = popen
@@ -486,14 +493,21 @@ class Supervised:
         self.ended = False  # the main process exited (``status`` says how), or the supervisor went
         self.lost = False  # the supervisor went without telling the end
         self.status: dict[str, Any] = {}
-        sock.settimeout(ANSWER_S)
+        self.pid = 0
+        self.start_time: int | None = None
+        if answered:
+            self.answer()
+
+    def answer(self) -> None:
+        """Its first line (its chain's pid), within ``ANSWER_S``; Gone when none comes."""
+        self._sock.settimeout(ANSWER_S)
         line = self._line()
-        sock.settimeout(None)
+        self._sock.settimeout(None)
         if line is None:
-            raise Gone(f"the task's supervisor in {home} did not answer")
+            raise Gone(f"the task's supervisor in {self.home} did not answer")
         word, pid, started = [*line.split(" "), "", ""][:3]
         if word != "pid" or not pid.isdigit():
-            raise Gone(f"the task's supervisor in {home} said {line[:60]!r}")
+            raise Gone(f"the task's supervisor in {self.home} said {line[:60]!r}")
         self.pid = int(pid)
         self.start_time = int(started) if started.isdigit() else None
         self._take_lines()  # what came with it ("exit", from one whose task has ended)
@@ -519,9 +533,12 @@ class Supervised:
     ) -> Supervised:
         """Start a watch of a container (its id or name; the engine runs it): it removes the
         container when no agent came back within ``reattach_seconds``. Started before the
-        container is created, by its name, it leaves none behind an agent killed in between."""
+        container is created, by its name, it leaves none behind an agent killed in between.
+        Not waited for (its engine client takes a few hundred milliseconds to load): the
+        caller reads its answer (``answer``) once the container runs; the watch is there
+        from now on, whether the agent waits for it or not."""
         spec = {"container": container, "docker_host": docker_host}
-        return cls._spawn(spec, {}, home, reattach_seconds)
+        return cls._spawn(spec, {}, home, reattach_seconds, answered=False)
 
     @classmethod
     def _spawn(
@@ -530,6 +547,7 @@ class Supervised:
         fds: Mapping[str, int],
         home: Path,
         reattach_seconds: float,
+        answered: bool = True,
     ) -> Supervised:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         full = {
@@ -556,7 +574,7 @@ class Supervised:
         finally:
             theirs.close()
         try:
-            return cls(ours, home, popen)
+            return cls(ours, home, popen, answered)
         except Gone:
             ours.close()
             popen.kill()
