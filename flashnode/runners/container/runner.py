@@ -248,7 +248,8 @@ class ContainerRunner(Runner):
             plan.record({"container": container.id, "supervisor": str(home)})
             container.start()
             doing = "watch"
-            watch.answer()  # it loaded meanwhile
+            watch.answer()
+            watch.started()
             logs = (plan.stdout, plan.stderr)
             return ContainerHandle(
                 self.engine,

@@ -18,8 +18,9 @@ connects, and ``exit <json>`` once the task's main process has exited (its exit 
 fault channel, the last bytes of its stderr: on the socket, never only in a file, so that a task
 that filled the disk cannot take its end along). An agent says ``task <json>`` (where the task's
 output goes, its cap, and the task's identity: what to end), ``lease <seconds>`` (the lease
-lives that long from now), ``done`` (it has read the task's end: the supervisor exits) and
-``end`` (it will not rejoin the task: end it now). The last line the task printed is written
+lives that long from now), ``done`` (it has read the task's end: the supervisor exits),
+``end`` (it will not rejoin the task: end it now) and, to a container's watch, ``started``
+(the container runs: its engine client may load now). The last line the task printed is written
 to ``last`` at most once a second, for the owner's live view.
 
 Run as ``python -I -m flashnode.sandbox.procs.supervisor SPEC``; ``Supervised`` is the agent's
@@ -63,6 +64,7 @@ LAST_EVERY_S = 1.0
 ANSWER_S = 10.0  # the longest an agent waits for a supervisor's first line
 REMOVE_TRIES_S = 3600.0  # how long a container's watch asks an engine that is away
 END_WAIT_S = 15.0  # the longest an agent waits for a supervisor it told to end its task
+LOAD_AFTER_S = 2.0  # a container's watch loads its engine client this long after its start
 
 
 # --- the supervisor's process ------------------------------------------------------------------
@@ -170,13 +172,18 @@ class _ContainerWatch(_Lifeline):
     came back within ``reattach_seconds``."""
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
-        import docker
-
         super().__init__(spec)
         self.container = str(spec["container"])
+        self._say(b"pid 0 0\n")
+        # Its engine client (a few hundred milliseconds of CPU to load) waits while the agent
+        # creates and starts the container, until the agent says something or goes, and no
+        # longer than LOAD_AFTER_S: the container's start does not share the CPU with it.
+        with contextlib.suppress(OSError):
+            select.select(list(self.conns), [], [], LOAD_AFTER_S)
+        import docker
+
         self._errors = docker.errors
         self._engine = docker.DockerClient(base_url=str(spec["docker_host"]), timeout=30)
-        self._say(b"pid 0 0\n")
 
     def hello(self, conn: socket.socket) -> None:
         self._say(b"pid 0 0\n", conn)
@@ -660,6 +667,11 @@ class Supervised:
         self.status = status if isinstance(status, dict) else {}
         self.returncode = rc if isinstance(rc, int) else None
         self.ended = True
+
+    def started(self) -> None:
+        """A container's watch: the container runs, its engine client may load now (else it
+        does after ``LOAD_AFTER_S``). OSError when the watch is gone."""
+        self._sock.sendall(b"started\n")
 
     def lease_left(self, seconds: float) -> None:
         """The task's lease lives ``seconds`` from now: with no agent connected then, the
