@@ -55,6 +55,7 @@ TASK_USER = "flashbulk"  # slot N runs as flashbulk-N
 MiB, GiB = 1 << 20, 1 << 30
 CHUNK = MiB
 PARALLEL = 4
+BEFORE: list[str] = []  # the tree of the agent "before" runs from (--before)
 
 # The task, for the agents and the floor alike. No braces: the coordinator formats a command
 # with each task's params. Writes a 1 MiB pattern (not zeros: nothing on the way may shortcut).
@@ -214,7 +215,7 @@ def get_file(c: httpx.Client, url: str, dest: Path, sync: bool = False) -> tuple
     size = 0
     with c.stream("GET", url) as r, dest.open("wb") as out:
         r.raise_for_status()
-        for chunk in r.iter_bytes(CHUNK):
+        for chunk in r.iter_bytes():  # as they arrive (re-chunking would copy)
             digest.update(chunk)
             out.write(chunk)
             size += len(chunk)
@@ -234,7 +235,9 @@ def each(jobs: list[Callable[[], Any]], parallel: bool) -> list[Any]:
 # --- the floor ---------------------------------------------------------------------------------
 
 
-def floor(url: str, pool: str, case: Case, parallel: bool) -> None:
+def floor(url: str, pool: str, case: Case, parallel: bool) -> dict[str, float]:
+    """The floor's run; how long its writer (the task) took."""
+    timings: dict[str, float] = {}
     api = url + "/v1alpha1"
     with httpx.Client(timeout=600) as c:
         node = register_bare(c, api, pool, "floor")
@@ -244,7 +247,9 @@ def floor(url: str, pool: str, case: Case, parallel: bool) -> None:
         work = Path(tempfile.mkdtemp(prefix="floor-", dir=state_parent()))
         try:
             (work / "out").mkdir()
-            env = dict(os.environ)
+            # The agent's tasks find the system's python3 (a task user cannot use root's
+            # pyenv shims, which cost 0.1 s a start): so does the floor's writer.
+            env = {**os.environ, "PATH": "/usr/local/bin:/usr/bin:/bin"}
             extra: list[str] = []
             if case.kind == "restore":
                 env["FLASHML_RESUME"] = restore_floor(c, api, lease, work, parallel)
@@ -254,7 +259,9 @@ def floor(url: str, pool: str, case: Case, parallel: bool) -> None:
                 assert sha == entry["integrity"]["value"] and size == entry["size"]
                 extra = [str(work / "shard")]
             argv = [a.replace("/work", str(work)) for a in payload["argv"]]
+            began = time.monotonic()
             subprocess.run([*argv[:-1], *extra] if extra else argv, check=True, env=env)
+            timings["writer"] = round(time.monotonic() - began, 4)
             out = work / "out"
             if case.kind == "out":
                 files = sorted(out.glob("data-*"))
@@ -293,6 +300,7 @@ def floor(url: str, pool: str, case: Case, parallel: bool) -> None:
             assert r.json().get("accepted") is True, r.text
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    return timings
 
 
 def restore_floor(
@@ -388,9 +396,9 @@ class Agent:
         self.state = Path(tempfile.mkdtemp(prefix=f"bulk-{kind}-", dir=state_parent()))
         self.state.chmod(0o755)
         base = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
-        if kind == "ours":
+        if kind in ("ours", "before"):
             cmd = [
-                *OURS,
+                *(OURS if kind == "ours" else [sys.executable, "-m", "flashnode", "work"]),
                 "--coordinator",
                 url,
                 "--runner",
@@ -402,10 +410,13 @@ class Agent:
                 "--max-tasks",
                 "1",
             ]
+            if kind == "before":  # the same agent from another tree (an A/B): --before
+                base["PYTHONPATH"] = BEFORE[0]
+            elif os.environ.get("BULK_PYTHONPATH"):  # a debugging aid (a sitecustomize)
+                base["PYTHONPATH"] = os.environ["BULK_PYTHONPATH"]
             base["FLASHNODE_TASK_USER"] = TASK_USER
             base["FLASHNODE_UI_LISTEN"] = "off"
             base["FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS"] = "0.5"
-            base["FLASHNODE_CHECKPOINT_SCAN_SECONDS"] = "0.5"
             base["FLASHNODE_MAX_OUTPUT_FILE_BYTES"] = str(2 * GiB)
             base["FLASHNODE_DATASET_CACHE_BYTES"] = str(4 * GiB)
             base["FLASHNODE_DATASET_ALLOW_PRIVATE_ORIGINS"] = "true"
@@ -440,6 +451,7 @@ class Agent:
         self.base_rss, self.base_hwm = self.status("VmRSS"), self.status("VmHWM")
         self.peak_rss = self.base_rss
         self.hwm = self.base_hwm
+        self.cpu_base = self.cpu_last = self.cpu()
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._sample, daemon=True)
         self._watch.start()
@@ -455,12 +467,18 @@ class Agent:
                 return int(line.split()[1]) * 1024
         return 0
 
+    def cpu(self) -> float:
+        """The agent's own CPU seconds (its threads; not its tasks')."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
             try:
                 self.peak_rss = max(self.peak_rss, self.status("VmRSS"))
-                self.hwm = self.status("VmHWM")
-            except OSError:
+                self.hwm = max(self.hwm, self.status("VmHWM"))
+                self.cpu_last = self.cpu()
+            except (OSError, IndexError, ValueError):
                 return
 
     def finish(self, timeout: float) -> dict[str, Any]:
@@ -486,6 +504,7 @@ class Agent:
             "rc": self.proc.returncode,
             "rss_increase_mb": (self.peak_rss - self.base_rss) / MiB,
             "hwm_increase_mb": (self.hwm - self.base_hwm) / MiB,
+            "agent_cpu_s": round(self.cpu_last - self.cpu_base, 3),
             "base_rss_mb": self.base_rss / MiB,
             "timings": records[-1].get("timings") if records else None,
             "log_tail": log[-1500:] if self.proc.returncode else "",
@@ -512,7 +531,7 @@ def one(server: CoordinatorServer, case: Case, who: str, shard: dict[str, Any] |
         seed_checkpoint(server.url, pool, case)
     extra: dict[str, Any] = {}
     if who.startswith("floor"):
-        floor(server.url, pool, case, parallel=who == "floor-par")
+        extra["timings"] = floor(server.url, pool, case, parallel=who == "floor-par")
     else:
         agent = Agent(who, server.url, pool, {})
         state = server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=900)
@@ -533,8 +552,10 @@ def contenders(case: Case, skip_old: bool) -> list[str]:
     who = ["floor", "ours"]
     if case.files > 1 or case.kind == "restore":
         who.append("floor-par")
-    if case.kind == "out" and not skip_old:
-        who.append("old")  # 0.4.1 cannot ship a checkpoint of several parts, nor restore one
+    if BEFORE:
+        who.append("before")
+    if case.kind in ("out", "data") and not skip_old:
+        who.append("old")  # 0.4.1 ships single-file checkpoints only, restores only those
     return who
 
 
@@ -560,8 +581,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--cases", default="", help="substrings of the case names to run, a,b")
     ap.add_argument("--no-old", action="store_true")
+    ap.add_argument("--who", default="", help="only these contenders, a,b")
     ap.add_argument("--out", default=str(HERE / "bulk.json"))
+    ap.add_argument("--before", default="", help="a tree of flashnode to A/B against")
+    ap.add_argument("--table", default="", help="print the table of this bulk.json, run nothing")
     args = ap.parse_args()
+    if args.table:
+        print(table(Path(args.table)))
+        return 0
+    if args.before:
+        BEFORE.append(args.before)
     rounds = args.rounds or (1 if args.quick else 3)
     task_users()
     root = Path(tempfile.mkdtemp(prefix="bulk-coord-", dir=state_parent()))
@@ -580,7 +609,7 @@ def main() -> int:
             shard = publish_shard(server, data[0].total)
         for case in chosen:
             for r in range(rounds):
-                order = contenders(case, args.no_old)
+                order = [w for w in contenders(case, args.no_old) if not args.who or w in args.who]
                 random.shuffle(order)
                 for who in order:
                     res = one(server, case, who, shard)
@@ -643,6 +672,29 @@ def publish_shard(server: CoordinatorServer, size: int) -> dict[str, Any]:
     }
 
 
+def table(path: Path) -> str:
+    """The markdown table of a bulk.json, for RESULTS.md."""
+    data = json.loads(path.read_text())
+    lines = [
+        "| case | floor (s) | floor, 4 at a time (s) | ours (s) | ours / best floor |"
+        " ours: RSS increase (MB) | 0.4.1 (s) | 0.4.1: RSS increase (MB) | load |"
+        " target (<= 1.3 x, <= 32 MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["summary"]:
+        old = row.get("old")
+        lines.append(
+            f"| {row['case']} | {row['floor']:.2f} | "
+            + (f"{row['floor-par']:.2f}" if "floor-par" in row else "")
+            + f" | {row['ours']:.2f} | {row['ratio']:.2f} | {row['rss_increase_mb']:.1f} | "
+            + (f"{old:.2f} ({row['ratio_old']:.2f} x)" if old is not None else "cannot")
+            + " | "
+            + (f"{row['rss_increase_mb_old']:.0f}" if old is not None else "")
+            + f" | {row['load']:.2f} | {'met' if row['met'] else '**missed**'} |"
+        )
+    return "\n".join(lines)
+
+
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for name in dict.fromkeys(r["case"] for r in results):
@@ -651,14 +703,30 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             who: statistics.median(r["seconds"] for r in mine if r["who"] == who)
             for who in dict.fromkeys(r["who"] for r in mine)
         }
-        best = min(v for k, v in med.items() if k.startswith("floor"))
+        best = min((v for k, v in med.items() if k.startswith("floor")), default=float("nan"))
         row: dict[str, Any] = {"case": name, **{k: round(v, 3) for k, v in med.items()}}
         row["floor_best"] = round(best, 3)
         row["ratio"] = round(med["ours"] / best, 3) if "ours" in med else None
-        if "old" in med:
-            row["ratio_old"] = round(med["old"] / best, 3)
+        for who in ("old", "before"):
+            if who in med:
+                row[f"ratio_{who}"] = round(med[who] / best, 3)
+                rss = [r["rss_increase_mb"] for r in mine if r["who"] == who]
+                row[f"rss_increase_mb_{who}"] = round(max(rss), 1)
         rss = [r["rss_increase_mb"] for r in mine if r["who"] == "ours"]
         row["rss_increase_mb"] = round(max(rss), 1) if rss else None
+        hwm = [r["hwm_increase_mb"] for r in mine if r["who"] == "ours"]
+        row["hwm_increase_mb"] = round(max(hwm), 1) if hwm else None
+        for who in ("ours", "before"):
+            cpu = [r["agent_cpu_s"] for r in mine if r["who"] == who]
+            if cpu:
+                row[f"agent_cpu_s_{who}"] = round(statistics.median(cpu), 3)
+            for phase in ("restore", "data", "commit.upload", "execute"):
+                got = [(r.get("timings") or {}).get(phase) for r in mine if r["who"] == who]
+                if got and all(got):
+                    row[f"{phase}_s_{who}"] = round(statistics.median(got), 3)
+        floors = [r["seconds"] for r in mine if r["who"] == "floor"]
+        if floors:
+            row["floor_range"] = [round(min(floors), 3), round(max(floors), 3)]
         row["load"] = round(statistics.median(r["load"] for r in mine), 2)
         spread = [r["seconds"] for r in mine if r["who"] == "ours"]
         row["ours_range"] = [round(min(spread), 3), round(max(spread), 3)] if spread else None
