@@ -194,7 +194,7 @@ out, every = sys.argv[1], float(sys.argv[2])
 sys.argv = ["flashnode", *sys.argv[3:]]
 tracemalloc.start(10)
 def dump():
-    base = first = None
+    base = first = last = None
     while True:
         time.sleep(every)
         gc.collect()
@@ -204,16 +204,17 @@ def dump():
         counts = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
         if base is None:
             base, first = snap, counts
-        grown = [
+        grown, grown_last = ([
             {"size": d.size_diff, "count": d.count_diff,
              "where": [f"{f.filename}:{f.lineno}" for f in d.traceback][-8:]}
-            for d in snap.compare_to(base, "traceback")[:12]
-        ]
+            for d in snap.compare_to(since, "traceback")[:12]
+        ] for since in (base, last or base))
+        last = snap
         types = {k: v - first.get(k, 0) for k, v in counts.items() if v - first.get(k, 0)}
         with open(out, "a") as fh:
             fh.write(json.dumps({
                 "t": time.time(), "traced": tracemalloc.get_traced_memory()[0],
-                "objects": len(gc.get_objects()), "grown": grown,
+                "objects": len(gc.get_objects()), "grown": grown, "grown_last": grown_last,
                 "types": dict(sorted(types.items(), key=lambda kv: -abs(kv[1]))[:25]),
             }) + "\\n")
 threading.Thread(target=dump, name="soak-trace", daemon=True).start()
@@ -229,8 +230,16 @@ class Agent:
     """Our agent from this checkout, as root, its tasks as ``flashsoak-N``."""
 
     def __init__(
-        self, url: str, pool: str, slots: int, listen: str, trace: float | None = None
+        self,
+        url: str,
+        pool: str,
+        slots: int,
+        listen: str,
+        trace: float | None = None,
+        src: Path | None = None,
     ) -> None:
+        """``src``: a tree whose ``flashnode`` package to run instead of this checkout's (a
+        baseline: ``git archive REV flashnode | tar -x -C DIR``)."""
         PARENT.mkdir(mode=0o755, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix="soak-", dir=PARENT))
         self.dir.chmod(0o755)
@@ -243,6 +252,8 @@ class Agent:
             "FLASHNODE_UI_LISTEN": listen,
             "FLASHNODE_SLOTS": str(slots),
         }
+        if src is not None:
+            env["PYTHONPATH"] = str(src)
         self.log = (self.dir / "agent.log").open("wb")  # beside the state dir, not in it
         self.proc = subprocess.Popen(
             [
@@ -305,6 +316,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="flashnode-soak-coord-"))
     server = CoordinatorServer(root)
     server.start()
+    # A loaded coordinator with thousands of tasks may take more than the harness's 10 s to
+    # take a job: a submission that timed out may still have made it, so none is retried.
+    server.http.close()
+    server.http = httpx.Client(base_url=server.url + "/v1alpha1", timeout=300.0)
     raw: dict[str, Any] = {
         "args": vars(args),
         "machine": {
@@ -327,7 +342,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             print(f"isolated floor: {floors[-1]:.1f} ms/task", flush=True)
         pool = f"soak{random.randrange(10**9)}"
         listen = f"127.0.0.1:{free_port()}"
-        agent = Agent(server.url, pool, args.slots, listen, args.trace)
+        agent = Agent(server.url, pool, args.slots, listen, args.trace, args.src)
         raw["state_dir"] = str(agent.state)
         ledger = LedgerCount(agent.state / "ledger.jsonl")
         wait_for("the console", lambda: _answers(listen), timeout=60)
@@ -382,6 +397,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             floors.append(bench.overhead_run(server, "floor-isolated", args.floor)["steady_ms"])
             print(f"isolated floor: {floors[-1]:.1f} ms/task", flush=True)
         raw["floor_isolated_ms"] = floors
+    except BaseException:
+        # What was sampled is kept: the raw samples of a run cut short (the report reads it).
+        args.out.with_suffix(".partial.json").write_text(json.dumps(raw, default=str))
+        raise
     finally:
         if viewer is not None:
             viewer.close()
@@ -630,6 +649,7 @@ def main() -> int:
         metavar="SECONDS",
         help="run the agent under tracemalloc, snapshots every SECONDS (finding a leak only)",
     )
+    p.add_argument("--src", type=Path, help="run the flashnode package found in SRC (a baseline)")
     p.add_argument("--keep-state", action="store_true", help="leave the state dir and log")
     p.add_argument("--out", type=Path, default=HERE / "soak.json")
     p.add_argument("--report", action="store_true", help="redraw from --out, run nothing")
