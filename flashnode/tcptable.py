@@ -10,6 +10,9 @@ kernel will not answer so.
 from __future__ import annotations
 
 import errno
+import functools
+import ipaddress
+import os
 import socket
 import struct
 from collections.abc import Iterator
@@ -91,10 +94,34 @@ _UID_AT = _HEADER.size + 4 + 48 + 12  # inet_diag_msg: family..retrans, id, expi
 def connection_uid(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
     """The user owning the established TCP socket on this machine whose own end is ``local``
     and whose other end is ``remote`` (each an address and a port), asked of the kernel for
-    that one socket; None when it has none. OSError when the kernel does not answer such
-    questions here (no ``sock_diag``: the caller reads the tables instead)."""
+    that one socket; None when it has none (or none established: one closed since has no
+    owner). OSError when the kernel does not answer such questions here (no ``sock_diag``, or
+    one that has not found a connection this process made itself; a link-local address,
+    whose interface the question would need): the caller reads the tables instead."""
     # A dual-stack listener sees an IPv4 client as ::ffff:a.b.c.d: its socket is an IPv4 one.
     local, remote = (_unmapped(local[0]), local[1]), (_unmapped(remote[0]), remote[1])
+    if _link_local(local[0]) or _link_local(remote[0]):
+        raise OSError(errno.EADDRNOTAVAIL, "a link-local address: the tables are read instead")
+    if not _sock_diag_answers():
+        raise OSError(errno.ENOPROTOOPT, "sock_diag does not answer here")
+    return _ask(local, remote)
+
+
+@functools.cache
+def _sock_diag_answers() -> bool:
+    """Whether the kernel finds a connection this process makes to itself (once): a kernel
+    without its socket diagnostics (no ``tcp_diag``) answers every question "none"."""
+    try:
+        with (
+            socket.create_server(("127.0.0.1", 0)) as server,
+            socket.create_connection(server.getsockname()[:2], timeout=5) as client,
+        ):
+            return _ask(client.getsockname()[:2], server.getsockname()[:2]) == os.geteuid()
+    except OSError:
+        return False
+
+
+def _ask(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
     v6 = ":" in local[0] or ":" in remote[0]
     family = socket.AF_INET6 if v6 else socket.AF_INET
     try:
@@ -123,6 +150,8 @@ def connection_uid(local: tuple[str, int], remote: tuple[str, int]) -> int | Non
         raise OSError(code, f"sock_diag refused the question ({errno.errorcode.get(code, code)})")
     if kind != SOCK_DIAG_BY_FAMILY or len(answer) < _UID_AT + 4:
         raise OSError(errno.EPROTO, f"an answer of type {kind} from sock_diag")
+    if answer[_HEADER.size + 1] != ESTABLISHED:  # idiag_state: a closed one is owned by none
+        return None
     uid: int = struct.unpack_from("=I", answer, _UID_AT)[0]
     return uid
 
@@ -130,3 +159,10 @@ def connection_uid(local: tuple[str, int], remote: tuple[str, int]) -> int | Non
 def _unmapped(ip: str) -> str:
     head, _, v4 = ip.rpartition(":")
     return v4 if head.lower() == ":ffff" and "." in v4 else ip
+
+
+def _link_local(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_link_local
+    except ValueError:
+        return False

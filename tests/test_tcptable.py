@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flashnode.coordinator.listener import listener_uids
 from flashnode.httpguard import peer_uid
 from flashnode.tcptable import LISTEN, TcpSocket, connection_uid, tcp_sockets
@@ -69,3 +71,18 @@ def test_the_owner_of_one_connection_is_asked_of_the_kernel_and_agrees_with_its_
                 mapped = connection_uid(("::ffff:127.0.0.1", peer), ("::ffff:127.0.0.1", port))
                 assert mapped == expected
             child.stdin.close()
+
+
+def test_a_closed_connection_is_owned_by_none_and_a_link_local_one_is_left_to_the_tables() -> None:
+    """A client that closed before it was looked at left a socket owned by no user (the kernel
+    would say root): none. A link-local address needs its interface in the question: the
+    caller reads the tables instead."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, address = server.accept()
+        with conn:
+            client.close()
+            assert connection_uid(address, ("127.0.0.1", port)) is None
+    with pytest.raises(OSError):
+        connection_uid(("fe80::1", 40000), ("fe80::2", 7469))

@@ -16,7 +16,8 @@ the node's checks run first: ``OutgrewRoom``).
 
 The watch between walks (``DiskWatch``): a walk of a big tree is slow, and a task may write
 fast. The disk's free space and inodes are cheap to read, so they are read every ``SPACE_S``,
-less often while the task has room for more than a fast writer's burst (up to ``QUIET_S``),
+less often while the task has room for more than a fast writer's burst and its caps are the
+owner's, not the disk's room (up to ``QUIET_S``),
 and sooner while the disk loses them fast (down to ``SPACE_MIN_S``): whatever the disk lost
 since the last walk may have been the task's. Once that is half of what the task may still
 write, the task is walked at once, frozen (it cannot write on meanwhile); so is a walk that
@@ -63,7 +64,7 @@ from flashnode.sandbox.outputs import Usage
 
 SPACE_S = 0.02  # how often the state dir's free space and inodes are read while a task runs
 SPACE_MIN_S = 0.001  # ... at most this often, while they go fast
-QUIET_S = 1.0  # ... and at least this often, while the task has room for a fast writer's burst
+QUIET_S = 0.5  # ... and at least this often, while the task has room for a fast writer's burst
 FAST_BYTES_S = 4 << 30  # a fast writer's pace: bytes a second (into the page cache, on NVMe)
 FAST_FILES_S = 250_000  # ... and files and directories made a second
 MIN_ROOM_BYTES = 1 << 20  # a task with less room than this on the disk does not start
@@ -395,18 +396,23 @@ class DiskWatch:
         )
 
     def next_in(self, space: Space | None) -> float:
-        """Seconds until the next reading: up to ``QUIET_S`` while what the task may still
-        write is more than a fast writer (``FAST_BYTES_S``, ``FAST_FILES_S``) makes in four
-        times that (a burst right after a reading is seen before it takes half of it), else
-        ``SPACE_S``; sooner while the disk loses what the task may still write fast (half of
-        it by then, at the present rate). A task that sleeps costs the agent a reading a
-        second, not fifty."""
+        """Seconds until the next reading: up to ``QUIET_S`` while the task's caps are the
+        owner's (not the disk's room above its floor) and what it may still write is more
+        than a fast writer (``FAST_BYTES_S``, ``FAST_FILES_S``) makes in four times that (a
+        burst right after a reading is seen before it takes half of it), else ``SPACE_S``;
+        sooner while the disk loses what the task may still write fast (half of it by then,
+        at the present rate). A task that sleeps costs the agent two readings a second, not
+        fifty. (A task that reserves blocks without writing them, ``fallocate``, goes faster
+        than any writer: the pace bounds how long it may hold the disk past its caps before
+        it is stopped, not whether it can.)"""
         last = self.last
         if space is None or last is None:
             return SPACE_S
         left = self._left(last, space)
-        burst = min(left[0] / FAST_BYTES_S, left[1] / FAST_FILES_S) / 4
-        soon = min(QUIET_S, max(SPACE_S, burst))
+        soon = SPACE_S
+        if self.caps.bytes_by == DiskCaps.bytes_by and self.caps.files_by == DiskCaps.files_by:
+            burst = min(left[0] / FAST_BYTES_S, left[1] / FAST_FILES_S) / 4
+            soon = min(QUIET_S, max(SPACE_S, burst))
         for room, rate in zip(left, self._rate, strict=True):
             if rate > 0:
                 soon = min(soon, max(SPACE_MIN_S, room / rate / 2))

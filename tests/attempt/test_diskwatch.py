@@ -4,6 +4,7 @@ a watch as late as this one could look again is stopped at its walk, on its own 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -155,10 +156,11 @@ def test_a_file_or_two_made_in_a_millisecond_is_no_race(tmp_path: Path) -> None:
     assert ending is None, ending
 
 
-def test_a_task_with_room_for_a_fast_writers_burst_has_the_disk_read_once_a_second() -> None:
-    """A sleeping task with 16 GiB and a million files of room: a reading a second. With less
-    room, readings come often enough that a burst at a fast writer's pace takes at most a
-    quarter of what is left before the next one; down to every 20 ms."""
+def test_a_task_with_room_for_a_fast_writers_burst_has_the_disk_read_twice_a_second() -> None:
+    """A sleeping task with 16 GiB and a million files of room under the owner's caps: two
+    readings a second. With less room, readings come often enough that a burst at a fast
+    writer's pace takes at most a quarter of what is left before the next one; down to every
+    20 ms. Under caps the disk's room set (the floor is at stake), every 20 ms always."""
     disk = Space(free_bytes=100 * GiB, total_bytes=200 * GiB, free_inodes=10**7, total_inodes=10**8)
     for room, files, every in (
         (16 * GiB, 1_000_000, QUIET_S),
@@ -172,15 +174,19 @@ def test_a_task_with_room_for_a_fast_writers_burst_has_the_disk_read_once_a_seco
         assert soon == pytest.approx(every)
         assert FAST_BYTES_S * soon <= max(room / 4, FAST_BYTES_S * SPACE_S)
         assert FAST_FILES_S * soon <= max(files / 4, FAST_FILES_S * SPACE_S)
+    for tight in (BYTES, ROOM):
+        watch = DiskWatch(dataclasses.replace(tight, bytes=16 * GiB, files=1_000_000), None)
+        watch.walked(Look(disk, 0, 0), 0.0, 0.0, None, frozen=False)
+        assert watch.next_in(disk) == SPACE_S
 
 
 def test_a_disk_losing_room_fast_is_read_sooner_than_the_quiet_pace() -> None:
-    """The quiet pace never holds back a watch that sees the disk go: 64 GiB of room, 32 GiB
+    """The quiet pace never holds back a watch that sees the disk go: 64 GiB of room, 48 GiB
     of it lost in a second; the next reading comes when half of the rest could be gone."""
     watch = DiskWatch(DiskCaps(bytes=64 * GiB, files=1_000_000), None)
     before = Space(free_bytes=90 * GiB, total_bytes=100 * GiB, free_inodes=10**7, total_inodes=10**8)
     watch.walked(Look(before, 0, 0), 0.0, 0.0, None, frozen=False)
     assert watch.next_in(before) == QUIET_S
-    after = Space(free_bytes=58 * GiB, total_bytes=100 * GiB, free_inodes=10**7, total_inodes=10**8)
-    watch.sample(1.0, after)
-    assert watch.next_in(after) == pytest.approx(0.5)
+    after = Space(free_bytes=42 * GiB, total_bytes=100 * GiB, free_inodes=10**7, total_inodes=10**8)
+    watch.sample(1.0, after)  # 48 GiB in a second: half of the 16 GiB left goes in 1/6 s
+    assert watch.next_in(after) == pytest.approx(1 / 6)

@@ -180,19 +180,20 @@ def test_a_containers_watch_is_answered_for_later_and_one_that_never_answers_is_
     tmp_path: Path,
 ) -> None:
     """The agent starts the container while its watch loads, and reads the watch's answer
-    after: a watch that answers says pid 0; one that died first is Gone (the agent then
-    removes the container and lets the lease lapse)."""
-    if not os.path.exists("/var/run/docker.sock"):
-        pytest.skip("the engine is not on /var/run/docker.sock (a watch asks it at its start)")
-    engine = "unix:///var/run/docker.sock"
+    after: a watch that answers says pid 0, and lives on with no engine to ask yet (it makes
+    its client when it first has a container to remove); one that died first is Gone (the
+    agent then removes the container and lets the lease lapse)."""
+    away = "unix:///nonexistent/docker.sock"
     homes = tmp_path / "tasks"
     homes.mkdir()
-    watch = Supervised.watch("flashnode-none", engine, new_home(homes), 30.0)
+    watch = Supervised.watch("flashnode-none", away, new_home(homes), 30.0)
     watch.answer()
     assert watch.pid == 0
+    watch.started()
     watch.done()
+    assert watch._popen is not None and watch._popen.returncode == 0
     watch.remove()
-    dead = Supervised.watch("flashnode-none", engine, new_home(homes), 30.0)
+    dead = Supervised.watch("flashnode-none", away, new_home(homes), 30.0)
     assert dead._popen is not None
     dead._popen.kill()
     dead._popen.wait()

@@ -265,7 +265,7 @@ class ContainerRunner(Runner):
             self.remove(name)  # by name: a create that timed out may still have made it
             watch.done()
             watch.remove()
-            if isinstance(exc, Gone):
+            if isinstance(exc, Gone) or (doing == "watch" and isinstance(exc, OSError)):
                 raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
             if isinstance(exc, ENGINE_ERRORS):
                 raise self._engine_failure(f"cannot {doing} the container", exc) from None

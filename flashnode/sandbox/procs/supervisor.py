@@ -174,16 +174,20 @@ class _ContainerWatch(_Lifeline):
     def __init__(self, spec: Mapping[str, Any]) -> None:
         super().__init__(spec)
         self.container = str(spec["container"])
+        self.docker_host = str(spec["docker_host"])
+        self._engine: Any = None  # its client: made when it first removes (the engine may be away)
         self._say(b"pid 0 0\n")
-        # Its engine client (a few hundred milliseconds of CPU to load) waits while the agent
-        # creates and starts the container, until the agent says something or goes, and no
-        # longer than LOAD_AFTER_S: the container's start does not share the CPU with it.
+        # Its engine client's code (a few hundred milliseconds of CPU to load) waits while the
+        # agent creates and starts the container, until the agent says something or goes, and
+        # no longer than LOAD_AFTER_S: the container's start does not share the CPU with it.
+        waiting = select.poll()
+        for fd in self.conns:
+            waiting.register(fd, select.POLLIN)
         with contextlib.suppress(OSError):
-            select.select(list(self.conns), [], [], LOAD_AFTER_S)
+            waiting.poll(LOAD_AFTER_S * 1000)
         import docker
 
-        self._errors = docker.errors
-        self._engine = docker.DockerClient(base_url=str(spec["docker_host"]), timeout=30)
+        self._docker = docker
 
     def hello(self, conn: socket.socket) -> None:
         self._say(b"pid 0 0\n", conn)
@@ -212,13 +216,16 @@ class _ContainerWatch(_Lifeline):
             os.unlink(SOCK)
 
     def _remove_container(self) -> None:
-        """Until the engine says it is gone (an engine away is asked again)."""
+        """Until the engine says it is gone (an engine away, even when the client is made, is
+        asked again)."""
         deadline = time.monotonic() + REMOVE_TRIES_S
         while time.monotonic() < deadline:
             try:
+                if self._engine is None:
+                    self._engine = self._docker.DockerClient(base_url=self.docker_host, timeout=30)
                 self._engine.containers.get(self.container).remove(force=True)
                 return
-            except self._errors.NotFound:
+            except self._docker.errors.NotFound:
                 return
             except Exception:  # the engine away, or busy: ask again
                 time.sleep(2.0)
