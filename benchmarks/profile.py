@@ -13,12 +13,14 @@ of the agent and everything it starts (the syscall table in DIR). Run it after `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,12 +71,13 @@ def main() -> int:
         pool = f"p{random.randrange(10**9)}"
         agent = Agent(args.kind, server.url, pool, "--max-tasks", str(args.n), wrap=wrap)
         coordinator = psutil.Process(server.proc.pid) if server.proc else None
-        cpu0 = _cpu(agent.ps, coordinator)
+        children = Children(agent.ps)
+        cpu0 = _cpu(agent.ps, children, coordinator)
         job = server.submit(argv_job(TRIVIAL, pool=pool, params=[{}] * args.n, max_attempts=1))
         start = time.monotonic()
         server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=3600)
         wall = time.monotonic() - start
-        cpu1 = _cpu(agent.ps, coordinator)
+        cpu1 = _cpu(agent.ps, children, coordinator)
         agent.proc.wait(120)  # --max-tasks: it exits by itself (and the profiler writes)
         ledger = agent.state / "ledger.jsonl"
         if ledger.exists():
@@ -88,13 +91,39 @@ def main() -> int:
     return 0
 
 
-def _cpu(agent: psutil.Process, coordinator: psutil.Process | None) -> tuple[float, ...]:
-    """CPU seconds so far: the agent's own, what it started and reaped (the launch chains and
-    tasks: a chain's processes are the agent's children), the coordinator's; NaN once the agent
-    has exited (it exits after its last task, which may come before this is read)."""
+class Children:
+    """What the agent's children alive (its supervisors' fork server) did and reaped (the
+    supervisors, their launch chains and tasks), read every 0.2 s: the fork server exits with
+    the agent, unreaped by it, so its times never reach the agent's own children's."""
+
+    def __init__(self, agent: psutil.Process) -> None:
+        self.agent, self.seen = agent, {}
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.agent.is_running():
+            with contextlib.suppress(psutil.Error):
+                for child in self.agent.children():
+                    with contextlib.suppress(psutil.Error):
+                        c = child.cpu_times()
+                        self.seen[child.pid] = (
+                            c.user + c.system + c.children_user + c.children_system
+                        )
+            time.sleep(0.2)
+
+    def total(self) -> float:
+        return sum(self.seen.values())
+
+
+def _cpu(
+    agent: psutil.Process, children: Children, coordinator: psutil.Process | None
+) -> tuple[float, ...]:
+    """CPU seconds so far: the agent's own, what it started (reaped, and its children's:
+    ``Children``), the coordinator's; NaN once the agent has exited (it exits after its last
+    task, which may come before this is read)."""
     try:
         t = agent.cpu_times()
-        own, started = t.user + t.system, t.children_user + t.children_system
+        own, started = t.user + t.system, t.children_user + t.children_system + children.total()
     except psutil.Error:
         own = started = float("nan")
     c = coordinator.cpu_times() if coordinator else None

@@ -23,8 +23,7 @@ lives that long from now), ``done`` (it has read the task's end: the supervisor 
 (the container runs: its engine client may load now). The last line the task printed is written
 to ``last`` at most once a second, for the owner's live view.
 
-Run as ``python -I -m flashnode.sandbox.procs.supervisor SPEC``; ``Supervised`` is the agent's
-side.
+Forked by the agent's fork server (``forkserver``: ``run``); ``Supervised`` is the agent's side.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -49,7 +47,7 @@ from typing import Any
 # upgraded under a supervisor that waits for its agent.
 from flashnode.sandbox.cgroups import AttemptCgroup
 from flashnode.sandbox.logcap import CappedFile, latest_line
-from flashnode.sandbox.procs import reap, start_time
+from flashnode.sandbox.procs import forkserver, reap, start_time
 from flashnode.sandbox.removal import remove_tree
 
 HOMES = "tasks"  # <state dir>/tasks/<dir>: each running task's supervisor
@@ -65,6 +63,7 @@ ANSWER_S = 10.0  # the longest an agent waits for a supervisor's first line
 REMOVE_TRIES_S = 3600.0  # how long a container's watch asks an engine that is away
 END_WAIT_S = 15.0  # the longest an agent waits for a supervisor it told to end its task
 LOAD_AFTER_S = 2.0  # a container's watch loads its engine client this long after its start
+SERVER = forkserver.ForkServer(__name__)  # this agent's, forking this module's ``run``
 
 
 # --- the supervisor's process ------------------------------------------------------------------
@@ -456,8 +455,8 @@ def _ignore(signum: int, frame: object) -> None:
     pass
 
 
-def main(argv: Sequence[str]) -> int:
-    spec = json.loads(argv[1])
+def run(spec: Mapping[str, Any]) -> int:
+    """The supervisor's life, in a process the fork server made for it (``forkserver``)."""
     os.chdir(spec["home"])
     # The agent's terminal and its stop are not the supervisor's: it goes when its task does.
     # Caught, not ignored: an ignored signal stays ignored across exec, in the task.
@@ -495,13 +494,14 @@ class Supervised:
         self,
         sock: socket.socket,
         home: Path,
-        popen: subprocess.Popen[bytes] | None,
+        child: forkserver.Child | None,
         answered: bool = True,
     ):
-        """``answered``: its first line is read now (else by ``answer``)."""
+        """``child``: the supervisor, where this agent started it; ``answered``: its first line
+        is read now (else by ``answer``)."""
         self._sock = sock
         self.home = home
-        self._popen = popen
+        self._child = child
         self._buf = bytearray()
         self.returncode: int | None = None
         self.ended = False  # the main process exited (``status`` says how), or the supervisor went
@@ -564,35 +564,25 @@ class Supervised:
         answered: bool = True,
     ) -> Supervised:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        full = {
-            **spec,
-            "home": str(home),
-            "fds": {**fds, "life": theirs.fileno()},
-            "reattach_seconds": reattach_seconds,
-        }
+        full = {**spec, "home": str(home), "reattach_seconds": reattach_seconds}
         try:
-            with open(home / "supervisor.log", "ab") as log:
-                popen = subprocess.Popen(
-                    [sys.executable, "-I", "-m", __name__, json.dumps(full)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
-                    pass_fds=(*fds.values(), theirs.fileno()),
-                    start_new_session=True,
-                    close_fds=True,
-                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                )
+            log = os.open(home / "supervisor.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                child = SERVER.spawn(full, {"life": theirs.fileno(), "log": log, **fds})
+            finally:
+                os.close(log)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
         try:
-            return cls(ours, home, popen, answered)
+            return cls(ours, home, child, answered)
         except Gone:
             ours.close()
-            popen.kill()
-            popen.wait()
+            child.kill()
+            child.wait(None)
+            child.close()
             raise
 
     @classmethod
@@ -704,17 +694,18 @@ class Supervised:
         with contextlib.suppress(OSError):
             self._sock.sendall(b"done\n")
         self._sock.close()
-        if self._popen is not None:
-            try:
-                self._popen.wait(5)
-            except subprocess.TimeoutExpired:
-                self._popen.kill()
-                self._popen.wait()
+        if self._child is not None:
+            if not self._child.wait(5):
+                self._child.kill()
+                self._child.wait(None)
+            self._child.close()
 
     def detach(self) -> None:
         """Let go of the task without ending it: the supervisor waits ``reattach_seconds`` for
         an agent to come back."""
         self._sock.close()
+        if self._child is not None:
+            self._child.close()
 
     def end(self) -> None:
         """Tell the supervisor to end the task now, and itself (an agent that will not rejoin
@@ -733,6 +724,8 @@ class Supervised:
         except OSError:
             pass
         self._sock.close()
+        if self._child is not None:
+            self._child.close()
         return True
 
     def remove(self) -> None:
@@ -775,7 +768,3 @@ def new_home(parent: Path | None) -> Path:
         return Path(tempfile.mkdtemp(prefix="flashnode-task-"))
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(dir=parent))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
