@@ -450,7 +450,7 @@ def _registration(edges: _Edges, node: str) -> Callable[[Settings], NodeRegistra
     def registration(current: Settings) -> NodeRegistration:
         devices = nvml.refresh() if nvml is not None else []
         gpus.set_devices(devices)
-        offer = capabilities(current).offer(current, runner.module_capable)
+        offer = capabilities(current).offer(current, runner.module_capable, runner.pools(current))
         return inventory.registration(current, node, offer, [d.info for d in devices])
 
     return registration

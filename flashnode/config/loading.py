@@ -140,7 +140,7 @@ def _misspelt_env(env: Mapping[str, str]) -> None:
 
 
 _KEY_LINE = re.compile(r"""^\s*(?:([A-Za-z0-9_-]+)|"([^"]+)"|'([^']+)')\s*=""")
-_TABLE_LINE = re.compile(r"^\s*\[+\s*([A-Za-z0-9_-]+)")
+_TABLE_LINE = re.compile(r"^\s*\[+\s*([A-Za-z0-9_-]+)(?:\s*\.\s*([A-Za-z0-9_-]+))?")
 
 
 def key_lines(path: Path) -> dict[str, int]:
@@ -155,6 +155,10 @@ def key_lines(path: Path) -> dict[str, int]:
     in_table = False  # a table whose keys are not settings of their own (``[local_data]``)
     for number, line in enumerate(text.splitlines(), 1):
         table = _TABLE_LINE.match(line)
+        if table and table[2] and table[1] in RUNNER_TABLES:  # a runner's option as a table
+            in_table = True  # ([docker.pool_runtimes]): its keys are not settings
+            found.setdefault(table[2], number)
+            continue
         if table:
             in_table = table[1] not in RUNNER_TABLES
             found.setdefault(table[1], number)
@@ -285,7 +289,10 @@ def _check_consistency(
     def named(key: str) -> str:
         keys.append(key)
         where = f" ({origin[key]})" if key in origin else ""
-        return f"{key} = {getattr(settings, key)!r}{where}"
+        value = getattr(settings, key)
+        if isinstance(value, Mapping):  # a table: as the owner wrote it, not a mappingproxy
+            value = dict(value)
+        return f"{key} = {value!r}{where}"
 
     try:
         _refuse_together(settings, named, check)
@@ -313,6 +320,12 @@ def _refuse_together(
     ):
         raise ConfigError(
             f"{named('container_user')}: must be uid:gid of a non-root user, e.g. 65534:65534"
+        )
+    strays = [p for p in settings.pool_runtimes if p not in settings.pools]
+    if strays:
+        raise ConfigError(
+            f"{named('pool_runtimes')}: {', '.join(strays)} {'is' if len(strays) == 1 else 'are'}"
+            f" not among {named('pools')}: name only pools this node joins"
         )
     if settings.claim_backoff_min_seconds > settings.claim_backoff_max_seconds:
         raise ConfigError(

@@ -41,6 +41,8 @@ UI_DEFAULT_LISTEN = "127.0.0.1:7469"  # the console's port: ours, registered to 
 
 # A runner's name: which it is, and what it can do, is flashnode.runners.registry's to say.
 RUNNER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# A container engine's runtime name (docker's ``--runtime``: runc, runsc, nvidia, kata...).
+RUNTIME_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 # Each runner's own options, in the config file's table named for it (``[docker]``); read at the
 # top level too for one release, with a warning that names the table (config.loading).
 RUNNER_TABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -51,6 +53,9 @@ RUNNER_TABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
             "container_user",
             "docker_host",
             "container_tmp_bytes",
+            "container_runtime",
+            "public_runtime",
+            "pool_runtimes",
         ),
         "trusted": ("task_user", "allow_same_user", "task_python"),
     }
@@ -137,6 +142,13 @@ class Settings(BaseModel):
     container_user: str | None = None
     docker_host: str = "unix:///var/run/docker.sock"
     container_tmp_bytes: int = Field(default=256 * MiB, ge=MiB)
+    # The engine runtime a container task runs under (``runtime_for``): container_runtime for
+    #   every task (None: the engine's default), public_runtime for work from no pool (None:
+    #   container_runtime), pool_runtimes a pool's own (the [docker.pool_runtimes] table, pool =
+    #   "runtime"; env FLASHNODE_POOL_RUNTIMES="pool=runtime,pool2=runtime").
+    container_runtime: str | None = None
+    public_runtime: str | None = None
+    pool_runtimes: Mapping[str, str] = Field(default_factory=dict)
     slots: int | Literal["auto"] = 1
     sample_seconds: float = Field(default=1.0, ge=0.05)
     nvml_library: str | None = None
@@ -216,6 +228,50 @@ class Settings(BaseModel):
                 f"{', '.join(unpinned)}: pin a tag or a digest for each, e.g. {example}:1.2"
             )
         return value
+
+    @field_validator("container_runtime", "public_runtime")
+    @classmethod
+    def _runtime_name(cls, value: str | None) -> str | None:
+        if value is not None and not RUNTIME_NAME.match(value):
+            raise ValueError(f"{value!r} is not a runtime's name (e.g. runc, runsc)")
+        return value
+
+    @field_validator("pool_runtimes", mode="before")
+    @classmethod
+    def _split_pool_runtimes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(",") if p.strip()]
+            if not all("=" in p for p in pairs):
+                raise ValueError("must be pool=runtime pairs separated by commas")
+            return {k.strip(): v.strip() for k, v in (p.split("=", 1) for p in pairs)}
+        return value
+
+    @field_validator("pool_runtimes")
+    @classmethod
+    def _pool_runtimes(cls, value: Mapping[str, str]) -> Mapping[str, str]:
+        for pool, runtime in value.items():
+            if not POOL_ID.match(pool):
+                raise ValueError(f"{pool!r} is not a valid pool id")
+            if not isinstance(runtime, str) or not RUNTIME_NAME.match(runtime):
+                raise ValueError(f"{pool}: {runtime!r} is not a runtime's name (e.g. runc, runsc)")
+        return MappingProxyType(dict(value))
+
+    @field_serializer("pool_runtimes")
+    def _pool_runtimes_out(self, value: Mapping[str, str]) -> dict[str, str]:
+        return dict(value)
+
+    def runtime_for(self, pool: str | None) -> str | None:
+        """The engine runtime a container task of ``pool`` (None: work from no pool, the public
+        queue) runs under: its pool's in ``pool_runtimes``, else ``public_runtime`` for work from
+        no pool, else ``container_runtime``; None: the engine's default."""
+        if pool is None:
+            return self.public_runtime or self.container_runtime
+        return self.pool_runtimes.get(pool, self.container_runtime)
+
+    def runtimes(self) -> tuple[str, ...]:
+        """Every runtime the settings name, once each, ``container_runtime`` first."""
+        named = (self.container_runtime, self.public_runtime, *self.pool_runtimes.values())
+        return tuple(dict.fromkeys(r for r in named if r is not None))
 
     @field_validator("pools", "allowed_images", "gpu_yield_ignore", mode="before")
     @classmethod

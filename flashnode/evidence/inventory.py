@@ -48,6 +48,8 @@ class Offer:
     can_install_dependencies: bool = False
     module_capable: bool = False
     lends_data: bool = False  # the owner's local datasets, by label
+    # The pools advertised: those of the settings the runner can run now (None: all of them).
+    pools: tuple[str, ...] | None = None
 
 
 def registration(
@@ -64,7 +66,7 @@ def registration(
             memory_bytes=psutil.virtual_memory().total,
             gpus=list(gpus or []),
             dataset_cache_bytes=settings.dataset_cache_bytes,
-            pools=list(settings.pools),
+            pools=list(settings.pools if offer.pools is None else offer.pools),
             os=platform.system().lower(),
             architecture=ARCHITECTURES.get(machine, machine),
         ),

@@ -6,6 +6,8 @@
 * ``create(settings, env)`` builds a runner; every runner is built the same way.
 * ``check(task, settings)`` refuses a task this runner must not run, before anything starts;
   ``settings`` are those its lease was claimed under (what only a later reload refuses lapses).
+* ``pools(settings)`` says which configured pools it can run now (a container runner whose
+  engine lacks a pool's runtime leaves that pool out): the node advertises only those.
 * ``facts(workspace, slot)`` states how the runner shows a task its workspace (``/work`` or its
   host path, its module interpreter, ``HOME``, its GPUs' numbering, its base ``PATH``), from which
   the agent resolves the task's ``TaskPlan`` (``runners.plan.resolve``) before calling ``start``.
@@ -150,6 +152,11 @@ class Runner(ABC):
     @abstractmethod
     def start(self, plan: TaskPlan) -> Handle:
         """Carry ``plan`` out; on failure raise after undoing everything begun."""
+
+    def pools(self, settings: Settings) -> tuple[str, ...]:
+        """The pools of ``settings`` whose tasks this runner can run now: what the node
+        advertises (a pool left out is never placed here). All of them by default."""
+        return tuple(settings.pools)
 
     def ready(self) -> bool:
         """Whether the runner can take a task now (e.g. its container engine answers)."""

@@ -71,8 +71,11 @@ class Capabilities:
         words.append("tasks as each slot's task user" if who is None else f"tasks as uid {who[0]}")
         return ", ".join(words)
 
-    def offer(self, settings: Settings, module_capable: bool) -> Offer:
-        """What the node advertises when it registers with these abilities."""
+    def offer(
+        self, settings: Settings, module_capable: bool, pools: tuple[str, ...] | None = None
+    ) -> Offer:
+        """What the node advertises when it registers with these abilities; ``pools``: those of
+        ``settings`` the runner can run now (``Runner.pools``; None: all)."""
         return Offer(
             argv_capable=self.sandbox,
             sandbox_capable=self.sandbox,
@@ -80,4 +83,5 @@ class Capabilities:
             can_install_dependencies=self.environments,
             module_capable=self.modules and module_capable,
             lends_data=self.lends_data,
+            pools=pools,
         )

@@ -95,6 +95,9 @@ class TaskPlan:
     # that size is past its disk cap already, so the watch sees it, and the owner's disk keeps
     # what the cap leaves free, however fast the task writes.
     max_file_bytes: int | None = None
+    # The task's pool (None: work from no pool, the public queue): a container runner's
+    # runtime is chosen by it (``Settings.runtime_for``).
+    pool: str | None = None
 
     @property
     def spec_file(self) -> Path:
@@ -191,6 +194,7 @@ def resolve(
         stdout=workspace.logs / "stdout.txt",
         stderr=workspace.logs / "stderr.txt",
         max_file_bytes=max_file_bytes,
+        pool=task.pool,
     )
 
 

@@ -391,3 +391,69 @@ def test_a_runners_option_at_the_top_level_still_reads_and_says_where_it_now_goe
     # start and the doctor say where it goes.
     assert not caplog.records
     assert top_level_runner_keys(cfg) == [("container_user", "docker")]
+
+
+# --- the runtime per container task (issue 45) -------------------------------------------------
+
+RUNTIMES = """coordinator = "http://127.0.0.1:8100"
+pools = ["team", "open"]
+[docker]
+container_runtime = "runc"
+public_runtime = "runsc"
+[docker.pool_runtimes]
+open = "runsc"
+"""
+
+
+def test_each_task_gets_its_pools_runtime_else_public_or_container_runtime(
+    tmp_path: Path,
+) -> None:
+    s = load({}, {}, write(tmp_path / "c.toml", RUNTIMES))
+    assert (s.runtime_for(None), s.runtime_for("open"), s.runtime_for("team")) == (
+        "runsc",
+        "runsc",
+        "runc",
+    )
+    assert s.runtimes() == ("runc", "runsc")
+    env = {"FLASHNODE_POOLS": "a,b", "FLASHNODE_POOL_RUNTIMES": "b=kata-qemu"}
+    s = load({"coordinator": URL}, env)
+    # Nothing named: the engine's default for all; public_runtime falls back to
+    # container_runtime.
+    assert (s.runtime_for(None), s.runtime_for("a"), s.runtime_for("b")) == (
+        None,
+        None,
+        "kata-qemu",
+    )
+    s = load({"coordinator": URL, "container_runtime": "runsc"}, {})
+    assert s.runtime_for(None) == "runsc" and s.runtimes() == ("runsc",)
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            ('container_runtime = "runc"', 'container_runtime = "run sc"'),
+            "container_runtime = 'run sc' (in {cfg}, line 4): 'run sc' is not a runtime's name",
+        ),
+        (
+            ('public_runtime = "runsc"', 'public_runtime = "../runsc"'),
+            "'../runsc' is not a runtime's name",
+        ),
+        (('open = "runsc"', 'open = "run;sc"'), "open: 'run;sc' is not a runtime's name"),
+        (
+            ('open = "runsc"', 'open = "runsc"\nelsewhere = "runsc"'),
+            "pool_runtimes = {'open': 'runsc', 'elsewhere': 'runsc'} (in {cfg}, line 6):"
+            " elsewhere is not among pools = ('team', 'open') (in {cfg}, line 2)",
+        ),
+        (('open = "runsc"', '"bad pool!" = "runsc"'), "'bad pool!' is not a valid pool id"),
+    ],
+)
+def test_bad_runtimes_and_pools_in_the_runtime_policy_are_refused_saying_where(
+    tmp_path: Path, edit: tuple[str, str], said: str
+) -> None:
+    cfg = write(tmp_path / "c.toml", RUNTIMES.replace(*edit))
+    with pytest.raises(ConfigError) as refused:
+        load({}, {}, cfg)
+    assert said.replace("{cfg}", str(cfg)) in str(refused.value)
+    with pytest.raises(ConfigError, match="pool=runtime pairs"):
+        load({"coordinator": URL}, {"FLASHNODE_POOL_RUNTIMES": "open"})

@@ -5,6 +5,11 @@ Image policy: only the owner's ``allowed_images`` (exact ``repo:tag`` or ``repo@
 ``latest`` or untagged; a missing image is pulled only when ``pull_images`` is on. A node whose
 allowed images can never run (none present and pulling off) refuses to start.
 
+Runtime: each task runs under the engine runtime its pool's policy names
+(``Settings.runtime_for``: e.g. gVisor's ``runsc`` for work from no pool), the engine's default
+where none is named; a runtime the engine lacks runs nothing (its pool is not advertised, its
+leases lapse).
+
 Sandbox: no network, read-only root with a size-capped tmpfs ``/tmp``, all capabilities dropped,
 ``no-new-privileges``, a non-root user, pids/memory/CPU limits, private IPC, never privileged, no
 Docker socket, no host device but the GPUs the attempt was given, and an engine log capped in
@@ -24,7 +29,8 @@ engine's errors, a client, and the image policy.
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import docker
 import docker.errors
@@ -68,6 +74,46 @@ def image_present(client: Any, image: str) -> bool:
         return True
     except ENGINE_ERRORS:
         return False
+
+
+class Runtime(NamedTuple):
+    """A runtime as the engine registered it: its program and the arguments it is given."""
+
+    path: str
+    args: tuple[str, ...] = ()
+
+    def own_kernel(self, name: str) -> bool:
+        """Whether it gives its containers a kernel of their own (gVisor's ``runsc``): their
+        processes are not the host's, and the engine lists them by the sandbox's own pids."""
+        return "runsc" in (Path(self.path).name or name, name)
+
+    def passes_gpus(self, name: str) -> bool:
+        """Whether a GPU reaches a task under it: runc's device requests do; gVisor passes
+        one only through its GPU proxy (``--nvproxy``, in releases after Debian's of 2022)."""
+        return not self.own_kernel(name) or any(
+            a.lstrip("-") in ("nvproxy", "nvproxy=true") for a in self.args
+        )
+
+
+def engine_runtimes(client: Any) -> dict[str, Runtime]:
+    """The runtimes the engine has registered (``docker info``'s Runtimes: runc, and what the
+    owner added, e.g. runsc)."""
+    found = client.info().get("Runtimes") or {}
+    return {
+        str(name): Runtime(str(given.get("path", "")), tuple(given.get("runtimeArgs") or ()))
+        for name, given in found.items()
+        if isinstance(given, dict)
+    }
+
+
+def register_fix(runtime: str) -> str:
+    """How an owner registers ``runtime`` with dockerd (docs/owner-manual.md, "Isolation")."""
+    path = "/usr/bin/runsc" if runtime == "runsc" else f"/path/to/{runtime}"
+    install = "apt-get install runsc, then " if runtime == "runsc" else ""
+    return (
+        f'{install}add "runtimes": {{"{runtime}": {{"path": "{path}"}}}} to'
+        " /etc/docker/daemon.json and reload or restart docker (systemctl reload docker)"
+    )
 
 
 def brief(exc: BaseException) -> str:

@@ -40,6 +40,7 @@ class ContainerHandle:
         workspace: Path,
         watch: Supervised,
         log_max_bytes: int,
+        own_kernel: bool = False,
     ):
         self._engine = engine
         self._container = container
@@ -53,6 +54,9 @@ class ContainerHandle:
         self._result: RunResult | None = None
         self._dev = os.stat(workspace).st_dev
         self._main_pid: int | None = None  # the container's first process, on the host
+        # Under a runtime with a kernel of its own (gVisor) the engine lists the sandbox's pids:
+        # the task's processes on the host are its cgroup's (the sandbox and its gofer).
+        self._own_kernel = own_kernel
         self._logs = [
             Pump(
                 container.logs(stream=True, follow=True, stdout=out, stderr=not out),
@@ -144,6 +148,9 @@ class ContainerHandle:
         return self._result
 
     def pids(self) -> set[int]:
+        if self._own_kernel:
+            main = self._pid()
+            return (_cgroup_members(main) or {main}) if main is not None else set()
         try:
             top = self._container.top(ps_args="-eo pid")
         except ENGINE_ERRORS:
@@ -158,14 +165,19 @@ class ContainerHandle:
         under ``/work/out``."""
         if self._done.is_set():
             return 0
+        held = diskuse.unlinked_bytes(self.pids(), self._dev)
+        main = self._pid()
+        if main is not None and not self._own_kernel:  # gVisor's /tmp is in its own memory
+            held += diskuse.private_bytes(main, ("/tmp",))
+        return held
+
+    def _pid(self) -> int | None:
+        """The container's first process on the host (under gVisor: its sandbox)."""
         if self._main_pid is None:
             with contextlib.suppress(*ENGINE_ERRORS, KeyError, TypeError, ValueError):
                 self._container.reload()
                 self._main_pid = int(self._container.attrs["State"]["Pid"]) or None
-        held = diskuse.unlinked_bytes(self.pids(), self._dev)
-        if self._main_pid is not None:
-            held += diskuse.private_bytes(self._main_pid, ("/tmp",))
-        return held
+        return self._main_pid
 
     def cpu_seconds(self) -> float | None:
         try:
@@ -173,3 +185,23 @@ class ContainerHandle:
             return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
         except (*ENGINE_ERRORS, KeyError, TypeError, ValueError):
             return None
+
+
+def _cgroup_members(pid: int) -> set[int]:
+    """The processes of ``pid``'s cgroup (v2's, or v1's pids controller), as this host sees
+    them; empty where it cannot tell."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return set()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers and "pids" not in controllers.split(","):
+            continue
+        base = Path("/sys/fs/cgroup", *([] if not controllers else ["pids"]))
+        try:
+            procs = (base / path.lstrip("/") / "cgroup.procs").read_text().split()
+        except OSError:
+            continue
+        return {int(p) for p in procs if p.isdigit()}
+    return set()

@@ -1,16 +1,32 @@
-"""The doctor's checks of the container runner: the engine answers, and the allowed images are
-pinned and can run here (present, or pulled when a task needs them). Every problem at once,
-each with its fix.
+"""The doctor's checks of the container runner: the engine answers, the allowed images are
+pinned and can run here (present, or pulled when a task needs them), and each runtime the
+settings name is registered with the engine and runs a probe container (gVisor's shows a kernel
+of its own). Every problem at once, each with its fix.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from flashnode.config.settings import Settings
 from flashnode.errors import ExitCode
-from flashnode.runners.container import ENGINE_ERRORS, brief, connect, image_present, pin_problem
+from flashnode.runners.container import (
+    ENGINE_ERRORS,
+    brief,
+    connect,
+    engine_runtimes,
+    image_present,
+    pin_problem,
+    register_fix,
+)
 from flashnode.runners.findings import Finding, Ok, Problem
+
+RUNTIME_PROBE_WAIT_S = 60
 
 
 def engine_and_images(s: Settings) -> Iterator[Finding]:
@@ -67,5 +83,117 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
                 )
         for image in present:
             yield Ok("image", image)
+        yield from runtimes(s, client, present[0] if present else None)
     finally:
         client.close()
+
+
+def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
+    """Each runtime the settings name: registered with the engine, and a probe container runs
+    under it (``cat /proc/version`` in ``image``, locked down, removed by name). A missing
+    ``container_runtime`` is fatal (``work`` would refuse to start); a runtime only a pool or
+    work from no pool uses is a warning (that pool is not advertised, that work is refused)."""
+    named = s.runtimes()
+    if not named:
+        return
+    try:
+        registered = engine_runtimes(client)
+    except ENGINE_ERRORS as exc:
+        yield Problem("runtimes", f"cannot read the engine's runtimes ({brief(exc)})", "")
+        return
+    host = _host_kernel()
+    for runtime in named:
+        what = f"runtime {runtime}"
+        code = ExitCode.UNAVAILABLE if runtime == s.container_runtime else None
+        if runtime not in registered:
+            users = _users(s, runtime)
+            yield Problem(
+                what,
+                f"not registered with the engine (it has {', '.join(sorted(registered))});"
+                f" {users} cannot run here",
+                register_fix(runtime),
+                code=code,
+            )
+            continue
+        if image is None:
+            yield Problem(
+                what,
+                "registered, but no allowed image is present to run a probe container in",
+                "docker pull one of allowed_images, then run doctor again",
+                code=None,
+            )
+            continue
+        found = registered[runtime]
+        path, gvisor = found.path, found.own_kernel(runtime)
+        kernel, why = _probe(s, client, image, runtime)
+        if why is not None:
+            yield Problem(
+                what,
+                f"a probe container in {image} did not run under it ({why})",
+                f"run `docker run --rm --runtime {runtime} {image} true` and fix what it says"
+                ' (gVisor on a host without KVM: runtimeArgs ["--platform=ptrace"] in'
+                " /etc/docker/daemon.json)",
+                code=code,
+            )
+        elif gvisor and kernel == host:
+            yield Problem(
+                what,
+                f"a probe container ran under it but saw the host's kernel ({kernel!r}), not"
+                " gVisor's",
+                f"check that {runtime!r} points at runsc in /etc/docker/daemon.json",
+                code=code,
+            )
+        elif gvisor:
+            yield Ok(what, f"registered ({path}); a probe saw gVisor's kernel, {kernel!r}")
+        else:
+            yield Ok(what, f"registered ({path or 'built in'}); a probe container ran under it")
+
+
+def _users(s: Settings, runtime: str) -> str:
+    """Who runs under ``runtime``, in the owner's words."""
+    who = [f"pool {p}" for p in s.pools if s.runtime_for(p) == runtime]
+    if s.runtime_for(None) == runtime:
+        who.append("work from no pool")
+    if runtime == s.container_runtime:
+        who.insert(0, "every container task")
+    return ", ".join(dict.fromkeys(who)) or "nothing"
+
+
+def _host_kernel() -> str:
+    try:
+        return Path("/proc/version").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _probe(s: Settings, client: Any, image: str, runtime: str) -> tuple[str, str | None]:
+    """``cat /proc/version`` in a locked-down container under ``runtime``: (what it printed,
+    None) or ("", why it failed). The container is removed by name in every case (a create
+    that timed out may still have made it)."""
+    user = s.container_user or ("65534:65534" if os.geteuid() == 0 else f"{os.geteuid()}")
+    name = f"flashnode-doctor-{secrets.token_hex(8)}"
+    try:
+        container = client.containers.create(
+            image,
+            ["cat", "/proc/version"],
+            name=name,
+            user=user,
+            network_mode="none",
+            read_only=True,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges:true"],
+            mem_limit=256 * 1024 * 1024,
+            pids_limit=64,
+            runtime=runtime,
+        )
+        container.start()
+        status = int(container.wait(timeout=RUNTIME_PROBE_WAIT_S).get("StatusCode", 1))
+        out = container.logs(stdout=True, stderr=True).decode(errors="replace").strip()
+        if status != 0:
+            return "", f"exit {status}: {out[-200:]}"
+        return out, None
+    except ENGINE_ERRORS as exc:
+        return "", brief(exc)
+    finally:
+        with contextlib.suppress(*ENGINE_ERRORS):
+            client.containers.get(name).remove(force=True)

@@ -24,10 +24,13 @@ from flashnode.errors import AttemptFailed, AttemptLapsed, PrerequisiteError
 from flashnode.runners.base import Handle, Runner, RunnerEnv
 from flashnode.runners.container import (
     ENGINE_ERRORS,
+    Runtime,
     brief,
     connect,
+    engine_runtimes,
     image_present,
     image_problem,
+    register_fix,
 )
 from flashnode.runners.container.engine import Engine
 from flashnode.runners.container.handle import ContainerHandle
@@ -57,6 +60,7 @@ class ContainerRunner(Runner):
         self._rejoined: set[str] = set()  # containers an earlier run let go of, rejoined
         self._rejoined_homes: set[str] = set()  # ... and their watches' directories
         self.module_images: set[str] = set()
+        self.runtimes: dict[str, Runtime] = {}  # the engine's, read at each (re)configure
         self._apply(settings)
 
     # --- construction -----------------------------------------------------------------------
@@ -78,6 +82,13 @@ class ContainerRunner(Runner):
         runner = cls(settings, env, client)
         runner.remove_labelled(LABEL_PROBE)
         runner.reconfigure(settings)
+        wanted = settings.container_runtime
+        if wanted is not None and wanted not in runner.runtimes:
+            raise PrerequisiteError(
+                f"container_runtime {wanted!r} is not a runtime of the engine at"
+                f" {settings.docker_host} (it has {', '.join(sorted(runner.runtimes)) or 'none'}):"
+                f" {register_fix(wanted)}"
+            )
         return runner
 
     def _apply(self, settings: Settings) -> None:
@@ -89,6 +100,21 @@ class ContainerRunner(Runner):
 
     def reconfigure(self, settings: Settings) -> None:
         self._apply(settings)
+        self.runtimes = self._engine_runtimes()
+        for pool in settings.pools:
+            if self._missing_runtime(settings, pool):
+                log.warning(
+                    "pool %s is not advertised: its runtime %r is not one of the engine's (%s)",
+                    pool,
+                    settings.runtime_for(pool),
+                    register_fix(str(settings.runtime_for(pool))),
+                )
+        if self._missing_runtime(settings, None):
+            log.warning(
+                "work from no pool will be refused: its runtime %r is not one of the engine's (%s)",
+                settings.runtime_for(None),
+                register_fix(str(settings.runtime_for(None))),
+            )
         # Module tasks run `python -m MODULE` inside the task's image: only in allowed images
         # present here whose python imports every allowlisted module.
         self.module_images = {image for image in self.allowed if self._imports_modules(image)}
@@ -96,12 +122,36 @@ class ContainerRunner(Runner):
         if self.module_images:
             log.info("module tasks on, in %s", ", ".join(sorted(self.module_images)))
 
+    def _engine_runtimes(self) -> dict[str, Runtime]:
+        try:
+            return engine_runtimes(self.client)
+        except ENGINE_ERRORS as exc:
+            log.warning("cannot read the engine's runtimes: %s", brief(exc))
+            return self.runtimes  # what it had: an engine away now is the guards' to notice
+
+    def _own_kernel(self, runtime: str | None) -> bool:
+        found = self.runtimes.get(runtime or "")
+        return runtime is not None and found is not None and found.own_kernel(runtime)
+
+    def _missing_runtime(self, settings: Settings, pool: str | None) -> str | None:
+        """The runtime a task of ``pool`` must run under when the engine lacks it, else None."""
+        runtime = settings.runtime_for(pool)
+        return runtime if runtime is not None and runtime not in self.runtimes else None
+
+    def pools(self, settings: Settings) -> tuple[str, ...]:
+        """The pools whose runtime the engine has: a pool it lacks is not advertised, so the
+        coordinator never places its tasks here (docs/protocol.md §6, the pool gate)."""
+        return tuple(p for p in settings.pools if not self._missing_runtime(settings, p))
+
     def _imports_modules(self, image: str) -> bool:
         """Run the import probe in a sandboxed container, bounded in time; the container is
         removed in every case, created-but-never-started included."""
         if image_problem(image, self.allowed) or not image_present(self.client, image):
             return False
         code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+        # Under the runtime tasks run under by default: the image's python must import there.
+        runtime = self.settings.container_runtime
+        runtime = runtime if runtime in self.runtimes else None
         name = f"flashnode-probe-{secrets.token_hex(8)}"  # removed by name: a create that
         try:  # timed out may still have made it
             container = self.client.containers.create(
@@ -116,6 +166,7 @@ class ContainerRunner(Runner):
                 labels={LABEL_PROBE: self.node_id},
                 mem_limit=512 * 1024 * 1024,
                 pids_limit=256,
+                runtime=runtime,
             )
             container.start()
             status = container.wait(timeout=PROBE_WAIT_S)
@@ -145,6 +196,23 @@ class ContainerRunner(Runner):
             raise AttemptLapsed("a container node installs no extra_dependencies")
         if task.module is not None and task.image not in self.module_images:
             raise AttemptLapsed(f"image {task.image!r} cannot run module tasks here")
+        # Work from no pool cannot be withheld from the coordinator (a pool can: ``pools``): a
+        # lease whose runtime the engine lacks is this node's shortcoming, not the task's. The
+        # runtime is the one the settings now name (the owner's latest word), as ``start`` uses.
+        missing = self._missing_runtime(self.settings, task.pool)
+        if missing is not None:
+            whose = "work from no pool" if task.pool is None else f"pool {task.pool}"
+            raise AttemptLapsed(
+                f"refused: {whose} runs under runtime {missing!r} here, and the engine has no"
+                " such runtime"
+            )
+        runtime = self.settings.runtime_for(task.pool)
+        found = self.runtimes.get(runtime or "")
+        if task.gpus and runtime is not None and found and not found.passes_gpus(runtime):
+            raise AttemptLapsed(
+                f"refused: a GPU task runs under runtime {runtime!r} here, which passes no GPU"
+                " (gVisor only with --nvproxy)"
+            )
 
     def _image(self, ref: str) -> Any:
         try:
@@ -193,6 +261,7 @@ class ContainerRunner(Runner):
         # Lent directories at /work/inputs/<label> (the mount points exist in inputs/).
         for src, target in plan.views:
             mounts.append(docker.types.Mount(target, src, type="bind", read_only=True))
+        runtime = s.runtime_for(plan.pool)
         log_bytes = max(s.log_max_bytes, 1024 * 1024)
         tmp_bytes = min(s.container_tmp_bytes, s.task_disk_bytes)  # it counts against both
         kwargs: dict[str, Any] = {
@@ -211,6 +280,7 @@ class ContainerRunner(Runner):
             "pids_limit": plan.limits.pids or -1,
             "labels": {LABEL_NODE: self.node_id, LABEL_LEASE: plan.lease_id},
             "mounts": mounts,
+            "runtime": runtime,  # None: the engine's default
             # The engine's own copy of the output stays bounded; the agent keeps its capped copy.
             "log_config": docker.types.LogConfig(
                 type="json-file", config={"max-size": str(log_bytes), "max-file": "2"}
@@ -260,6 +330,7 @@ class ContainerRunner(Runner):
                 ws.root,
                 watch,
                 s.log_max_bytes,
+                self._own_kernel(runtime),
             )
         except BaseException as exc:
             self.remove(name)  # by name: a create that timed out may still have made it
@@ -306,6 +377,7 @@ class ContainerRunner(Runner):
                 workspace.root,
                 watch,
                 self.settings.log_max_bytes,
+                self._own_kernel(container.attrs.get("HostConfig", {}).get("Runtime")),
             )
         except BaseException:
             watch.detach()  # not rejoined: ``reconcile`` removes it, its watch ended

@@ -1,0 +1,195 @@
+"""The container runner under each runtime, against the real engine (issue 45): its key tests
+and its escape tests under runc and under gVisor (``runsc``, registered by ``.ci/run``; skipped,
+saying why, where the engine has none or it cannot run here), the doctor's probe, and the pool
+policy with a real coordinator: a lease whose runtime the engine lacks lapses, saying why, and
+the agent goes on; a pool whose runtime it lacks is not advertised."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from boxes import box_job, ours, start, unique
+from harness import AgentProcess, CoordinatorServer, wait_for
+from test_container import PROBE
+
+from flashnode.config.settings import Settings
+from flashnode.runners.container.engine import Engine
+from flashnode.runners.container.handle import ContainerHandle
+from flashnode.runners.container.preflight import engine_and_images
+from flashnode.runners.findings import Ok, Problem
+
+docker = pytest.importorskip("docker")
+
+HOST_KERNEL = Path("/proc/version").read_text().strip()
+ABSENT = "flashnode-absent"  # a runtime no engine has
+
+
+@pytest.fixture(scope="session")
+def runsc(engine: Any, image: str) -> str:
+    """gVisor's runtime, where the engine has it and it runs a container here."""
+    if "runsc" not in (engine.info().get("Runtimes") or {}):
+        pytest.skip("the engine has no runsc runtime (.ci/run registers Debian's runsc)")
+    try:
+        engine.containers.run(image, ["true"], runtime="runsc", network_mode="none", remove=True)
+    except docker.errors.DockerException as exc:
+        pytest.skip(f"runsc cannot run a container here: {str(exc)[:300]}")
+    return "runsc"
+
+
+@pytest.fixture(params=["runc", "runsc"])
+def runtime(request: pytest.FixtureRequest, engine: Any) -> str:
+    name: str = request.param
+    return request.getfixturevalue("runsc") if name == "runsc" else name
+
+
+def test_a_task_is_locked_down_and_sees_its_runtimes_kernel(
+    runtime: str,
+    engine: Any,
+    image: str,
+    recording_coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    look = f"{PROBE}; cat /proc/version > /work/out/version.txt"
+    job = recording_coordinator.submit(box_job(["sh", "-c", look]))
+    node = unique(f"rt-{runtime}")
+    env = {"FLASHNODE_CONTAINER_RUNTIME": runtime}
+    agent = start(start_agent, recording_coordinator.url, node, "--max-tasks", "1", env=env)
+    assert agent.wait(90) == 0, agent.log
+    assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    seen = json.loads(recording_coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert seen["uid"] != 0
+    assert seen["nets"].split() == ["lo"]
+    assert set(seen["cap"].replace("CapEff", "").strip()) == {"0"}
+    assert seen["rootfs_writable"] is False and seen["inputs_writable"] is False
+    assert seen["tmp_writable"] is True and seen["home_writable"] is True
+    kernel = recording_coordinator.artifact(f"jobs/{job}/task-000/version.txt").decode().strip()
+    if runtime == "runsc":  # gVisor's own kernel, not the host's
+        assert kernel != HOST_KERNEL and kernel.startswith("Linux version"), kernel
+    else:
+        assert kernel == HOST_KERNEL
+    assert ours(engine, node) == []
+
+
+def test_a_task_past_its_time_under_gvisor_is_stopped_and_its_container_removed(
+    runsc: str,
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    coordinator.submit(box_job(["sleep", "600"], max_attempts=1, lease_seconds=30))
+    node = unique("rt-timeout")
+    env = {"FLASHNODE_CONTAINER_RUNTIME": runsc, "FLASHNODE_MAX_TASK_SECONDS": "3"}
+    agent = start(start_agent, coordinator.url, node, env=env)
+    [container] = wait_for("the container", lambda: ours(engine, node), timeout=60)
+    container.reload()
+    assert container.attrs["HostConfig"]["Runtime"] == "runsc"
+    wait_for("the container to be removed", lambda: not ours(engine, node), timeout=30)
+    record = wait_for("the attempt's record", lambda: agent.ledger() and agent.ledger()[-1])
+    assert (record["outcome"], record["reason"]) == ("failed", "timed out after 3 s")
+
+
+def test_the_doctor_runs_a_probe_under_each_runtime_and_names_one_the_engine_lacks(
+    runsc: str, engine: Any, image: str, tmp_path: Path
+) -> None:
+    s = Settings(
+        coordinator="http://127.0.0.1:8100",
+        state_dir=tmp_path,
+        allowed_images=(image,),
+        pools=("team", "open"),
+        container_runtime="runc",
+        public_runtime=runsc,
+        pool_runtimes={"open": ABSENT},
+    )
+    found = {f.what: f for f in engine_and_images(s)}
+    assert found["runtime runc"] == Ok(
+        "runtime runc", "registered (runc); a probe container ran under it"
+    )
+    gvisor = found["runtime runsc"]
+    assert isinstance(gvisor, Ok) and "a probe saw gVisor's kernel" in gvisor.detail
+    assert HOST_KERNEL not in gvisor.detail
+    absent = found[f"runtime {ABSENT}"]
+    assert isinstance(absent, Problem) and not absent.fatal  # only pool open needs it
+    assert "pool open cannot run here" in absent.why and "daemon.json" in absent.fix
+    fatal = Settings(**{**s.model_dump(), "container_runtime": ABSENT, "pool_runtimes": {}})
+    [missing] = [f for f in engine_and_images(fatal) if f.what == f"runtime {ABSENT}"]
+    assert isinstance(missing, Problem) and missing.fatal
+    assert "every container task" in missing.why
+
+
+def test_a_public_lease_without_its_runtime_lapses_and_the_agent_goes_on_without_that_pool(
+    engine: Any,
+    image: str,
+    recording_coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    public = recording_coordinator.submit(box_job(["true"], lease_seconds=30))
+    team = box_job(["sh", "-c", "echo '{}' > /work/out/metrics.json"])
+    team["spec"]["placement"] = {"pool": "team-a"}
+    node = unique("rt-policy")
+    env = {
+        "FLASHNODE_POOLS": "team-a,team-b",
+        "FLASHNODE_PUBLIC_RUNTIME": ABSENT,
+        "FLASHNODE_POOL_RUNTIMES": f"team-b={ABSENT}",
+    }
+    agent = start(start_agent, recording_coordinator.url, node, env=env)
+    [lapsed] = agent.wait_ledger(1, timeout=60)
+    assert lapsed["outcome"] == "lapsed", lapsed
+    assert lapsed["reason"] == (
+        f"refused: work from no pool runs under runtime '{ABSENT}' here, and the engine has no"
+        " such runtime"
+    )
+    # Not the task's fault: its failure budget is not spent.
+    events = recording_coordinator.events(public)
+    assert [e for e in events if e["type"] == "TASK_ATTEMPT_FAILED"] == []
+    job = recording_coordinator.submit(team)
+    assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    assert agent.proc.poll() is None
+    [registration, *_] = recording_coordinator.recorded("/nodes/register")
+    assert registration["capabilities"]["pools"] == ["team-a"]
+    assert "pool team-b is not advertised" in agent.log
+    assert "work from no pool will be refused" in agent.log
+
+
+class NoWatch:
+    """The container's watch, not wanted here: the test removes its container itself."""
+
+    def done(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+def test_under_gvisor_the_tasks_processes_are_its_sandboxes_on_the_host_never_the_hosts_pid_1(
+    runsc: str, engine: Any, image: str, tmp_path: Path
+) -> None:
+    # The engine lists a gVisor container's processes by the sandbox's own pids (1, 2...): read
+    # as host pids they would be the host's init and kernel threads, whose open files the disk
+    # watch would count and whose use the sampler would report.
+    container = engine.containers.run(
+        image, ["sleep", "60"], runtime=runsc, network_mode="none", detach=True
+    )
+    try:
+        listed = {int(row[0]) for row in container.top(ps_args="-eo pid")["Processes"]}
+        handle = ContainerHandle(
+            Engine(engine),
+            container,
+            "",
+            lambda: None,
+            (tmp_path / "stdout", tmp_path / "stderr"),
+            tmp_path,
+            NoWatch(),  # type: ignore[arg-type]
+            1 << 20,
+            own_kernel=True,
+        )
+        pids = handle.pids()
+        container.reload()
+        assert container.attrs["State"]["Pid"] in pids
+        assert 1 not in pids and not pids & listed - {container.attrs["State"]["Pid"]}
+        for pid in pids:  # the sandbox, its gofer, the ptrace platform's stubs
+            assert container.id in Path(f"/proc/{pid}/cgroup").read_text(), pid
+    finally:
+        container.remove(force=True)

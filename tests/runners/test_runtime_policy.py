@@ -1,0 +1,144 @@
+"""The runtime per container task (issue 45) against a scripted engine: a ``container_runtime``
+the engine lacks stops the runner at its start with the fix; a pool whose runtime it lacks is not
+advertised; a lease whose runtime it lacks lapses (the node's shortcoming), saying why. The real
+engine, runc and gVisor: ``test_container_runtimes.py``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+import pytest
+
+from flashnode.config.settings import Settings
+from flashnode.coordinator.lease import Task
+from flashnode.errors import AttemptLapsed, PrerequisiteError
+from flashnode.evidence import inventory
+from flashnode.evidence.gpupool import GpuPool
+from flashnode.runners.base import RunnerEnv
+from flashnode.runners.container import runner as runner_module
+from flashnode.runners.container.runner import ContainerRunner
+from flashnode.runners.registry import capabilities
+
+IMAGE = "flashnode-test/busybox:1"
+
+
+class Containers:
+    def list(self, **_: Any) -> list[Any]:
+        return []
+
+
+class Images:
+    def get(self, name: str) -> Any:
+        raise docker.errors.ImageNotFound(name)
+
+
+class Engine:
+    """An engine that answers, has ``runtimes``, and no image."""
+
+    def __init__(self, *runtimes: str, args: tuple[str, ...] = ()) -> None:
+        self.runtimes, self.args = runtimes, list(args)
+        self.containers = Containers()
+        self.images = Images()
+
+    def ping(self) -> bool:
+        return True
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "Runtimes": {
+                r: {"path": f"/usr/bin/{r}", "runtimeArgs": self.args} for r in self.runtimes
+            }
+        }
+
+
+def runner(monkeypatch: pytest.MonkeyPatch, engine: Engine, **given: Any) -> ContainerRunner:
+    monkeypatch.setattr(runner_module, "connect", lambda settings, timeout=60: engine)
+    return ContainerRunner.create(settings(**given), RunnerEnv("node-a", GpuPool([])))
+
+
+def settings(**given: Any) -> Settings:
+    return Settings(coordinator="http://127.0.0.1:8100", state_dir=Path("/nonexistent"), **given)
+
+
+def task(pool: str | None, gpus: int = 0) -> Task:
+    return Task(task_id="t", output_prefix="o", argv=("true",), image=IMAGE, pool=pool, gpus=gpus)
+
+
+def test_a_container_runtime_the_engine_lacks_stops_the_runner_at_its_start_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(PrerequisiteError) as refused:
+        runner(monkeypatch, Engine("runc"), container_runtime="runsc")
+    said = str(refused.value)
+    assert "container_runtime 'runsc' is not a runtime of the engine" in said
+    assert "(it has runc)" in said
+    assert '"runtimes": {"runsc": {"path": "/usr/bin/runsc"}}' in said
+    assert "/etc/docker/daemon.json" in said
+    runner(monkeypatch, Engine("runc", "runsc"), container_runtime="runsc")  # it has it: runs
+
+
+def test_a_pool_whose_runtime_the_engine_lacks_is_not_advertised_and_the_owner_is_told(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    given = {
+        "allowed_images": (IMAGE,),
+        "pools": ("team", "open", "lab"),
+        "pool_runtimes": {"open": "runsc", "lab": "runc"},
+    }
+    with caplog.at_level(logging.WARNING):
+        r = runner(monkeypatch, Engine("runc"), **given)
+    s = settings(**given)
+    assert r.pools(s) == ("team", "lab")
+    offer = capabilities(s).offer(s, r.module_capable, r.pools(s))
+    registration = inventory.registration(s, "node-a", offer)
+    assert registration.capabilities.pools == ["team", "lab"]
+    [warned] = [m for m in caplog.messages if "not advertised" in m]
+    assert warned.startswith("pool open is not advertised: its runtime 'runsc'")
+    # The engine gets runsc and the owner reloads: the pool is advertised again.
+    r.client = Engine("runc", "runsc")
+    r.reconfigure(s)
+    assert r.pools(s) == ("team", "open", "lab")
+
+
+def test_a_lease_whose_runtime_the_engine_lacks_lapses_saying_why_and_others_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    given = {
+        "allowed_images": (IMAGE,),
+        "pools": ("team", "open"),
+        "public_runtime": "runsc",
+        "pool_runtimes": {"open": "runsc"},
+    }
+    r = runner(monkeypatch, Engine("runc"), **given)
+    s = settings(**given)
+    with pytest.raises(AttemptLapsed) as lapsed:
+        r.check(task(None), s)
+    assert str(lapsed.value) == (
+        "refused: work from no pool runs under runtime 'runsc' here, and the engine has no"
+        " such runtime"
+    )
+    # A pool task the coordinator should never have placed here: refused all the same.
+    with pytest.raises(AttemptLapsed, match="pool open runs under runtime 'runsc'"):
+        r.check(task("open"), s)
+    r.check(task("team"), s)  # the engine's default runtime: runs
+
+
+def test_a_gpu_task_under_gvisor_without_its_gpu_proxy_lapses_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    given = {"allowed_images": (IMAGE,), "pools": ("team",), "public_runtime": "runsc"}
+    r = runner(monkeypatch, Engine("runc", "runsc", args=("--platform=ptrace",)), **given)
+    s = settings(**given)
+    with pytest.raises(AttemptLapsed) as lapsed:
+        r.check(task(None, gpus=1), s)
+    assert str(lapsed.value) == (
+        "refused: a GPU task runs under runtime 'runsc' here, which passes no GPU"
+        " (gVisor only with --nvproxy)"
+    )
+    r.check(task(None), s)  # no GPU: runs under gVisor
+    r.check(task("team", gpus=1), s)  # runc passes it
+    proxied = runner(monkeypatch, Engine("runc", "runsc", args=("--nvproxy=true",)), **given)
+    proxied.check(task(None, gpus=1), s)
