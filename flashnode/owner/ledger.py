@@ -6,6 +6,12 @@ who may run ``flashnode status`` and look at the console (which shows the ledger
 the agent opens it. Where the group cannot own it (no such group, an agent not in it) it stays
 ``0600``, the agent's alone.
 
+The ledger is bounded: once it holds ``ROTATE_BYTES`` it becomes ``ledger.jsonl.1`` (the one
+before goes) and a new one starts: it keeps the last 60,000 attempts or more (a line is about a
+kilobyte) in no more than twice ``ROTATE_BYTES``. Its readers read on from
+where they were into the rotated file's rest (``rotated``); all-time totals are summed as the
+lines go by (``ledgerview``), not read again.
+
 A line that cannot be written (a full disk) is kept in memory, in order, and written before the
 next one, or by ``flush``, which the agent's loop calls while lines wait: the ledger is complete
 again once space is back. At most ``MAX_PENDING`` lines wait; an agent that stops meanwhile loses
@@ -30,14 +36,24 @@ from flashnode import statefile
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 10_000
+ROTATE_BYTES = 64 << 20
+
+
+def rotated(path: Path) -> Path:
+    """Where a ledger goes once it holds ``ROTATE_BYTES`` (one generation is kept)."""
+    return path.with_name(path.name + ".1")
 
 
 class Ledger:
-    def __init__(self, path: Path, group: str | None = None) -> None:
+    def __init__(
+        self, path: Path, group: str | None = None, rotate_bytes: int = ROTATE_BYTES
+    ) -> None:
         """``group``: the group that may read it (the agent's ledger: ``shared``); None: a
-        reader's ledger, or one that is the agent's alone."""
+        reader's ledger, or one that is the agent's alone. ``rotate_bytes``: its size at
+        which it is rotated."""
         self.path = path
         self.group = group
+        self.rotate_bytes = rotate_bytes
         self._lock = threading.Lock()
         self._pending: list[bytes] = []
         self._failing = False
@@ -87,18 +103,26 @@ class Ledger:
             self._write_pending()
 
     def records(self, last: int | None = None) -> list[dict[str, Any]]:
-        """The ledger's lines, oldest first; only the ``last`` ones (read from the end: the
-        ledger grows without bound)."""
+        """The ledger's lines (the rotated one's first), oldest first; only the ``last`` ones
+        (read from the end)."""
+        lines = self._lines(self.path, last)
+        if last is None or len(lines) < last:
+            lines = (
+                self._lines(rotated(self.path), None if last is None else last - len(lines)) + lines
+            )
+        return parse(lines)
+
+    @staticmethod
+    def _lines(path: Path, last: int | None) -> list[bytes]:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return []
         try:
             end = os.fstat(fd).st_size
-            lines = tail_lines(fd, end, last) if last is not None else _all_lines(fd)
+            return tail_lines(fd, end, last) if last is not None else _all_lines(fd)[:-1]
         finally:
             os.close(fd)
-        return parse(lines)
 
     def flush(self) -> None:
         """Write the lines that wait, if they can be written now."""
@@ -111,6 +135,10 @@ class Ledger:
         try:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(self.path, flags, 0o600)
+            if os.fstat(fd).st_size >= self.rotate_bytes:
+                os.close(fd)
+                os.replace(self.path, rotated(self.path))
+                fd = os.open(self.path, flags, 0o600)
             try:
                 self._share(fd)
                 while self._pending:

@@ -9,8 +9,9 @@ by, and memory stays bounded: the latest ``RECENT`` attempts, what the last day'
 per minute, so a day of a thousand short tasks a minute costs what a day of a few does), and the
 tasks committed per hour over the last week. The agent keeps those sums in a checkpoint
 (``<state dir>/ledger-totals.json``: the offset they cover and the ledger's inode), so a start
-reads only what was appended since, and the latest attempts from the ledger's end: the ledger
-grows without bound, a start's cost does not.
+reads only what was appended since, and the latest attempts from the ledger's end. A ledger
+rotated (``ledger.rotated``) is read on into the rotated file's rest, the sums kept; one replaced
+by another file is read from its start, the sums from nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnode import statefile
-from flashnode.owner.ledger import parse, tail_lines
+from flashnode.owner.ledger import parse, rotated, tail_lines
 from flashnode.owner.status import describe_facts
 
 CHECKPOINT_FILE = "ledger-totals.json"
@@ -156,7 +157,7 @@ class LedgerView:
         self._hours: dict[int, int] = {}  # tasks committed per hour (its start), the last week's
 
     def refresh(self) -> None:
-        """Read what was appended since the last call (from the start after a rotation)."""
+        """Read what was appended since the last call (into a rotated ledger's rest first)."""
         with self._lock:
             try:
                 fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -167,7 +168,10 @@ class LedgerView:
                 if not self._loaded:
                     self._loaded = True
                     self._resume(fd, st)
-                if st.st_ino != self._inode or st.st_size < self._offset:
+                if st.st_ino != self._inode:
+                    if not self._rotated(st.st_ino):
+                        self._reset(st.st_ino)
+                elif st.st_size < self._offset:
                     self._reset(st.st_ino)
                 os.lseek(fd, self._offset, os.SEEK_SET)
                 while chunk := os.read(fd, CHUNK):
@@ -213,15 +217,15 @@ class LedgerView:
         self._saved_offset, self._saved_at = self._offset, self._clock()
 
     def _resume(self, fd: int, st: os.stat_result) -> None:
-        """Start from the checkpoint when it covers this very ledger; the latest attempts
-        from the ledger's end."""
+        """Start from the checkpoint when it covers this very ledger (or the one rotated before
+        it); the latest attempts from the ledger's end."""
         if self._checkpoint is None:
             return
         try:
             data = json.loads(self._checkpoint.read_bytes())
             inode, offset = data["inode"], data["offset"]
             version = data.get("version")
-            if version not in (1, 2) or inode != st.st_ino or not 0 <= offset <= st.st_size:
+            if version not in (1, 2) or offset < 0 or not _covers(self.path, st, inode, offset):
                 return
             totals = Totals.of(data["all_time"])
             day: dict[int, Totals] = {}
@@ -241,8 +245,28 @@ class LedgerView:
                 self._hours[hour] = self._hours.get(hour, 0) + given.tasks
         self._hours.update(hours)
         self._saved_offset = offset
-        for record in parse(tail_lines(fd, offset, RECENT)):
-            self.recent.append(brief(record))
+        if inode == st.st_ino:  # else the rotated ledger's rest is read next, and what follows
+            for record in parse(tail_lines(fd, offset, RECENT)):
+                self.recent.append(brief(record))
+
+    def _rotated(self, inode: int) -> bool:
+        """Whether the ledger read so far is the rotated one: then its rest is read, and the
+        new one (``inode``) is read on from its start, the sums kept."""
+        try:
+            fd = os.open(rotated(self.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != self._inode or st.st_size < self._offset:
+                return False
+            os.lseek(fd, self._offset, os.SEEK_SET)
+            while chunk := os.read(fd, CHUNK):
+                self._lines(chunk)
+        finally:
+            os.close(fd)
+        self._inode, self._offset, self._partial = inode, 0, b""  # its lines are whole
+        return True
 
     def _reset(self, inode: int) -> None:
         self._inode, self._offset, self._partial = inode, 0, b""
@@ -312,6 +336,18 @@ class LedgerView:
         with self._lock:
             found = [r for r in reversed(self.recent) if outcome in (None, r.get("outcome"))]
         return found[:limit]
+
+
+def _covers(path: Path, st: os.stat_result, inode: object, offset: int) -> bool:
+    """Whether a checkpoint of (``inode``, ``offset``) is of this ledger (``st``) or of the one
+    rotated before it (its rest is read first)."""
+    if inode == st.st_ino:
+        return offset <= st.st_size
+    try:
+        before = os.stat(rotated(path), follow_symlinks=False)
+    except OSError:
+        return False
+    return inode == before.st_ino and offset <= before.st_size
 
 
 def _add_minute(day: dict[int, Totals], given: Given) -> None:
