@@ -1,12 +1,15 @@
 """The container runner under each runtime, against the real engine (issue 45): its key tests
 and its escape tests under runc and under gVisor (``runsc``, registered by ``.ci/run``; skipped,
-saying why, where the engine has none or it cannot run here), the doctor's probe, and the pool
-policy with a real coordinator: a lease whose runtime the engine lacks lapses, saying why, and
-the agent goes on; a pool whose runtime it lacks is not advertised."""
+saying why, where the engine has none or it cannot run here): the sandbox, the task's kernel, the
+disk cap against a file removed but kept open, the timeout, the owner's pause, a restart of the
+agent; the doctor's probe; and the pool policy with a real coordinator: a lease whose runtime the
+engine lacks lapses, saying why, and the agent goes on; a pool whose runtime it lacks is not
+advertised. The rest of the runner's tests (``test_container.py``) run under the default."""
 
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,8 @@ from typing import Any
 import pytest
 from boxes import box_job, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, wait_for
-from test_container import PROBE
+from seat import Seat, running
+from test_container import COUNTING, PROBE
 
 from flashnode.config.settings import Settings
 from flashnode.runners.container.engine import Engine
@@ -193,3 +197,91 @@ def test_under_gvisor_the_tasks_processes_are_its_sandboxes_on_the_host_never_th
             assert container.id in Path(f"/proc/{pid}/cgroup").read_text(), pid
     finally:
         container.remove(force=True)
+
+
+# 30 MB removed but kept open, 30 MB in a file: 60 MB against a 50 MB cap, only half of it
+# visible to a walk of out/. No braces: the coordinator formats a command with the task's params.
+HIDE = (
+    "exec 3>/work/out/a && head -c 31457280 /dev/zero >&3 && rm /work/out/a"
+    " && head -c 31457280 /dev/zero > /work/out/b && echo written && sleep 60"
+    " && printf '\\173\\175' > /work/out/metrics.json"
+)
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_file_the_task_removed_but_keeps_open_counts_against_its_disk_cap(
+    runtime: str,
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    job = coordinator.submit(box_job(["sh", "-c", HIDE], max_attempts=1))
+    env = {
+        "FLASHNODE_CONTAINER_RUNTIME": runtime,
+        "FLASHNODE_TASK_DISK_BYTES": "50M",
+        "FLASHNODE_MAX_OUTPUT_TOTAL_BYTES": "50M",
+    }
+    node = unique(f"rt-disk-{runtime}")
+    agent = start(start_agent, coordinator.url, node, "--max-tasks", "1", env=env)
+    assert agent.wait(90) == 0, agent.log
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED", agent.log
+    [reason] = [e["message"] for e in coordinator.events(job) if e["type"] == "TASK_ATTEMPT_FAILED"]
+    assert "task_disk_bytes" in reason and "was stopped" in reason, reason
+    assert ours(engine, node) == []
+
+
+def test_under_gvisor_a_container_outlives_its_agents_restart_and_is_rejoined_and_committed(
+    runsc: str,
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    job = coordinator.submit(box_job(["sh", "-c", COUNTING]))
+    node = unique("rt-rejoin")
+    env = {"FLASHNODE_CONTAINER_RUNTIME": runsc}
+    first = start(start_agent, coordinator.url, node, env=env)
+    [container] = wait_for("the container", lambda: ours(engine, node), timeout=60)
+    wait_for("its second line", lambda: b"line 2" in container.logs(), timeout=30)
+    first.signal(signal.SIGTERM)
+    assert first.wait(15) == 0, first.log
+    container.reload()
+    assert container.status == "running"
+    second = start(start_agent, coordinator.url, node, state_dir=first.state_dir, env=env)
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
+    assert coordinator.tasks(job)[0]["attempts"] == 1
+    [entry] = second.wait_ledger(1)
+    assert entry["outcome"] == "committed", entry
+    wait_for("its container removed", lambda: ours(engine, node) == [])
+
+
+def test_under_gvisor_an_owner_rule_pauses_the_container_and_lets_it_go_on(
+    runsc: str,
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    tmp_path: Path,
+) -> None:
+    seat = Seat(tmp_path)
+    loop = "i=0; while [ $i -lt 100 ]; do i=$((i+1)); echo tick $i; sleep 0.1; done"
+    job = coordinator.submit(box_job(["sh", "-c", f"{loop}; echo '{{}}' > /work/out/metrics.json"]))
+    node = unique("rt-pause")
+    agent = start(
+        start_agent, coordinator.url, node, env={**seat.env(), "FLASHNODE_CONTAINER_RUNTIME": runsc}
+    )
+    wait_for("a printed line", lambda: "tick" in ((running(agent) or {}).get("last_output") or ""))
+    [container] = ours(engine, node)
+
+    def paused() -> bool:
+        container.reload()
+        return bool(container.attrs["State"]["Paused"])
+
+    seat.active()
+    wait_for("the container to be paused", paused, timeout=15)
+    seat.idle()
+    wait_for("the container to run again", lambda: not paused(), timeout=15)
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
+    entry = agent.wait_ledger()[-1]
+    assert entry["outcome"] == "committed" and entry["timings"]["suspended"] > 0
