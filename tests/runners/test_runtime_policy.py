@@ -19,7 +19,9 @@ from flashnode.evidence import inventory
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.runners.base import RunnerEnv
 from flashnode.runners.container import runner as runner_module
+from flashnode.runners.container.preflight import runtimes
 from flashnode.runners.container.runner import ContainerRunner
+from flashnode.runners.findings import Ok, Problem
 from flashnode.runners.registry import capabilities
 
 IMAGE = "flashnode-test/busybox:1"
@@ -142,3 +144,58 @@ def test_a_gpu_task_under_gvisor_without_its_gpu_proxy_lapses_saying_why(
     r.check(task("team", gpus=1), s)  # runc passes it
     proxied = runner(monkeypatch, Engine("runc", "runsc", args=("--nvproxy=true",)), **given)
     proxied.check(task(None, gpus=1), s)
+
+
+class Probed:
+    """A probe container that prints ``out``, or whose create fails with ``fails``."""
+
+    def __init__(self, out: str, fails: str | None) -> None:
+        self.out, self.fails = out, fails
+
+    def start(self) -> None:
+        if self.fails:
+            raise docker.errors.APIError(self.fails)
+
+    def wait(self, timeout: float) -> dict[str, int]:
+        return {"StatusCode": 0}
+
+    def logs(self, **_: Any) -> bytes:
+        return self.out.encode()
+
+    def remove(self, force: bool = False) -> None: ...
+
+
+class ProbeEngine(Engine):
+    """An engine whose probe containers fail under the runtimes in ``broken`` (None: the
+    default), and see gVisor's kernel under runsc."""
+
+    def __init__(self, *runtimes: str, broken: tuple[str | None, ...]) -> None:
+        super().__init__(*runtimes)
+        self.broken = broken
+        engine = self
+
+        class Made(Containers):
+            def create(self, image: str, command: list[str], **kw: Any) -> Probed:
+                runtime = kw.get("runtime")
+                gvisor = "Linux version 4.4.0 #1 SMP Sun Jan 10 15:06:54 PST 2016"
+                out = gvisor if runtime == "runsc" else Path("/proc/version").read_text()
+                fails = 'exec: "cat": not found' if runtime in engine.broken else None
+                return Probed(out, fails)
+
+            def get(self, name: str) -> Probed:
+                return Probed("", None)
+
+        self.containers = Made()
+
+
+def test_the_doctor_tells_a_broken_runtime_from_an_image_it_cannot_probe_in() -> None:
+    s = settings(allowed_images=(IMAGE,), container_runtime="runsc")
+    [found] = runtimes(s, ProbeEngine("runc", "runsc", broken=()), IMAGE)
+    assert isinstance(found, Ok) and "a probe saw gVisor's kernel" in found.detail
+    [broken] = runtimes(s, ProbeEngine("runc", "runsc", broken=("runsc",)), IMAGE)
+    assert isinstance(broken, Problem) and broken.fatal
+    assert "did not run under it" in broken.why and "--network=none" in broken.fix
+    # cat fails under the default runtime too: the image cannot tell, the runtime is not blamed.
+    [unsure] = runtimes(s, ProbeEngine("runc", "runsc", broken=("runsc", None)), IMAGE)
+    assert isinstance(unsure, Problem) and not unsure.fatal
+    assert "no probe could run" in unsure.why

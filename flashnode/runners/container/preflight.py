@@ -99,7 +99,12 @@ def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
     try:
         registered = engine_runtimes(client)
     except ENGINE_ERRORS as exc:
-        yield Problem("runtimes", f"cannot read the engine's runtimes ({brief(exc)})", "")
+        yield Problem(
+            "runtimes",
+            f"cannot read the engine's runtimes ({brief(exc)})",
+            "check that `docker info` answers",
+            code=ExitCode.UNAVAILABLE,
+        )
         return
     host = _host_kernel()
     for runtime in named:
@@ -126,13 +131,21 @@ def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
         found = registered[runtime]
         path, gvisor = found.path, found.own_kernel(runtime)
         kernel, why = _probe(s, client, image, runtime)
-        if why is not None:
+        if why is not None and _probe(s, client, image, None)[1] is not None:
+            yield Problem(  # the image's fault, not the runtime's: it cannot tell
+                what,
+                f"registered, but `cat /proc/version` fails in {image} under the engine's"
+                f" default runtime too ({why}): no probe could run",
+                "allow an image that has cat (e.g. busybox or a Debian one), then run doctor again",
+                code=None,
+            )
+        elif why is not None:
             yield Problem(
                 what,
                 f"a probe container in {image} did not run under it ({why})",
                 f"run `docker run --rm --runtime {runtime} {image} true` and fix what it says"
-                ' (gVisor on a host without KVM: runtimeArgs ["--platform=ptrace"] in'
-                " /etc/docker/daemon.json)",
+                ' (gVisor: runtimeArgs ["--platform=ptrace", "--network=none"] in'
+                " /etc/docker/daemon.json; the owner's manual, Isolation)",
                 code=code,
             )
         elif gvisor and kernel == host:
@@ -166,10 +179,10 @@ def _host_kernel() -> str:
         return ""
 
 
-def _probe(s: Settings, client: Any, image: str, runtime: str) -> tuple[str, str | None]:
-    """``cat /proc/version`` in a locked-down container under ``runtime``: (what it printed,
-    None) or ("", why it failed). The container is removed by name in every case (a create
-    that timed out may still have made it)."""
+def _probe(s: Settings, client: Any, image: str, runtime: str | None) -> tuple[str, str | None]:
+    """``cat /proc/version`` in a locked-down container under ``runtime`` (None: the engine's
+    default): (what it printed, None) or ("", why it failed). The container is removed by name
+    in every case (a create that timed out may still have made it)."""
     user = s.container_user or ("65534:65534" if os.geteuid() == 0 else f"{os.geteuid()}")
     name = f"flashnode-doctor-{secrets.token_hex(8)}"
     try:

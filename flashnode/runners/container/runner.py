@@ -104,14 +104,16 @@ class ContainerRunner(Runner):
         for pool in settings.pools:
             if self._missing_runtime(settings, pool):
                 log.warning(
-                    "pool %s is not advertised: its runtime %r is not one of the engine's (%s)",
+                    "pool %s is not advertised: its runtime %r is not one of the engine's (%s;"
+                    " then reload flashnode)",
                     pool,
                     settings.runtime_for(pool),
                     register_fix(str(settings.runtime_for(pool))),
                 )
         if self._missing_runtime(settings, None):
             log.warning(
-                "work from no pool will be refused: its runtime %r is not one of the engine's (%s)",
+                "work from no pool will be refused: its runtime %r is not one of the engine's"
+                " (%s; then reload flashnode)",
                 settings.runtime_for(None),
                 register_fix(str(settings.runtime_for(None))),
             )
