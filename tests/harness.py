@@ -434,6 +434,22 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+def processes_in(directory: Path) -> list[int]:
+    """Live pids whose working directory is ``directory`` or under it (a task's supervisor
+    works in its home under the agent's state dir)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
+        except OSError:
+            continue
+        if cwd.is_relative_to(directory) and pid_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
 class NotifySocket:
     """A datagram socket standing in for systemd's $NOTIFY_SOCKET, recording what arrives."""
 

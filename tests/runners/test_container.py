@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from badcoord import BadCoordinator, lease_answer
 from boxes import IMAGE, LABEL, box_job, import_image, ours, start, unique
-from harness import AgentProcess, CoordinatorServer, processes_with, wait_for
+from harness import AgentProcess, CoordinatorServer, processes_in, wait_for
 from proxy import Proxy
 
 from flashnode.runners.container.runner import LABEL_LEASE, LABEL_PROBE
@@ -159,7 +159,7 @@ def test_restarted_agent_removes_its_leftover_container_and_nothing_else(
         first.proc.kill()
         first.proc.wait()
         # A crash that took the container's watch too: nothing for the next start to rejoin.
-        for pid in processes_with(str(first.state_dir)):
+        for pid in processes_in(first.state_dir):
             os.kill(pid, signal.SIGKILL)
         assert [c.id for c in ours(engine, node)] == [leftover.id]
         second = start(start_agent, coordinator.url, node, state_dir=first.state_dir)
