@@ -57,6 +57,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._pending: list[bytes] = []
         self._failing = False
+        self._rotate_failing = False
 
     @classmethod
     def shared(cls, path: Path) -> Ledger:
@@ -105,24 +106,28 @@ class Ledger:
     def records(self, last: int | None = None) -> list[dict[str, Any]]:
         """The ledger's lines (the rotated one's first), oldest first; only the ``last`` ones
         (read from the end)."""
-        lines = self._lines(self.path, last)
-        if last is None or len(lines) < last:
-            lines = (
-                self._lines(rotated(self.path), None if last is None else last - len(lines)) + lines
-            )
-        return parse(lines)
-
-    @staticmethod
-    def _lines(path: Path, last: int | None) -> list[bytes]:
+        fds: list[int] = []
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return []
-        try:
-            end = os.fstat(fd).st_size
-            return tail_lines(fd, end, last) if last is not None else _all_lines(fd)[:-1]
+            # The ledger first: rotated between the two opens, both are the same file (read once).
+            for path in (self.path, rotated(self.path)):
+                try:
+                    fds.append(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+                except FileNotFoundError:
+                    fds.append(-1)
+            now, before = fds
+            if before >= 0 and (
+                not stat.S_ISREG(os.fstat(before).st_mode)
+                or (now >= 0 and os.fstat(now).st_ino == os.fstat(before).st_ino)
+            ):
+                before = -1
+            lines = _lines(now, last)
+            if last is None or len(lines) < last:
+                lines = _lines(before, None if last is None else last - len(lines)) + lines
         finally:
-            os.close(fd)
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        return parse(lines)
 
     def flush(self) -> None:
         """Write the lines that wait, if they can be written now."""
@@ -135,11 +140,11 @@ class Ledger:
         try:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(self.path, flags, 0o600)
-            if os.fstat(fd).st_size >= self.rotate_bytes:
-                os.close(fd)
-                os.replace(self.path, rotated(self.path))
-                fd = os.open(self.path, flags, 0o600)
             try:
+                if os.fstat(fd).st_size >= self.rotate_bytes and self._rotate():
+                    os.close(fd)
+                    fd = -1
+                    fd = os.open(self.path, flags, 0o600)
                 self._share(fd)
                 while self._pending:
                     line = self._pending[0]
@@ -155,7 +160,8 @@ class Ledger:
                     self._pending.pop(0)
                 os.fsync(fd)
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
         except OSError as exc:
             if not self._failing:
                 self._failing = True
@@ -167,6 +173,43 @@ class Ledger:
         if self._failing:
             self._failing = False
             log.info("the ledger is written again (%d line(s) that waited)", waiting)
+
+    def _rotate(self) -> bool:
+        """Move the full ledger aside (the one before goes). False when it cannot be: it is
+        then written on past its bound (said once), never held back."""
+        try:
+            os.replace(self.path, rotated(self.path))
+        except OSError as exc:
+            if not self._rotate_failing:
+                self._rotate_failing = True
+                log.error("cannot rotate the ledger (%s): it grows on", exc.strerror or exc)
+            return False
+        self._rotate_failing = False
+        return True
+
+
+def _lines(fd: int, last: int | None) -> list[bytes]:
+    """The whole lines of an open ledger (-1: none), only the ``last`` ones."""
+    if fd < 0:
+        return []
+    if last is not None:
+        return tail_lines(fd, os.fstat(fd).st_size, last)
+    return _all_lines(fd)[:-1]
+
+
+def tail(path: Path, count: int, end: int | None = None) -> list[bytes]:
+    """The last ``count`` whole lines of the ledger at ``path`` (before offset ``end``); none
+    where it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        return tail_lines(fd, os.fstat(fd).st_size if end is None else end, count)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
 
 
 TAIL_CHUNK = 1 << 16

@@ -11,13 +11,15 @@ tasks committed per hour over the last week. The agent keeps those sums in a che
 (``<state dir>/ledger-totals.json``: the offset they cover and the ledger's inode), so a start
 reads only what was appended since, and the latest attempts from the ledger's end. A ledger
 rotated (``ledger.rotated``) is read on into the rotated file's rest, the sums kept; one replaced
-by another file is read from its start, the sums from nothing.
+by another file is read from its start, the sums from nothing. A start with no checkpoint that
+covers the ledger (none, or one it cannot read: a member of the group) sums the rotated one too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnode import statefile
-from flashnode.owner.ledger import parse, rotated, tail_lines
+from flashnode.owner.ledger import parse, rotated, tail, tail_lines
 from flashnode.owner.status import describe_facts
 
 CHECKPOINT_FILE = "ledger-totals.json"
@@ -167,7 +169,8 @@ class LedgerView:
                 st = os.fstat(fd)
                 if not self._loaded:
                     self._loaded = True
-                    self._resume(fd, st)
+                    if not self._resume(fd, st):
+                        self._from_rotated(st)
                 if st.st_ino != self._inode:
                     if not self._rotated(st.st_ino):
                         self._reset(st.st_ino)
@@ -216,17 +219,18 @@ class LedgerView:
             return  # kept in memory; the next start reads the ledger again
         self._saved_offset, self._saved_at = self._offset, self._clock()
 
-    def _resume(self, fd: int, st: os.stat_result) -> None:
+    def _resume(self, fd: int, st: os.stat_result) -> bool:
         """Start from the checkpoint when it covers this very ledger (or the one rotated before
-        it); the latest attempts from the ledger's end."""
+        it); the latest attempts from the ledger's end (and the rotated one's). Whether it
+        did."""
         if self._checkpoint is None:
-            return
+            return False
         try:
             data = json.loads(self._checkpoint.read_bytes())
             inode, offset = data["inode"], data["offset"]
             version = data.get("version")
             if version not in (1, 2) or offset < 0 or not _covers(self.path, st, inode, offset):
-                return
+                return False
             totals = Totals.of(data["all_time"])
             day: dict[int, Totals] = {}
             if version == 1:  # one entry per attempt (an older agent's): summed per minute
@@ -236,7 +240,7 @@ class LedgerView:
                 day = {int(m): Totals.of(t) for m, t in data["minutes"]}
             hours = {int(h): int(n) for h, n in data.get("hours", [])}
         except (OSError, ValueError, KeyError, TypeError):
-            return
+            return False
         self._inode, self._offset, self.all_time = inode, offset, totals
         self._day.update(day)
         if "hours" not in data:  # a checkpoint from before the week was kept: the last day's
@@ -245,9 +249,25 @@ class LedgerView:
                 self._hours[hour] = self._hours.get(hour, 0) + given.tasks
         self._hours.update(hours)
         self._saved_offset = offset
-        if inode == st.st_ino:  # else the rotated ledger's rest is read next, and what follows
-            for record in parse(tail_lines(fd, offset, RECENT)):
-                self.recent.append(brief(record))
+        if inode == st.st_ino:
+            lines = tail_lines(fd, offset, RECENT)
+            if len(lines) < RECENT:
+                lines = tail(rotated(self.path), RECENT - len(lines)) + lines
+        else:  # the rotated ledger's: its rest is read next, and what follows
+            lines = tail(rotated(self.path), RECENT, offset)
+        for record in parse(lines):
+            self.recent.append(brief(record))
+        return True
+
+    def _from_rotated(self, st: os.stat_result) -> None:
+        """With no checkpoint to start from: the sums of the rotated ledger too (read first),
+        not only of the one that follows it."""
+        try:
+            before = os.stat(rotated(self.path), follow_symlinks=False)
+        except OSError:
+            return
+        if stat.S_ISREG(before.st_mode) and before.st_ino != st.st_ino:
+            self._inode, self._offset = before.st_ino, 0
 
     def _rotated(self, inode: int) -> bool:
         """Whether the ledger read so far is the rotated one: then its rest is read, and the

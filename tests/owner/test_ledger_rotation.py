@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from flashnode.owner import ledger as ledger_module
 from flashnode.owner.ledger import Ledger, rotated
 from flashnode.owner.ledgerview import CHECKPOINT_FILE, LedgerView
 
@@ -71,3 +75,67 @@ def test_a_ledger_replaced_by_another_file_is_read_from_nothing(tmp_path: Path) 
     path.unlink()  # not a rotation: the owner removed it
     write(ledger, 5, 2)
     assert view.totals()["all_time"]["tasks"] == 2
+
+
+def test_a_view_without_a_checkpoint_counts_the_rotated_ledger_too(tmp_path: Path) -> None:
+    """`flashnode status` of a stopped agent, run by a member of group flashnode: the ledgers
+    are theirs to read, the checkpoint (root's alone) is not. The sums are of both files."""
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path, rotate_bytes=10 * LINE)
+    write(ledger, 0, 15)
+    unreadable = tmp_path / "none" / CHECKPOINT_FILE
+    view = LedgerView(path, clock=lambda: NOW, checkpoint=unreadable, persist=False)
+    assert view.totals()["all_time"]["tasks"] == 15
+    assert ids(view.latest(limit=20)) == list(range(14, -1, -1))
+    assert LedgerView(path, clock=lambda: NOW).totals()["all_time"]["tasks"] == 15
+
+
+def test_a_view_started_just_after_a_rotation_shows_the_latest_attempts_of_both(
+    tmp_path: Path,
+) -> None:
+    path, checkpoint = tmp_path / "ledger.jsonl", tmp_path / CHECKPOINT_FILE
+    ledger = Ledger(path, rotate_bytes=10 * LINE)
+    write(ledger, 0, 12)  # rotated at the eleventh: two lines in the new ledger
+    LedgerView(path, clock=lambda: NOW, checkpoint=checkpoint).save()
+    again = LedgerView(path, clock=lambda: NOW, checkpoint=checkpoint)
+    assert again.totals()["all_time"]["tasks"] == 12
+    assert ids(again.latest(limit=5)) == [11, 10, 9, 8, 7]
+
+
+def test_a_ledger_that_cannot_be_rotated_is_still_written(tmp_path: Path) -> None:
+    """A rotation refused (here: ``ledger.jsonl.1`` is a directory) must not stop the ledger:
+    its lines are written past the bound, not kept in memory until they are dropped."""
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path, rotate_bytes=10 * LINE)
+    rotated(path).mkdir()
+    (rotated(path) / "kept").write_bytes(b"")
+    write(ledger, 0, 15)
+    assert ledger.pending == 0
+    assert ids(ledger.records()) == list(range(15))
+    view = LedgerView(path, clock=lambda: NOW)
+    assert view.totals()["all_time"]["tasks"] == 15
+
+
+def test_history_read_while_the_ledger_rotates_has_each_line_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flashnode history` beside the agent: the agent rotates the ledger between the history's
+    read of the ledger and of the rotated one."""
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path, rotate_bytes=10 * LINE)
+    write(ledger, 0, 10)
+    reader = Ledger(path)
+    real_open = ledger_module.os.open
+    opened: list[str] = []
+
+    def open_then_rotate(name: object, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(name, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(str(name))
+        if str(name) == str(path) and len(opened) == 1:
+            write(ledger, 10, 1)  # the agent, meanwhile: rotated, and a line in the new one
+        return fd
+
+    monkeypatch.setattr(ledger_module.os, "open", open_then_rotate)
+    got = ids(reader.records())
+    monkeypatch.undo()
+    assert sorted(got) == got and len(set(got)) == len(got), got
