@@ -120,3 +120,21 @@ def test_a_forked_supervisor_holds_only_its_own_descriptors(tmp_path: Path) -> N
             proc.kill()
             wait_for("its end", proc.exited.is_set)
             proc.close()
+
+
+def test_what_the_agent_holds_of_a_supervisor_goes_to_no_program_it_starts(
+    tmp_path: Path,
+) -> None:
+    """The pidfd of a root supervisor the agent got from its fork server: a program the agent
+    starts without closing its descriptors (a library's helper) must not get it."""
+    proc = start(tmp_path, "held", "sleep 300")
+    try:
+        assert proc._sup._child is not None and proc._sup._child.pidfd >= 0
+        seen = subprocess.run(
+            ["sh", "-c", "ls -l /proc/$$/fd"], close_fds=False, capture_output=True, check=True
+        )
+        assert b"pidfd" not in seen.stdout, seen.stdout.decode()
+    finally:
+        proc.kill()
+        wait_for("its end", proc.exited.is_set)
+        proc.close()

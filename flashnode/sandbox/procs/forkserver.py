@@ -96,6 +96,8 @@ class ForkServer:
                 data, got, _flags, _addr = socket.recv_fds(sock, 4096, 1)
             except OSError:
                 data, got = b"", []
+            for fd in got:  # received inheritable (recv_fds cannot ask otherwise): made not
+                os.set_inheritable(fd, False)
             if not data:
                 self._stop()
             if data.startswith(b"pid ") and data[4:].isdigit() and len(got) == 1:
