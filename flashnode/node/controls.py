@@ -250,7 +250,7 @@ class Controls:
             if fail:
                 log.error("owner control %s: %s", rule, why)
             else:
-                log.warning("owner control %s: %s: the rule does not hold", rule, why)
+                log.warning("owner control %s: %s: the rule is off until it can be", rule, why)
 
     def _note_available(self, rule: str) -> None:
         if rule in self._unavailable:

@@ -317,7 +317,7 @@ def test_activity_unavailable_on_a_headless_machine_never_holds_and_says_so_once
             clock.advance(5)
     assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
         "owner control active: the seat's idle time is unavailable"
-        " (no logind seat: a headless machine?): the rule does not hold"
+        " (no logind seat: a headless machine?): the rule is off until it can be"
     ]
 
 

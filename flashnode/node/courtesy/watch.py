@@ -252,7 +252,7 @@ class CourtesyWatch:
         said = self._warned.get(what)
         if value is None and (said is None or now - said >= WARN_AGAIN_S):
             self._warned[what] = now
-            log.warning("courtesy: %s cannot be read: the rule does not hold", what)
+            log.warning("courtesy: %s cannot be read: that rule is off until it can be", what)
         return value
 
     def _log(self, verdict: Verdict, devices: Sequence[Device]) -> None:
