@@ -2,9 +2,9 @@
 and its escape tests under runc and under gVisor (``runsc``, registered by ``.ci/run``; skipped,
 saying why, where the engine has none or it cannot run here): the sandbox, the task's kernel, the
 disk cap against a file removed but kept open, the timeout, the owner's pause, a restart of the
-agent; the doctor's probe; and the pool policy with a real coordinator: a lease whose runtime the
-engine lacks lapses, saying why, and the agent goes on; a pool whose runtime it lacks is not
-advertised. The rest of the runner's tests (``test_container.py``) run under the default."""
+agent; the doctor's probe; and the pool policy with a real coordinator: a node whose engine lacks
+the runtime of work from no pool does not start, saying why; a pool whose runtime it lacks is not
+advertised, and the node works for the others. The rest of the runner's tests (``test_container.py``) run under the default."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from seat import Seat, running
 from test_container import COUNTING, PROBE
 
 from flashnode.config.settings import Settings
+from flashnode.errors import ExitCode
 from flashnode.runners.container.engine import Engine
 from flashnode.runners.container.handle import ContainerHandle
 from flashnode.runners.container.preflight import engine_and_images
@@ -111,7 +112,7 @@ def test_the_doctor_runs_a_probe_under_each_runtime_and_names_one_the_engine_lac
     )
     found = {f.what: f for f in engine_and_images(s)}
     assert found["runtime runc"] == Ok(
-        "runtime runc", "registered (runc); a probe container ran under it"
+        "runtime runc", "every container task, pool team; registered (runc); a probe ran under it"
     )
     gvisor = found["runtime runsc"]
     assert isinstance(gvisor, Ok) and "a probe saw gVisor's kernel" in gvisor.detail
@@ -125,38 +126,36 @@ def test_the_doctor_runs_a_probe_under_each_runtime_and_names_one_the_engine_lac
     assert "every container task" in missing.why
 
 
-def test_a_public_lease_without_its_runtime_lapses_and_the_agent_goes_on_without_that_pool(
+def test_a_node_without_its_public_runtime_does_not_start_and_one_without_a_pools_works_on(
     engine: Any,
     image: str,
     recording_coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
 ) -> None:
-    public = recording_coordinator.submit(box_job(["true"], lease_seconds=30))
+    """Work from no pool cannot be refused before it is placed: a node whose engine lacks its
+    runtime would take each such lease and let it lapse, spending the task's attempts."""
+    node = unique("rt-policy")
+    pools = {"FLASHNODE_POOLS": "team-a,team-b"}
+    refused = start(
+        start_agent,
+        recording_coordinator.url,
+        node,
+        env={**pools, "FLASHNODE_PUBLIC_RUNTIME": ABSENT},
+    )
+    assert refused.wait(60) == ExitCode.UNAVAILABLE, refused.log
+    assert f"runtime {ABSENT}: not registered with the engine" in refused.log
+    assert "work from no pool cannot run here" in refused.log
+    assert recording_coordinator.recorded("/leases/claim") == []
     team = box_job(["sh", "-c", "echo '{}' > /work/out/metrics.json"])
     team["spec"]["placement"] = {"pool": "team-a"}
-    node = unique("rt-policy")
-    env = {
-        "FLASHNODE_POOLS": "team-a,team-b",
-        "FLASHNODE_PUBLIC_RUNTIME": ABSENT,
-        "FLASHNODE_POOL_RUNTIMES": f"team-b={ABSENT}",
-    }
+    env = {**pools, "FLASHNODE_POOL_RUNTIMES": f"team-b={ABSENT}"}
     agent = start(start_agent, recording_coordinator.url, node, env=env)
-    [lapsed] = agent.wait_ledger(1, timeout=60)
-    assert lapsed["outcome"] == "lapsed", lapsed
-    assert lapsed["reason"] == (
-        f"refused: work from no pool runs under runtime '{ABSENT}' here, and the engine has no"
-        " such runtime"
-    )
-    # Not the task's fault: its failure budget is not spent.
-    events = recording_coordinator.events(public)
-    assert [e for e in events if e["type"] == "TASK_ATTEMPT_FAILED"] == []
     job = recording_coordinator.submit(team)
     assert recording_coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
     assert agent.proc.poll() is None
     [registration, *_] = recording_coordinator.recorded("/nodes/register")
     assert registration["capabilities"]["pools"] == ["team-a"]
     assert "pool team-b is not advertised" in agent.log
-    assert "work from no pool will be refused" in agent.log
 
 
 class NoWatch:

@@ -1,6 +1,7 @@
 """The runtime per container task (issue 45) against a scripted engine: a ``container_runtime``
-the engine lacks stops the runner at its start with the fix; a pool whose runtime it lacks is not
-advertised; a lease whose runtime it lacks lapses (the node's shortcoming), saying why. The real
+or ``public_runtime`` the engine lacks stops the runner at its start with the fix (and a reload
+to one is refused); a pool whose runtime it lacks is not advertised; a lease whose runtime it
+lacks lapses (the node's shortcoming), saying why. The real
 engine, runc and gVisor: ``test_container_runtimes.py``."""
 
 from __future__ import annotations
@@ -105,7 +106,27 @@ def test_a_pool_whose_runtime_the_engine_lacks_is_not_advertised_and_the_owner_i
     assert r.pools(s) == ("team", "open", "lab")
 
 
-def test_a_lease_whose_runtime_the_engine_lacks_lapses_saying_why_and_others_run(
+def test_a_public_runtime_the_engine_lacks_stops_the_start_and_a_reload_to_it_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Work from no pool cannot be refused before it is placed here: a node whose engine lacks
+    its runtime would take each such lease and let it lapse, spending the task's attempts."""
+    given: dict[str, Any] = {"allowed_images": (IMAGE,), "pools": ("team",)}
+    with pytest.raises(PrerequisiteError) as refused:
+        runner(monkeypatch, Engine("runc"), public_runtime="gvisor", **given)
+    assert str(refused.value) == (
+        "public_runtime 'gvisor' is not a runtime of the engine at unix:///var/run/docker.sock"
+        " (it has runc): the engine calls it 'runsc': name it so, and apt-get install runsc,"
+        ' then add "runtimes": {"runsc": {"path": "/usr/bin/runsc"}} to /etc/docker/daemon.json'
+        " and reload or restart docker (systemctl reload docker)"
+    )
+    r = runner(monkeypatch, Engine("runc", "runsc"), public_runtime="runsc", **given)
+    with pytest.raises(PrerequisiteError, match="public_runtime 'kata' is not a runtime"):
+        r.reconfigure(settings(public_runtime="kata", **given))
+    assert r.settings.public_runtime == "runsc"  # the running configuration is kept
+
+
+def test_a_lease_whose_runtime_the_engine_lost_lapses_saying_why_and_others_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     given = {
@@ -114,8 +135,9 @@ def test_a_lease_whose_runtime_the_engine_lacks_lapses_saying_why_and_others_run
         "public_runtime": "runsc",
         "pool_runtimes": {"open": "runsc"},
     }
-    r = runner(monkeypatch, Engine("runc"), **given)
+    r = runner(monkeypatch, Engine("runc", "runsc"), **given)
     s = settings(**given)
+    r.runtimes.pop("runsc")  # the engine reloaded without it since the node's start
     with pytest.raises(AttemptLapsed) as lapsed:
         r.check(task(None), s)
     assert str(lapsed.value) == (
@@ -199,3 +221,17 @@ def test_the_doctor_tells_a_broken_runtime_from_an_image_it_cannot_probe_in() ->
     [unsure] = runtimes(s, ProbeEngine("runc", "runsc", broken=("runsc", None)), IMAGE)
     assert isinstance(unsure, Problem) and not unsure.fatal
     assert "no probe could run" in unsure.why
+
+
+def test_the_doctor_fails_a_missing_runtime_work_from_no_pool_needs_and_warns_of_a_pools() -> None:
+    s = settings(
+        allowed_images=(IMAGE,),
+        pools=("lab",),
+        public_runtime="gvisor",
+        pool_runtimes={"lab": "kata"},
+    )
+    public, pool = runtimes(s, ProbeEngine("runc", "runsc", broken=()), IMAGE)
+    assert isinstance(public, Problem) and public.fatal
+    assert "work from no pool cannot run here" in public.why
+    assert public.fix.startswith("the engine calls it 'runsc': name it so")
+    assert isinstance(pool, Problem) and not pool.fatal and "pool lab cannot run here" in pool.why

@@ -29,7 +29,9 @@ engine's errors, a client, and the image policy.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import docker
@@ -104,6 +106,22 @@ def engine_runtimes(client: Any) -> dict[str, Runtime]:
         for name, given in found.items()
         if isinstance(given, dict)
     }
+
+
+# What owners call a runtime that engines know by another name.
+RUNTIME_ALIASES = MappingProxyType({"gvisor": "runsc"})
+
+
+def runtime_fix(runtime: str, registered: Iterable[str]) -> str:
+    """What to do about ``runtime``, which the engine lacks: how to register it, or, for a name
+    owners use for one the engine knows by another (gVisor's is ``runsc``), that name. Never a
+    registered name merely close to it: runc for runsc would be a weaker wall."""
+    meant = RUNTIME_ALIASES.get(runtime.lower())
+    if meant is None or meant == runtime:
+        return register_fix(runtime)
+    if meant in registered:
+        return f"the engine calls it {meant!r}: name it so"
+    return f"the engine calls it {meant!r}: name it so, and {register_fix(meant)}"
 
 
 def register_fix(runtime: str) -> str:

@@ -22,7 +22,7 @@ from flashnode.runners.container import (
     engine_runtimes,
     image_present,
     pin_problem,
-    register_fix,
+    runtime_fix,
 )
 from flashnode.runners.findings import Finding, Ok, Problem
 
@@ -92,7 +92,9 @@ def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
     """Each runtime the settings name: registered with the engine, and a probe container runs
     under it (``cat /proc/version`` in ``image``, locked down, removed by name). A missing
     ``container_runtime`` is fatal (``work`` would refuse to start); a runtime only a pool or
-    work from no pool uses is a warning (that pool is not advertised, that work is refused)."""
+    work from no pool uses is fatal too (``work`` would refuse to start: it cannot refuse such
+    work before it is placed here); one only a pool uses is a warning (that pool is not
+    advertised)."""
     named = s.runtimes()
     if not named:
         return
@@ -109,14 +111,15 @@ def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
     host = _host_kernel()
     for runtime in named:
         what = f"runtime {runtime}"
-        code = ExitCode.UNAVAILABLE if runtime == s.container_runtime else None
+        fatal = runtime in (s.container_runtime, s.public_runtime)
+        code = ExitCode.UNAVAILABLE if fatal else None
+        users = _users(s, runtime)
         if runtime not in registered:
-            users = _users(s, runtime)
             yield Problem(
                 what,
                 f"not registered with the engine (it has {', '.join(sorted(registered))});"
                 f" {users} cannot run here",
-                register_fix(runtime),
+                runtime_fix(runtime, registered),
                 code=code,
             )
             continue
@@ -157,9 +160,9 @@ def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
                 code=code,
             )
         elif gvisor:
-            yield Ok(what, f"registered ({path}); a probe saw gVisor's kernel, {kernel!r}")
+            yield Ok(what, f"{users}; registered ({path}); a probe saw gVisor's kernel, {kernel!r}")
         else:
-            yield Ok(what, f"registered ({path or 'built in'}); a probe container ran under it")
+            yield Ok(what, f"{users}; registered ({path or 'built in'}); a probe ran under it")
 
 
 def _users(s: Settings, runtime: str) -> str:
