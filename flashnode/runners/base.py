@@ -153,6 +153,12 @@ class Runner(ABC):
     def start(self, plan: TaskPlan) -> Handle:
         """Carry ``plan`` out; on failure raise after undoing everything begun."""
 
+    def runtime(self, pool: str | None) -> str | None:
+        """The engine runtime a task of ``pool`` (None: work from no pool) runs under, as the
+        settings name it; None where none is named (the engine's default) or there is no
+        engine."""
+        return None
+
     def pools(self, settings: Settings) -> tuple[str, ...]:
         """The pools of ``settings`` whose tasks this runner can run now: what the node
         advertises (a pool left out is never placed here). All of them by default."""

@@ -96,6 +96,8 @@ def test_a_task_past_its_time_under_gvisor_is_stopped_and_its_container_removed(
     wait_for("the container to be removed", lambda: not ours(engine, node), timeout=30)
     record = wait_for("the attempt's record", lambda: agent.ledger() and agent.ledger()[-1])
     assert (record["outcome"], record["reason"]) == ("failed", "timed out after 3 s")
+    assert record["runtime"] == "runsc"
+    assert "running (docker runner, runtime runsc, timeout 3 s)" in agent.log
 
 
 def test_the_doctor_runs_a_probe_under_each_runtime_and_names_one_the_engine_lacks(

@@ -148,7 +148,11 @@ def _watch(
     a.running(handle, sampler.live)
     for watcher in a.during_run:
         watcher.start(a)
-    log.info("running (%s runner, timeout %g s)", ctx.runner.name, timeout)
+    runtime = ctx.runner.runtime(staged.task.pool)
+    if runtime is not None:
+        a.report("runtime", runtime)  # in its status while it runs, and in its ledger line
+    under = f", runtime {runtime}" if runtime is not None else ""
+    log.info("running (%s runner%s, timeout %g s)", ctx.runner.name, under, timeout)
     t0, cpu0 = sampler.cpu_start
     if ran:  # its CPU so far is all its own, over all the time it ran
         t0, cpu0 = t0 - ran, 0.0

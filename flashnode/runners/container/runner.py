@@ -30,8 +30,9 @@ from flashnode.runners.container import (
     engine_runtimes,
     image_present,
     image_problem,
-    runtime_fix,
+    register_fix,
 )
+from flashnode.runners.container.dialect import Dialect, dialect
 from flashnode.runners.container.engine import Engine
 from flashnode.runners.container.handle import ContainerHandle
 from flashnode.runners.container.preflight import engine_and_images
@@ -61,6 +62,7 @@ class ContainerRunner(Runner):
         self._rejoined_homes: set[str] = set()  # ... and their watches' directories
         self.module_images: set[str] = set()
         self.runtimes: dict[str, Runtime] = {}  # the engine's, read at each (re)configure
+        self.dialect = Dialect()  # what the engine does differently, asked of it at ``create``
         self._apply(settings)
 
     # --- construction -----------------------------------------------------------------------
@@ -80,8 +82,19 @@ class ContainerRunner(Runner):
                 " start Docker, or run the trusted runner for pool work (runner = 'trusted')"
             ) from None
         runner = cls(settings, env, client)
+        runner.dialect = dialect(client, settings.docker_host)
+        log.info("container engine: %s at %s", runner.dialect.describe(), settings.docker_host)
+        for problem in runner.dialect.problems():
+            log.warning("%s", problem)
         runner.remove_labelled(LABEL_PROBE)
         runner.reconfigure(settings)
+        wanted = settings.container_runtime
+        if wanted is not None and wanted not in runner.runtimes:
+            raise PrerequisiteError(
+                f"container_runtime {wanted!r} is not a runtime of the engine at"
+                f" {settings.docker_host} (it has {', '.join(sorted(runner.runtimes)) or 'none'}):"
+                f" {register_fix(wanted)}"
+            )
         return runner
 
     def _apply(self, settings: Settings) -> None:
@@ -92,14 +105,8 @@ class ContainerRunner(Runner):
         )
 
     def reconfigure(self, settings: Settings) -> None:
-        """Take ``settings`` (at the start, and at a reload: PrerequisiteError refuses them, and
-        the reload keeps the running ones)."""
-        runtimes = self._engine_runtimes()
-        unrunnable = _unrunnable(settings, runtimes)
-        if unrunnable is not None:
-            raise PrerequisiteError(unrunnable)
         self._apply(settings)
-        self.runtimes = runtimes
+        self.runtimes = self._engine_runtimes()
         for pool in settings.pools:
             if self._missing_runtime(settings, pool):
                 log.warning(
@@ -107,8 +114,15 @@ class ContainerRunner(Runner):
                     " then reload flashnode)",
                     pool,
                     settings.runtime_for(pool),
-                    runtime_fix(str(settings.runtime_for(pool)), runtimes),
+                    register_fix(str(settings.runtime_for(pool))),
                 )
+        if self._missing_runtime(settings, None):
+            log.warning(
+                "work from no pool will be refused: its runtime %r is not one of the engine's"
+                " (%s; then reload flashnode)",
+                settings.runtime_for(None),
+                register_fix(str(settings.runtime_for(None))),
+            )
         # Module tasks run `python -m MODULE` inside the task's image: only in allowed images
         # present here whose python imports every allowlisted module.
         self.module_images = {image for image in self.allowed if self._imports_modules(image)}
@@ -148,20 +162,21 @@ class ContainerRunner(Runner):
         runtime = runtime if runtime in self.runtimes else None
         name = f"flashnode-probe-{secrets.token_hex(8)}"  # removed by name: a create that
         try:  # timed out may still have made it
-            container = self.client.containers.create(
-                image,
-                ["python", "-c", code, *MODULES],
-                name=name,
-                user=self.user,
-                network_mode="none",
-                read_only=True,
-                cap_drop=["ALL"],
-                security_opt=["no-new-privileges:true"],
-                labels={LABEL_PROBE: self.node_id},
-                mem_limit=512 * 1024 * 1024,
-                pids_limit=256,
-                runtime=runtime,
-            )
+            probe = {
+                "image": image,
+                "command": ["python", "-c", code, *MODULES],
+                "name": name,
+                "user": self.user,
+                "network_mode": "none",
+                "read_only": True,
+                "cap_drop": ["ALL"],
+                "security_opt": ["no-new-privileges:true"],
+                "labels": {LABEL_PROBE: self.node_id},
+                "mem_limit": 512 * 1024 * 1024,
+                "pids_limit": 256,
+                "runtime": runtime,
+            }
+            container = self.client.containers.create(**self.dialect.apply(probe))
             container.start()
             status = container.wait(timeout=PROBE_WAIT_S)
             return int(status.get("StatusCode", 1)) == 0
@@ -307,7 +322,7 @@ class ContainerRunner(Runner):
             raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
         doing = "create"
         try:
-            container = self.client.containers.create(**kwargs)
+            container = self.client.containers.create(**self.dialect.apply(kwargs))
             doing = "start"
             plan.record({"container": container.id, "supervisor": str(home)})
             container.start()
@@ -423,19 +438,3 @@ class ContainerRunner(Runner):
                     container.labels.get(LABEL_LEASE, "module probe"),
                 )
                 self.remove(container.id)
-
-
-def _unrunnable(settings: Settings, runtimes: Mapping[str, Runtime]) -> str | None:
-    """Why the engine cannot take what ``settings`` send it from every pool or from none: a
-    ``container_runtime`` or ``public_runtime`` it lacks. A node cannot refuse work from no pool
-    before it is placed here (the protocol has no way): it would take each such lease and let it
-    lapse, spending the task's attempts, so it does not start (or reload) so configured."""
-    for key in ("container_runtime", "public_runtime"):
-        runtime = getattr(settings, key)
-        if runtime is not None and runtime not in runtimes:
-            has = ", ".join(sorted(runtimes)) or "none"
-            return (
-                f"{key} {runtime!r} is not a runtime of the engine at {settings.docker_host}"
-                f" (it has {has}): {runtime_fix(runtime, runtimes)}"
-            )
-    return None
