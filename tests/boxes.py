@@ -4,7 +4,9 @@ tests that run tasks in it share.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import secrets
 import shutil
 import tarfile
@@ -82,8 +84,23 @@ def import_image(engine: Any, name: str, extra: dict[str, str] | None = None) ->
             info.size, info.mode = len(data), 0o755
             tar.addfile(info, io.BytesIO(data))
     repo, tag = name.split(":")
-    engine.api.import_image_from_data(buf.getvalue(), repository=repo, tag=tag)
+    answer = engine.api.import_image_from_data(buf.getvalue(), repository=repo, tag=tag)
+    try:
+        engine.images.get(name)
+    except docker.errors.ImageNotFound:  # Podman's import takes the name but not the tag
+        engine.images.get(_imported_id(answer)).tag(repo, tag)
     return name
+
+
+def _imported_id(answer: Any) -> str:
+    """The image id in an engine's answer to an import (its last JSON line's ``status``)."""
+    text = answer if isinstance(answer, str) else json.dumps(answer)
+    for line in reversed(text.strip().splitlines()):
+        with contextlib.suppress(ValueError, AttributeError):
+            status = json.loads(line).get("status", "")
+            if status:
+                return str(status).removeprefix("sha256:")
+    raise RuntimeError(f"the engine's answer to an import names no image: {text[:200]}")
 
 
 def box_job(command: list[str], image: str = IMAGE, **extra: Any) -> dict[str, Any]:

@@ -23,14 +23,16 @@ TASK_PYTHON = os.environ.get("FLASHNODE_TEST_TASK_PYTHON", "/opt/flashnode-task-
 # The tiers, from the fixtures a test uses (directly or through another fixture): `-m "not
 # integration"` is the unit tier, fakes and a fake clock, in well under a minute.
 TIERS = {
-    # a real coordinator, a real agent process, the real Docker engine, a real systemd, real uv
-    # against a package index, a real HTTPS origin, a real browser, the built packages
+    # a real coordinator, a real agent process, the real Docker engine or a Podman service, a
+    # real systemd, real uv against a package index, a real HTTPS origin, a real browser, the
+    # built packages
     "integration": {
         "coordinator",
         "recording_coordinator",
         "token_coordinator",
         "start_agent",
         "engine",
+        "podman",
         "booted",
         "other_release",
         "packages",

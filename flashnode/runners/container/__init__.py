@@ -21,10 +21,11 @@ Containers carry labels naming this node and the attempt (or the module probe); 
 agent removes this node's labelled containers, and nothing else.
 
 Its parts: ``runner`` (``ContainerRunner``: the image policy applied, the sandbox made, leftovers
-removed), ``engine`` (the engine's health and each container's removal, shared by the runner and
-its handles), ``handle`` (a running container as the attempt sees it) and ``preflight`` (the
-doctor's checks of the engine and the allowed images). This module is what they stand on: the
-engine's errors, a client, and the image policy.
+removed), ``dialect`` (what an engine does differently from Docker behind the same API: Podman's
+rlimits and tmpfs), ``engine`` (the engine's health and each container's removal, shared by the
+runner and its handles), ``handle`` (a running container as the attempt sees it) and
+``preflight`` (the doctor's checks of the engine and the allowed images). This module is what
+they stand on: the engine's errors, a client, and the image policy.
 """
 
 from __future__ import annotations

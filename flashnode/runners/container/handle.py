@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import requests
 
 from flashnode.runners.base import RunResult, SuspendFailed
 from flashnode.runners.container import ENGINE_ERRORS, brief
@@ -59,7 +61,7 @@ class ContainerHandle:
         self._own_kernel = own_kernel
         self._logs = [
             Pump(
-                container.logs(stream=True, follow=True, stdout=out, stderr=not out),
+                _follow(container, out, self._done),
                 path,
                 log_max_bytes,
                 "container-log",
@@ -154,10 +156,14 @@ class ContainerHandle:
         try:
             top = self._container.top(ps_args="-eo pid")
         except ENGINE_ERRORS:
-            return set()
+            top = {}  # Podman 4's answer to a top is empty: its cgroup tells instead
         titles = top.get("Titles") or []
         col = titles.index("PID") if "PID" in titles else 0
-        return {int(row[col]) for row in top.get("Processes") or [] if str(row[col]).isdigit()}
+        found = {int(row[col]) for row in top.get("Processes") or [] if str(row[col]).isdigit()}
+        if found or self._done.is_set():
+            return found
+        main = self._pid()
+        return (_cgroup_members(main) or {main}) if main is not None else set()
 
     def disk_bytes(self) -> int:
         """Its ``/tmp`` (a tmpfs), seen through its first process (an agent that is not root
@@ -185,6 +191,22 @@ class ContainerHandle:
             return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
         except (*ENGINE_ERRORS, KeyError, TypeError, ValueError):
             return None
+
+
+def _follow(container: Any, stdout: bool, ended: threading.Event) -> Iterator[bytes]:
+    """One of the container's streams from its start, followed, read on the pump's thread.
+    Podman answers a followed log only once the container has printed something or ended
+    (Docker at once): while it is silent the request times out, and is made again (nothing was
+    read yet, so nothing repeats) until the container has ended."""
+    while True:
+        try:
+            chunks = container.logs(stream=True, follow=True, stdout=stdout, stderr=not stdout)
+        except requests.exceptions.Timeout:
+            if ended.is_set():
+                return  # an ended container's log is answered at once: the engine hangs
+            continue
+        yield from chunks
+        return
 
 
 def _cgroup_members(pid: int) -> set[int]:

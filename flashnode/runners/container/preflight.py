@@ -24,6 +24,7 @@ from flashnode.runners.container import (
     pin_problem,
     runtime_fix,
 )
+from flashnode.runners.container.dialect import Dialect, dialect
 from flashnode.runners.findings import Finding, Ok, Problem
 
 RUNTIME_PROBE_WAIT_S = 60
@@ -54,13 +55,18 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
         yield Problem(
             "docker engine",
             f"no container engine answers at {s.docker_host} ({brief(exc)})",
-            "start Docker (systemctl start docker), check docker_host under [docker], or run"
+            "start Docker (systemctl start docker) or Podman (systemctl start podman.socket),"
+            " check docker_host under [docker], or run"
             " the trusted runner for pool work (runner = 'trusted')",
             code=ExitCode.UNAVAILABLE,
         )
         return
     try:
-        yield Ok("docker engine", s.docker_host)
+        spoken = dialect(client, s.docker_host)
+        yield Ok("docker engine", f"{spoken.describe()} at {s.docker_host}")
+        for problem in spoken.problems():
+            fix = "see the owner's manual, Podman as the engine"
+            yield Problem("docker engine", problem, fix, code=None)
         present = [i for i in pinned if image_present(client, i)]
         absent = [i for i in pinned if i not in present]
         if absent and not present and not s.pull_images:
@@ -83,12 +89,14 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
                 )
         for image in present:
             yield Ok("image", image)
-        yield from runtimes(s, client, present[0] if present else None)
+        yield from runtimes(s, client, present[0] if present else None, spoken)
     finally:
         client.close()
 
 
-def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
+def runtimes(
+    s: Settings, client: Any, image: str | None, spoken: Dialect | None = None
+) -> Iterator[Finding]:
     """Each runtime the settings name: registered with the engine, and a probe container runs
     under it (``cat /proc/version`` in ``image``, locked down, removed by name). A missing
     ``container_runtime`` is fatal (``work`` would refuse to start); a runtime only a pool or
@@ -109,6 +117,7 @@ def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
         )
         return
     host = _host_kernel()
+    spoken = spoken or Dialect()
     for runtime in named:
         what = f"runtime {runtime}"
         fatal = runtime in (s.container_runtime, s.public_runtime)
@@ -133,8 +142,8 @@ def runtimes(s: Settings, client: Any, image: str | None) -> Iterator[Finding]:
             continue
         found = registered[runtime]
         path, gvisor = found.path, found.own_kernel(runtime)
-        kernel, why = _probe(s, client, image, runtime)
-        if why is not None and _probe(s, client, image, None)[1] is not None:
+        kernel, why = _probe(s, client, image, runtime, spoken)
+        if why is not None and _probe(s, client, image, None, spoken)[1] is not None:
             yield Problem(  # the image's fault, not the runtime's: it cannot tell
                 what,
                 f"registered, but `cat /proc/version` fails in {image} under the engine's"
@@ -182,26 +191,29 @@ def _host_kernel() -> str:
         return ""
 
 
-def _probe(s: Settings, client: Any, image: str, runtime: str | None) -> tuple[str, str | None]:
+def _probe(
+    s: Settings, client: Any, image: str, runtime: str | None, spoken: Dialect
+) -> tuple[str, str | None]:
     """``cat /proc/version`` in a locked-down container under ``runtime`` (None: the engine's
     default): (what it printed, None) or ("", why it failed). The container is removed by name
     in every case (a create that timed out may still have made it)."""
     user = s.container_user or ("65534:65534" if os.geteuid() == 0 else f"{os.geteuid()}")
     name = f"flashnode-doctor-{secrets.token_hex(8)}"
     try:
-        container = client.containers.create(
-            image,
-            ["cat", "/proc/version"],
-            name=name,
-            user=user,
-            network_mode="none",
-            read_only=True,
-            cap_drop=["ALL"],
-            security_opt=["no-new-privileges:true"],
-            mem_limit=256 * 1024 * 1024,
-            pids_limit=64,
-            runtime=runtime,
-        )
+        probe = {
+            "image": image,
+            "command": ["cat", "/proc/version"],
+            "name": name,
+            "user": user,
+            "network_mode": "none",
+            "read_only": True,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges:true"],
+            "mem_limit": 256 * 1024 * 1024,
+            "pids_limit": 64,
+            "runtime": runtime,
+        }
+        container = client.containers.create(**spoken.apply(probe))
         container.start()
         status = int(container.wait(timeout=RUNTIME_PROBE_WAIT_S).get("StatusCode", 1))
         out = container.logs(stdout=True, stderr=True).decode(errors="replace").strip()

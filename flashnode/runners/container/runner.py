@@ -30,7 +30,7 @@ from flashnode.runners.container import (
     engine_runtimes,
     image_present,
     image_problem,
-    register_fix,
+    runtime_fix,
 )
 from flashnode.runners.container.dialect import Dialect, dialect
 from flashnode.runners.container.engine import Engine
@@ -88,13 +88,6 @@ class ContainerRunner(Runner):
             log.warning("%s", problem)
         runner.remove_labelled(LABEL_PROBE)
         runner.reconfigure(settings)
-        wanted = settings.container_runtime
-        if wanted is not None and wanted not in runner.runtimes:
-            raise PrerequisiteError(
-                f"container_runtime {wanted!r} is not a runtime of the engine at"
-                f" {settings.docker_host} (it has {', '.join(sorted(runner.runtimes)) or 'none'}):"
-                f" {register_fix(wanted)}"
-            )
         return runner
 
     def _apply(self, settings: Settings) -> None:
@@ -105,8 +98,14 @@ class ContainerRunner(Runner):
         )
 
     def reconfigure(self, settings: Settings) -> None:
+        """Take ``settings`` (at the start, and at a reload: PrerequisiteError refuses them, and
+        the reload keeps the running ones)."""
+        runtimes = self._engine_runtimes()
+        unrunnable = _unrunnable(settings, runtimes)
+        if unrunnable is not None:
+            raise PrerequisiteError(unrunnable)
         self._apply(settings)
-        self.runtimes = self._engine_runtimes()
+        self.runtimes = runtimes
         for pool in settings.pools:
             if self._missing_runtime(settings, pool):
                 log.warning(
@@ -114,15 +113,8 @@ class ContainerRunner(Runner):
                     " then reload flashnode)",
                     pool,
                     settings.runtime_for(pool),
-                    register_fix(str(settings.runtime_for(pool))),
+                    runtime_fix(str(settings.runtime_for(pool)), runtimes),
                 )
-        if self._missing_runtime(settings, None):
-            log.warning(
-                "work from no pool will be refused: its runtime %r is not one of the engine's"
-                " (%s; then reload flashnode)",
-                settings.runtime_for(None),
-                register_fix(str(settings.runtime_for(None))),
-            )
         # Module tasks run `python -m MODULE` inside the task's image: only in allowed images
         # present here whose python imports every allowlisted module.
         self.module_images = {image for image in self.allowed if self._imports_modules(image)}
@@ -145,6 +137,9 @@ class ContainerRunner(Runner):
         """The runtime a task of ``pool`` must run under when the engine lacks it, else None."""
         runtime = settings.runtime_for(pool)
         return runtime if runtime is not None and runtime not in self.runtimes else None
+
+    def runtime(self, pool: str | None) -> str | None:
+        return self.settings.runtime_for(pool)
 
     def pools(self, settings: Settings) -> tuple[str, ...]:
         """The pools whose runtime the engine has: a pool it lacks is not advertised, so the
@@ -438,3 +433,19 @@ class ContainerRunner(Runner):
                     container.labels.get(LABEL_LEASE, "module probe"),
                 )
                 self.remove(container.id)
+
+
+def _unrunnable(settings: Settings, runtimes: Mapping[str, Runtime]) -> str | None:
+    """Why the engine cannot take what ``settings`` send it from every pool or from none: a
+    ``container_runtime`` or ``public_runtime`` it lacks. A node cannot refuse work from no pool
+    before it is placed here (the protocol has no way): it would take each such lease and let it
+    lapse, spending the task's attempts, so it does not start (or reload) so configured."""
+    for key in ("container_runtime", "public_runtime"):
+        runtime = getattr(settings, key)
+        if runtime is not None and runtime not in runtimes:
+            has = ", ".join(sorted(runtimes)) or "none"
+            return (
+                f"{key} {runtime!r} is not a runtime of the engine at {settings.docker_host}"
+                f" (it has {has}): {runtime_fix(runtime, runtimes)}"
+            )
+    return None
