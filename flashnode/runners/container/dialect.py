@@ -11,6 +11,9 @@ things Docker never needs.
 * **the read-only root.** Podman mounts writable tmpfs at ``/run`` and ``/var/tmp`` under a
   read-only root (bounded by nothing but the memory limit, unseen by the disk watch): under
   Podman they are mounted read-only and tiny, so a task writes where it does under Docker.
+* **GPUs.** The runner asks for a task's GPUs as Docker's device requests (``--gpus``), which
+  Podman 4's compat API drops without a word (its container gets none): under Podman a GPU
+  task is refused rather than run without its GPUs.
 * **its name and version**, and whether it runs rootless, for the doctor.
 
 Everything else the runner does (pause, logs, stats, labels, removal by name, the watch) Podman
@@ -40,7 +43,8 @@ _LIMITS = {"nofile": "Max open files", "nproc": "Max processes"}
 class Dialect:
     """``name``: "Docker" or "Podman"; ``version``: as the engine says; ``rootless``: it runs as
     a user, not root; ``ulimits``: set on every container (name -> (soft, hard)); ``tmpfs``:
-    mounted in every container besides the task's ``/tmp``."""
+    mounted in every container besides the task's ``/tmp``; ``passes_gpus``: a device request
+    reaches the container."""
 
     name: str = "Docker"
     version: str = ""
@@ -48,6 +52,7 @@ class Dialect:
     cgroup_version: str = ""
     ulimits: dict[str, tuple[int, int]] = field(default_factory=dict)
     tmpfs: dict[str, str] = field(default_factory=dict)
+    passes_gpus: bool = True
 
     def describe(self) -> str:
         rootless = ", rootless" if self.rootless else ""
@@ -104,6 +109,7 @@ def dialect(client: Any, docker_host: str) -> Dialect:
         name="Podman",
         ulimits=_engine_limits(docker_host),
         tmpfs={"/run": _SHUT, "/var/tmp": _SHUT},
+        passes_gpus=False,
     )
 
 

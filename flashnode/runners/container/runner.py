@@ -210,6 +210,11 @@ class ContainerRunner(Runner):
                 f"refused: {whose} runs under runtime {missing!r} here, and the engine has no"
                 " such runtime"
             )
+        if task.gpus and not self.dialect.passes_gpus:
+            raise AttemptLapsed(
+                f"refused: a GPU task cannot get its GPUs from {self.dialect.name} here (its"
+                " Docker API drops device requests): run GPU work under Docker"
+            )
         runtime = self.settings.runtime_for(task.pool)
         found = self.runtimes.get(runtime or "")
         if task.gpus and runtime is not None and found and not found.passes_gpus(runtime):
