@@ -1,7 +1,7 @@
 """What the runner does differently under Podman (``dialect.py``), against scripted engines: told
 apart by what the engine says of itself, a container given explicit rlimits and Podman's extra
-tmpfs shut (the task's own settings kept), a rootless engine on cgroup v1 named as a problem, a
-GPU lease refused. The real Podman service: ``test_podman.py``."""
+tmpfs shut (the task's own settings kept), a rootless engine on cgroup v1 refused (it ignores
+the limits), a GPU lease refused. The real Podman service: ``test_podman.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 from flashnode.config.settings import Settings
 from flashnode.coordinator.lease import Task
-from flashnode.errors import AttemptLapsed
+from flashnode.errors import AttemptLapsed, PrerequisiteError
 from flashnode.evidence.gpupool import GpuPool
 from flashnode.runners.base import RunnerEnv
 from flashnode.runners.container import runner as runner_module
@@ -109,22 +109,36 @@ class Images:
 class Podman(Engine):
     """A Podman engine that answers, with runc and no image."""
 
-    def __init__(self) -> None:
-        super().__init__(PODMAN, Runtimes={"runc": {"path": "/usr/bin/runc"}})
+    def __init__(self, **info: Any) -> None:
+        super().__init__(PODMAN, Runtimes={"runc": {"path": "/usr/bin/runc"}}, **info)
         self.containers, self.images = Containers(), Images()
 
     def ping(self) -> bool:
         return True
 
 
+SETTINGS = Settings(
+    coordinator="http://127.0.0.1:8100",
+    state_dir=Path("/nonexistent"),
+    allowed_images=(IMAGE,),
+    docker_host="tcp://127.0.0.1:1",
+)
+
+
+def test_the_runner_does_not_start_on_rootless_podman_under_cgroup_v1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It would run every container without the sandbox's limits.
+    engine = Podman(CgroupVersion="1", SecurityOptions=["name=rootless"])
+    monkeypatch.setattr(runner_module, "connect", lambda settings, timeout=60: engine)
+    with pytest.raises(PrerequisiteError) as refused:
+        ContainerRunner.create(SETTINGS, RunnerEnv("node-a", GpuPool([])))
+    assert "no memory, CPU or pids limit" in str(refused.value)
+
+
 def test_a_gpu_lease_under_podman_lapses_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner_module, "connect", lambda settings, timeout=60: Podman())
-    s = Settings(
-        coordinator="http://127.0.0.1:8100",
-        state_dir=Path("/nonexistent"),
-        allowed_images=(IMAGE,),
-        docker_host="tcp://127.0.0.1:1",
-    )
+    s = SETTINGS
     r = ContainerRunner.create(s, RunnerEnv("node-a", GpuPool([])))
 
     def task(gpus: int) -> Task:

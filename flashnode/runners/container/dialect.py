@@ -14,7 +14,9 @@ things Docker never needs.
 * **GPUs.** The runner asks for a task's GPUs as Docker's device requests (``--gpus``), which
   Podman 4's compat API drops without a word (its container gets none): under Podman a GPU
   task is refused rather than run without its GPUs.
-* **its name and version**, and whether it runs rootless, for the doctor.
+* **its name and version**, and whether it runs rootless, for the doctor; rootless Podman on
+  cgroup v1 ignores a container's memory, CPU and pids limits and cannot pause it, so the
+  runner does not start with it.
 
 Everything else the runner does (pause, logs, stats, labels, removal by name, the watch) Podman
 answers as Docker does; where an answer differs (its ``top``), the handle checks the answer,
@@ -76,13 +78,12 @@ class Dialect:
         return kwargs
 
     def problems(self) -> list[str]:
-        """What will not work with this engine here, in the owner's words (the doctor's)."""
-        if not self.rootless:
-            return []
-        if self.cgroup_version == "1":
+        """Why this engine cannot hold a task's sandbox here, in the owner's words: the agent
+        does not start with it (fail closed), and the doctor says so."""
+        if self.rootless and self.cgroup_version == "1":
             return [
-                "rootless Podman on cgroup v1 applies no memory, CPU or pids limit to a task and"
-                " cannot pause one (an owner's pause ends the task instead); boot with cgroup v2"
+                "rootless Podman on cgroup v1 runs a container with no memory, CPU or pids limit"
+                " (it ignores them) and cannot pause one; boot with cgroup v2"
                 " (systemd.unified_cgroup_hierarchy=1) or run Podman as root"
             ]
         return []

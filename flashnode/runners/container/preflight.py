@@ -66,7 +66,7 @@ def engine_and_images(s: Settings) -> Iterator[Finding]:
         yield Ok("docker engine", f"{spoken.describe()} at {s.docker_host}")
         for problem in spoken.problems():
             fix = "see the owner's manual, Podman as the engine"
-            yield Problem("docker engine", problem, fix, code=None)
+            yield Problem("docker engine", problem, fix, code=ExitCode.UNAVAILABLE)
         present = [i for i in pinned if image_present(client, i)]
         absent = [i for i in pinned if i not in present]
         if absent and not present and not s.pull_images:

@@ -84,8 +84,8 @@ class ContainerRunner(Runner):
         runner = cls(settings, env, client)
         runner.dialect = dialect(client, settings.docker_host)
         log.info("container engine: %s at %s", runner.dialect.describe(), settings.docker_host)
-        for problem in runner.dialect.problems():
-            log.warning("%s", problem)
+        for problem in runner.dialect.problems():  # the sandbox's limits would not hold
+            raise PrerequisiteError(f"the container engine at {settings.docker_host}: {problem}")
         runner.remove_labelled(LABEL_PROBE)
         runner.reconfigure(settings)
         return runner
