@@ -2,7 +2,7 @@
 test session's own (``podman system service`` on a socket in a temporary directory; skipped,
 saying why, where ``podman`` is not installed or its service does not answer), the test image
 imported into it, and agents pointed at it with ``FLASHNODE_DOCKER_HOST``, against a real
-coordinator: a locked-down task with its limits and its output, a timeout, the owner's pause, a
+coordinator: a locked-down task with its limits and its output, an image pinned by digest, a timeout, the owner's pause, a
 restart of the agent, the disk cap, the module probe, and the doctor naming the engine."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from badcoord import BadCoordinator, lease_answer
 from boxes import IMAGE, LABEL, box_job, import_image, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, processes_in, wait_for
 from seat import Seat, running
@@ -134,6 +135,26 @@ def test_a_locked_down_task_under_podman_commits_with_its_images_digest_and_its_
     kept = agent.state_dir / "logs" / entry["lease_id"] / "stdout.txt"
     assert kept.read_text().splitlines() == ["said-on-stdout"]
     assert "container engine: Podman" in agent.log
+    assert ours(podman.client, node) == []
+
+
+def test_an_image_pinned_by_its_digest_runs_under_podman(
+    podman: Podman, start_agent: Callable[..., AgentProcess]
+) -> None:
+    image = podman.client.images.get(IMAGE)
+    [digest] = [d.partition("@")[2] for d in image.attrs["RepoDigests"]][:1]
+    pinned = f"flashnode-test/busybox@{digest}"
+    bad = BadCoordinator()
+    try:
+        bad.claims = [lease_answer(1, image=pinned, pool=None, isolation={"tier": "sandboxed"})]
+        node = unique("podman-digest")
+        env = podman.env(FLASHNODE_ALLOWED_IMAGES=pinned)
+        agent = start(start_agent, bad.url, node, "--max-tasks", "1", env=env)
+        assert agent.wait(60) == 0, agent.log
+        [(_, complete)] = bad.completes
+        assert complete["evidence"]["image_digest"] == image.id, agent.log
+    finally:
+        bad.close()
     assert ours(podman.client, node) == []
 
 
