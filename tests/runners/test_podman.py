@@ -2,8 +2,9 @@
 test session's own (``podman system service`` on a socket in a temporary directory; skipped,
 saying why, where ``podman`` is not installed or its service does not answer), the test image
 imported into it, and agents pointed at it with ``FLASHNODE_DOCKER_HOST``, against a real
-coordinator: a locked-down task with its limits and its output, an image pinned by digest, a timeout, the owner's pause, a
-restart of the agent, the disk cap, the module probe, and the doctor naming the engine."""
+coordinator: a locked-down task with its limits and its output, an image pinned by digest, a
+timeout, the owner's pause, a stop of the agent (its container rejoined), a crash (its leftover
+removed), the disk cap, the module probe, and the doctor naming the engine."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from badcoord import BadCoordinator, lease_answer
 from boxes import IMAGE, LABEL, box_job, import_image, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, processes_in, wait_for
 from seat import Seat, running
-from test_container import FAKE_PYTHON, PROBE, PYBOX
+from test_container import COUNTING, FAKE_PYTHON, PROBE, PYBOX
 from test_container_runtimes import HIDE
 
 from flashnode.config.settings import Settings
@@ -253,6 +254,30 @@ def test_a_restarted_agent_removes_its_leftover_podman_container_and_nothing_els
     finally:
         for b in bystanders:
             b.remove(force=True)
+
+
+def test_under_podman_a_container_outlives_its_agents_stop_and_the_next_start_commits_it(
+    podman: Podman,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    job = coordinator.submit(box_job(["sh", "-c", COUNTING]))
+    node = unique("podman-rejoin")
+    first = start(start_agent, coordinator.url, node, env=podman.env())
+    [container] = wait_for("the container", lambda: ours(podman.client, node), timeout=60)
+    wait_for("its second line", lambda: b"line 2" in container.logs(), timeout=30)
+    first.signal(signal.SIGTERM)
+    assert first.wait(15) == 0, first.log
+    container.reload()
+    assert container.status == "running"  # the engine runs it on while no agent is there
+    second = start(start_agent, coordinator.url, node, state_dir=first.state_dir, env=podman.env())
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=60) == "SUCCEEDED"
+    assert coordinator.tasks(job)[0]["attempts"] == 1
+    [entry] = second.wait_ledger(1)
+    assert entry["outcome"] == "committed", entry
+    kept = second.state_dir / "logs" / entry["lease_id"] / "stdout.txt"
+    assert kept.read_text().splitlines() == [f"line {i}" for i in range(1, 9)]
+    wait_for("its container removed", lambda: ours(podman.client, node) == [])
 
 
 def test_module_tasks_are_on_under_podman_when_the_image_imports_them(
