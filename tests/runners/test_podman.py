@@ -16,7 +16,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,23 @@ class Podman:
 
     host: str
     client: Any
+    nodes: list[str] = field(default_factory=list)
+
+    def node(self, name: str) -> str:
+        """A node id no other run used, whose containers the session removes at its end (a
+        failed test's agent is killed, and its containers' watches cannot reach this service
+        once it has stopped)."""
+        made = unique(name)
+        self.nodes.append(made)
+        return made
 
     def env(self, **more: str) -> dict[str, str]:
         return {"FLASHNODE_DOCKER_HOST": self.host, **more}
+
+    def remove_leftovers(self) -> None:
+        for node in self.nodes:
+            for container in ours(self.client, node):
+                container.remove(force=True)
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +107,11 @@ def podman() -> Iterator[Podman]:
             pytest.skip(f"podman system service does not answer here: {said}")
         import_image(client, IMAGE)
         import_image(client, PYBOX, {"bin/python": FAKE_PYTHON})
-        yield Podman(f"unix://{sock}", client)
+        podman = Podman(f"unix://{sock}", client)
+        try:
+            yield podman
+        finally:
+            podman.remove_leftovers()
     finally:
         if client is not None:
             client.close()
@@ -113,7 +131,7 @@ def test_a_locked_down_task_under_podman_commits_with_its_images_digest_and_its_
     start_agent: Callable[..., AgentProcess],
 ) -> None:
     job = recording_coordinator.submit(box_job(["sh", "-c", LOOK]))
-    node = unique("podman")
+    node = podman.node("podman")
     env = podman.env()
     agent = start(start_agent, recording_coordinator.url, node, "--max-tasks", "1", env=env)
     assert agent.wait(90) == 0, agent.log
@@ -148,7 +166,7 @@ def test_an_image_pinned_by_its_digest_runs_under_podman(
     bad = BadCoordinator()
     try:
         bad.claims = [lease_answer(1, image=pinned, pool=None, isolation={"tier": "sandboxed"})]
-        node = unique("podman-digest")
+        node = podman.node("podman-digest")
         env = podman.env(FLASHNODE_ALLOWED_IMAGES=pinned)
         agent = start(start_agent, bad.url, node, "--max-tasks", "1", env=env)
         assert agent.wait(60) == 0, agent.log
@@ -165,7 +183,7 @@ def test_a_task_under_podman_has_its_limits_and_past_its_time_its_container_is_r
     start_agent: Callable[..., AgentProcess],
 ) -> None:
     coordinator.submit(box_job(["sleep", "600"], max_attempts=1, lease_seconds=30))
-    node = unique("podman-timeout")
+    node = podman.node("podman-timeout")
     env = podman.env(FLASHNODE_MAX_TASK_SECONDS="4")
     agent = start(start_agent, coordinator.url, node, env=env)
     [container] = wait_for("the container", lambda: ours(podman.client, node), timeout=60)
@@ -188,7 +206,7 @@ def test_a_file_a_task_under_podman_removed_but_keeps_open_counts_against_its_di
     # Podman answers no ``top``: the task's processes are its container's cgroup's.
     job = coordinator.submit(box_job(["sh", "-c", HIDE], max_attempts=1))
     env = podman.env(FLASHNODE_TASK_DISK_BYTES="50M", FLASHNODE_MAX_OUTPUT_TOTAL_BYTES="50M")
-    node = unique("podman-disk")
+    node = podman.node("podman-disk")
     agent = start(start_agent, coordinator.url, node, "--max-tasks", "1", env=env)
     assert agent.wait(90) == 0, agent.log
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "FAILED", agent.log
@@ -207,7 +225,7 @@ def test_under_podman_an_owner_rule_pauses_the_container_and_lets_it_go_on(
     seat = Seat(tmp_path)
     loop = "i=0; while [ $i -lt 100 ]; do i=$((i+1)); echo tick $i; sleep 0.1; done"
     job = coordinator.submit(box_job(["sh", "-c", f"{loop}; echo '{{}}' > /work/out/metrics.json"]))
-    node = unique("podman-pause")
+    node = podman.node("podman-pause")
     agent = start(start_agent, coordinator.url, node, env={**seat.env(), **podman.env()})
     wait_for("a printed line", lambda: "tick" in ((running(agent) or {}).get("last_output") or ""))
     [container] = ours(podman.client, node)
@@ -236,7 +254,7 @@ def test_a_restarted_agent_removes_its_leftover_podman_container_and_nothing_els
         podman.client.containers.create(IMAGE, ["sleep", "600"]),
     ]
     try:
-        node = unique("podman-restart")
+        node = podman.node("podman-restart")
         first = start(start_agent, coordinator.url, node, env=podman.env())
         [leftover] = wait_for("the container", lambda: ours(podman.client, node), timeout=60)
         first.proc.kill()
@@ -262,7 +280,7 @@ def test_under_podman_a_container_outlives_its_agents_stop_and_the_next_start_co
     start_agent: Callable[..., AgentProcess],
 ) -> None:
     job = coordinator.submit(box_job(["sh", "-c", COUNTING]))
-    node = unique("podman-rejoin")
+    node = podman.node("podman-rejoin")
     first = start(start_agent, coordinator.url, node, env=podman.env())
     [container] = wait_for("the container", lambda: ours(podman.client, node), timeout=60)
     wait_for("its second line", lambda: b"line 2" in container.logs(), timeout=30)
@@ -285,7 +303,7 @@ def test_module_tasks_are_on_under_podman_when_the_image_imports_them(
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
 ) -> None:
-    node = unique("podman-module")
+    node = podman.node("podman-module")
     env = podman.env(FLASHNODE_ALLOWED_IMAGES=PYBOX)
     agent = start(start_agent, coordinator.url, node, env=env)
     agent.wait_log("registered as node", timeout=60)
