@@ -188,11 +188,14 @@ def test_a_containers_watch_is_answered_for_later_and_one_that_never_answers_is_
     watch.done()
     assert (watch.home / "supervisor.log").read_bytes() == b""  # it exited with no error
     watch.remove()
-    dead = Supervised.watch("flashnode-none", away, new_home(homes), 30.0)
-    assert dead._child is not None
-    dead._child.kill()
-    assert dead._child.wait(10)
+    # A watch that dies at its start, before it answers (it cannot make its socket: a
+    # directory holds the name).
+    home = new_home(homes)
+    (home / "sock").mkdir()
+    dead = Supervised.watch("flashnode-none", away, home, 30.0)
+    assert dead._child is not None and dead._child.wait(10)
     with pytest.raises(Gone):
         dead.answer()
     dead.done()  # what the runner does then
+    (home / "sock").rmdir()
     dead.remove()

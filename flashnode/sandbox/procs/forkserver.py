@@ -23,6 +23,7 @@ agent's socket pair).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import importlib
@@ -128,6 +129,8 @@ class ForkServer:
             raise
         finally:
             theirs.close()
+        if not self._owner:
+            atexit.register(self._stop)  # the server goes with this process, not after it
         self._sock, self._owner = ours, os.getpid()
         return ours
 
