@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
 from flashnode.attempt.context import AttemptContext
@@ -164,6 +164,11 @@ class AttemptHooks:
         self.outgrew_room = False  # ... past the room the disk had for it (OutgrewRoom)
         self.short_of_room: tuple[int, int] | None = None  # bytes, inodes (ShortOfRoom)
         self.ended: tuple[Outcome, str] | None = None  # its outcome and reason, once recorded
+        # Committed: what is left (its workspace, logs, outbox record, ledger line) needs no
+        # slot, so the slot may take the next task meanwhile. Other endings are not settled
+        # early: the node's holds learn of them (a quarantine) before the next claim.
+        self.settled = False
+        self.on_settled: Callable[[], None] = lambda: None
         self.phase = "claimed"
         self._drop_reason = "malformed lease"
         # Owner controls and the courtesy (they ask, the execute phase acts) and the live view.

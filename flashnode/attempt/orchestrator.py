@@ -223,6 +223,9 @@ class Attempt(AttemptHooks):
         if outcome is Outcome.DETACHED:  # the next agent's: nothing removed or recorded
             self.ended = (outcome, "agent stopping")
             return outcome
+        if outcome is Outcome.COMMITTED:  # (any other ending is the node's holds' to learn first)
+            self.settled = True
+            self.on_settled()
         keep = outcome is Outcome.LAPSED and self.record.state is State.FINISHED
         if keep:
             log.warning("its finished result stays in the outbox")

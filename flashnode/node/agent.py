@@ -251,6 +251,9 @@ class Agent:
                 continue
             self._publish()
             wake_at = self.session.wake_at(self._may_claim())
+            news = self.publisher.news_due()  # status.json's, held back a moment
+            if news is not None:
+                wake_at = min(wake_at, news)
             self.clock.wait(self._wake, min(max(wake_at - now, 0.0), TICK))
             self._wake.clear()
 
@@ -372,7 +375,9 @@ class Agent:
 
     def _view(self) -> NodeView:
         """The node now, frozen for the publisher."""
-        running = tuple(a.snapshot() for a in self.workers.attempts() if a.lease is not None)
+        running = tuple(
+            a.snapshot() for a in self.workers.attempts() if a.lease is not None and not a.settled
+        )
         session = self.session
         return NodeView(
             settings=self.settings,

@@ -4,7 +4,9 @@ The loop hands ``Publisher.publish`` a ``NodeView``: a frozen copy of what it kn
 The publisher reads nothing else of the loop, so what it writes is one consistent moment, and
 the status text and snapshot are built (and tested) apart from the loop that changes them.
 
-status.json is written when what it says changes, and at least once every heartbeat period
+status.json is written when what it says changes (news waits until ``NEWS_GAP_S`` after the
+write before it, and the loop wakes for it then: tasks that take milliseconds would otherwise
+rewrite it twice each, with CPU taken from them), and at least once every heartbeat period
 (``heartbeat_seconds``) even when nothing did, with its time (``updated_at``) and the period it
 promises (``fresh_for_s``): a snapshot much older than its promise is stale (the loop stopped
 writing), and ``flashnode status`` and the console say so (``status.staleness``). Whatever runs
@@ -27,6 +29,8 @@ from flashnode.owner import status
 from flashnode.owner.status import StatusSink
 
 log = logging.getLogger(__name__)
+
+NEWS_GAP_S = 0.1  # the least time between two writes of status.json for news (not the final one)
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,13 @@ class Publisher:
         self._pid = os.getpid()
         self._published: tuple[str, int, object] | None = None
         self._written_at: float | None = None  # when status.json was last written (monotonic)
+        self._news_due: float | None = None  # when news held back by the gap is to be written
         self._failing = False
 
     def publish(self, view: NodeView, final: bool = False) -> None:
         """Say what the node does: the status text at every call; status.json when it
-        changed (the text, a heartbeat, a refused reload), when one heartbeat period passed
+        changed (the text, a heartbeat, a refused reload) and ``NEWS_GAP_S`` passed since it
+        was last written (else at the first call after that), when one heartbeat period passed
         since it was last written, or at the ``final`` call."""
         self.sink.status("stopped" if final else self.text(view, timed=True))
         # The file holds no ages (its readers work them out from its times): a task's seconds
@@ -97,11 +103,14 @@ class Publisher:
         key = (text, view.beats, view.reload_refused)
         now = self.clock.monotonic()
         period = view.settings.heartbeat_seconds
-        due = self._written_at is None or now - self._written_at >= period
-        if key == self._published and not final and not due:
-            return
+        last = self._written_at
+        if not final and last is not None and now < last + period:
+            gap_ends = last + NEWS_GAP_S
+            if key == self._published or now < gap_ends:
+                self._news_due = None if key == self._published else gap_ends
+                return
         self._published = key
-        self._written_at = now
+        self._written_at, self._news_due = now, None
         snapshot = {
             "pid": None if final else self._pid,
             "node_id": view.node_id,
@@ -136,6 +145,11 @@ class Publisher:
         if self._failing:
             self._failing = False
             log.info("status.json is written again")
+
+    def news_due(self) -> float | None:
+        """When news held back by ``NEWS_GAP_S`` is to be written (monotonic): the loop wakes
+        for it then. None when none waits."""
+        return self._news_due
 
     def text(self, view: NodeView, timed: bool) -> str:
         """The one line: draining, the coordinator unreachable, or the running attempts and

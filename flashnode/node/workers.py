@@ -114,7 +114,8 @@ class Workers:
     def __init__(self, ctx: AttemptContext, clock: Clock, wake: Callable[[], None]) -> None:
         """``ctx``: the edges (the GPU pool, the metrics, ``start_thread``) and the settings the
         node starts with: the runner made its slots for them, so no reload adds one.
-        ``wake``: called once an attempt has ended, to wake the loop."""
+        ``wake``: called once an attempt has settled (its slot is free) and once it has
+        ended, to wake the loop."""
         self._ctx = ctx
         self._clock = clock
         self._wake = wake
@@ -145,8 +146,9 @@ class Workers:
         return {a.record.lease_id for a in self.attempts()}
 
     def free_slot(self, settings: Settings) -> int | None:
-        """The first slot that runs nothing and can run a task (the runner says)."""
-        used = {a.record.slot for a in self.attempts()}
+        """The first slot that runs nothing and can run a task (the runner says). An attempt
+        that settled (``Attempt.settled``) holds no slot while it writes its records."""
+        used = {a.record.slot for a in self.attempts() if not a.settled}
         usable = self._ctx.runner.slot_usable
         return next((i for i in range(self.slots(settings)) if i not in used and usable(i)), None)
 
@@ -168,6 +170,7 @@ class Workers:
         configuration it was claimed under)."""
         slot = self.free_slot(ctx.settings) or 0
         attempt = Attempt(ctx, lease, slot, self._reserve_gpus(lease))
+        attempt.on_settled = self._wake  # its slot is free: the loop may claim for it
         with self._lock:
             self.stats.started += 1
             key = self.stats.started
@@ -178,6 +181,7 @@ class Workers:
         """Carry on, in its recorded slot, an attempt whose task an earlier run of the agent
         let go of (``handle``: that task, rejoined)."""
         attempt.handle = handle  # its processes are the node's from now (the courtesy asks)
+        attempt.on_settled = self._wake
         with self._lock:
             self.stats.started += 1
             key = self.stats.started

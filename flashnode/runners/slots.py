@@ -115,18 +115,32 @@ class SlotPool:
         return None
 
     def turn_over(
-        self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
+        self,
+        slot: int,
+        user: procs.TaskUser | None,
+        cgroup: cgroups.AttemptCgroup | None,
+        let_go: Callable[[], None] = lambda: None,
     ) -> None:
         """The slot's task has ended and its processes are gone: the slot's turnover (the
         module docstring), queued on the pool's worker thread; the slot's next ``take`` waits
         for it. ``user``: the slot's (None: the agent's own, the same-user mode); ``cgroup``:
-        the task's."""
+        the task's; ``let_go``: lets go of the task's supervisor, first."""
         with self._lock:
-            self._turnovers[slot] = self._worker.submit(lambda: self._turn_over(slot, user, cgroup))
+            self._turnovers[slot] = self._worker.submit(
+                lambda: self._turn_over(slot, user, cgroup, let_go)
+            )
 
     def _turn_over(
-        self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
+        self,
+        slot: int,
+        user: procs.TaskUser | None,
+        cgroup: cgroups.AttemptCgroup | None,
+        let_go: Callable[[], None],
     ) -> None:
+        try:
+            let_go()
+        except Exception:
+            log.exception("slot %d: cannot let go of its task's supervisor", slot)
         try:
             gone = cgroup.remove() if cgroup is not None else True
             if user is not None:

@@ -340,17 +340,23 @@ class TrustedRunner(Runner):
         user: procs.TaskUser | None,
         name: str,
         cgroup: cgroups.AttemptCgroup | None,
+        let_go: Callable[[], None],
     ) -> None:
         """Once the task's processes are all gone: the slot's turnover, off the attempt's way
-        (the slot's next start waits for it). A user a rejoined task's supervisor held is held
-        again first; one another agent took meanwhile is never run as again."""
+        (the slot's next start waits for it), which first lets go of the task's supervisor
+        (``let_go``). A user a rejoined task's supervisor held is held again first (once that
+        supervisor exited); one another agent took meanwhile is never run as again."""
         self._forget(name)
         if user is not None:
             self._rejoined_uids.discard(user.uid)
+            if self.user_locks is not None and self.user_locks.borrowed(user):
+                let_go()  # its supervisor lets go of the user's lock as it exits
+                let_go = _nothing
             user = self._hold(slot, user)
             if user is None:
+                let_go()
                 return
-        self.slots.turn_over(slot, user, cgroup)
+        self.slots.turn_over(slot, user, cgroup, let_go)
 
     def _hold(self, slot: int, user: procs.TaskUser) -> procs.TaskUser | None:
         """``user`` held by this agent again once no task of its earlier run holds it (else
@@ -490,7 +496,7 @@ class TrustedRunner(Runner):
         proc.go()
         return TrustedHandle(
             proc,
-            lambda: self._after(plan.slot, user, name, cgroup),
+            lambda let_go: self._after(plan.slot, user, name, cgroup, let_go),
             private=PRIVATE_DIRS if sandbox is not None else (),
             workspace=ws.root,
         )
@@ -552,7 +558,7 @@ class TrustedRunner(Runner):
         try:
             handle = TrustedHandle(
                 proc,
-                lambda: self._after(slot, user, name, cgroup),
+                lambda let_go: self._after(slot, user, name, cgroup, let_go),
                 private=PRIVATE_DIRS if self.sandbox else (),
                 workspace=workspace.root,
             )
@@ -580,6 +586,10 @@ class TrustedRunner(Runner):
         procs.reap(identity, self.env.clock)
         if cgroup is not None:
             cgroup.remove()
+
+
+def _nothing() -> None:
+    pass
 
 
 def hidden_gpus(plan: TaskPlan, dev: Path = Path("/dev")) -> tuple[str, ...]:

@@ -15,13 +15,16 @@ from flashnode.sandbox.procs.task import TaskProcess
 
 class TrustedHandle:
     """``on_result``: called once the task's processes are all gone (its cgroup is left to it
-    to remove). ``private``: the task's private directories (its sandbox's tmpfs mounts);
-    ``workspace``: where it runs (the disk its removed-but-open files are looked for on)."""
+    to remove), with what lets go of the task's supervisor (``TaskProcess.close``: it waits for
+    the supervisor's exit), which it must call, off the attempt's way where it can: the result
+    needs nothing of it. ``private``: the task's private directories (its sandbox's tmpfs
+    mounts); ``workspace``: where it runs (the disk its removed-but-open files are looked for
+    on)."""
 
     def __init__(
         self,
         proc: TaskProcess,
-        on_result: Callable[[], None] = lambda: None,
+        on_result: Callable[[Callable[[], None]], None] = lambda let_go: let_go(),
         private: tuple[str, ...] = (),
         workspace: Path | None = None,
     ) -> None:
@@ -41,10 +44,15 @@ class TrustedHandle:
         if self._result is not None:
             return self._result
         self._proc.kill()  # whatever the task left running
+        try:
+            self._result = self._read()
+        finally:
+            self._on_result(self._proc.close)
+        return self._result
+
+    def _read(self) -> RunResult:
         lost = self._proc.lost
-        self._proc.close()
         oom = self._proc.cgroup.oom_killed() if self._proc.cgroup is not None else False
-        self._on_result()
         code = self._proc.returncode
         tail = self._proc.stderr_tail().decode("utf-8", "replace")
         cause = None
@@ -54,7 +62,7 @@ class TrustedHandle:
             how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
             why = self._proc.setup_failure() or f"it ended before the task started, {how}"
             cause = f"task setup failed ({why})"
-        self._result = RunResult(
+        return RunResult(
             exit_code=code if code is None or code >= 0 else None,
             signal=-code if code is not None and code < 0 else None,
             oom=oom,
@@ -62,7 +70,6 @@ class TrustedHandle:
             node_fault=cause is not None,
             stderr_tail=tail,
         )
-        return self._result
 
     def pids(self) -> set[int]:
         return self._proc.pids()

@@ -15,7 +15,7 @@ from fakes import FakeClock
 from flashnode.clock import stamp
 from flashnode.config.settings import Settings
 from flashnode.node.decision import Decision, Hold
-from flashnode.node.publisher import NodeView, Publisher
+from flashnode.node.publisher import NEWS_GAP_S, NodeView, Publisher
 from flashnode.node.session import Problem
 from flashnode.owner import status
 
@@ -164,8 +164,41 @@ def test_a_running_tasks_seconds_going_by_rewrite_status_json_only_each_heartbea
     clock.sleep(1)
     publisher.publish(running)
     assert written(tmp_path)["updated_at"] == clock.wall()
-    publisher.publish(view(tmp_path, running=({**task, "phase": "commit"},)))  # news: at once
+    news = view(tmp_path, running=({**task, "phase": "commit"},))
+    clock.sleep(NEWS_GAP_S)
+    publisher.publish(news)  # news: at once, once NEWS_GAP_S passed since the last write
     assert written(tmp_path)["state"] == "running ls-1 (j/t) commit"
+
+
+def test_news_within_the_gap_after_a_write_waits_for_the_first_call_after_the_gap(
+    tmp_path: Path,
+) -> None:
+    """Tasks that take milliseconds change the state twice each: status.json follows them at
+    most once every NEWS_GAP_S, and what it says is the latest, never one left behind."""
+    clock = FakeClock()
+    publisher = Publisher(clock)
+    publisher.publish(view(tmp_path))
+    assert written(tmp_path)["state"] == "idle"
+    task = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "phase": "execute"}
+    assert publisher.news_due() is None
+    written_at = clock.monotonic()
+    clock.sleep(NEWS_GAP_S / 2)
+    publisher.publish(view(tmp_path, running=(task,)))
+    publisher.publish(view(tmp_path, running=({**task, "lease_id": "ls-2"},)))
+    assert written(tmp_path)["state"] == "idle"  # within the gap: not yet
+    due = publisher.news_due()  # the loop wakes for it then
+    assert due == written_at + NEWS_GAP_S
+    clock.sleep(due - clock.monotonic() + 1e-9)
+    publisher.publish(view(tmp_path, running=({**task, "lease_id": "ls-2"},)))
+    assert written(tmp_path)["state"] == "running ls-2 (j/t) execute"
+    assert publisher.news_due() is None
+    clock.sleep(NEWS_GAP_S / 2)  # news that is gone again before its time: none waits
+    publisher.publish(view(tmp_path))
+    assert publisher.news_due() is not None
+    publisher.publish(view(tmp_path, running=({**task, "lease_id": "ls-2"},)))
+    assert publisher.news_due() is None
+    publisher.publish(view(tmp_path), final=True)  # the final word never waits
+    assert written(tmp_path)["state"] == "stopped"
 
 
 def test_an_unwritable_status_file_is_said_once_and_its_recovery_too(
@@ -182,6 +215,7 @@ def test_an_unwritable_status_file_is_said_once_and_its_recovery_too(
     with caplog.at_level(logging.INFO, logger="flashnode.node.publisher"):
         for beats in range(3):
             publisher.publish(view(tmp_path, beats=beats))
+            clock.sleep(NEWS_GAP_S)
         monkeypatch.setattr(status, "write", real)
         publisher.publish(view(tmp_path, beats=9))
     said = [r.getMessage() for r in caplog.records]

@@ -82,7 +82,7 @@ def test_an_ending_is_counted_at_once_and_handed_to_the_loop_once(tmp_path: Path
     workers.start(lease(0), ctx)
     assert workers.ended() == [] and workers.stats.started == 1
     threads.run_all()
-    assert woken == [1]
+    assert woken == [1, 1]  # settled (its slot free), then ended
     [ended] = workers.ended()
     assert ended.outcome is Outcome.COMMITTED and ended.attempt.lease_id == "ls-000000000000"
     assert workers.ended() == []
@@ -92,6 +92,29 @@ def test_an_ending_is_counted_at_once_and_handed_to_the_loop_once(tmp_path: Path
         "task-000",
         "committed",
     )
+
+
+def test_a_settled_attempt_frees_its_slot_for_the_next_claim_while_it_writes_its_records(
+    tmp_path: Path,
+) -> None:
+    workers, ctx, threads, woken = setup(tmp_path)
+    s = ctx.settings
+    workers.start(lease(0), ctx)
+    assert workers.free_slot(s) is None
+    seen: list[tuple[int | None, int, int, list[str]]] = []
+    append = ctx.ledger.append
+
+    def recording(entry: dict[str, object]) -> None:  # the attempt's records, being written
+        status = [a.snapshot()["lease_id"] for a in workers.attempts() if not a.settled]
+        seen.append((workers.free_slot(s), workers.running(), len(woken), status))
+        append(entry)
+
+    ctx.ledger.append = recording  # type: ignore[method-assign]
+    threads.run_all()
+    # Its task ended and its commit was answered: the loop was woken to claim for the slot,
+    # while the attempt still counts as running (a drain or a stop waits for its records).
+    assert seen == [(0, 1, 1, [])]
+    assert workers.running() == 0 and woken == [1, 1]
 
 
 def test_gpus_found_after_the_start_add_no_slot(tmp_path: Path) -> None:
