@@ -16,12 +16,16 @@ from flashnode.errors import CoordinatorError, CredentialsError, LeaseLost
 log = logging.getLogger(__name__)
 
 
+LAST_TRY_S = 1.0  # the last renewal is tried this long before the lease's deadline
+
+
 class LeaseKeeper:
     """Renews a lease every clamp(lease_seconds/3, 2 s, 60 s) on the monotonic clock.
 
     410 (or 403 in token mode) means lost, as does a refused credential. Transport errors are
-    retried with the shared backoff (from 1 s, capped at the renewal interval) until the local
-    deadline (last renewal + the lease window) would pass; then the lease is taken as lost too.
+    retried with the shared backoff (from 1 s, capped at the renewal interval), the last try
+    ``LAST_TRY_S`` before the local deadline (last renewal + the lease window); once that fails
+    the lease is taken as lost too.
     ``stop`` ends renewals without a verdict: a lease left to lapse.
     """
 
@@ -75,12 +79,14 @@ class LeaseKeeper:
                 return
             except CoordinatorError as exc:
                 now = self._clock.monotonic()
-                delay = backoff.next()
-                if now + delay >= deadline:
+                last_try = deadline - LAST_TRY_S
+                if now >= last_try:
                     self._mark_lost(f"lease could not be renewed before its deadline ({exc})")
                     return
                 log.warning("renewal failed, retrying: %s", exc)
-                next_renewal = now + delay
+                # A backoff step that would pass the deadline is cut short: the coordinator may
+                # be back by then, and one more try costs nothing.
+                next_renewal = now + min(backoff.next(), last_try - now)
                 continue
             backoff.reset()
             now = self._clock.monotonic()

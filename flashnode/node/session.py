@@ -273,6 +273,11 @@ class Session:
         any more), and ask again after ``CREDENTIALS_RECHECK_S`` (or when they change)."""
         self._metrics.coordinator_error(what)
         self._problem_cleared(what)
+        # It answered: no conversation is unreachable. Those the hold stops trying (a claim
+        # that failed while the coordinator was down) would show that failure all along.
+        for other in list(self.problems):
+            self.problems.pop(other)
+            self._metrics.coordinator_working(other)
         wait = CREDENTIALS_RECHECK_S * self.pacing.rng.uniform(0.8, 1.0)
         now, wall = self._clock.monotonic(), self._clock.wall()
         error = str(exc)

@@ -11,6 +11,7 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, trusted_runner
 
 from flashnode.attempt import Attempt, LeaseKeeper, Outcome
+from flashnode.attempt.keeper import LAST_TRY_S
 from flashnode.coordinator.lease import parse_lease
 from flashnode.errors import CoordinatorUnavailable, LeaseLost
 
@@ -217,12 +218,13 @@ def test_keeper_interval_is_clamped(seconds: float, interval: float) -> None:
     assert hb.times[0] == interval
 
 
-def test_keeper_retries_transport_errors_until_the_deadline_would_pass() -> None:
-    keeper, hb, _ = keeper_run(30, [None] + [CoordinatorUnavailable("down")] * 50)
-    # Renewed at 10 s; then errors: retried sooner than the interval, and given up before 10 + 30 s.
-    assert hb.times[0] == 10
+def test_keeper_retries_transport_errors_until_just_before_the_deadline() -> None:
+    keeper, hb, _ = keeper_run(150, [None] + [CoordinatorUnavailable("down")] * 50)
+    # Renewed at 50 s; then errors: retried sooner than the interval, the last try a second
+    # before 50 + 150 s (a backoff step of up to 50 s would have given up 40 s early).
+    assert hb.times[0] == 50
     assert len(hb.times) > 3
-    assert hb.times[-1] < 40
+    assert hb.times[-1] == pytest.approx(50 + 150 - LAST_TRY_S)
     assert "deadline" in keeper.reason
 
 

@@ -15,8 +15,8 @@ from pydantic import SecretStr
 
 from flashnode.config.credentials import StoredCredentials
 from flashnode.config.settings import Settings
-from flashnode.coordinator.messages import NodeRegistration
-from flashnode.errors import ConfigError, CredentialsError
+from flashnode.coordinator.messages import NodeHeartbeat, NodeRegistration
+from flashnode.errors import ConfigError, CoordinatorError, CredentialsError
 from flashnode.evidence.inventory import registration
 from flashnode.node.agent import Agent
 from flashnode.node.session import CREDENTIALS_RECHECK_S, CREDENTIALS_WATCH_S, Credentials
@@ -182,3 +182,36 @@ def test_another_coordinators_token_is_never_handed_to_the_running_one(tmp_path:
     stored = StoredCredentials(a, lambda: a, lambda t, c: presented.append((t, c)), {})
     stored.reread()
     assert presented == [(None, None)]
+
+
+@dataclass
+class BackWithOtherTokens(Refusing):
+    """Its node heartbeats are refused once a claim was tried (and failed: it was down)."""
+
+    def node_heartbeat(self, heartbeat: NodeHeartbeat) -> None:
+        self._log("node_heartbeat", heartbeat.status)
+        if self.names("claim"):
+            raise CredentialsError("node heartbeat: 401 invalid or missing node token")
+
+
+def test_a_refusal_clears_the_failures_of_conversations_the_hold_stops_trying(
+    tmp_path: Path,
+) -> None:
+    """The coordinator came back with other tokens: the claim failed while it was down, then
+    the heartbeat was refused. A refusal is an answer: the coordinator is not unreachable, and
+    the claim, not tried while the hold lasts, must not show its old failure meanwhile."""
+    clock = FakeClock()
+    coord = BackWithOtherTokens(clock, claims=[CoordinatorError("claim: connection refused")] * 99)
+    agent = make_agent(tmp_path, coord, clock, Stored())
+    seen: list[dict[str, Any]] = []
+
+    def look(now: float) -> None:
+        if agent.session.refused is not None:
+            seen.append(snapshot(tmp_path))
+
+    run_until(agent, clock, 1000 + CREDENTIALS_RECHECK_S / 2, look)
+    assert coord.names("claim") and coord.names("node_heartbeat")
+    held = seen[-1]
+    assert [h["rule"] for h in held["controls"]["held_by"]] == ["credentials"]
+    assert held["coordinator_problems"] == [], held["coordinator_problems"]
+    assert "unreachable" not in held["state"], held["state"]
