@@ -114,8 +114,8 @@ class Totals:
         return {
             "tasks": self.tasks,
             "outcomes": dict(self.outcomes),
-            "cpu_hours": round(self.cpu_hours, 3),
-            "gpu_hours": round(self.gpu_hours, 3),
+            "cpu_hours": round(self.cpu_hours, 6),  # 3.6 ms: short work reads as seconds
+            "gpu_hours": round(self.gpu_hours, 6),
         }
 
 
