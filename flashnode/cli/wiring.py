@@ -262,7 +262,9 @@ def _locked_run(
         raise ConfigError(f"metrics_listen: {exc}") from None
     except OSError as exc:
         raise PrerequisiteError(
-            f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}"
+            f"cannot serve metrics at {settings.metrics_listen}: {exc.strerror or exc}; fix:"
+            " free that address (another program or agent may hold it), or set metrics_listen"
+            ' to another one, or to "off" to serve no metrics; then start the agent again'
         ) from None
     try:
         _run_agent(settings, served, reload, line, node, accepted, source or Source())

@@ -527,11 +527,14 @@ class Settings(BaseModel):
             return value.strip()
         return value
 
-    @field_validator("metrics_listen")
+    @field_validator("metrics_listen", mode="before")
     @classmethod
-    def _metrics_listen(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_listen(value)
+    def _metrics_listen(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "off"):
+            return None  # as ui_listen: an empty FLASHNODE_METRICS_LISTEN= turns them off
+        if isinstance(value, str):
+            parse_listen(value.strip())
+            return value.strip()
         return value
 
     @model_validator(mode="after")

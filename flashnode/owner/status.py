@@ -104,8 +104,9 @@ def current_exit(
 ) -> dict[str, Any] | None:
     """The last exit record while it still says something about this node, else None. Not
     an error: a clean stop; while an agent runs (``snapshot``), a second agent refused because
-    it runs (exit 75), or refused credentials (exit 77) once the running agent registered
-    after that exit: the coordinator accepts them now."""
+    it runs (exit 75), refused credentials (exit 77) once the running agent registered after
+    that exit (the coordinator accepts them now), or any other exit before the running agent
+    started (a setting or a prerequisite it got past, a crash it restarted after)."""
     if last_exit is None or not last_exit.get("code"):
         return None
     if snapshot is None:
@@ -113,8 +114,11 @@ def current_exit(
     code, at = last_exit.get("code"), last_exit.get("at")
     if code == ExitCode.LOCKED:
         return None
-    registered = snapshot.get("registered_at")
-    if code == ExitCode.CREDENTIALS and _number(registered) and _number(at) and registered > at:
+    registered, started = snapshot.get("registered_at"), snapshot.get("started_at")
+    if code == ExitCode.CREDENTIALS:
+        if _number(registered) and _number(at) and registered > at:
+            return None
+    elif _number(started) and _number(at) and at < started:
         return None
     return last_exit
 

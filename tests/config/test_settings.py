@@ -457,3 +457,16 @@ def test_bad_runtimes_and_pools_in_the_runtime_policy_are_refused_saying_where(
     assert said.replace("{cfg}", str(cfg)) in str(refused.value)
     with pytest.raises(ConfigError, match="pool=runtime pairs"):
         load({"coordinator": URL}, {"FLASHNODE_POOL_RUNTIMES": "open"})
+
+
+@pytest.mark.parametrize("value", ["", "off", " OFF "])
+def test_an_empty_or_off_metrics_address_serves_no_metrics(value: str) -> None:
+    """As the console's: "off" (an empty variable is no variable: the file's value stays)."""
+    env = {"FLASHNODE_COORDINATOR": "http://127.0.0.1:1"}
+    assert load_settings({"metrics_listen": value}, env).metrics_listen is None
+    assert load_settings({"ui_listen": value}, env).ui_listen is None
+    if value:
+        off = load_settings({}, {**env, "FLASHNODE_METRICS_LISTEN": value})
+        assert off.metrics_listen is None
+    served = load_settings({}, {**env, "FLASHNODE_METRICS_LISTEN": " 127.0.0.1:9469 "})
+    assert served.metrics_listen == "127.0.0.1:9469"

@@ -310,4 +310,6 @@ def test_a_metrics_address_that_cannot_be_bound_stops_the_agent_at_start(
         )
         assert agent.wait(60) == 69, agent.log
     assert f"cannot serve metrics at {address}" in agent.log
+    assert 'or to "off" to serve no metrics' in agent.log  # its own fix, not the doctor's
+    assert "flashnode doctor" not in agent.log
     assert "registered as node" not in agent.log

@@ -146,3 +146,16 @@ def test_a_credentials_exit_clears_once_the_running_agent_registered_after_it() 
     config = {"at": NOW - 60, "code": 78, "error": "configuration error", "fix": "correct it"}
     assert status.current_exit(config, registered_since) == config
     assert status.current_exit({"at": NOW, "code": 0, "error": "", "fix": ""}, None) is None
+
+
+def test_an_exit_before_the_running_agent_started_no_longer_holds_but_one_beside_it_does() -> None:
+    running = snapshot()  # started an hour ago
+    for code in (69, 78, 1):  # a prerequisite, a setting it got past; a crash it restarted after
+        before = {"at": NOW - 4000, "code": code, "error": "metrics port taken", "fix": "free it"}
+        assert status.current_exit(before, running) is None
+        assert f"exit {code}" not in status.render(running, before, now=NOW)
+        assert _why(running, {}, before)["last_exit"] is None
+        assert status.current_exit(before, None) == before  # no agent runs: what happened
+    beside = {"at": NOW - 60, "code": 78, "error": "configuration error", "fix": "correct it"}
+    assert status.current_exit(beside, running) == beside
+    assert "an agent that started beside this one: exit 78" in status.render(running, beside, NOW)
