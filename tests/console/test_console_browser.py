@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +281,62 @@ def test_the_pause_and_resume_buttons_stop_and_restart_claiming(
     page.wait_for_selector("#why:not([hidden]) li[data-rule=pause]", timeout=10_000)
     assert "paused until" in page.inner_text("#message")
     shot(page, tmp_path, "console-paused-for")
+
+
+# --- what a new owner found walking the page ---------------------------------------------------
+
+NARROW = (360, 390)  # the phones the page is checked at, in CSS pixels
+
+
+def logged_in(browser: Any, console: ConsoleAgent, viewport: dict[str, int]) -> Any:
+    page = new_page(browser, viewport)
+    page.goto(console.link())
+    wait_page(page, "document.querySelector('#node-id').textContent.length > 0")
+    return page
+
+
+def not_today() -> str:
+    """A run window that cannot be open now, in any zone: a short one three days away."""
+    return (datetime.now() + timedelta(days=3)).strftime("%a") + " 00:00-00:01"
+
+
+def test_a_paused_task_card_wraps_its_badge_and_names_its_pauses_on_a_phone(
+    console: ConsoleAgent, coordinator: CoordinatorServer, browser: Any, tmp_path: Path
+) -> None:
+    job = coordinator.submit(argv_job(["sh", "-c", "echo started; sleep 120"]))
+    page = logged_in(browser, console, {"width": 390, "height": 844})
+    card = f"#slot-list article[data-lease]:has-text('{job}')"
+    page.wait_for_selector(card, timeout=30_000)
+    # An owner rule suspends the running task: outside its run windows, suspended by "window".
+    before = console.config.read_text()
+    text = before.replace(
+        "run_windows = []", f'run_windows = ["{not_today()}"]\nsuspend_when = ["window"]'
+    )
+    console.config.write_text(text)
+    console.agent.signal(signal.SIGHUP)
+    badge = f"{card} .phase"
+    wait_for("the pause shown", lambda: "outside run_windows" in page.inner_text(badge), 40)
+    for width in NARROW:
+        page.set_viewport_size({"width": width, "height": 800})
+        wait_page(page, f"window.innerWidth === {width}")
+        assert sideways(page) == [], f"{width} px: the page scrolls sideways"
+        fits = page.eval_on_selector(
+            badge,
+            "(e) => [e.scrollWidth, e.clientWidth, e.getBoundingClientRect().right,"
+            " window.innerWidth, e.textContent]",
+        )
+        assert fits[0] <= fits[1] + 1 and fits[2] <= fits[3], f"{width} px: cut off: {fits}"
+        shot(page, tmp_path, f"console-paused-task-{width}")
+    # Resumed (the rule taken out again), its pauses so far are named as pauses, not as what
+    # was prepared for it.
+    console.config.write_text(before)
+    console.agent.signal(signal.SIGHUP)
+    wait_for("the pause counted", lambda: "paused 1x" in page.inner_text(card), 40)
+    facts = page.evaluate(
+        "(c) => Object.fromEntries([...c.querySelectorAll('dt')].map((t) =>"
+        " [t.textContent, t.nextElementSibling.textContent]))",
+        page.query_selector(card),
+    )
+    assert facts.get("paused", "").startswith("paused 1x"), facts
+    assert "paused" not in facts.get("prepared", ""), facts
+    page.context.close()

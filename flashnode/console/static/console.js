@@ -276,6 +276,15 @@ function renderNode(a, s) {
   fact(dl, "version", "flashnode " + s.version);
 }
 
+// An attempt's facts (the agent's describe_facts: "env built in 2.0 s; data …; paused 1x 1 min
+// 34 s (last: …)") split in what was prepared for it and its pauses, the last of them.
+function splitFacts(facts) {
+  const text = String(facts || "");
+  const at = text.startsWith("paused ") ? 0 : text.indexOf("; paused ");
+  if (at < 0) return { prepared: text, paused: "" };
+  return { prepared: text.slice(0, at), paused: text.slice(at ? at + 2 : 0) };
+}
+
 function stream(name, text) {
   if (!text) return null;
   return el("div", { class: "stream" }, el("div", { class: "stream-name" }, name), el("pre", { class: "output" }, text));
@@ -299,7 +308,9 @@ function renderSlots(running) {
     if (typeof r.resumed_from_step === "number") steps.push("resumed from step " + r.resumed_from_step);
     fact(dl, "progress", steps.join(" · ") || "no step logged yet");
     fact(dl, "use now", "CPU " + pct(u.cpu_percent) + " · memory " + bytes(u.memory_bytes) + " · GPU " + pct(u.gpu_percent));
-    if (r.facts) fact(dl, "prepared", r.facts);
+    const { prepared, paused } = splitFacts(r.facts);
+    if (prepared) fact(dl, "prepared", prepared);
+    if (paused) fact(dl, "paused", paused);
     const out = r.output || {};
     return el("article", { class: "card", "data-lease": r.lease_id },
       el("h3", {}, name || r.job_id),
@@ -454,7 +465,9 @@ function detail(r) {
   if (typeof r.metrics_step === "number") facts.push("last step logged " + r.metrics_step);
   if (typeof r.checkpoint_step === "number") facts.push("checkpoint at step " + r.checkpoint_step);
   else if (typeof r.checkpoints === "number") facts.push("checkpoints " + r.checkpoints);
-  if (r.facts) facts.push(r.facts);
+  const split = splitFacts(r.facts);
+  if (split.prepared) facts.push(split.prepared);
+  if (split.paused) facts.push(split.paused);
   const td = el("td", { colspan: 7 },
     el("div", {}, "lease ", el("span", { class: "mono" }, r.lease_id), facts.length ? " · " + facts.join(" · ") : ""),
     el("div", {}, "reason:"), el("pre", {}, r.reason || "-"),
