@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import click
 
+from flashnode.clock import duration
 from flashnode.config.loading import read_config_file
 from flashnode.config.settings import DEFAULT_CONFIG_FILE, default_state_dir
 from flashnode.errors import ConfigError, ExitCode
@@ -247,7 +248,9 @@ def _history_row(r: dict[str, Any], cores: int, narrow: bool = False) -> list[st
     # host-wide ones would charge the task with whatever else the machine did.
     usage = _dict(r.get("task_usage"))
     wall = ev.get("wall_seconds")
-    took = f"{wall:.1f}s" if _number(wall) else "-"
+    took = "-"
+    if isinstance(wall, (int, float)) and _number(wall):
+        took = f"{wall:.1f}s" if wall < 60 else duration(wall)
     # The lease names the attempt for `flashnode logs LEASE`: never cut.
     job = _cut(sanitise(f"{r.get('job_id') or '-'}/{r.get('task_id') or '-'}"), JOB_TASK_MOST)
     facts = status.describe_facts(r)

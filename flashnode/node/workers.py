@@ -57,15 +57,22 @@ class Stats:
 
 def describe_outcomes(outcomes: dict[str, int]) -> str:
     """``no attempt ended``, ``1 attempt ended: committed``, ``3 attempts ended: 2 committed,
-    1 failed`` (the outcomes in their enum's order)."""
-    total = sum(outcomes.values())
-    if total == 0:
-        return "no attempt ended"
+    1 failed`` (the outcomes in their enum's order); tasks let go of for the next start have
+    not ended: ``...; 1 task left running for the next start``."""
+    left = outcomes.get(Outcome.DETACHED.value, 0)
+    ended = {o: n for o, n in outcomes.items() if o != Outcome.DETACHED.value and n}
+    total = sum(ended.values())
     order = [o.value for o in Outcome]
-    counts = sorted(outcomes.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)
-    if total == 1:
-        return f"1 attempt ended: {counts[0][0]}"
-    return f"{total} attempts ended: " + ", ".join(f"{n} {o}" for o, n in counts if n)
+    counts = sorted(ended.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)
+    if total == 0:
+        text = "no attempt ended"
+    elif total == 1:
+        text = f"1 attempt ended: {counts[0][0]}"
+    else:
+        text = f"{total} attempts ended: " + ", ".join(f"{n} {o}" for o, n in counts)
+    if left:
+        text += f"; {left} task{'s' if left > 1 else ''} left running for the next start"
+    return text
 
 
 @dataclass(frozen=True)

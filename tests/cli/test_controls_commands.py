@@ -408,7 +408,7 @@ def test_history_rows_line_up_under_the_header_whatever_they_hold(
             "ls-4c3324eda35e0f1e",
             "job-with-a-long-name/task-0042",
             "committed",
-            "1234.5s",
+            "20m34s",
             "97.2%",
             "100%",
             "",

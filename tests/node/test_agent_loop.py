@@ -685,3 +685,10 @@ def test_the_stop_lines_words_for_none_one_and_several_outcomes() -> None:
     assert describe_outcomes({"failed": 1}) == "1 attempt ended: failed"
     many = {"lost": 1, "failed": 2, "committed": 3}
     assert describe_outcomes(many) == "6 attempts ended: 3 committed, 2 failed, 1 lost"
+    # A task let go of for the next start has not ended.
+    assert describe_outcomes({"committed": 7, "detached": 1}) == (
+        "7 attempts ended: 7 committed; 1 task left running for the next start"
+    )
+    assert describe_outcomes({"detached": 2}) == (
+        "no attempt ended; 2 tasks left running for the next start"
+    )
