@@ -8,6 +8,11 @@ node's use over the last hour, day and week (``usage.py``) and what the coordina
 this node and of the jobs shown (asked on the lookup thread, ``lookups.py``, never on a
 request's). Whatever a task printed and whatever the coordinator said is hostile: it leaves here
 as JSON strings with terminal control escaped, and the page only ever sets it as text.
+
+What a task printed is the owner's alone (``logs/`` is root's, 0700): the view-only level, which
+shows what ``flashnode history`` and ``flashnode status`` show of the node, gets nothing of it in
+any answer (``output_hidden``: the running tasks' lines, the kept output of ended attempts, the
+last line the status text carries, the stderr lines a failure's reason quotes).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +33,7 @@ from flashnode import __version__
 from flashnode.config import configedit
 from flashnode.config.settings import Settings
 from flashnode.console import auth
-from flashnode.console.lookups import Lookups
+from flashnode.console.lookups import NODE_KEEP_S, Lookups, NodeAnswer
 from flashnode.console.server import Request, Response
 from flashnode.console.usage import UsageRing
 from flashnode.coordinator.ids import SAFE_ID
@@ -170,8 +176,9 @@ class App:
         path = request.path
         if path == "/api/session":
             return _json({"level": session.level, "csrf": session.csrf})
+        owner = session.level == "owner"  # what a task printed is the owner's alone
         if path == "/api/state":
-            return _json(self.state())
+            return _json(self.state(owner))
         if path == "/api/charts":
             return _json(self.charts(request.query.get("span", "hour")))
         if path == "/api/history":
@@ -179,9 +186,9 @@ class App:
                 limit = max(1, min(int(request.query.get("limit", "100")), 500))
             except ValueError:
                 limit = 100
-            return _json(self.history(request.query.get("outcome") or None, limit))
+            return _json(self.history(request.query.get("outcome") or None, limit, owner))
         if path == "/api/coordinator":
-            return _json(self.coordinator_view())
+            return _json(self.coordinator_view(owner))
         if path == "/api/jobs":
             ids = [j for j in request.query.get("ids", "").split(",") if SAFE_ID.match(j)]
             return _json({j: self.job(j) for j in dict.fromkeys(ids[:JOBS_PER_REQUEST])})
@@ -189,7 +196,9 @@ class App:
 
     # --- what the console shows -----------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
+    def state(self, owner: bool = True) -> dict[str, Any]:
+        """The node as ``flashnode status`` shows it; ``owner``: with what its tasks printed
+        (their newest lines, and the last one the status text carries)."""
         snapshot = status.read(self.w.state_dir)
         s = self.w.settings()
         out: dict[str, Any] = {
@@ -208,7 +217,9 @@ class App:
             "coordinator": clean(snapshot.get("coordinator"), 300),
             "runner": clean(snapshot.get("runner"), 40),
             "pools": [clean(p, 200) for p in snapshot.get("pools") or []],
-            "state": clean(snapshot.get("state")),
+            "state": clean(
+                snapshot.get("state") if owner else _state_text(snapshot, controls or {})
+            ),
             "registered": bool(snapshot.get("registered")),
             "draining": bool(snapshot.get("draining")),
             "last_heartbeat_age_s": snapshot.get("last_heartbeat_age_s"),
@@ -217,10 +228,10 @@ class App:
         }
         out["why"] = _why(snapshot, controls or {}, lastexit.read(self.w.state_dir))
         out["stale"] = status.staleness(snapshot, self.w.clock())
-        out["running"] = [self._attempt(a) for a in snapshot.get("running") or []]
+        out["running"] = [self._attempt(a, owner) for a in snapshot.get("running") or []]
         return out
 
-    def _attempt(self, a: dict[str, Any]) -> dict[str, Any]:
+    def _attempt(self, a: dict[str, Any], owner: bool = True) -> dict[str, Any]:
         lease = str(a.get("lease_id") or "")
         shown = {k: v for k, v in a.items() if k not in ("last_output",)}
         shown = dict(json.loads(json.dumps(shown, default=str)))  # plain data only
@@ -231,7 +242,8 @@ class App:
             pool += " (not one of this node's pools)"
         shown["pool"] = pool
         shown["facts"] = clean(status.describe_facts(a), 500)
-        shown["output"] = self.output_tail(lease)
+        shown["output"] = self.output_tail(lease) if owner else None
+        shown["output_hidden"] = not owner
         return shown
 
     def output_tail(self, lease: str) -> dict[str, str] | None:
@@ -276,58 +288,110 @@ class App:
             "bin_seconds": bin_seconds,
         }
 
-    def history(self, outcome: str | None, limit: int) -> list[dict[str, Any]]:
+    def history(self, outcome: str | None, limit: int, owner: bool = True) -> list[dict[str, Any]]:
+        """The ledger's latest attempts; ``owner``: with what each printed, while it is kept,
+        and the stderr lines a failure's reason quotes."""
         out = []
         for r in self.ledger.latest(outcome, limit):
             shown = dict(r)
             for key in ("lease_id", "job_id", "task_id", "pool", "outcome", "reason", "facts"):
                 shown[key] = clean(r.get(key))
-            shown["output"] = self.output_tail(str(r.get("lease_id") or ""))
+            if not owner:
+                shown["reason"] = without_output(shown["reason"])
+            shown["output"] = self.output_tail(str(r.get("lease_id") or "")) if owner else None
+            shown["output_hidden"] = not owner
             out.append(shown)
         return out
 
-    def coordinator_view(self) -> dict[str, Any]:
+    def coordinator_view(self, owner: bool = True) -> dict[str, Any]:
         """This node as the coordinator last said it sees it (asked on the lookup thread:
-        ``pending`` until the first answer), its scores explained."""
+        ``pending`` until the first answer), its scores explained, and how old that is:
+        ``fetched_at`` (when it was asked), ``age_s``, ``current`` (asked within
+        ``NODE_KEEP_S``, nothing failed since), ``asking`` (a newer ask under way). Never a
+        view as if current when the latest ask failed, or the agent's own conversations with
+        the coordinator fail since it was asked: then ``error`` and ``failed``, with the last
+        good view under ``last_known`` (its own ``fetched_at``)."""
         snapshot = status.read(self.w.state_dir) or {}
         node = snapshot.get("node_id")
         if not isinstance(node, str) or not SAFE_ID.match(node):
             return {"error": "not registered yet"}
-        known, found, error = self.lookups.node(node)
-        if not known:
+        answer = self.lookups.node(node)
+        if answer is None:
             return {"error": "asking the coordinator", "pending": True}
-        if error is not None:
-            return {"error": clean(f"the coordinator did not answer: {error}", 300)}
-        if not found:
-            return {"error": "the coordinator lists no such node"}
-        view = _node_view(found)
+        now = self.w.clock()
+        known = None
+        if answer.fetched_at is not None:
+            known = self._scores(answer, snapshot, owner)
+            known["fetched_at"] = answer.fetched_at
+            known["age_s"] = max(now - answer.fetched_at, 0.0)
+        asking = answer.asking_since is not None
+        failed = _failing_since(answer, snapshot)
+        if failed is not None:
+            at, error = failed
+            return {
+                "error": clean(f"the coordinator did not answer: {error}", 300),
+                "failed": True,
+                "failed_at": at,
+                "fetched_at": answer.fetched_at,
+                "last_known": known,
+                "asking": asking,
+            }
+        assert known is not None  # an answer with no failure is a good one
+        if answer.record is None:
+            return {
+                "error": "the coordinator lists no such node",
+                "failed": False,
+                "fetched_at": answer.fetched_at,
+                "asking": asking,
+            }
+        known["failed"] = False
+        known["asking"] = asking
+        known["current"] = known["age_s"] < NODE_KEEP_S
+        return known
+
+    def _scores(self, answer: NodeAnswer, snapshot: dict[str, Any], owner: bool) -> dict[str, Any]:
+        """The last good answer's view, its scores explained and what may have lowered them."""
+        if answer.record is None:
+            return {"listed": False}
+        view = _node_view(answer.record)
         view["explained"] = SCORES_EXPLAINED
         since = snapshot.get("registered_at") or snapshot.get("started_at")
-        view["lowered_by"] = self.lowered_by(since)
+        view["lowered_by"] = self.lowered_by(since, owner)
         return view
 
-    def lowered_by(self, since: object) -> list[dict[str, Any]]:
+    def lowered_by(self, since: object, owner: bool = True) -> list[dict[str, Any]]:
         """The attempts that ended ``since`` (the node's latest registration: the coordinator
         counts from there) and may have lowered its scores, newest first, each with who caused
-        it in plain words: the job's own error, its author's cancel, this node letting it go."""
+        it in plain words: the job's own error, its author's cancel, the coordinator taking the
+        lease back, this node giving it up or letting it go (``owner``: with the stderr lines a
+        failure's reason quotes). A lease taken back is asked about again when what the
+        coordinator said of its job was asked before the lease was lost (a cancel since)."""
         start = since if isinstance(since, (int, float)) and not isinstance(since, bool) else 0
         found = []
         for r in self.ledger.latest(None, 500):
             ended = r.get("ended_at")
             if isinstance(ended, (int, float)) and ended < start:
                 break
-            if r.get("outcome") not in LOWERING:
+            outcome = str(r.get("outcome"))
+            if outcome not in LOWERING:
                 continue
             job = clean(r.get("job_id"), 200)
-            state = self.job(job)["state"] if SAFE_ID.match(job) else None
+            reason = str(r.get("reason") or "")
+            known, state = False, None
+            if SAFE_ID.match(job) and outcome == "lost" and not given_up(reason):
+                after = ended if isinstance(ended, (int, float)) else None
+                known, record = self.lookups.job_since(job, after)
+                state = _job_state(record)
             found.append(
                 {
                     "job_id": job,
                     "task_id": clean(r.get("task_id"), 200),
-                    "outcome": clean(r.get("outcome"), 40),
+                    "outcome": clean(outcome, 40),
                     "ended_at": ended,
-                    "cause": cause(str(r.get("outcome")), state),
-                    "reason": clean(str(r.get("reason") or "").split("\n")[0], 300),
+                    "cause": cause(outcome, state, reason, known),
+                    "reason": clean(
+                        (reason if owner else without_output(reason)).split("\n")[0], 300
+                    ),
                 }
             )
             if len(found) >= LOWERED_BY:
@@ -341,8 +405,7 @@ class App:
         spec = record.get("spec") if isinstance(record, dict) else None
         meta = spec.get("metadata") if isinstance(spec, dict) else None
         name = meta.get("name") if isinstance(meta, dict) else None
-        state = record.get("state") if isinstance(record, dict) else None
-        return {"name": clean(name, 80) or None, "state": clean(state, 40).lower() or None}
+        return {"name": clean(name, 80) or None, "state": _job_state(record)}
 
     # --- what the console changes ---------------------------------------------------------------
 
@@ -455,15 +518,69 @@ SCORES_EXPLAINED = {
 }
 
 
-def cause(outcome: str, job_state: str | None) -> str:
-    """Who made an attempt end without a result, in words an owner reads."""
-    if outcome == "lost" and job_state == "cancelled":  # a cancel kills the live lease
-        return "cancelled by its author"
+# The reasons of a lease this node gave up itself (the lease keeper's): the coordinator did not
+# take it back, whatever its job's state.
+GIVEN_UP = (
+    (
+        "lease could not be renewed before its deadline",
+        "this node gave it up: the coordinator did not answer before the lease's deadline",
+    ),
+    ("credentials refused", "this node gave it up: the coordinator refused its credentials"),
+)
+
+
+def given_up(reason: str) -> str | None:
+    """Why this node gave up a lease itself, in an owner's words (None: it did not)."""
+    return next((words for start, words in GIVEN_UP if reason.startswith(start)), None)
+
+
+def cause(outcome: str, job_state: str | None, reason: str = "", known: bool = True) -> str:
+    """Who made an attempt end without a result, in words an owner reads (``known``: the
+    job's state was asked after the lease was lost)."""
     if outcome == "failed":
         return "the job's own error"
     if outcome == "lost":
+        gave_up = given_up(reason)
+        if gave_up is not None:
+            return gave_up
+        if job_state == "cancelled":  # a cancel kills the live lease
+            return "cancelled by its author"
+        if not known:
+            return "the coordinator took the lease back (asking it whether the job was cancelled)"
         return "the coordinator took the lease back"
     return "this node let it go"
+
+
+# A failed task's reason quotes its last stderr lines after how it ended (``execute._verdict``).
+_QUOTED_OUTPUT = re.compile(r"(exit code -?\d+|killed by signal \d+): ")
+
+
+def without_output(reason: str) -> str:
+    """A reason without the task's own lines it quotes (the view-only level's)."""
+    found = _QUOTED_OUTPUT.search(reason)
+    if found is None:
+        return reason
+    return reason[: found.end(1)] + " (the task's last lines: owner only)"
+
+
+def _state_text(snapshot: dict[str, Any], controls: Mapping[str, Any]) -> str:
+    """The status text without the running tasks' last lines, made again from what it is made
+    of (``Publisher.text``): running attempts and what holds claiming. Any other text (idle,
+    draining, the coordinator unreachable) carries no task's line."""
+    text = str(snapshot.get("state") or "")
+    running = [a for a in snapshot.get("running") or [] if isinstance(a, dict)]
+    if not running:
+        return text
+    if not text.startswith("running "):
+        lines = [a.get("last_output") for a in running]
+        if any(isinstance(x, str) and x.strip() and x in text for x in lines):
+            return f"{len(running)} task(s) running"  # a text made some other way
+        return text
+    quiet = "; ".join(status.attempt_line({**a, "last_output": ""}, None) for a in running)
+    held = "; ".join(
+        str(h.get("reason")) for h in controls.get("held_by") or [] if isinstance(h, dict)
+    )
+    return f"running {quiet} | not claiming: {held}" if held else f"running {quiet}"
 
 
 ACTIONS: dict[str, Callable[[App, dict[str, Any]], Response]] = {
@@ -532,6 +649,26 @@ def _why(
 
 
 _NODE_NUMBERS = ("accepted_tasks", "failed_attempts", "abandoned_leases", "last_heartbeat_age_s")
+
+
+def _failing_since(answer: NodeAnswer, snapshot: dict[str, Any]) -> tuple[float, str] | None:
+    """(since, error) when the view asked last is not current because asking failed: the
+    latest ask, or the agent's own conversations with the coordinator failing since the last
+    good answer was asked (a page opened a while into an outage)."""
+    if answer.failed_at is not None:
+        return answer.failed_at, answer.error or "no answer"
+    fetched = answer.fetched_at
+    for p in snapshot.get("coordinator_problems") or []:
+        since = p.get("since") if isinstance(p, dict) else None
+        if isinstance(since, (int, float)) and fetched is not None and since > fetched:
+            what = clean(p.get("conversation"), 60) or "a conversation"
+            return since, f"{what}: {clean(p.get('error'), 240)}"
+    return None
+
+
+def _job_state(record: object) -> str | None:
+    state = record.get("state") if isinstance(record, dict) else None
+    return clean(state, 40).lower() or None
 
 
 def _node_view(node: dict[str, Any]) -> dict[str, Any]:

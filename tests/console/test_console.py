@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -174,6 +175,78 @@ def test_a_view_login_may_look_but_changes_nothing(console: ConsoleAgent) -> Non
         assert console.post(client, csrf, "/api/logout", {}).status_code == 200
         assert client.get("/api/state").status_code == 401
     assert not (console.agent.state_dir / "pause.json").exists()
+
+
+def test_a_view_login_gets_nothing_a_task_printed_from_any_endpoint(
+    console: ConsoleAgent, coordinator: CoordinatorServer
+) -> None:
+    """The attack: a member of group flashnode, at the view-only level, asks every endpoint it
+    may for what tasks printed. `flashnode logs` refuses that user (logs/ is root's, 0700), so
+    the console gives it none either: not a running task's lines, not an ended one's kept
+    output, not the last line the status text carries, not the stderr a failure's reason
+    quotes. The owner's level still sees all of it."""
+    tag = secrets.token_hex(6)
+    marker = f"mark-42-{tag}"  # printed; the job's own command holds only its parts
+    say = f'x=$((40 + 2)); echo "mark-$x-{tag} out"; echo "mark-$x-{tag} err" >&2'
+    failed = coordinator.submit(argv_job(["sh", "-c", f"{say}; exit 3"], max_attempts=1))
+    owner, _ = console.session()
+    viewer, _ = console.session("view")
+    with owner, viewer:
+        row = wait_for(
+            "the failed attempt's kept output",
+            lambda: next(
+                (
+                    r
+                    for r in owner.get("/api/history").json()
+                    if r["job_id"] == failed and marker in str(r["output"])
+                ),
+                None,
+            ),
+        )
+        assert marker in row["reason"]  # "exit code 3: <its last stderr lines>"
+        running = coordinator.submit(argv_job(["sh", "-c", f"{say}; sleep 60"]))
+        state = wait_for(
+            "the running task's lines and the status text's last line",
+            lambda: (
+                (s := owner.get("/api/state").json())["running"]
+                and marker in str(s["running"][0]["output"])
+                and marker in s["agent"]["state"]
+                and s
+            ),
+        )
+        owners_view = wait_for(
+            "the coordinator's view of the failure",
+            lambda: (v := owner.get("/api/coordinator").json()).get("lowered_by") and v,
+        )
+        assert marker in owners_view["lowered_by"][0]["reason"]
+        wait_for(
+            "the viewer's view of the coordinator",
+            lambda: viewer.get("/api/coordinator").json().get("lowered_by"),
+        )
+        paths = [
+            *API_GETS,
+            "/api/charts?span=day",
+            "/api/charts?span=week",
+            "/api/history?outcome=failed&limit=500",
+            "/api/history?limit=500",
+            f"/api/jobs?ids={failed},{running}",
+            "/api/logs",
+            f"/api/logs?lease={state['running'][0]['lease_id']}",
+            "/",
+            "/console.js",
+        ]
+        answers = {path: viewer.get(path) for path in paths}
+        leaked = [path for path, r in answers.items() if marker in r.text]
+        assert not leaked, f"a view-only login read what a task printed from {leaked}"
+        seen = answers["/api/state"].json()
+        assert seen["running"][0]["job_id"] == running  # it does see the task, not its lines
+        assert seen["running"][0]["output"] is None and seen["running"][0]["output_hidden"]
+        rows = [r for r in answers["/api/history"].json() if r["job_id"] == failed]
+        assert rows and rows[0]["output"] is None and rows[0]["output_hidden"] is True
+        assert rows[0]["reason"].startswith("exit code 3")  # how it ended, as history says
+        mine = owner.get("/api/state").json()["running"][0]  # the owner's level: all of it
+        assert marker in str(mine["output"]) and mine["output_hidden"] is False
+        assert marker in owner.get("/api/history").text
 
 
 # --- requests that get nothing -------------------------------------------------------------

@@ -32,6 +32,7 @@ class Coordinator:
         self.jobs = jobs
         self.asked: list[str] = []
         self.down = False
+        self.node_down = False
 
     def job_view(self, job_id: str) -> dict[str, Any] | None:
         self.asked.append(job_id)
@@ -40,6 +41,8 @@ class Coordinator:
         return self.jobs.get(job_id)
 
     def node_view(self, node_id: str) -> dict[str, Any] | None:
+        if self.node_down:
+            raise CoordinatorUnavailable("GET /nodes: ConnectError: connection refused")
         return {
             "node_id": node_id,
             "accepted_tasks": 3,
@@ -226,6 +229,162 @@ def test_the_scores_are_explained_with_the_attempts_that_lowered_them_and_who_ca
         ("t3", "cancelled by its author", "lease lost (410: lease not live)"),
         ("t2", "the job's own error", "exit code 3"),
     ]
+
+
+def test_a_cancel_after_its_job_was_asked_about_is_not_shown_as_the_coordinator_taking_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page showed a job (its name and state asked, kept for JOB_KEEP_S); its author then
+    cancelled it and the node lost the lease (410): the cancel is said, not "the coordinator
+    took the lease back" until the kept answer expires; the job is asked again once."""
+    monkeypatch.setattr(status, "agent_alive", lambda pid: True)  # the snapshot's agent
+    coordinator = Coordinator({"gone": job("sweep")})
+    clock = [NOW]
+    app = make_app(tmp_path, coordinator, clock)
+    status.write(tmp_path, {"pid": 1, "node_id": "n1", "registered_at": NOW - 100})
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("")
+    assert get(app, "/api/jobs", {"ids": "gone"})["gone"]["state"] is None  # being asked
+    wait_for("the job asked about", lambda: app.job("gone")["state"] == "running", 10)
+    coordinator.jobs["gone"] = job("sweep", "CANCELLED")  # its author cancels it
+    line = {
+        "job_id": "gone",
+        "task_id": "t1",
+        "outcome": "lost",
+        "ended_at": NOW + 6,
+        "reason": "lease lost (410: lease not live)",
+    }
+    ledger.write_text(json.dumps(line) + "\n")
+    clock[0] = NOW + 10  # well within JOB_KEEP_S of the answer kept
+    view = wait_for(
+        "the cancel said",
+        lambda: (
+            (v := get(app, "/api/coordinator", {})).get("lowered_by")
+            and v["lowered_by"][0]["cause"] == "cancelled by its author"
+            and v
+        ),
+        10,
+    )
+    assert view["lowered_by"][0]["reason"] == "lease lost (410: lease not live)"
+    for _ in range(5):
+        get(app, "/api/coordinator", {})
+        get(app, "/api/jobs", {"ids": "gone"})
+    app.lookups.close()
+    assert coordinator.asked.count("gone") == 2  # once for the page, once after the loss
+
+
+def test_a_lease_this_node_gave_up_is_said_to_be_given_up_not_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(status, "agent_alive", lambda pid: True)  # the snapshot's agent
+    coordinator = Coordinator({"own": job("train")})
+    app = make_app(tmp_path, coordinator, [NOW])
+    reasons = [
+        "lease could not be renewed before its deadline (attempt heartbeat: 503 down)",
+        "credentials refused: 401 unknown token",
+        "lease lost (410: revoked: no progress within 60s)",
+    ]
+    lines = [
+        {"job_id": "own", "task_id": f"t{i}", "outcome": "lost", "ended_at": NOW - 30 + i}
+        | {"reason": r}
+        for i, r in enumerate(reasons)
+    ]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    status.write(tmp_path, {"pid": 1, "node_id": "n1", "registered_at": NOW - 100})
+    view = wait_for(
+        "the causes",
+        lambda: (
+            (v := app.coordinator_view()).get("lowered_by")
+            and "asking" not in v["lowered_by"][0]["cause"]
+            and v
+        ),
+        10,
+    )
+    app.lookups.close()
+    assert [x["cause"] for x in view["lowered_by"]] == [
+        "the coordinator took the lease back",
+        "this node gave it up: the coordinator refused its credentials",
+        "this node gave it up: the coordinator did not answer before the lease's deadline",
+    ]
+
+
+def test_the_coordinators_view_says_when_it_was_asked_and_a_failed_ask_is_never_shown_as_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack on the owner's judgement: a page opened 40 s into a coordinator outage must
+    not show the view of before the outage as the coordinator's view now."""
+    monkeypatch.setattr(status, "agent_alive", lambda pid: True)  # the snapshot's agent
+    coordinator = Coordinator({})
+    clock = [NOW]
+    app = make_app(tmp_path, coordinator, clock)
+    status.write(tmp_path, {"pid": 1, "node_id": "n1", "registered_at": NOW - 100})
+    assert get(app, "/api/coordinator", {})["pending"] is True
+    view = wait_for("the view", lambda: "online" in (v := get(app, "/api/coordinator", {})) and v)
+    assert view["fetched_at"] == NOW and view["age_s"] == 0 and view["current"] is True
+    assert view["failed"] is False and view["reliability"] == 0.5
+    coordinator.node_down = True
+    clock[0] = NOW + 40
+    first = get(app, "/api/coordinator", {})  # the view of before the outage is not now's
+    assert first["fetched_at"] == NOW
+    assert first.get("current") is False or first.get("failed") is True
+    failed = wait_for(
+        "the failed ask", lambda: (v := get(app, "/api/coordinator", {}))["failed"] and v
+    )
+    assert "connection refused" in failed["error"] and failed["failed_at"] == NOW + 40
+    assert "online" not in failed and "reliability" not in failed  # nothing shown as now's
+    assert failed["last_known"]["reliability"] == 0.5
+    assert failed["last_known"]["fetched_at"] == NOW and failed["last_known"]["age_s"] == 40
+    coordinator.node_down = False
+    clock[0] = NOW + 60
+    back = wait_for(
+        "the view again", lambda: "online" in (v := get(app, "/api/coordinator", {})) and v
+    )
+    assert back["fetched_at"] == NOW + 60 and back["current"] is True
+    # The agent's own heartbeats fail since after that answer: not shown as now's either.
+    problem = {"conversation": "node heartbeat", "since": NOW + 61, "error": "503 down"}
+    status.write(
+        tmp_path,
+        {"pid": 1, "node_id": "n1", "registered_at": NOW - 100, "coordinator_problems": [problem]},
+    )
+    clock[0] = NOW + 62
+    outage = get(app, "/api/coordinator", {})
+    app.lookups.close()
+    assert outage["failed"] is True and "online" not in outage
+    assert "node heartbeat: 503 down" in outage["error"] and outage["failed_at"] == NOW + 61
+    assert outage["last_known"]["fetched_at"] == NOW + 60
+
+
+def test_the_view_only_level_gets_no_line_a_task_printed_in_the_status_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(status, "agent_alive", lambda pid: True)  # the snapshot's agent
+    app = make_app(tmp_path, Coordinator({}), [NOW])
+    attempt = {
+        "lease_id": "ls-1",
+        "job_id": "j1",
+        "task_id": "t1",
+        "phase": "execute",
+        "last_output": "secret-42 | not claiming: forged",
+    }
+    text = "running " + status.attempt_line(attempt, None) + " | not claiming: paused by the owner"
+    held = [{"rule": "pause", "reason": "paused by the owner", "fix": None, "suspends": False}]
+    status.write(
+        tmp_path,
+        {
+            "pid": 1,
+            "node_id": "n1",
+            "state": text,
+            "running": [attempt],
+            "controls": {"held_by": held},
+        },
+    )
+    seen = get(app, "/api/state", {})
+    assert "secret-42" not in json.dumps(seen)
+    assert seen["agent"]["state"] == (
+        "running ls-1 (j1/t1) execute | not claiming: paused by the owner"
+    )
+    assert seen["running"][0]["output"] is None and seen["running"][0]["output_hidden"] is True
+    assert "secret-42" in app.state(owner=True)["agent"]["state"]  # the owner's level keeps it
 
 
 def test_status_names_a_running_tasks_pool_and_the_newest_step_it_logged() -> None:
