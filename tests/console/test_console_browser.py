@@ -175,12 +175,10 @@ def look_at_running(page: Any, job: str, base: str) -> None:
     wait_page(page, "document.querySelector('#usage-chart polyline') !== null")
     text = page.inner_text(card)
     assert "pool team-a" in text and "test-argv" in text, text
-    # The newest output line is shown, last, and nothing of its box is cut off.
+    # The newest output line is shown, last, and in view in its box.
     out = page.locator(f"{card} pre.output").first
     assert out.inner_text().rstrip().endswith("the newest line")
-    assert page.evaluate("(e) => e.scrollHeight <= e.clientHeight + 1", out.element_handle()), (
-        "the output box scrolls: its newest line may be hidden"
-    )
+    assert newest_in_view(page, f"{card} pre.output")["inView"], "the newest line is hidden"
     assert out.is_visible()
     stderr = page.locator(f"{card} pre.output").nth(1).inner_text()
     assert HOSTILE in stderr  # shown as it was printed: text
@@ -339,4 +337,159 @@ def test_a_paused_task_card_wraps_its_badge_and_names_its_pauses_on_a_phone(
     )
     assert facts.get("paused", "").startswith("paused 1x"), facts
     assert "paused" not in facts.get("prepared", ""), facts
+    page.context.close()
+
+
+def test_the_page_says_when_the_agent_stops_answering_and_clears_when_it_answers_again(
+    console: ConsoleAgent, browser: Any, tmp_path: Path
+) -> None:
+    page = new_page(browser, DESKTOP)
+    page.clock.install()  # the page's own clock, moved on below instead of waiting its bound
+    page.goto(console.link())
+    wait_page(page, "document.querySelector('#node-id').textContent.length > 0")
+    assert page.is_hidden("#stale")
+    console.agent.signal(signal.SIGSTOP)
+    try:
+        page.clock.fast_forward(40_000)  # longer than the bound (at least 30 s) with no answer
+        wait_for(
+            "the no-answer notice",
+            lambda: "No answer from the agent since" in page.inner_text("#stale-text"),
+            30,
+        )
+        assert page.is_visible("#stale")
+        assert "may no longer hold" in page.inner_text("#stale-text")
+        assert page.inner_text("#state-badge") == "no answer"
+        shot(page, tmp_path, "console-no-answer")
+    finally:
+        console.agent.signal(signal.SIGCONT)
+    wait_for(
+        "the notice gone",
+        lambda: page.is_hidden("#stale") and page.inner_text("#state-badge") != "no answer",
+        30,
+    )
+    page.context.close()
+
+
+def loaded(page: Any) -> bool:
+    """The page drew all it asks for at its start: the state, the charts, the coordinator's
+    view, the history with its job's name (asked for from the coordinator)."""
+    return bool(
+        page.evaluate(
+            "document.querySelector('#app').dataset.stateAt !== undefined"
+            " && document.querySelector('#usage-chart text') !== null"
+            " && document.querySelector('#coordinator-facts dt') !== null"
+            " && document.querySelector('#history-table tbody tr.row') !== null"
+            " && document.querySelector('#history-table tbody').textContent.includes('test-argv')"
+        )
+    )
+
+
+def test_ten_page_loads_beside_a_second_tab_fail_no_request(
+    console: ConsoleAgent, coordinator: CoordinatorServer, browser: Any
+) -> None:
+    coordinator.submit(argv_job(["sh", "-c", "echo '{}' > /work/out/metrics.json"]))
+    console.agent.wait_ledger(1)
+    failed: list[str] = []
+    tab = logged_in(browser, console, DESKTOP)  # a second tab, open and refreshing meanwhile
+    on_tab = lambda r: failed.append(f"tab: {r.url} {r.failure}")  # noqa: E731
+    tab.on("requestfailed", on_tab)
+    for n in range(10):
+        page = tab.context.new_page()
+        on_page = lambda r, n=n: failed.append(f"load {n}: {r.url} {r.failure}")  # noqa: E731
+        page.on("requestfailed", on_page)
+        page.goto(console.base + "/")
+        try:
+            wait_for(f"load {n} drawn", lambda: loaded(page), 30)  # noqa: B023
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; failed: {failed}") from None
+        errors = [page.inner_text("#message"), page.inner_text("#settings-message")]
+        page.remove_listener("requestfailed", on_page)  # closing it aborts what is under way
+        page.close()
+        assert failed == [] and not any(errors), (failed, errors)
+    tab.remove_listener("requestfailed", on_tab)
+    assert "fetch" not in tab.inner_text("#message"), tab.inner_text("#message")
+    tab.context.close()
+
+
+def test_the_charts_axis_labels_never_overlap_on_a_phone_and_name_their_zone(
+    console: ConsoleAgent, browser: Any, tmp_path: Path
+) -> None:
+    page = logged_in(browser, console, PHONE)
+    for span, per in (("hour", "5 minutes"), ("day", "hour"), ("week", "6 hours")):
+        page.click(f"[data-span={span}]")
+        wait_for(f"the {span} drawn", lambda: per in page.inner_text("#tasks-caption"))  # noqa: B023
+        for chart in ("usage-chart", "tasks-chart"):
+            boxes = page.evaluate(
+                f"[...document.querySelectorAll('#{chart} text')].map((t) => {{"
+                " const r = t.getBoundingClientRect();"
+                " return [t.textContent, r.left, r.right, r.top, r.bottom]; })"
+            )
+            assert len(boxes) >= 4, (span, chart, boxes)
+            for i, a in enumerate(boxes):
+                for b in boxes[i + 1 :]:
+                    apart = a[2] <= b[1] or b[2] <= a[1] or a[4] <= b[3] or b[4] <= a[3]
+                    assert apart, f"{span}, {chart}: {a[0]!r} and {b[0]!r} overlap: {boxes}"
+            caption = page.evaluate(
+                f"document.querySelector('#{chart}').closest('figure').textContent"
+            )
+            assert any(z in caption for z in ("CET", "CEST", "GMT+1", "GMT+2")), caption
+        shot(page, tmp_path, f"console-charts-{span}")
+    page.context.close()
+
+
+LONG_LINES = (
+    "for i in $(seq 1 12); do printf \"line $i \"; printf '%0290d\\n' 0; done;"
+    " printf 'the newest line '; printf '%0280d\\n' 7; sleep 60"
+)
+
+
+def newest_in_view(page: Any, selector: str) -> dict[str, Any]:
+    """The first box ``selector`` names: its height, its content's, and whether the last
+    character it holds shows inside it."""
+    return dict(
+        page.eval_on_selector(
+            selector,
+            "(e) => { const r = document.createRange(); const t = e.lastChild;"
+            " const end = t.length - (t.data.endsWith('\\n') ? 1 : 0);"
+            " r.setStart(t, end - 1); r.setEnd(t, end);"
+            " const last = r.getBoundingClientRect(), all = e.getBoundingClientRect();"
+            " return {height: all.height, scroll: e.scrollHeight,"
+            " inView: last.top >= all.top - 1 && last.bottom <= all.bottom + 1}; }",
+        )
+    )
+
+
+def test_a_long_output_box_is_bounded_with_its_newest_line_in_view(
+    console: ConsoleAgent, coordinator: CoordinatorServer, browser: Any, tmp_path: Path
+) -> None:
+    job = coordinator.submit(argv_job(["sh", "-c", LONG_LINES]))
+    page = logged_in(browser, console, PHONE)
+    out = f"#slot-list article[data-lease]:has-text('{job}') pre.output"
+    page.wait_for_selector(out, timeout=30_000)
+    wait_for("the newest line", lambda: "the newest line" in page.inner_text(out), 30)
+    shot(page, tmp_path, "console-long-output")
+    box = newest_in_view(page, out)
+    assert box["height"] <= 844 / 2, box  # bounded: the page does not become its output
+    assert box["scroll"] > box["height"], box  # the rest is there, scrolled to
+    assert box["inView"], box  # the newest line shows
+    assert sideways(page) == []
+    page.context.close()
+
+
+def test_re_attached_tasks_are_not_listed_as_a_reason_the_node_takes_no_work(
+    console: ConsoleAgent, browser: Any
+) -> None:
+    page = new_page(browser, DESKTOP)
+
+    def rejoined(route: Any) -> None:  # the state of an agent that re-attached a task at start
+        answer = route.fetch()
+        state = answer.json()
+        if state.get("why") is not None:
+            state["why"]["rejoined"] = 1
+        route.fulfill(response=answer, json=state)
+
+    page.route("**/api/state", rejoined)
+    page.goto(console.link())
+    wait_for("the node facts", lambda: "re-attached" in page.inner_text("#node-facts"), 30)
+    assert "re-attached" not in page.inner_text("#why")
     page.context.close()

@@ -1,7 +1,11 @@
 // The flashnode console. Everything the agent sends is set as text (textContent, never HTML):
 // task output, job names and the coordinator's words are hostile. It asks for data only while
 // the page is visible; state every 2 s, history every 10 s, charts and the coordinator's view
-// every 30 s. Times are shown in 24-hour form with their zone.
+// every 30 s. Times are shown in 24-hour form with their zone. At most two requests are under
+// way at once, over all of its tabs (the agent answers at most four at once per user, and
+// closes the rest unanswered); each has a time limit, and once the agent has not answered for
+// longer than the rule `flashnode status` follows for status.json (three refresh periods, at
+// least 30 s) the page says so until it answers again.
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -17,6 +21,12 @@ const askAt = {};  // job id -> when to ask for it next (the agent looks it up m
 const tries = {};
 const open = new Set();  // the history rows the owner opened (by lease id): kept open
 let settingsDirty = false;  // the owner typed in the settings: no refresh overwrites it
+const STATE_MS = 2000;  // the state's refresh period
+const NO_ANSWER_MS = Math.max(3 * STATE_MS, 30000);  // owner/status.py's staleness rule
+const ASK_MS = 10000, CHANGE_MS = 30000;  // how long a look and a change may take to answer
+let answeredAt = null;  // when the agent last sent its state (ms)
+let askingSince = Date.now();  // since when the page asks for it (it asks only while visible)
+let refreshError = false;  // #message holds a refresh's error (cleared once one succeeds)
 
 function $(id) { return document.getElementById(id); }
 
@@ -97,6 +107,30 @@ function clockAt(t, withDay) {
 
 // --- talking to the agent -------------------------------------------------------------------
 
+// Two lanes for requests: a request waits for a free one. Shared by every tab of this console
+// where the browser has Web Locks (a secure context: the loopback address is one), else this
+// page's own.
+const LANES = 2;
+let nextLane = 0;
+const local = { busy: 0, waiting: [] };
+
+async function inLane(fn) {
+  if (navigator.locks) {
+    for (let i = 0; i < LANES; i++) {  // a free lane first, then wait in turn for one
+      const got = await navigator.locks.request("flashnode-api-" + i, { ifAvailable: true },
+        async (lock) => (lock ? { value: await fn() } : null));
+      if (got) return got.value;
+    }
+    return navigator.locks.request("flashnode-api-" + (nextLane++ % LANES), fn);
+  }
+  if (local.busy >= LANES) await new Promise((go) => local.waiting.push(go));
+  else local.busy++;
+  try { return await fn(); } finally {
+    const next = local.waiting.shift();
+    if (next) next(); else local.busy--;
+  }
+}
+
 async function api(path, body) {
   const init = { credentials: "same-origin", headers: {} };
   if (body !== undefined) {
@@ -105,11 +139,27 @@ async function api(path, body) {
     init.headers["X-Flashnode-CSRF"] = csrf;
     init.body = JSON.stringify(body);
   }
-  const r = await fetch(path, init);
-  if (r.status === 401) { showLogin(); throw new Error("not logged in"); }
-  const data = await r.json().catch(() => ({ error: "the agent answered " + r.status }));
-  if (!r.ok) throw new Error(data.error || ("the agent answered " + r.status));
-  return data;
+  const limit = body === undefined ? ASK_MS : CHANGE_MS;
+  return inLane(async () => {
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), limit);
+    init.signal = abort.signal;
+    try {
+      const r = await fetch(path, init);
+      if (r.status === 401) { showLogin(); throw new Error("not logged in"); }
+      const data = await r.json().catch((e) => {
+        if (abort.signal.aborted) throw e;
+        return { error: "the agent answered " + r.status };
+      });
+      if (!r.ok) throw new Error(data.error || ("the agent answered " + r.status));
+      return data;
+    } catch (e) {
+      if (abort.signal.aborted) throw new Error("no answer from the agent within " + duration(limit / 1000));
+      throw e;
+    } finally {
+      clearTimeout(timer);
+    }
+  });
 }
 
 function showLogin() {
@@ -125,6 +175,23 @@ function say(id, text, isError) {
   const p = $(id);
   p.textContent = text;
   p.className = isError ? "error" : "";
+  if (id === "message") refreshError = false;
+}
+
+// The agent has not answered for longer than the rule allows: the badge and the top box say
+// so (what the page shows is its last answer), until an answer comes.
+function checkAnswer() {
+  if (document.visibilityState !== "visible" || $("app").hidden) return;
+  const now = Date.now();
+  if (now - Math.max(answeredAt || 0, askingSince) <= NO_ANSWER_MS) return;
+  const badge = $("state-badge");
+  badge.textContent = "no answer";
+  badge.className = "badge down";
+  $("stale-text").textContent = (answeredAt === null
+    ? "No answer from the agent since this page opened at " + when(askingSince / 1000) + " (" + duration((now - askingSince) / 1000) + " ago)"
+    : "No answer from the agent since " + when(answeredAt / 1000) + " (" + duration((now - answeredAt) / 1000) + " ago)")
+    + ": what is shown may no longer hold. Is it stopped or stuck? See the journal (journalctl -u flashnode).";
+  $("stale").hidden = false;
 }
 
 // Job names: asked for once a job id shows up (the coordinator may not say: then the id alone).
@@ -156,6 +223,8 @@ function outcome(name) { return el("span", { class: "outcome " + String(name).re
 async function refreshState() {
   const s = await api("/api/state");
   lastState = s;
+  answeredAt = Date.now();
+  if (refreshError) say("message", "", false);
   const a = s.agent;
   const badge = $("state-badge");
   renderSettings(s.settings);
@@ -238,10 +307,6 @@ function renderWhy(why, a) {
     items.push(li);
   }
   if (why.stop_reason) items.push(el("li", {}, "running tasks are stopped: ", why.stop_reason));
-  if (why.rejoined) {
-    items.push(el("li", { "data-rule": "rejoined" },
-      "re-attached " + why.rejoined + " task(s) after a restart"));
-  }
   if (why.reload_refused) {
     items.push(el("li", { "data-rule": "reload" }, el("strong", {}, "reload refused"), " at ",
       when(why.reload_refused.at), " (the running configuration is kept): ", why.reload_refused.reason,
@@ -273,6 +338,9 @@ function renderNode(a, s) {
   fact(dl, "connection", a.registered ? "registered; last heartbeat " + duration(a.last_heartbeat_age_s) + " ago" : "not registered");
   fact(dl, "runner", a.runner + ", " + count(a.slots, "slot", "slots"));
   fact(dl, "pools", (a.pools || []).join(", ") || "-");
+  // Not a reason it takes no work: what this start found (status.json says no more).
+  const rejoined = s.why && s.why.rejoined;
+  if (rejoined) fact(dl, "this start", "re-attached " + count(rejoined, "task", "tasks") + " after a restart");
   fact(dl, "version", "flashnode " + s.version);
 }
 
@@ -285,9 +353,29 @@ function splitFacts(facts) {
   return { prepared: text.slice(0, at), paused: text.slice(at ? at + 2 : 0) };
 }
 
-function stream(name, text) {
+// An output box: bounded in height with its own scroll (focusable, for the keyboard); `key`
+// names it across redraws (lease and stream).
+function stream(name, text, key) {
   if (!text) return null;
-  return el("div", { class: "stream" }, el("div", { class: "stream-name" }, name), el("pre", { class: "output" }, text));
+  const pre = el("pre", { class: "output", tabindex: 0, "aria-label": name }, text);
+  if (key) pre.dataset.key = key;
+  return el("div", { class: "stream" }, el("div", { class: "stream-name" }, name), pre);
+}
+
+// Boxes drawn anew show their newest line, unless the owner scrolled up in the one they
+// replace: that stays where it was (and keeps the focus).
+function keepScroll(container, draw) {
+  const before = {};
+  for (const pre of container.querySelectorAll("pre.output[data-key]")) {
+    before[pre.dataset.key] = { top: pre.scrollTop, end: pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 2,
+      focused: document.activeElement === pre };
+  }
+  draw();
+  for (const pre of container.querySelectorAll("pre.output[data-key]")) {
+    const was = before[pre.dataset.key];
+    pre.scrollTop = was && !was.end ? was.top : pre.scrollHeight;
+    if (was && was.focused) pre.focus({ preventScroll: true });
+  }
 }
 
 function renderSlots(running) {
@@ -317,11 +405,12 @@ function renderSlots(running) {
       el("div", { class: "sub" }, (r.pool ? "pool " + r.pool + " · " : "") + (name ? "job " + r.job_id + " · " : "") + "task " + r.task_id),
       el("span", { class: "phase outcome " + (typeof r.suspended_s === "number" ? "lapsed" : "running") }, phase),
       dl,
-      stream("stdout, newest last", out.stdout), stream("stderr, newest last", out.stderr),
+      stream("stdout, newest last", out.stdout, r.lease_id + ":stdout"),
+      stream("stderr, newest last", out.stderr, r.lease_id + ":stderr"),
       !out.stdout && !out.stderr ? el("p", { class: "muted" }, "no output yet") : null,
       el("div", { class: "sub mono" }, "lease " + r.lease_id));
   });
-  replace($("slot-list"), ...cards);
+  keepScroll($("slot-list"), () => replace($("slot-list"), ...cards));
   $("slots-empty").hidden = cards.length > 0;
 }
 
@@ -363,16 +452,29 @@ const LEFT = 38, RIGHT = 10;
 function widthOf(svg) { return Math.max(Math.round(svg.getBoundingClientRect().width), 200); }
 function xOf(t, c, w) { return LEFT + ((t - c.since) / Math.max(c.now - c.since, 1)) * (w - LEFT - RIGHT); }
 
+// The time axis: as many labels as fit with a gap between them (measured as drawn), down to
+// the first and "now"; the chart's caption names their zone.
 function timeAxis(svg, c, w, h) {
   svg.append(el("svg:line", { class: "grid", x1: LEFT, x2: w - RIGHT, y1: h - 22, y2: h - 22 }));
-  const ticks = Math.max(2, Math.min(6, Math.floor((w - LEFT) / 90)));
   const withDay = c.now - c.since > 86400 * 1.5;
-  for (let i = 0; i <= ticks; i++) {
-    const t = c.since + ((c.now - c.since) * i) / ticks;
-    const x = xOf(t, c, w);
-    const anchor = i === 0 ? "start" : i === ticks ? "end" : "middle";
-    svg.append(el("svg:text", { class: "axis", x: x.toFixed(1), y: h - 6, "text-anchor": anchor }, i === ticks ? "now" : clockAt(t, withDay)));
+  for (let ticks = Math.max(1, Math.min(6, Math.floor((w - LEFT) / 90))); ticks >= 1; ticks--) {
+    const labels = [];
+    for (let i = 0; i <= ticks; i++) {
+      const t = c.since + ((c.now - c.since) * i) / ticks;
+      const x = xOf(t, c, w);
+      const anchor = i === 0 ? "start" : i === ticks ? "end" : "middle";
+      const label = el("svg:text", { class: "axis", x: x.toFixed(1), y: h - 6, "text-anchor": anchor }, i === ticks ? "now" : clockAt(t, withDay));
+      svg.append(label);
+      labels.push(label);
+    }
+    if (ticks === 1 || apart(labels)) return;
+    for (const label of labels) label.remove();
   }
+}
+
+function apart(labels) {
+  const boxes = labels.map((label) => label.getBBox());
+  return boxes.every((b, i) => i === 0 || boxes[i - 1].x + boxes[i - 1].width + 8 <= b.x);
 }
 
 function drawUsage(c) {
@@ -387,6 +489,7 @@ function drawUsage(c) {
     svg.append(el("svg:text", { class: "axis", x: LEFT - 4, y: y(v) + 4, "text-anchor": "end" }, v + "%"));
   }
   timeAxis(svg, c, w, h);
+  $("usage-zone").textContent = "; times in " + zone();
   const gap = (c.step_seconds || 60) * 2.5;  // a longer silence (the agent was off) breaks the line
   [["cpu", 1], ["mem", 2], ["gpu", 3]].forEach(([name, i]) => {
     let run = [], prev = null;
@@ -423,7 +526,7 @@ function drawTasks(c) {
       el("svg:title", {}, n + " task(s) from " + when(t))));
   }
   const per = c.bin_seconds >= 86400 ? "day" : c.bin_seconds >= 3600 ? (c.bin_seconds === 3600 ? "hour" : c.bin_seconds / 3600 + " hours") : c.bin_seconds / 60 + " minutes";
-  $("tasks-caption").textContent = "tasks done per " + per + ", " + c.tasks.reduce((s, b) => s + b[1], 0) + " in all";
+  $("tasks-caption").textContent = "tasks done per " + per + ", " + c.tasks.reduce((s, b) => s + b[1], 0) + " in all; times in " + zone();
 }
 
 // --- history and the coordinator's view -----------------------------------------------------
@@ -454,7 +557,7 @@ function renderHistory() {
     rows.push(tr);
     if (open.has(r.lease_id)) rows.push(detail(r));
   }
-  replace(body, ...rows);
+  keepScroll(body, () => replace(body, ...rows));
   $("history-empty").hidden = rows.length > 0;
 }
 
@@ -471,7 +574,7 @@ function detail(r) {
   const td = el("td", { colspan: 7 },
     el("div", {}, "lease ", el("span", { class: "mono" }, r.lease_id), facts.length ? " · " + facts.join(" · ") : ""),
     el("div", {}, "reason:"), el("pre", {}, r.reason || "-"),
-    stream("stdout", out.stdout), stream("stderr", out.stderr),
+    stream("stdout", out.stdout, r.lease_id + ":stdout"), stream("stderr", out.stderr, r.lease_id + ":stderr"),
     !out.stdout && !out.stderr ? el("p", { class: "muted" }, "output: not kept on this node") : null);
   return el("tr", { class: "detail", "data-detail": r.lease_id }, td);
 }
@@ -557,12 +660,23 @@ function bind() {
 }
 
 async function run(fn) {
-  try { await fn(); } catch (e) { if (e.message !== "not logged in") say("message", e.message, true); }
+  try { await fn(); } catch (e) {
+    if (e.message !== "not logged in") { say("message", e.message, true); refreshError = true; }
+  }
 }
 
+// A refresh every `ms` while the page is visible, never two of one kind under way (a slow
+// agent does not pile them up); returns the refresh, to run at once.
 function every(ms, fn) {
-  run(fn);
-  timers.push(setInterval(() => { if (document.visibilityState === "visible") run(fn); }, ms));
+  let busy = false;
+  const tick = async () => {
+    if (busy) return;
+    busy = true;
+    try { await run(fn); } finally { busy = false; }
+  };
+  tick();
+  timers.push(setInterval(() => { if (document.visibilityState === "visible") tick(); }, ms));
+  return tick;
 }
 
 async function start() {
@@ -575,10 +689,17 @@ async function start() {
   $("level").textContent = level === "owner" ? "" : "view only";
   $("app").hidden = false;
   $("btn-logout").hidden = false;
-  every(2000, refreshState);
+  askingSince = Date.now();
+  const state = every(STATE_MS, refreshState);
   every(30000, refreshCharts);
   every(10000, refreshHistory);
   every(30000, refreshCoordinator);
+  timers.push(setInterval(checkAnswer, 1000));
+  document.addEventListener("visibilitychange", () => {
+    if (document.visibilityState !== "visible" || $("app").hidden) return;
+    askingSince = Date.now();  // it did not ask while hidden: no answer was missed
+    state();
+  });
 }
 
 document.addEventListener("DOMContentLoaded", start);
