@@ -357,7 +357,7 @@ function splitFacts(facts) {
 // names it across redraws (lease and stream).
 function stream(name, text, key) {
   if (!text) return null;
-  const pre = el("pre", { class: "output", tabindex: 0, "aria-label": name }, text);
+  const pre = el("pre", { class: "output", tabindex: 0, role: "region", "aria-label": name }, text);
   if (key) pre.dataset.key = key;
   return el("div", { class: "stream" }, el("div", { class: "stream-name" }, name), pre);
 }
