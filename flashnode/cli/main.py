@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from flashnode import __version__
+from flashnode import __version__, allocator
 from flashnode.cli import common, doctor, login, pools, ui
 from flashnode.cli import controls as controls_cli
 from flashnode.cli import envs as envs_cli
@@ -202,6 +202,7 @@ def work(config_file: Path | None, pools: tuple[str, ...], **flags: Any) -> None
     (78 configuration, 69 a missing prerequisite). However it exits, it says why in the state
     dir, where `flashnode status` finds it once the agent is gone.
     """
+    allocator.settle()  # first, before any thread: freed memory goes back (issue 44)
     if pools:
         flags["pools"] = pools
     agent_exit = AgentExit(*exit_state_dir(flags, os.environ, config_file))

@@ -23,6 +23,7 @@ import stat
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -176,8 +177,7 @@ class LedgerView:
                         self._reset(st.st_ino)
                 elif st.st_size < self._offset:
                     self._reset(st.st_ino)
-                os.lseek(fd, self._offset, os.SEEK_SET)
-                while chunk := os.read(fd, CHUNK):
+                for chunk in _appended(fd, self._offset, st.st_size):
                     self._offset += len(chunk)
                     self._lines(chunk)
             finally:
@@ -280,8 +280,7 @@ class LedgerView:
             st = os.fstat(fd)
             if st.st_ino != self._inode or st.st_size < self._offset:
                 return False
-            os.lseek(fd, self._offset, os.SEEK_SET)
-            while chunk := os.read(fd, CHUNK):
+            for chunk in _appended(fd, self._offset, st.st_size):
                 self._lines(chunk)
         finally:
             os.close(fd)
@@ -356,6 +355,21 @@ class LedgerView:
         with self._lock:
             found = [r for r in reversed(self.recent) if outcome in (None, r.get("outcome"))]
         return found[:limit]
+
+
+def _appended(fd: int, offset: int, size: int) -> Iterator[bytes]:
+    """The bytes of ``fd`` from ``offset`` to ``size`` (its size when it was looked at: what is
+    appended later is read by the next refresh), in pieces of at most ``CHUNK``, each read asking
+    for no more than is there. A read of ``CHUNK`` where a few lines were appended, polled every
+    few seconds by the status and the console, made glibc hand out and take back a 1 MiB block
+    each time, and the heap it came from kept growing in steps of about 1 MB (issue 44)."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    while offset < size:
+        chunk = os.read(fd, min(CHUNK, size - offset))
+        if not chunk:
+            return  # shorter than it was: a ledger replaced meanwhile is seen by its inode
+        offset += len(chunk)
+        yield chunk
 
 
 def _covers(path: Path, st: os.stat_result, inode: object, offset: int) -> bool:

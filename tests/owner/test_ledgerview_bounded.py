@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 import tracemalloc
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from flashnode.owner.ledgerview import CHECKPOINT_FILE, RECENT, LedgerView
+from flashnode.owner.ledgerview import CHECKPOINT_FILE, CHUNK, RECENT, LedgerView
 
 NOW = time.mktime((2027, 1, 15, 12, 0, 0, 0, 0, -1))  # local noon: the last hour is today
 
@@ -85,3 +86,32 @@ def test_an_older_agents_checkpoint_of_one_entry_per_attempt_still_counts(tmp_pa
     today = view.totals()["today"]
     assert today["tasks"] == 3 and today["cpu_hours"] == pytest.approx(0.03)
     assert sum(n for _, n in view.per_bin(NOW - 3600, 300)) == 3
+
+
+def test_a_refresh_asks_for_no_more_than_was_appended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status and the console refresh the view every few seconds: each read asks for what
+    was appended, never for a whole ``CHUNK`` (a 1 MiB block taken from glibc and given back at
+    every poll, which left the agent's heaps resident in steps of about 1 MB: issue 44)."""
+    ledger = tmp_path / "ledger.jsonl"
+    append(ledger, 2 * RECENT)
+    view = LedgerView(ledger, clock=lambda: NOW)
+    asked: list[int] = []
+    real_read = os.read
+
+    def read(fd: int, n: int) -> bytes:
+        asked.append(n)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", read)
+    view.refresh()
+    assert asked and max(asked) <= min(CHUNK, ledger.stat().st_size)
+    asked.clear()
+    view.refresh()
+    assert asked == []  # nothing appended: nothing asked for
+    size = ledger.stat().st_size
+    append(ledger, 20)
+    view.refresh()
+    assert asked == [ledger.stat().st_size - size]
+    assert view.totals()["today"]["tasks"] == 2 * RECENT + 20
