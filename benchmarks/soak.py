@@ -82,16 +82,93 @@ def ensure_users(slots: int) -> None:
 # --- what is sampled ----------------------------------------------------------------------------
 
 
-def proc_status(pid: int) -> tuple[int, int]:
-    """The process's resident memory (bytes) and its thread count."""
-    rss = threads = 0
+STATUS_FIELDS = {
+    "VmRSS": "rss",
+    "RssAnon": "rss_anon",
+    "RssFile": "rss_file",
+    "RssShmem": "rss_shmem",
+}
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """The process's resident memory (bytes: all, anonymous, file-backed, shared memory) and its
+    thread count."""
+    out = {"threads": 0, **dict.fromkeys(STATUS_FIELDS.values(), 0)}
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("Threads:"):
-                threads = int(line.split()[1])
-    return rss, threads
+            key, _, value = line.partition(":")
+            if key in STATUS_FIELDS:
+                out[STATUS_FIELDS[key]] = int(value.split()[0]) * 1024
+            elif key == "Threads":
+                out["threads"] = int(value.split()[0])
+    return out
+
+
+HEAP_MAX = 64 * 2**20  # a glibc thread arena's reservation on 64-bit (HEAP_MAX_SIZE)
+
+
+def mappings(pid: int) -> dict[str, int]:
+    """Resident bytes per mapping (``/proc/PID/smaps``), keyed by address range, permissions
+    and file (anonymous: the range alone)."""
+    out: dict[str, int] = {}
+    key = ""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps") as fh:
+        for line in fh:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                name = head[5].strip() if len(head) > 5 else ""
+                key = f"{head[0]} {head[1]} {name}".rstrip()
+            elif head[0] == "Rss:":
+                out[key] = int(head[1]) * 1024
+    return out
+
+
+def arenas(maps: dict[str, int]) -> int:
+    """glibc thread arenas: anonymous mappings that start on a 64 MiB boundary, whose usable and
+    reserved parts (``rw-p`` then ``---p``) add up to 64 MiB."""
+    spans: dict[int, int] = {}
+    for key in maps:
+        rng, _perms, *name = key.split(" ", 2)
+        if name:
+            continue
+        lo, hi = (int(x, 16) for x in rng.split("-"))
+        spans[lo] = hi
+    count = 0
+    for lo, hi in spans.items():
+        if lo % HEAP_MAX == 0:
+            end = spans.get(hi, hi) if hi - lo < HEAP_MAX else hi
+            if end - lo == HEAP_MAX:
+                count += 1
+    return count
+
+
+def mapping_kind(key: str, maps: dict[str, int]) -> str:
+    """What a mapping is: ``[heap]`` (glibc's main arena), ``arena`` (a thread arena: an
+    anonymous mapping from a 64 MiB boundary), ``anon`` (the rest: pymalloc's arenas, large
+    allocations, thread stacks), or its file (``file:NAME``) or pseudo-file (``[stack]``...)."""
+    rng, _perms, *name = key.split(" ", 2)
+    if name:
+        return name[0] if name[0].startswith("[") else "file:" + name[0].rsplit("/", 1)[-1]
+    lo = int(rng.split("-")[0], 16)
+    return "arena" if lo % HEAP_MAX == 0 else "anon"
+
+
+def by_kind(maps: dict[str, int]) -> dict[str, int]:
+    """Resident bytes per kind of mapping (``mapping_kind``)."""
+    out: dict[str, int] = {}
+    for key, rss in maps.items():
+        kind = mapping_kind(key, maps)
+        out[kind] = out.get(kind, 0) + rss
+    return out
+
+
+def mapping_diff(before: dict[str, int], after: dict[str, int]) -> list[list[Any]]:
+    """The mappings whose resident bytes changed most: [mapping, bytes before, after]."""
+    keys = set(before) | set(after)
+    changed = [[k, before.get(k, 0), after.get(k, 0)] for k in keys]
+    changed = [c for c in changed if c[1] != c[2]]
+    changed.sort(key=lambda c: -abs(c[2] - c[1]))
+    return changed[:12]
 
 
 def tree_size(path: Path) -> tuple[int, int]:
@@ -289,17 +366,58 @@ class Agent:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def sample(agent: Agent, ledger: LedgerCount, t0: float) -> dict[str, Any]:
+JUMP = 256 * 1024  # a step in resident memory between two samples that gets its mappings kept
+
+
+class Maps:
+    """The agent's mappings at the last sample, so that a step in its resident memory is kept
+    with the mappings that made it."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+        self.last_rss = 0
+        self.jumps: list[dict[str, Any]] = []
+        self.at_warmup: dict[str, int] | None = None
+
+    def growth(self) -> dict[str, list[int]]:
+        """Per kind of mapping: [resident bytes at the warm-up sample, at the last]."""
+        before, after = by_kind(self.at_warmup or {}), by_kind(self.last)
+        kinds = sorted(
+            set(before) | set(after), key=lambda k: -abs(after.get(k, 0) - before.get(k, 0))
+        )
+        return {
+            k: [before.get(k, 0), after.get(k, 0)] for k in kinds if before.get(k) != after.get(k)
+        }
+
+
+def sample(agent: Agent, ledger: LedgerCount, t0: float, maps: Maps, warmup: int) -> dict[str, Any]:
     pid = agent.proc.pid
-    rss, threads = proc_status(pid)
+    mem = proc_status(pid)
+    now_maps = mappings(pid)
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     cpu = agent.ps.cpu_times()
     breakdown = state_breakdown(agent.state)
+    ended = ledger.read()
+    wall = time.time()
+    if maps.last and abs(mem["rss"] - maps.last_rss) >= JUMP:
+        maps.jumps.append(
+            {
+                "wall": time.strftime("%H:%M:%S", time.gmtime(wall)),
+                "ended": ended,
+                "rss_step": mem["rss"] - maps.last_rss,
+                "mappings": mapping_diff(maps.last, now_maps),
+            }
+        )
+    maps.last, maps.last_rss = now_maps, mem["rss"]
+    if maps.at_warmup is None and ended >= warmup:
+        maps.at_warmup = now_maps
     return {
         "t": round(time.monotonic() - t0, 2),
-        "ended": ledger.read(),
-        "rss": rss,
-        "threads": threads,
+        "wall": round(wall, 1),
+        "ended": ended,
+        **mem,
+        "arenas": arenas(now_maps),
+        "mappings": len(now_maps),
         "fds": fds,
         "children": len(agent.ps.children(recursive=True)),
         "cpu_s": round(cpu.user + cpu.system, 2),
@@ -353,6 +471,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         submitted = 0
         t0 = time.monotonic()
         next_sample = t0
+        maps = Maps()
+        raw["jumps"] = maps.jumps
         for phase, count, command in plan:
             left = count
             raw["phases"].append({"phase": phase, "from_task": submitted, "tasks": count})
@@ -371,12 +491,14 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 if now >= next_sample:
                     if viewer is not None:
                         viewer.poll()
-                    s = sample(agent, ledger, t0)
+                    s = sample(agent, ledger, t0, maps, args.warmup)
                     s["phase"] = phase
                     raw["samples"].append(s)
                     next_sample = now + args.every
                     print(
                         f"{s['t']:7.0f}s {s['ended']:6d} ended  rss {s['rss'] / 2**20:6.2f} MB"
+                        f" (anon {s['rss_anon'] / 2**20:.2f} file {s['rss_file'] / 2**20:.2f}"
+                        f" arenas {s['arenas']})"
                         f"  threads {s['threads']}  fds {s['fds']}  children {s['children']}"
                         f"  state {s['state_bytes'] / 2**20:6.2f} MB / {s['state_entries']}"
                         f"  load {s['load1']:.1f}",
@@ -386,9 +508,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         for _, job, _ in jobs:
             server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=600)
         time.sleep(args.every)  # the last removals (a retired workspace, the log rotation)
-        last = sample(agent, ledger, t0)
+        last = sample(agent, ledger, t0, maps, args.warmup)
         last["phase"] = "end"
         raw["samples"].append(last)
+        raw["mapping_growth"] = maps.growth()
         raw["outcomes"] = ledger.outcomes
         raw["viewer"] = {"ok": viewer.ok, "errors": viewer.errors} if viewer else None
         raw["state_listing"] = sorted(os.listdir(agent.state))
@@ -469,6 +592,13 @@ def summary(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
         "rss_end_mb": last["rss"] / mb,
         "rss_growth_mb": (last["rss"] - first["rss"]) / mb,
         "rss_min_max_after_warmup_mb": [min(ys), max(ys)],
+        # Older runs sampled VmRSS only: their parts read 0.
+        "rss_anon_growth_mb": (last.get("rss_anon", 0) - first.get("rss_anon", 0)) / mb,
+        "rss_file_growth_mb": (last.get("rss_file", 0) - first.get("rss_file", 0)) / mb,
+        "arenas_min_max": [
+            min(s.get("arenas", 0) for s in after),
+            max(s.get("arenas", 0) for s in after),
+        ],
         "rss_slope_mb_per_1000_tasks": slope,
         "threads_min_max": [min(s["threads"] for s in after), max(s["threads"] for s in after)],
         "fds_min_max": [min(s["fds"] for s in after), max(s["fds"] for s in after)],
@@ -518,7 +648,14 @@ def plot(raw: dict[str, Any], warmup: int, path: Path) -> bool:
     mb = 2**20
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     panels: list[tuple[str, list[tuple[str, list[float]]]]] = [
-        ("agent resident memory (MB)", [("VmRSS", [s["rss"] / mb for s in samples])]),
+        (
+            "agent resident memory (MB)",
+            [
+                ("VmRSS", [s["rss"] / mb for s in samples]),
+                ("RssAnon", [s.get("rss_anon", 0) / mb for s in samples]),
+                ("RssFile", [s.get("rss_file", 0) / mb for s in samples]),
+            ],
+        ),
         (
             "threads, open descriptors, child processes",
             [
@@ -604,6 +741,8 @@ def report(raw: dict[str, Any], warmup: int) -> str:
         f" {s['rss_end_mb']:.2f} MB: {s['rss_growth_mb']:+.2f} MB (min/max after warm-up"
         f" {s['rss_min_max_after_warmup_mb'][0]:.2f}/{s['rss_min_max_after_warmup_mb'][1]:.2f};"
         f" trend {s['rss_slope_mb_per_1000_tasks']:+.3f} MB per 1,000 tasks)",
+        f"of which anonymous {s['rss_anon_growth_mb']:+.2f} MB, file-backed"
+        f" {s['rss_file_growth_mb']:+.2f} MB; glibc thread arenas {s['arenas_min_max']}",
         f"threads {s['threads_min_max']}, fds {s['fds_min_max']},"
         f" child processes {s['children_min_max']} (min, max after warm-up)",
         f"state dir less the ledger: max {s['state_less_ledger_max'][0]:.2f} MB /"
@@ -625,6 +764,18 @@ def report(raw: dict[str, Any], warmup: int) -> str:
         lines.append(
             f"isolated floor before/after: {' / '.join(f'{f:.1f}' for f in floors)} ms/task;"
             f" trivial soak cycle {ratio:.2f} x their mean"
+        )
+    growth = raw.get("mapping_growth") or {}
+    if growth:
+        lines.append(
+            "resident memory by mapping, warm-up -> end: "
+            + ", ".join(f"{k} {(a - b) / 1024:+.0f} kB" for k, (b, a) in list(growth.items())[:6])
+        )
+    for jump in raw.get("jumps", []):
+        top = ", ".join(f"{m[0]} {(m[2] - m[1]) / 1024:+.0f} kB" for m in jump["mappings"][:3])
+        lines.append(
+            f"RSS step {jump['rss_step'] / 1024:+.0f} kB at {jump['wall']} UTC, {jump['ended']}"
+            f" ended: {top}"
         )
     samples = raw["samples"]
     lines.append("RSS     " + spark([x["rss"] for x in samples]))
@@ -658,6 +809,9 @@ def main() -> int:
         raw = json.loads(args.out.read_text())
         args.warmup = raw["args"]["warmup"]
     else:
+        # A soak stopped from outside (kill PID) stops like one interrupted: its agent drained,
+        # its coordinator stopped, its samples kept in OUT.partial.json.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         if os.geteuid() != 0:
             print("soak.py runs its agent as root (tasks as flashsoak-N)", file=sys.stderr)
             return 2
