@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
 
+from flashnode import statefile
 from flashnode.config.settings import Settings
 from flashnode.console.app import without_output
 from flashnode.node.decision import Decision
 from flashnode.node.publisher import NodeView, Publisher
 from flashnode.node.workers import Workers
-from flashnode import statefile
 from flashnode.owner import status
 from flashnode.owner.ledger import Ledger
 
