@@ -159,8 +159,10 @@ def percent(value: Any) -> str:
 
 
 def attempt_line(attempt: dict[str, Any], now: float | None) -> str:
-    """One attempt in a line (the terminal status line, systemd's STATUS); with no ``now``,
-    without its ages (status.json's: its readers work them out from its times)."""
+    """One attempt in a line (the terminal status line, systemd's STATUS, status.json's
+    ``state``); with no ``now``, without its ages (status.json's: its readers work them out from
+    its times). Never with what the task printed: systemd's STATUS is any local user's to read
+    (``systemctl status``), and the line would rewrite status.json at each line it printed."""
     line = f"{attempt.get('lease_id')} ({attempt.get('job_id')}/{attempt.get('task_id')})"
     if now is None:
         line += f" {attempt.get('phase')}"
@@ -173,9 +175,6 @@ def attempt_line(attempt: dict[str, Any], now: float | None) -> str:
             line += f", suspended {duration(t['suspended_s'])}"
         if t["lease_left_s"] is not None:
             line += f", lease {duration(t['lease_left_s'])} left"
-    last = attempt.get("last_output")
-    if isinstance(last, str) and last:
-        line += f": {last}"
     return sanitise(line)
 
 

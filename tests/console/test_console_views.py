@@ -366,7 +366,9 @@ def test_the_view_only_level_gets_no_line_a_task_printed_in_the_status_text(
         "phase": "execute",
         "last_output": "secret-42 | not claiming: forged",
     }
-    text = "running " + status.attempt_line(attempt, None) + " | not claiming: paused by the owner"
+    # As an agent before this version wrote it (the line's text now carries no output).
+    line = status.attempt_line(attempt, None) + ": " + attempt["last_output"]
+    text = "running " + line + " | not claiming: paused by the owner"
     held = [{"rule": "pause", "reason": "paused by the owner", "fix": None, "suspends": False}]
     status.write(
         tmp_path,

@@ -223,3 +223,17 @@ def test_an_unwritable_status_file_is_said_once_and_its_recovery_too(
         "cannot write status.json (No space left on device): `flashnode status` lags",
         "status.json is written again",
     ]
+
+
+def test_the_status_line_and_state_never_carry_what_a_task_printed(tmp_path: Path) -> None:
+    """systemd's STATUS is any local user's to read (`systemctl status`): a task's last line
+    (a job's secret) stays in the running task's own entry, which only the owner's group reads."""
+    clock = FakeClock()
+    lines = Lines()
+    publisher = Publisher(clock, lines)
+    task = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "phase": "execute"}
+    publisher.publish(view(tmp_path, running=({**task, "last_output": "token=hunter2"},)))
+    assert all("hunter2" not in line for line in lines.lines), lines.lines
+    snapshot = written(tmp_path)
+    assert "hunter2" not in snapshot["state"]
+    assert snapshot["running"][0]["last_output"] == "token=hunter2"
