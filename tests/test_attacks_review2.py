@@ -53,8 +53,8 @@ class _Lines:
 @pytest.mark.xfail(
     strict=True,
     reason="status.json (0640, group flashnode) carries each running task's last printed line"
-    " (running[].last_output and the state text), and `flashnode status` prints it: the"
-    " view-only level reads what the console now hides from it",
+    " (running[].last_output; no longer the state text), and `flashnode status` prints it:"
+    " the view-only level reads what the console now hides from it",
 )
 def test_a_view_only_member_reads_no_task_output_in_status_json(tmp_path: Path) -> None:
     s = Settings(
@@ -108,11 +108,6 @@ def test_a_view_only_member_reads_no_task_output_in_the_ledger(tmp_path: Path) -
     assert seen is None or SECRET not in seen
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Workers.obey counts a settled attempt (committed, writing its records, its slot"
-    " already given to the next task) as running: flashnode_running reads 2 on a 1-slot node",
-)
 def test_running_metric_never_counts_a_settled_attempt_beside_the_next_task_of_its_slot(
     tmp_path: Path,
 ) -> None:

@@ -265,7 +265,8 @@ class Workers:
                 attempt.cancel(Stopped(decision.stop_reason), grace)
             attempt.request_suspension(decision.suspend_reason)
         suspended = sum(a.suspended_since is not None for a in attempts)
-        self._ctx.metrics.set_running(len(attempts), suspended)
+        # One that settled is only writing its records: the next task may hold its slot.
+        self._ctx.metrics.set_running(sum(not a.settled for a in attempts), suspended)
 
     def cancel_all(self, ending: AttemptLapsed, grace: float) -> None:
         for attempt in self.attempts():
