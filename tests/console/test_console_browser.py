@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from consoleharness import ConsoleAgent, start_console_agent
@@ -492,4 +494,202 @@ def test_re_attached_tasks_are_not_listed_as_a_reason_the_node_takes_no_work(
     page.goto(console.link())
     wait_for("the node facts", lambda: "re-attached" in page.inner_text("#node-facts"), 30)
     assert "re-attached" not in page.inner_text("#why")
+    page.context.close()
+
+
+# --- what the agent says since it keeps a task's output and a stale view from a viewer ----------
+
+
+def test_a_view_login_is_told_a_tasks_output_is_the_owners_and_the_owner_sees_as_before(
+    console: ConsoleAgent, coordinator: CoordinatorServer, browser: Any, tmp_path: Path
+) -> None:
+    """At the view-only level the agent sends no output (``output: null``,
+    ``output_hidden: true``): the running card and the opened history row say it is the owner's,
+    not that nothing was printed or kept. The owner's login, sent no output, says as before."""
+    coordinator.submit(argv_job(["sh", "-c", "echo kept here; echo '{}' > /work/out/metrics.json"]))
+    console.agent.wait_ledger(1)
+    job = coordinator.submit(argv_job(["sh", "-c", "echo printed now; sleep 120"]))
+    card = f"#slot-list article[data-lease]:has-text('{job}')"
+    row = "#history-table tbody tr.row[data-outcome=committed]"
+
+    page = new_page(browser, PHONE)
+    page.goto(console.base + console.minted("view"))
+    wait_page(page, "document.querySelector('#level').textContent === 'view only'")
+    page.wait_for_selector(card, timeout=30_000)
+    wait_for("the card's note", lambda: "output: owner only" in page.inner_text(card), 30)
+    assert "no output yet" not in page.inner_text(card)
+    assert page.query_selector(f"{card} pre.output") is None
+    page.wait_for_selector(row, timeout=30_000)
+    page.click(row)
+    page.wait_for_selector("#history-table tr.detail", timeout=10_000)
+    opened = page.inner_text("#history-table tr.detail")
+    assert "output: owner only" in opened and "not kept on this node" not in opened, opened
+    assert "printed now" not in page.inner_text("body")
+    assert "kept here" not in page.inner_text("body")
+    shot(page, tmp_path, "console-view-only-output")
+    assert sideways(page) == []
+    assert severe_violations(page) == []
+    page.context.close()
+
+    owner = new_page(browser, DESKTOP)
+
+    def no_output(route: Any) -> None:  # the owner's answers, as when nothing is printed or kept
+        answer = route.fetch()
+        data = answer.json()
+        for r in data if isinstance(data, list) else data.get("running") or []:
+            r["output"], r["output_hidden"] = None, False
+        route.fulfill(response=answer, json=data)
+
+    owner.route("**/api/state", no_output)
+    owner.route("**/api/history?*", no_output)
+    owner.goto(console.link())
+    owner.wait_for_selector(card, timeout=30_000)
+    wait_for("the card's note", lambda: "no output yet" in owner.inner_text(card), 30)
+    owner.wait_for_selector(row, timeout=30_000)
+    owner.click(row)
+    owner.wait_for_selector("#history-table tr.detail", timeout=10_000)
+    opened = owner.inner_text("#history-table tr.detail")
+    assert "output: not kept on this node" in opened and "owner only" not in opened, opened
+    assert "owner only" not in owner.inner_text(card)
+    owner.context.close()
+
+
+PARIS = ZoneInfo("Europe/Paris")  # new_page's zone
+
+
+def as_of(t: float) -> str:
+    """A moment as the page writes it (``when``), without its zone's name."""
+    d = datetime.fromtimestamp(t, PARIS)
+    if d.date() == datetime.now(PARIS).date():
+        return d.strftime("%H:%M:%S")
+    return d.strftime("%Y-%m-%d %H:%M")
+
+
+def the_view(fetched_at: float, **rest: Any) -> dict[str, Any]:
+    """A good answer of ``/api/coordinator`` (``App.coordinator_view``), asked at
+    ``fetched_at``."""
+    view = {
+        "online": True,
+        "accepted_tasks": 7,
+        "failed_attempts": 1,
+        "abandoned_leases": 0,
+        "reliability": 0.875,
+        "placement_tier": "proven",
+        "explained": {"reliability": "accepted ÷ accepted + failed + abandoned"},
+        "lowered_by": [],
+        "fetched_at": fetched_at,
+        "age_s": max(time.time() - fetched_at, 0.0),
+        "failed": False,
+        "asking": False,
+        "current": True,
+    }
+    return {**view, **rest}
+
+
+def test_the_coordinator_view_says_when_it_was_asked_and_a_failed_ask_is_shown_as_failed(
+    console: ConsoleAgent, browser: Any, tmp_path: Path
+) -> None:
+    """The coordinator's view says when it was asked ("as of HH:MM:SS ZONE"), says it is not
+    current when the agent says so, is asked again in about 2 s while the agent is asking the
+    coordinator (and while its first answer is pending), once after an answer not current, and
+    then not; a failed ask shows its error, with the last good view only as "last known, as of"
+    its time. The page's clock is held and moved on by hand: a re-ask is the 2 s one, never the
+    30 s refresh."""
+    page = new_page(browser, PHONE)
+    asked = time.time() - 5
+    answers: list[dict[str, Any]] = [{"error": "asking the coordinator", "pending": True}]
+    hits: list[float] = []
+
+    def shaped(route: Any) -> None:
+        hits.append(time.monotonic())
+        route.fulfill(json=answers[-1])
+
+    def shown() -> dict[str, str]:
+        return {
+            k: page.inner_text(f"#coordinator-{k}") if page.is_visible(f"#coordinator-{k}") else ""
+            for k in ("error", "as-of", "facts")
+        }
+
+    def next_answer(
+        what: str, answer: dict[str, Any], drawn: Callable[[dict[str, str]], bool]
+    ) -> None:
+        """The agent's next answer: the page asks for it within about 2 s."""
+        answers.append(answer)
+        before = len(hits)
+        page.clock.run_for(2_500)
+        wait_for("a re-ask", lambda: page.title() is not None and len(hits) > before, 30)
+        wait_for(f"{what} drawn", lambda: drawn(shown()), 30)
+
+    page.route("**/api/coordinator", shaped)
+    page.clock.install()
+    page.clock.pause_at(time.time() + 1)  # no timer fires but those run_for moves past
+    page.goto(console.link())
+    wait_for("the pending ask", lambda: "asking the coordinator" in shown()["facts"], 30)
+
+    # Pending (as before): asked again; the answer: as of its time, current, the agent asking.
+    next_answer("the view", the_view(asked, asking=True), lambda s: "as of" in s["as-of"])
+    now = shown()
+    assert now["as-of"].startswith(f"as of {as_of(asked)} "), now
+    assert any(z in now["as-of"] for z in ("CET", "CEST", "GMT+1", "GMT+2")), now
+    assert "not current" not in now["as-of"] and now["error"] == "", now
+    assert "87%" in now["facts"] or "88%" in now["facts"], now
+    # A failed ask: its error, the last good view as "last known" only; asked again meanwhile.
+    failed_at = time.time() - 1
+    failure = {
+        "error": "the coordinator did not answer: connection refused",
+        "failed": True,
+        "failed_at": failed_at,
+        "fetched_at": asked,
+        "last_known": {k: v for k, v in the_view(asked).items() if k not in ("failed", "current")},
+        "asking": True,
+    }
+    next_answer("the failure", failure, lambda s: "connection refused" in s["error"])
+    now = shown()
+    assert f"since {as_of(failed_at)} " in now["error"], now
+    assert now["as-of"].startswith(f"last known, as of {as_of(asked)} "), now
+    assert "proven" in now["facts"], now
+    # Failed with nothing known before: the error alone, no view.
+    next_answer(
+        "the failure with nothing known",
+        {**failure, "last_known": None, "fetched_at": None},
+        lambda s: s["as-of"] == "" and "proven" not in s["facts"],
+    )
+    assert "connection refused" in shown()["error"]
+    # An answer older than current: said so, and asked again once (the request that found it
+    # old set the agent asking, which only the next answer says); then, the agent not asking,
+    # the page asks no more.
+    old = time.time() - 100
+    next_answer(
+        "the view not current",
+        the_view(old, current=False, age_s=100.0),
+        lambda s: "not current" in s["as-of"] and s["error"] == "",
+    )
+    assert shown()["as-of"].startswith(f"as of {as_of(old)} "), shown()
+    assert page.evaluate(
+        "document.querySelector('#coordinator-as-of').classList.contains('not-current')"
+    )
+    before = len(hits)
+    with page.expect_response("**/api/coordinator", timeout=30_000):
+        page.clock.run_for(2_500)
+    drawn = page.get_attribute("#app", "data-state-at")
+    page.clock.run_for(6_000)  # the state's refresh is due in this, the coordinator's is not
+    wait_for(
+        "the state drawn anew", lambda: page.get_attribute("#app", "data-state-at") != drawn, 30
+    )
+    page.wait_for_timeout(500)
+    assert len(hits) == before + 1, "asked again while the agent was not asking"
+    page.context.close()
+
+    # The failure on a phone, at the page's own pace: fits and reads.
+    page = new_page(browser, PHONE)
+    answers.append({**failure, "asking": False})
+    page.route("**/api/coordinator", shaped)
+    page.goto(console.link())
+    wait_for("the failure", lambda: "last known" in shown()["as-of"], 30)
+    shot(page, tmp_path, "console-coordinator-failed")
+    for width in NARROW:
+        page.set_viewport_size({"width": width, "height": 800})
+        wait_page(page, f"window.innerWidth === {width}")
+        assert sideways(page) == [], f"{width} px: the page scrolls sideways"
+    assert severe_violations(page) == []
     page.context.close()

@@ -1,7 +1,7 @@
 // The flashnode console. Everything the agent sends is set as text (textContent, never HTML):
 // task output, job names and the coordinator's words are hostile. It asks for data only while
 // the page is visible; state every 2 s, history every 10 s, charts and the coordinator's view
-// every 30 s. Times are shown in 24-hour form with their zone. At most two requests are under
+// every 30 s (every 2 s while the agent is asking the coordinator). Times are shown in 24-hour form with their zone. At most two requests are under
 // way at once, over all of its tabs (the agent answers at most four at once per user, and
 // closes the rest unanswered); each has a time limit, and once the agent has not answered for
 // longer than the rule `flashnode status` follows for status.json (three refresh periods, at
@@ -27,6 +27,8 @@ const ASK_MS = 10000, CHANGE_MS = 30000;  // how long a look and a change may ta
 let answeredAt = null;  // when the agent last sent its state (ms)
 let askingSince = Date.now();  // since when the page asks for it (it asks only while visible)
 let refreshError = false;  // #message holds a refresh's error (cleared once one succeeds)
+let coordinatorAgain = null;  // the coordinator's view asked again soon: the agent asks it
+let oldAskedAgain = false;  // a view not current was asked again already (once is enough)
 
 function $(id) { return document.getElementById(id); }
 
@@ -165,6 +167,7 @@ async function api(path, body) {
 function showLogin() {
   for (const t of timers) clearInterval(t);
   timers = [];
+  clearTimeout(coordinatorAgain);
   $("app").hidden = true;
   $("login").hidden = false;
   $("btn-logout").hidden = true;
@@ -362,6 +365,14 @@ function stream(name, text, key) {
   return el("div", { class: "stream" }, el("div", { class: "stream-name" }, name), pre);
 }
 
+// What stands for an attempt's output when none is shown: the view-only login gets none of what
+// a task printed (the agent sends output_hidden), else `none` (nothing printed yet, or not kept).
+function outputNote(r, none) {
+  if (r.output_hidden) return el("p", { class: "muted" }, "output: owner only");
+  const out = r.output || {};
+  return !out.stdout && !out.stderr ? el("p", { class: "muted" }, none) : null;
+}
+
 // Boxes drawn anew show their newest line, unless the owner scrolled up in the one they
 // replace: that stays where it was (and keeps the focus).
 function keepScroll(container, draw) {
@@ -407,7 +418,7 @@ function renderSlots(running) {
       dl,
       stream("stdout, newest last", out.stdout, r.lease_id + ":stdout"),
       stream("stderr, newest last", out.stderr, r.lease_id + ":stderr"),
-      !out.stdout && !out.stderr ? el("p", { class: "muted" }, "no output yet") : null,
+      outputNote(r, "no output yet"),
       el("div", { class: "sub mono" }, "lease " + r.lease_id));
   });
   keepScroll($("slot-list"), () => replace($("slot-list"), ...cards));
@@ -575,21 +586,65 @@ function detail(r) {
     el("div", {}, "lease ", el("span", { class: "mono" }, r.lease_id), facts.length ? " · " + facts.join(" · ") : ""),
     el("div", {}, "reason:"), el("pre", {}, r.reason || "-"),
     stream("stdout", out.stdout, r.lease_id + ":stdout"), stream("stderr", out.stderr, r.lease_id + ":stderr"),
-    !out.stdout && !out.stderr ? el("p", { class: "muted" }, "output: not kept on this node") : null);
+    outputNote(r, "output: not kept on this node"));
   return el("tr", { class: "detail", "data-detail": r.lease_id }, td);
 }
 
+// The coordinator's view: asked again in about 2 s while the agent asks the coordinator (before
+// its first answer, `pending`, or for a newer one, `asking`), and once after an answer that is
+// not current (the request that found it old set the agent asking, but says `asking` only from
+// the next); one such ask waits at a time.
 async function refreshCoordinator() {
   const v = await api("/api/coordinator");
+  clearTimeout(coordinatorAgain);
+  coordinatorAgain = null;
+  const old = v.current === false && !v.asking;
+  const again = v.pending || v.asking || (old && !oldAskedAgain);
+  oldAskedAgain = old && again;
+  if (again) {
+    coordinatorAgain = setTimeout(() => {
+      coordinatorAgain = null;
+      if (document.visibilityState === "visible" && !$("app").hidden) run(refreshCoordinator);
+    }, 2000);
+  }
+  renderCoordinator(v);
+}
+
+// Never a view as if it were now's when asking failed: the error, and the last good view only
+// as "last known, as of" its time; a view asked longer ago than it counts as current says so.
+function renderCoordinator(v) {
   const dl = $("coordinator-facts");
+  const asOf = $("coordinator-as-of");
+  const problem = $("coordinator-error");
   replace(dl);
-  if (v.error) {
-    fact(dl, "unavailable", v.error);
+  const failed = v.failed === true;
+  problem.textContent = failed ? v.error + (typeof v.failed_at === "number" ? " (since " + when(v.failed_at) + ")" : "") : "";
+  problem.hidden = !failed;
+  const shown = failed ? v.last_known || null : v;
+  let note = "";
+  if (shown && typeof shown.fetched_at === "number") {
+    note = (failed ? "last known, as of " : "as of ") + when(shown.fetched_at);
+    if (!failed && v.current === false) note += ", not current" + (v.asking ? ": asking the coordinator again" : "");
+  }
+  asOf.textContent = note;
+  asOf.hidden = !note;
+  asOf.classList.toggle("not-current", failed || v.current === false);
+  if (!failed && v.error) fact(dl, "unavailable", v.error);
+  if (!shown || (!failed && v.error)) {
     $("lowered").hidden = true;
     $("scores").hidden = true;
-    if (v.pending) setTimeout(() => run(refreshCoordinator), 2000);  // the agent is asking
     return;
   }
+  if (shown.listed === false) {
+    fact(dl, "listed", "no: the coordinator listed no such node");
+    $("lowered").hidden = true;
+    $("scores").hidden = true;
+    return;
+  }
+  renderScores(dl, shown);
+}
+
+function renderScores(dl, v) {
   const explained = v.explained || {};
   fact(dl, "online", v.online ? "yes" : "no");
   fact(dl, "accepted tasks", v.accepted_tasks ?? "-");
