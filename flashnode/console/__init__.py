@@ -2,11 +2,12 @@
 
 ``start`` binds the listener, writes the login keys ``flashnode ui`` reads, and returns the
 running ``Console``; ``close`` stops serving and removes the keys. Parts: ``auth`` (login links,
-sessions, the checks on each request), ``server`` (the HTTP edge), ``app`` (what each request
-means), ``lookups`` (what it asks the coordinator, on a thread of its own), ``usage`` (the
-node's use over the last hour, day and week, kept in the state dir), ``static/`` (the page: no
-asset comes from anywhere else); totals and history come from the agent's
-``flashnode.owner.ledgerview``.
+sessions, the checks on each request), ``listener`` (the socket, and the thread that waits on it),
+``server`` (the HTTP edge), ``app`` (what each request means), ``lookups`` (what it asks the
+coordinator, on a thread of its own), ``usage`` (the node's use over the last hour, day and week,
+kept in the state dir), ``static/`` (the page: no asset comes from anywhere else); totals and
+history come from the agent's ``flashnode.owner.ledgerview``. The edge and the app are built at
+the first connection (``listener`` says why).
 """
 
 from __future__ import annotations
@@ -14,16 +15,40 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from flashnode.config.listen import parse_listen
 
-if TYPE_CHECKING:  # the parts are imported when the console starts (``start``)
-    from flashnode.console.app import App, Wiring
-    from flashnode.console.server import ConsoleServer
+if TYPE_CHECKING:  # the parts are imported when the console starts (``start``), or later
+    from flashnode.config.settings import Settings
+    from flashnode.console.app import App
+    from flashnode.console.listener import ConsoleServer
+    from flashnode.console.usage import UsageRing
+    from flashnode.owner.ledgerview import LedgerView
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Wiring:
+    """What the agent hands the console (``cli.py`` builds it)."""
+
+    state_dir: Path
+    settings: Callable[[], Settings]  # the running configuration (a reload replaces it)
+    config_file: Path | None  # what a change is written to; None: no file, no changes
+    validate: Callable[[Path], object]  # the loader `work` uses (raises ConfigError)
+    overridden: Callable[[str], str | None]  # "set by --pool", "set by FLASHNODE_POOLS", None
+    reload: Callable[[], None]  # the agent re-reads its configuration (as on SIGHUP)
+    node_view: Callable[[str], dict[str, Any] | None]  # GET /nodes, this node's entry
+    ring: UsageRing
+    task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
+    clock: Callable[[], float] = time.time
+    ledger: LedgerView | None = None  # the agent's (None: the console reads the ledger itself)
+    job_view: Callable[[str], dict[str, Any] | None] = lambda job_id: None  # NotFound: no job
 
 
 @dataclass
@@ -31,7 +56,7 @@ class Console:
     url: str
     server: ConsoleServer
     wiring: Wiring
-    app: App | None = None
+    app: App | None = None  # made at the first connection
 
     def close(self) -> None:
         from flashnode.console import auth
@@ -46,16 +71,14 @@ def start(listen: str, wiring: Wiring) -> Console:
     """Serve the console at ``listen`` (HOST:PORT; port 0: any free one). OSError when the
     address cannot be bound."""
     from flashnode.console import auth
-    from flashnode.console.app import App
-    from flashnode.console.server import ConsoleServer
+    from flashnode.console.listener import ConsoleServer
 
     parsed = parse_listen(listen)
     names = _local_names() if parsed.host in ("0.0.0.0", "::") else []
     gate = auth.Gate(clock=wiring.clock)
-    app = App(wiring, gate, frozenset(), "")
-    server = ConsoleServer(parsed.host, parsed.port, app, wiring.task_uids)
-    app.hosts = auth.allowed_hosts(parsed.host, server.port, parsed.loopback, names)
-    app.cookie = auth.cookie_name(server.port)
+    server = ConsoleServer(parsed.host, parsed.port)
+    hosts = auth.allowed_hosts(parsed.host, server.port, parsed.loopback, names)
+    cookie = auth.cookie_name(server.port)
     shown = "127.0.0.1" if parsed.host in ("0.0.0.0", "localhost") else parsed.host
     if parsed.host == "::":
         shown = "::1"
@@ -65,8 +88,18 @@ def start(listen: str, wiring: Wiring) -> Console:
     except OSError:
         server.close()
         raise
+    console = Console(url, server, wiring)
+
+    def app() -> App:
+        # At the first connection, on the listener's thread (``listener`` says why).
+        from flashnode.console.app import App
+
+        console.app = App(wiring, gate, hosts, cookie)
+        return console.app
+
+    server.serve(app, wiring.task_uids)
     log.info("console served at %s (log in with `flashnode ui`)", url)
-    return Console(url, server, wiring, app)
+    return console
 
 
 def _local_names() -> list[str]:

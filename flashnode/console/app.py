@@ -22,9 +22,7 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -32,10 +30,9 @@ from typing import Any
 from flashnode import __version__
 from flashnode.config import configedit
 from flashnode.config.settings import Settings
-from flashnode.console import auth
+from flashnode.console import Wiring, auth
 from flashnode.console.lookups import NODE_KEEP_S, Lookups, NodeAnswer
 from flashnode.console.server import Request, Response
-from flashnode.console.usage import UsageRing
 from flashnode.coordinator.ids import SAFE_ID
 from flashnode.owner import lastexit, pausefile, status
 from flashnode.owner.ledgerview import LedgerView
@@ -65,24 +62,6 @@ def clean(text: object, limit: int = TEXT_CHARS, keep: str = "") -> str:
     """Hostile text for the page: a string, sanitised (``keep``: controls kept), bounded."""
     value = text if isinstance(text, str) else "" if text is None else str(text)
     return sanitise(value, keep=keep, limit=limit)
-
-
-@dataclass
-class Wiring:
-    """What the agent hands the console (``cli.py`` builds it)."""
-
-    state_dir: Path
-    settings: Callable[[], Settings]  # the running configuration (a reload replaces it)
-    config_file: Path | None  # what a change is written to; None: no file, no changes
-    validate: Callable[[Path], object]  # the loader `work` uses (raises ConfigError)
-    overridden: Callable[[str], str | None]  # "set by --pool", "set by FLASHNODE_POOLS", None
-    reload: Callable[[], None]  # the agent re-reads its configuration (as on SIGHUP)
-    node_view: Callable[[str], dict[str, Any] | None]  # GET /nodes, this node's entry
-    ring: UsageRing
-    task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
-    clock: Callable[[], float] = time.time
-    ledger: LedgerView | None = None  # the agent's (None: the console reads the ledger itself)
-    job_view: Callable[[str], dict[str, Any] | None] = lambda job_id: None  # NotFound: no job
 
 
 class App:

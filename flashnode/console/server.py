@@ -1,5 +1,5 @@
-"""The console's HTTP edge: the standard library's HTTP server on one thread that sleeps in
-``select`` until a browser connects (no timer wakes it while nobody looks), a short-lived thread
+"""The console's HTTP edge: the standard library's HTTP server on the listener's socket and
+thread (``listener.py``, which builds this edge at the first connection), a short-lived thread
 per request, ``Connection: close`` after every answer, and a bounded read of every request.
 
 No one can hold the owner out: a connection from a refused user (a task's) is closed when it is
@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import selectors
 import socket
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -77,17 +74,20 @@ SECURITY_HEADERS = (
 )
 
 
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 128  # a burst of connections waits to be refused, not dropped
-    daemon_threads = True
-    allow_reuse_address = True
-    app: App
+class Edge(ThreadingHTTPServer):
+    """Serving on ``sock``, which the listener bound and listens on (non-blocking): one
+    ``handle_request`` each time it is ready."""
 
-    def __init__(self, address: tuple[str, int], family: int, refused_uids: frozenset[int]) -> None:
-        self.address_family = family
+    daemon_threads = True
+
+    def __init__(self, sock: socket.socket, app: App, refused_uids: frozenset[int]) -> None:
+        self.address_family = sock.family
+        self.app = app
         self.refused_uids = refused_uids
         self._slots = Connections(MAX_CLIENTS, MAX_PER_CLIENT)
-        super().__init__(address, _Handler)
+        super().__init__(sock.getsockname()[:2], _Handler, bind_and_activate=False)
+        self.socket.close()  # the one socketserver made: the listener's is served instead
+        self.socket = sock
 
     def process_request(self, request: Any, client_address: Any) -> None:
         who = client(request, client_address)
@@ -110,7 +110,7 @@ class _Server(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+    server: Edge
     protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive threads
     timeout = READ_TIMEOUT_S
     server_version = "flashnode"
@@ -179,41 +179,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # requests are not logged: a login link's token is in one
-
-
-class ConsoleServer:
-    """Listening on ``host:port`` (port 0: any free one) until ``close``."""
-
-    def __init__(
-        self, host: str, port: int, app: App, refused_uids: frozenset[int] = frozenset()
-    ) -> None:
-        """``refused_uids``: users whose connections are closed unanswered (the task users)."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = _Server((host, port), family, refused_uids)
-        self._server.app = app
-        # A client gone between select and accept must not block the loop in accept.
-        self._server.socket.setblocking(False)
-        self.port = int(self._server.server_address[1])
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._serve, name="console", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._server.socket, selectors.EVENT_READ)
-            sel.register(self._wake_r, selectors.EVENT_READ)
-            while True:
-                ready = [key.fileobj for key, _ in sel.select()]  # no timeout: sleeps
-                if self._wake_r in ready:
-                    return
-                self._server.handle_request()
-
-    def close(self, on_closed: Callable[[], None] = lambda: None) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        self._thread.join(5)
-        self._server.server_close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        on_closed()

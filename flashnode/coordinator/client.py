@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import ssl
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 from urllib.parse import quote, urlsplit
 
+import httpcore
 import httpx
 
 from flashnode import __version__
@@ -65,6 +65,34 @@ def _key(key: str) -> str:
     return quote(key, safe="/")
 
 
+class PlainHttp(httpx.HTTPTransport):
+    """The transport to a plain-http coordinator (a loopback one): httpx's request handling and
+    error mapping, over a connection pool with no TLS context at all. Plain http has no
+    certificate to verify, and an https URL is refused before any connection (fails closed), so
+    neither the trust store (3 MB of an idle agent's memory) nor even an empty OpenSSL context
+    (0.5 MB) is built for a scheme it never speaks."""
+
+    def __init__(self) -> None:
+        # Not httpx's own __init__, which builds a context whatever the scheme: its pool (the
+        # ``_pool`` its request handling uses, as caches.origins.CheckedTransport relies on
+        # too), with httpx's default limits and no context.
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=None,
+            max_connections=100,
+            max_keepalive_connections=20,
+            keepalive_expiry=5.0,
+        )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.scheme != "http":
+            raise httpx.UnsupportedProtocol(
+                f"{request.url.scheme} to a plain-http coordinator: refused (nothing verifies"
+                " a certificate here)",
+                request=request,
+            )
+        return super().handle_request(request)
+
+
 class Coordinator:
     """A client for one coordinator. Thread-safe: httpx.Client may be shared between threads."""
 
@@ -93,16 +121,14 @@ class Coordinator:
             else None
         )
         self._guard = self._loopback if token or join_code else None
+        if transport is None and parts.scheme == "http":
+            transport = PlainHttp()
         self._client = httpx.Client(
             base_url=base_url + API,
             headers=headers,
             transport=transport,
             follow_redirects=False,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            # Plain http (a loopback coordinator) has no certificate to verify: a context with
-            # no trusted certificate at all (any https use fails closed) instead of loading the
-            # trust store, 3 MB of an idle agent's memory.
-            verify=True if parts.scheme != "http" else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT),
             trust_env=False,
         )
 

@@ -1,11 +1,13 @@
 """An idle agent does not load what only a feature needs (issue 31's idle memory): a real
 ``flashnode work`` against a real coordinator, idle (registered, heartbeating, claiming nothing),
-reports the modules it holds and the pydantic models it has built, and none of the deferred ones
-is among them.
+reports the modules it holds, the pydantic models it has built and the TLS contexts it holds,
+and none of the deferred ones is among them (nor any TLS context: its coordinator is plain http,
+issue 44).
 
 The report comes from the test's own ``sitecustomize`` (on PYTHONPATH for the agent's process only,
 the product has no such hook): a thread that, once the test says the agent is idle, writes the
-process's ``sys.modules`` and which of the models below are built."""
+process's ``sys.modules``, which of the models below are built and how many ``ssl.SSLContext``
+objects it holds."""
 
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ from harness import AgentProcess, CoordinatorServer, free_port, wait_for
 
 # Each is imported where the feature runs, never on the idle path.
 NOT_AT_IDLE = {
-    "http.server": "metrics on (owner/metricsserver.py, prometheus_client), or the console",
-    "socketserver": "metrics on (owner/metricsserver.py, prometheus_client), or the console",
+    "http.server": "metrics on (owner/metricsserver.py), or the console's first connection",
+    "socketserver": "metrics on (owner/metricsserver.py), or the console's first connection",
+    "flashnode.console.server": "the console's first connection (console/listener.py)",
+    "flashnode.console.app": "the console's first connection (console/listener.py)",
+    "flashnode.console.lookups": "the console's first connection (console/listener.py)",
     "tarfile": "an archive input (sandbox/archives.py)",
     "ijson": "a module task's delta check (coordinator/checks.py)",
     "difflib": "a misspelt setting (config/loading.py)",
@@ -31,7 +36,7 @@ NOT_AT_IDLE = {
     "tomlkit": "flashnode pools, the console's settings (config/configedit.py)",
     "flashnode.console": "the console on (ui_listen)",
 }
-CONSOLE = {"http.server", "socketserver", "flashnode.console"}  # what the console itself needs
+CONSOLE = {"flashnode.console"}  # what the console needs before anyone connects
 # Models only a task uses: their validators are built at the first task (``defer_build``).
 NOT_BUILT_AT_IDLE = (
     "flashnode.coordinator.lease:Lease",
@@ -47,7 +52,7 @@ NOT_BUILT_AT_IDLE = (
 )
 
 SITECUSTOMIZE = """
-import json, os, sys, threading, time
+import gc, json, os, sys, threading, time
 
 def _report():
     trigger = os.environ["IDLE_IMPORTS_TRIGGER"]
@@ -59,8 +64,10 @@ def _report():
         module, model = name.split(":")
         if getattr(getattr(sys.modules.get(module), model, None), "__pydantic_complete__", True):
             built.append(name)
+    ssl = sys.modules.get("ssl")
+    tls = 0 if ssl is None else sum(isinstance(o, ssl.SSLContext) for o in gc.get_objects())
     with open(out + ".tmp", "w") as fh:
-        json.dump({"modules": sorted(sys.modules), "built": built}, fh)
+        json.dump({"modules": sorted(sys.modules), "built": built, "tls": tls}, fh)
     os.rename(out + ".tmp", out)
 
 if "IDLE_IMPORTS_TRIGGER" in os.environ:
@@ -73,9 +80,10 @@ def _idle_modules(
     coordinator: CoordinatorServer,
     start_agent: Callable[..., AgentProcess],
     env: dict[str, str],
-) -> tuple[set[str], list[str]]:
-    """The modules an idle agent holds, and which of ``NOT_BUILT_AT_IDLE`` it has built (a model
-    whose module is not even imported counts as built: the test must see it deferred)."""
+) -> tuple[set[str], list[str], int]:
+    """The modules an idle agent holds, which of ``NOT_BUILT_AT_IDLE`` it has built (a model
+    whose module is not even imported counts as built: the test must see it deferred), and how
+    many TLS contexts it holds."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -108,7 +116,7 @@ def _idle_modules(
     report = hook / f"{agent.proc.pid}.json"
     wait_for("the agent's module report", report.exists, timeout=30)
     found = json.loads(report.read_text())
-    return set(found["modules"]), found["built"]
+    return set(found["modules"]), found["built"], found["tls"]
 
 
 def _loaded(modules: set[str], name: str) -> bool:
@@ -123,7 +131,7 @@ def test_an_idle_agent_has_not_imported_or_built_what_only_a_feature_needs(
     console: str,
 ) -> None:
     listen = "off" if console == "off" else f"127.0.0.1:{free_port()}"
-    modules, built = _idle_modules(
+    modules, built, tls = _idle_modules(
         tmp_path, coordinator, start_agent, {"FLASHNODE_UI_LISTEN": listen}
     )
     assert "flashnode.node.agent" in modules  # the report is the agent's own
@@ -131,5 +139,7 @@ def test_an_idle_agent_has_not_imported_or_built_what_only_a_feature_needs(
     loaded = {name: why for name, why in expected.items() if _loaded(modules, name)}
     assert not loaded, f"an idle agent imported what only a feature needs: {loaded}"
     assert not built, f"an idle agent built models only a task uses: {built}"
+    # Its coordinator is plain http: its client builds none (coordinator/client.py, PlainHttp).
+    assert tls == 0, f"an idle agent holds {tls} TLS context(s)"
     if console == "on":
-        assert "flashnode.console" in modules  # the console did start
+        assert "flashnode.console.listener" in modules  # the console did start

@@ -3,17 +3,20 @@ thing (answers.STATUS), and whatever a broken answer raises becomes the agent's 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import json
+import ssl
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+from harness import CoordinatorServer, free_port
 
 from flashnode.coordinator.answers import STATUS, Done
-from flashnode.coordinator.client import Coordinator
+from flashnode.coordinator.client import Coordinator, PlainHttp
 from flashnode.coordinator.messages import (
     CheckpointPart,
     ExecutionEvidence,
@@ -190,3 +193,26 @@ def test_the_node_view_is_this_nodes_entry_and_a_strange_answer_an_error() -> No
         else:
             with pytest.raises(CoordinatorError):
                 strange.node_view("n1")
+
+
+def _tls_contexts() -> int:
+    return sum(isinstance(o, ssl.SSLContext) for o in gc.get_objects())
+
+
+def test_a_plain_http_coordinator_is_reached_without_any_tls_context(
+    coordinator: CoordinatorServer,
+) -> None:
+    """Plain http has no certificate to verify: its client builds no OpenSSL context (0.5 MB of
+    an idle agent's memory), and an https URL is refused before anything connects."""
+    gc.collect()
+    before = _tls_contexts()
+    c = Coordinator(coordinator.url)
+    try:
+        c.health()
+        assert c.node_view("no-such-node") is None
+        gc.collect()
+        assert _tls_contexts() == before
+    finally:
+        c.close()
+    with PlainHttp() as transport, pytest.raises(httpx.UnsupportedProtocol, match="refused"):
+        transport.handle_request(httpx.Request("GET", f"https://127.0.0.1:{free_port()}/"))
