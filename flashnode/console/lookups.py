@@ -70,6 +70,7 @@ class Lookups:
         self._node_asking: tuple[str, float] | None = None  # the ask in flight: whose, since
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._wanted: OrderedDict[str, None] = OrderedDict()
+        self._job_asking: str | None = None  # the job asked now: not wanted again meanwhile
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -87,6 +88,7 @@ class Lookups:
             latest = None if found is None else found.failed_at or found.fetched_at
             if since is None and (latest is None or now - latest >= NODE_KEEP_S):
                 self._want_node(node_id)
+                since = now  # this request's ask: it is under way (the page asks again soon)
             if found is None:
                 return None
             return NodeAnswer(found.record, found.fetched_at, found.failed_at, found.error, since)
@@ -125,7 +127,9 @@ class Lookups:
         self._wake()
 
     def _want_job(self, job_id: str) -> None:
-        if job_id in self._wanted or len(self._wanted) >= WANTED_MAX:
+        # One being asked is not wanted again: a request during the ask would see the answer
+        # before it, and ask once more after it (one ask per request, the thread slow).
+        if job_id in self._wanted or job_id == self._job_asking or len(self._wanted) >= WANTED_MAX:
             return
         self._wanted[job_id] = None
         self._wake()
@@ -150,6 +154,7 @@ class Lookups:
                 job, asked = None, 0.0
                 if node is None:
                     job, _ = self._wanted.popitem(last=False)
+                    self._job_asking = job
                 else:
                     asked = self._clock()
                     self._node_asking = (node, asked)
@@ -160,6 +165,9 @@ class Lookups:
                     self._ask_job(job)
             except Exception:  # a lookup must never end the thread the page relies on
                 log.exception("console: asking the coordinator failed")
+            finally:
+                with self._cond:
+                    self._job_asking = None
 
     def _ask_node(self, node_id: str, asked: float) -> None:
         """Ask for this node's record (``asked``: when the ask began, the time its answer

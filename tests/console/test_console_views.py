@@ -273,6 +273,32 @@ def test_a_cancel_after_its_job_was_asked_about_is_not_shown_as_the_coordinator_
     assert coordinator.asked.count("gone") == 2  # once for the page, once after the loss
 
 
+def test_a_job_being_asked_about_is_not_asked_again_by_the_requests_made_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """The coordinator answers slowly (a loaded machine): the page's requests during the ask
+    wait for its answer instead of each queueing one more ask of the same job."""
+    coordinator = Coordinator({"slow": job("sweep")})
+    asking, answer = threading.Event(), threading.Event()
+    view = coordinator.job_view
+
+    def slow(job_id: str) -> dict[str, Any] | None:
+        asking.set()
+        answer.wait(10)
+        return view(job_id)
+
+    coordinator.job_view = slow  # type: ignore[method-assign]
+    app = make_app(tmp_path, coordinator, [NOW])
+    assert get(app, "/api/jobs", {"ids": "slow"})["slow"]["state"] is None
+    assert asking.wait(10)
+    for _ in range(5):  # while that ask is under way
+        assert get(app, "/api/jobs", {"ids": "slow"})["slow"]["state"] is None
+    answer.set()
+    wait_for("the job asked about", lambda: app.job("slow")["state"] == "running", 10)
+    app.lookups.close()
+    assert coordinator.asked == ["slow"]
+
+
 def test_a_lease_this_node_gave_up_is_said_to_be_given_up_not_taken_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -327,6 +353,7 @@ def test_the_coordinators_view_says_when_it_was_asked_and_a_failed_ask_is_never_
     first = get(app, "/api/coordinator", {})  # the view of before the outage is not now's
     assert first["fetched_at"] == NOW
     assert first.get("current") is False or first.get("failed") is True
+    assert first["asking"] is True  # the ask this request started: the page asks again soon
     failed = wait_for(
         "the failed ask", lambda: (v := get(app, "/api/coordinator", {}))["failed"] and v
     )
