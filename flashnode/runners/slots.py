@@ -5,7 +5,8 @@ A ``SlotPool`` owns, for each slot, what lies between one task of the slot and t
 * the **turnover** after a task (``turn_over``), on the pool's worker thread, off the attempt's
   way: the task's cgroup removed, the keyrings of the slot's user cleared, then the slot's next
   chain started. In this order: no process of the slot's user may live beside a chain waiting for
-  the next task (same user: it could trace it, or write a script of its own into its pipe);
+  the next task (same user: it could trace it, or write a script of its own into its pipe). Then,
+  with the slot's next start no longer waiting, the task's supervisor (root's) is let go of;
 * the **chain kept ahead** for the slot's next task (``procs.launch.Launch``: its cgroup, namespaces
   and private directories, and an empty directory of the agent's bound at ``/work``, into which
   the next task's workspace is moved), so that a task starts with one exec. ``take`` waits for
@@ -124,23 +125,24 @@ class SlotPool:
         """The slot's task has ended and its processes are gone: the slot's turnover (the
         module docstring), queued on the pool's worker thread; the slot's next ``take`` waits
         for it. ``user``: the slot's (None: the agent's own, the same-user mode); ``cgroup``:
-        the task's; ``let_go``: lets go of the task's supervisor, first."""
+        the task's; ``let_go``: lets go of the task's supervisor (root's, never in the task's
+        cgroup), queued after the turnover: the slot's next start does not wait for it."""
         with self._lock:
             self._turnovers[slot] = self._worker.submit(
-                lambda: self._turn_over(slot, user, cgroup, let_go)
+                lambda: self._turn_over(slot, user, cgroup)
             )
+        self._worker.submit(lambda: self._let_go(slot, let_go))
 
-    def _turn_over(
-        self,
-        slot: int,
-        user: procs.TaskUser | None,
-        cgroup: cgroups.AttemptCgroup | None,
-        let_go: Callable[[], None],
-    ) -> None:
+    @staticmethod
+    def _let_go(slot: int, let_go: Callable[[], None]) -> None:
         try:
             let_go()
         except Exception:
             log.exception("slot %d: cannot let go of its task's supervisor", slot)
+
+    def _turn_over(
+        self, slot: int, user: procs.TaskUser | None, cgroup: cgroups.AttemptCgroup | None
+    ) -> None:
         try:
             gone = cgroup.remove() if cgroup is not None else True
             if user is not None:

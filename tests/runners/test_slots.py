@@ -159,6 +159,29 @@ def test_the_turnover_removes_the_tasks_cgroup_clears_the_keyrings_then_starts_t
     assert chain.work.name.startswith(".ahead-0-")
 
 
+def test_the_next_start_of_a_slot_does_not_wait_for_its_last_tasks_supervisor_to_go(
+    tmp_path: Path,
+) -> None:
+    """Letting go of the task's supervisor (root's: its exit waited for, its directory removed)
+    comes after the turnover, on the same thread: the slot's next chain is there first."""
+    p = Pool(tmp_path)
+    going, gone = threading.Event(), threading.Event()
+
+    def let_go() -> None:
+        going.set()
+        gone.wait(10)
+        p.events.append("supervisor let go of")
+
+    cgroup = FakeCgroup("lease-1", p.events)
+    p.pool.turn_over(0, USER, cgroup, let_go)
+    chain = p.pool.take(0, BLANK)  # does not wait for let_go
+    assert chain is not None and "supervisor let go of" not in p.events
+    assert going.wait(10)
+    gone.set()
+    p.pool.close()  # waits for what was queued, let_go too
+    assert p.events[-1] == "supervisor let go of"
+
+
 def test_a_slot_whose_last_cgroup_would_not_go_keeps_no_chain_beside_it(tmp_path: Path) -> None:
     """A process that would not die keeps its cgroup, and lives as the slot's user: no chain
     of that user may wait beside it."""
