@@ -172,7 +172,8 @@ def _console(
     machine, or a port taken, must not stop the work), and says so."""
     if settings.ui_listen is None or ring is None:
         return None
-    from flashnode.console import Wiring, start
+    from flashnode.console import start
+    from flashnode.console.wiring import Wiring
 
     wiring = Wiring(
         state_dir=settings.state_dir,

@@ -2,12 +2,13 @@
 
 ``start`` binds the listener, writes the login keys ``flashnode ui`` reads, and returns the
 running ``Console``; ``close`` stops serving and removes the keys. Parts: ``auth`` (login links,
-sessions, the checks on each request), ``listener`` (the socket, and the thread that waits on it),
-``server`` (the HTTP edge), ``app`` (what each request means), ``lookups`` (what it asks the
-coordinator, on a thread of its own), ``usage`` (the node's use over the last hour, day and week,
-kept in the state dir), ``static/`` (the page: no asset comes from anywhere else); totals and
-history come from the agent's ``flashnode.owner.ledgerview``. The edge and the app are built at
-the first connection (``listener`` says why).
+sessions, the checks on each request), ``wiring`` (what the agent hands it), ``listener`` (the
+socket, and the thread that waits on it), ``server`` (the HTTP edge), ``app`` (what each
+request means), ``lookups`` (what it asks the coordinator, on a thread of its own), ``usage``
+(the node's use over the last hour, day and week, kept in the state dir), ``static/`` (the
+page: no asset comes from anywhere else); totals and history come from the agent's
+``flashnode.owner.ledgerview``. The edge and the app are built at the first connection
+(``listener`` says why).
 """
 
 from __future__ import annotations
@@ -15,40 +16,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flashnode.config.listen import parse_listen
+from flashnode.console.wiring import Wiring
 
 if TYPE_CHECKING:  # the parts are imported when the console starts (``start``), or later
-    from flashnode.config.settings import Settings
     from flashnode.console.app import App
     from flashnode.console.listener import ConsoleServer
-    from flashnode.console.usage import UsageRing
-    from flashnode.owner.ledgerview import LedgerView
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Wiring:
-    """What the agent hands the console (``cli.py`` builds it)."""
-
-    state_dir: Path
-    settings: Callable[[], Settings]  # the running configuration (a reload replaces it)
-    config_file: Path | None  # what a change is written to; None: no file, no changes
-    validate: Callable[[Path], object]  # the loader `work` uses (raises ConfigError)
-    overridden: Callable[[str], str | None]  # "set by --pool", "set by FLASHNODE_POOLS", None
-    reload: Callable[[], None]  # the agent re-reads its configuration (as on SIGHUP)
-    node_view: Callable[[str], dict[str, Any] | None]  # GET /nodes, this node's entry
-    ring: UsageRing
-    task_uids: frozenset[int] = frozenset()  # the task users: no request of theirs is answered
-    clock: Callable[[], float] = time.time
-    ledger: LedgerView | None = None  # the agent's (None: the console reads the ledger itself)
-    job_view: Callable[[str], dict[str, Any] | None] = lambda job_id: None  # NotFound: no job
 
 
 @dataclass

@@ -30,9 +30,10 @@ from typing import Any
 from flashnode import __version__
 from flashnode.config import configedit
 from flashnode.config.settings import Settings
-from flashnode.console import Wiring, auth
+from flashnode.console import auth
 from flashnode.console.lookups import NODE_KEEP_S, Lookups, NodeAnswer
 from flashnode.console.server import Request, Response
+from flashnode.console.wiring import Wiring
 from flashnode.coordinator.ids import SAFE_ID
 from flashnode.owner import lastexit, pausefile, status
 from flashnode.owner.ledgerview import LedgerView

@@ -15,10 +15,11 @@ from harness import wait_for
 
 from flashnode.config.settings import Settings
 from flashnode.console import auth
-from flashnode.console.app import App, Wiring
+from flashnode.console.app import App
 from flashnode.console.lookups import MISS_KEEP_S, WANTED_MAX
 from flashnode.console.server import Request
 from flashnode.console.usage import UsageRing
+from flashnode.console.wiring import Wiring
 from flashnode.errors import CoordinatorUnavailable
 from flashnode.owner import status
 

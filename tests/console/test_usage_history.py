@@ -17,9 +17,10 @@ from consoleharness import ConsoleAgent, start_console_agent
 from harness import AgentProcess, CoordinatorServer, free_port, wait_for
 
 from flashnode.console import usage
-from flashnode.console.app import App, Wiring
+from flashnode.console.app import App
 from flashnode.console.auth import Gate
 from flashnode.console.usage import FILE, STEP, UsageRing, file_size
+from flashnode.console.wiring import Wiring
 from flashnode.owner.ledgerview import LedgerView
 
 T0 = 1_800_000_000.0  # a multiple of 600: spans start on the clock's round numbers

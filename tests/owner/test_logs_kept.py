@@ -100,9 +100,10 @@ def test_a_finished_tasks_output_is_kept_readable_and_rotated(
 
 
 def test_the_consoles_history_shows_a_finished_tasks_output(tmp_path: Path) -> None:
-    from flashnode.console.app import App, Wiring
+    from flashnode.console.app import App
     from flashnode.console.auth import Gate
     from flashnode.console.usage import UsageRing
+    from flashnode.console.wiring import Wiring
 
     state = tmp_path / "state"
     logs = state / "attempts" / ".retired-ls-1" / "logs"
