@@ -9,7 +9,7 @@ import os
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,6 +25,8 @@ from flashnode.coordinator.messages import (
     NodeRegistration,
 )
 from flashnode.errors import AttemptFailed, AttemptLapsed
+from flashnode.node.decision import Decision
+from flashnode.node.publisher import NodeView
 from flashnode.owner.ledger import Ledger
 from flashnode.runners.base import Handle, Runner, RunnerEnv, RunResult
 from flashnode.runners.findings import Finding
@@ -285,3 +287,28 @@ def trusted_runner(pools: tuple[str, ...] = ("team-a",)) -> Any:
 
     s = Settings(coordinator="http://127.0.0.1:1", runner="trusted", pools=pools)
     return TrustedRunner(s, RunnerEnv("node-1", GpuPool()), None, None, sandbox=False)
+
+
+def node_view(tmp_path: Path, **changes: Any) -> NodeView:
+    """A registered idle node as the loop hands it to the publisher (state dir ``tmp_path``),
+    with ``changes``."""
+    settings = Settings(
+        coordinator="http://127.0.0.1:1", runner="trusted", pools=("team-a",), state_dir=tmp_path
+    )
+    base = NodeView(
+        settings=settings,
+        node_id="node-1",
+        registered=True,
+        draining=False,
+        drain_deadline=None,
+        started_at=1_000.0,
+        beats=3,
+        last_heartbeat_at=1_000.0,
+        problems=(),
+        counters={"committed": 2},
+        running=(),
+        decision=Decision(),
+        last_ended=None,
+        reload_refused=None,
+    )
+    return replace(base, **changes)

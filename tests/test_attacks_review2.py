@@ -11,13 +11,12 @@ import stat
 from pathlib import Path
 
 import pytest
-from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease
+from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, node_view
 
 from flashnode import statefile
-from flashnode.config.settings import Settings
 from flashnode.console.app import without_output
 from flashnode.node.decision import Decision
-from flashnode.node.publisher import NodeView, Publisher
+from flashnode.node.publisher import Publisher
 from flashnode.node.workers import Workers
 from flashnode.owner import status
 from flashnode.owner.ledger import Ledger
@@ -57,9 +56,6 @@ class _Lines:
     " the view-only level reads what the console now hides from it",
 )
 def test_a_view_only_member_reads_no_task_output_in_status_json(tmp_path: Path) -> None:
-    s = Settings(
-        coordinator="http://127.0.0.1:1", runner="trusted", pools=("team-a",), state_dir=tmp_path
-    )
     task = {
         "lease_id": "ls-1",
         "job_id": "j",
@@ -67,25 +63,15 @@ def test_a_view_only_member_reads_no_task_output_in_status_json(tmp_path: Path) 
         "phase": "execute",
         "last_output": SECRET,  # Attempt.snapshot(): handle.last_output()
     }
-    view = NodeView(
-        settings=s,
-        node_id="node-1",
-        registered=True,
-        draining=False,
-        drain_deadline=None,
-        started_at=1_000.0,
-        beats=3,
-        last_heartbeat_at=1_000.0,
-        problems=(),
+    view = node_view(
+        tmp_path,
         counters={},
         running=(task,),
-        decision=Decision(),
         last_ended={
             "lease_id": "ls-0",
             "outcome": "failed",
             "reason": f"exit code 1: {SECRET}",  # Workers._last: the failure's stderr lines
         },
-        reload_refused=None,
     )
     publisher = Publisher(FakeClock(), sink=_Lines())
     publisher.publish(view)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -10,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock
+from fakes import FakeClock, node_view
 
 from flashnode.clock import stamp
-from flashnode.config.settings import Settings
 from flashnode.node.decision import Decision, Hold
-from flashnode.node.publisher import NEWS_GAP_S, NodeView, Publisher
+from flashnode.node.publisher import NEWS_GAP_S, Publisher
 from flashnode.node.session import Problem
 from flashnode.owner import status
 
@@ -40,27 +38,7 @@ class Lines:
         pass
 
 
-def view(tmp_path: Path, **changes: Any) -> NodeView:
-    s = Settings(
-        coordinator="http://127.0.0.1:1", runner="trusted", pools=("team-a",), state_dir=tmp_path
-    )
-    base = NodeView(
-        settings=s,
-        node_id="node-1",
-        registered=True,
-        draining=False,
-        drain_deadline=None,
-        started_at=1_000.0,
-        beats=3,
-        last_heartbeat_at=1_000.0,
-        problems=(),
-        counters={"committed": 2},
-        running=(),
-        decision=Decision(),
-        last_ended=None,
-        reload_refused=None,
-    )
-    return dataclasses.replace(base, **changes)
+view = node_view
 
 
 def test_the_text_says_what_holds_claiming_and_when_a_drain_stops_the_attempts(

@@ -4,16 +4,13 @@ is shown only while it still says something about this node (fake clock, no agen
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-from fakes import FakeClock
+from fakes import FakeClock, node_view
 
-from flashnode.config.settings import Settings
 from flashnode.console.app import _why
-from flashnode.node.decision import Decision
 from flashnode.node.publisher import NodeView, Publisher
 from flashnode.node.session import Problem
 from flashnode.owner import status
@@ -22,24 +19,8 @@ NOW = 1.7e9
 
 
 def view(tmp_path: Path, **changes: Any) -> NodeView:
-    s = Settings(coordinator="http://127.0.0.1:1", runner="trusted", state_dir=tmp_path)
-    base = NodeView(
-        settings=s,
-        node_id="node-1",
-        registered=True,
-        draining=False,
-        drain_deadline=None,
-        started_at=NOW - 600,
-        beats=3,
-        last_heartbeat_at=None,
-        problems=(),
-        counters={},
-        running=(),
-        decision=Decision(),
-        last_ended=None,
-        reload_refused=None,
-    )
-    return dataclasses.replace(base, **changes)
+    base = {"started_at": NOW - 600, "last_heartbeat_at": None, "counters": {}}
+    return node_view(tmp_path, **{**base, **changes})
 
 
 def written(tmp_path: Path) -> dict[str, Any]:
