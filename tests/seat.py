@@ -13,6 +13,20 @@ from harness import AgentProcess
 from flashnode.owner import status
 
 
+# A task that prints a tick every 0.1 s until the test lets it end (``release``), at most
+# 5 min: a pause the test waits for never races the task's own end.
+TICKING = (
+    "i=0; while [ ! -e /tmp/release ] && [ $i -lt 3000 ]; do i=$((i+1)); echo tick $i; "
+    "sleep 0.1; done; echo '{}' > /work/out/metrics.json"
+)
+
+
+def release(container: Any) -> None:
+    """Let a container's ``TICKING`` task end (its ``/tmp`` is the task's own tmpfs)."""
+    code, out = container.exec_run(["touch", "/tmp/release"])
+    assert code == 0, out
+
+
 def snapshot(agent: AgentProcess) -> dict[str, Any]:
     return status.read(agent.state_dir) or {}
 

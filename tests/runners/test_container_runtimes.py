@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from boxes import box_job, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, wait_for
-from seat import Seat, running
+from seat import TICKING, Seat, release, running
 from test_container import COUNTING, PROBE
 
 from flashnode.config.settings import Settings
@@ -266,8 +266,7 @@ def test_under_gvisor_an_owner_rule_pauses_the_container_and_lets_it_go_on(
     tmp_path: Path,
 ) -> None:
     seat = Seat(tmp_path)
-    loop = "i=0; while [ $i -lt 100 ]; do i=$((i+1)); echo tick $i; sleep 0.1; done"
-    job = coordinator.submit(box_job(["sh", "-c", f"{loop}; echo '{{}}' > /work/out/metrics.json"]))
+    job = coordinator.submit(box_job(["sh", "-c", TICKING]))
     node = unique("rt-pause")
     agent = start(
         start_agent, coordinator.url, node, env={**seat.env(), "FLASHNODE_CONTAINER_RUNTIME": runsc}
@@ -283,6 +282,7 @@ def test_under_gvisor_an_owner_rule_pauses_the_container_and_lets_it_go_on(
     wait_for("the container to be paused", paused, timeout=15)
     seat.idle()
     wait_for("the container to run again", lambda: not paused(), timeout=15)
+    release(container)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     entry = agent.wait_ledger()[-1]
     assert entry["outcome"] == "committed" and entry["timings"]["suspended"] > 0

@@ -10,7 +10,7 @@ from typing import Any
 
 from boxes import box_job, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, wait_for
-from seat import Seat, running
+from seat import TICKING, Seat, release, running
 
 
 def test_an_owner_rule_pauses_the_container_then_unpauses_it_and_the_cap_applies(
@@ -21,8 +21,7 @@ def test_an_owner_rule_pauses_the_container_then_unpauses_it_and_the_cap_applies
     tmp_path: Path,
 ) -> None:
     seat = Seat(tmp_path)
-    loop = "i=0; while [ $i -lt 200 ]; do i=$((i+1)); echo tick $i; sleep 0.1; done"
-    job = coordinator.submit(box_job(["sh", "-c", f"{loop}; echo '{{}}' > /work/out/metrics.json"]))
+    job = coordinator.submit(box_job(["sh", "-c", TICKING]))
     node = unique("dock-owner")
     env = {**seat.env(), "FLASHNODE_TASK_CPU_PERCENT": "50"}
     agent = start(start_agent, coordinator.url, node, env=env)
@@ -41,6 +40,7 @@ def test_an_owner_rule_pauses_the_container_then_unpauses_it_and_the_cap_applies
     wait_for("the status", lambda: (running(agent) or {}).get("suspended_s") is not None)
     seat.idle()
     wait_for("the container to run again", lambda: not state()["Paused"], timeout=15)
+    release(container)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     entry = agent.wait_ledger()[-1]
     assert entry["outcome"] == "committed" and entry["timings"]["suspended"] > 0

@@ -24,7 +24,7 @@ import pytest
 from badcoord import BadCoordinator, lease_answer
 from boxes import IMAGE, LABEL, box_job, import_image, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, processes_in, wait_for
-from seat import Seat, running
+from seat import TICKING, Seat, release, running
 from test_container import COUNTING, FAKE_PYTHON, PROBE, PYBOX
 from test_container_runtimes import HIDE
 
@@ -223,8 +223,7 @@ def test_under_podman_an_owner_rule_pauses_the_container_and_lets_it_go_on(
 ) -> None:
     # Root Podman pauses through the cgroup freezer, as Docker does (cgroup v1 or v2).
     seat = Seat(tmp_path)
-    loop = "i=0; while [ $i -lt 100 ]; do i=$((i+1)); echo tick $i; sleep 0.1; done"
-    job = coordinator.submit(box_job(["sh", "-c", f"{loop}; echo '{{}}' > /work/out/metrics.json"]))
+    job = coordinator.submit(box_job(["sh", "-c", TICKING]))
     node = podman.node("podman-pause")
     agent = start(start_agent, coordinator.url, node, env={**seat.env(), **podman.env()})
     wait_for("a printed line", lambda: "tick" in ((running(agent) or {}).get("last_output") or ""))
@@ -238,6 +237,7 @@ def test_under_podman_an_owner_rule_pauses_the_container_and_lets_it_go_on(
     wait_for("the container to be paused", paused, timeout=15)
     seat.idle()
     wait_for("the container to run again", lambda: not paused(), timeout=15)
+    release(container)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     entry = agent.wait_ledger()[-1]
     assert entry["outcome"] == "committed" and entry["timings"]["suspended"] > 0
