@@ -12,7 +12,6 @@ from harness import AgentProcess
 
 from flashnode.owner import status
 
-
 # A task that prints a tick every 0.1 s until the test lets it end (``release``), at most
 # 5 min: a pause the test waits for never races the task's own end.
 TICKING = (
