@@ -127,6 +127,9 @@ class TrustedRunner(Runner):
             for old in settings.state_dir.glob(f"{ENVS_TABLE}*.fstab"):
                 old.unlink(missing_ok=True)
         self._envs_tables = EnvsTables(settings.state_dir, private)
+        # Whether the job environments' directory lies under a private directory: asked once
+        # (the state dir stays where it is for the agent's life), not at every task's start.
+        self._envs_private = under_private_dir(settings.state_dir / ENVS_DIR) is not None
         # Each slot's turnover after its task, and its next chain kept ahead: only where every
         # task gets the same chain (its own user, a cgroup, the sandbox, a state dir outside the
         # private directories).
@@ -247,7 +250,7 @@ class TrustedRunner(Runner):
         none) and the managed interpreters, never another job's (whose files are
         world-readable for task users, and whose paths are in every task's command line)."""
         root = self.settings.state_dir / ENVS_DIR
-        if not root.is_dir() or under_private_dir(root) is not None:
+        if self._envs_private or not root.is_dir():
             return self._fstab, ""  # none, or out of the task's sight already (private)
         kept = [root / PYTHON_DIR, *([Path(environment)] if environment else [])]
         found = tuple(str(p) for p in kept if p.is_relative_to(root) and p.is_dir())

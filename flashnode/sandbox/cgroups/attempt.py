@@ -14,6 +14,7 @@ from flashnode.sandbox.cgroups.files import (
     FREEZE_WAIT_S,
     V1_CONTROLLERS,
     V1_FREEZER,
+    read,
     write,
     write_cpu,
 )
@@ -92,7 +93,7 @@ class AttemptCgroup:
         found: set[int] = set()
         for path in self.paths.values():
             with contextlib.suppress(OSError):
-                found.update(int(x) for x in (path / "cgroup.procs").read_text().split())
+                found.update(int(x) for x in read(path / "cgroup.procs").split())
         return found
 
     def kill(self, timeout: float = 5.0) -> None:
