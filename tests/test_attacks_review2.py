@@ -1,6 +1,6 @@
 """Attacks on the change of c566fe8..HEAD (the trivial-task cycle, the console's output hiding,
-the lease keeper's last try, the status file's timing). Each test is one attack; each FAILS
-while the hole it demonstrates is open (marked ``xfail(strict=True)`` until it is fixed)."""
+the lease keeper's last try, the status file's timing). Each test is one attack, and failed
+while the hole it demonstrates was open."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, node_view
 
 from flashnode import statefile
-from flashnode.console.app import without_output
 from flashnode.node.decision import Decision
 from flashnode.node.publisher import Publisher
 from flashnode.node.workers import Workers
 from flashnode.owner import status
 from flashnode.owner.ledger import Ledger
+from flashnode.owner.status import without_output
 
 SECRET = "API_KEY=sk-hostile-0123456789"  # what a task printed: the owner's alone, says b78eb92
 
@@ -49,12 +49,6 @@ class _Lines:
         pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="status.json (0640, group flashnode) carries each running task's last printed line"
-    " (running[].last_output; no longer the state text), and `flashnode status` prints it:"
-    " the view-only level reads what the console now hides from it",
-)
 def test_a_view_only_member_reads_no_task_output_in_status_json(tmp_path: Path) -> None:
     task = {
         "lease_id": "ls-1",
@@ -79,12 +73,6 @@ def test_a_view_only_member_reads_no_task_output_in_status_json(tmp_path: Path) 
     assert seen is None or SECRET not in seen
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the ledger (0640, group flashnode) keeps a failure's reason with the task's last"
-    " stderr lines; `flashnode history` shows it to the view-only level, which the console"
-    " now strips (without_output)",
-)
 def test_a_view_only_member_reads_no_task_output_in_the_ledger(tmp_path: Path) -> None:
     reason = f"exit code 3: {SECRET}"
     assert SECRET not in without_output(reason)  # what the console shows that level

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Mapping
 from importlib import resources
@@ -277,7 +276,7 @@ class App:
             for key in ("lease_id", "job_id", "task_id", "pool", "outcome", "reason", "facts"):
                 shown[key] = clean(r.get(key))
             if not owner:
-                shown["reason"] = without_output(shown["reason"])
+                shown["reason"] = status.without_output(shown["reason"])
             shown["output"] = self.output_tail(str(r.get("lease_id") or "")) if owner else None
             shown["output_hidden"] = not owner
             out.append(shown)
@@ -370,7 +369,7 @@ class App:
                     "ended_at": ended,
                     "cause": cause(outcome, state, reason, known),
                     "reason": clean(
-                        (reason if owner else without_output(reason)).split("\n")[0], 300
+                        (reason if owner else status.without_output(reason)).split("\n")[0], 300
                     ),
                 }
             )
@@ -529,18 +528,6 @@ def cause(outcome: str, job_state: str | None, reason: str = "", known: bool = T
             return "the coordinator took the lease back (asking it whether the job was cancelled)"
         return "the coordinator took the lease back"
     return "this node let it go"
-
-
-# A failed task's reason quotes its last stderr lines after how it ended (``execute._verdict``).
-_QUOTED_OUTPUT = re.compile(r"(exit code -?\d+|killed by signal \d+): ")
-
-
-def without_output(reason: str) -> str:
-    """A reason without the task's own lines it quotes (the view-only level's)."""
-    found = _QUOTED_OUTPUT.search(reason)
-    if found is None:
-        return reason
-    return reason[: found.end(1)] + " (the task's last lines: owner only)"
 
 
 def _state_text(snapshot: dict[str, Any], controls: Mapping[str, Any]) -> str:

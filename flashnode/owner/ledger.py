@@ -2,9 +2,11 @@
 
 The agent's ledger is ``0640``, group ``flashnode`` (``Ledger.shared``), as ``status.json`` is:
 who may run ``flashnode status`` and look at the console (which shows the ledger's lines) may run
-``flashnode history`` too; no one else. A ledger an older agent made ``0600`` is opened up when
-the agent opens it. Where the group cannot own it (no such group, an agent not in it) it stays
-``0600``, the agent's alone.
+``flashnode history`` too; no one else. So, as status.json, it holds nothing a task printed: a
+failure's reason is written without the task's last lines it quotes, which stay the owner's in
+the attempt's kept logs (``flashnode logs``). A ledger an older agent made ``0600`` is opened up
+when the agent opens it. Where the group cannot own it (no such group, an agent not in it) it
+stays ``0600``, the agent's alone.
 
 The ledger is bounded: once it holds ``ROTATE_BYTES`` it becomes ``ledger.jsonl.1`` (the one
 before goes) and a new one starts: it keeps the last 60,000 attempts or more (a line is about a
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnode import statefile
+from flashnode.owner.status import without_output
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,12 @@ class Ledger:
         return len(self._pending)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write the line (after any still waiting); on an OSError keep it for later, and say so
-        in the log once per stretch of failures."""
+        """Write the line (after any still waiting; its reason without what the task printed);
+        on an OSError keep it for later, and say so in the log once per stretch of failures."""
+        reason = record.get("reason")
+        if isinstance(reason, str):
+            where = f"flashnode logs {record.get('lease_id') or '<lease>'}"
+            record = {**record, "reason": without_output(reason, where)}
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         with self._lock:
             if len(self._pending) < MAX_PENDING:

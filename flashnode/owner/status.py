@@ -4,14 +4,21 @@ A running agent publishes a snapshot of itself to ``<state dir>/status.json`` (a
 every change and at least every heartbeat); ``flashnode status`` reads it and checks that the
 agent that wrote it is still alive. Per running attempt it holds the live view: when it started,
 when its lease runs out (from the keeper's last renewal), whether it is suspended, checkpoints
-shipped, bytes staged and uploaded, and the task's last output line (already escaped); the
-owner controls' word (paused, which rules hold claiming) sits beside them.
+shipped, bytes staged and uploaded; the owner controls' word (paused, which rules hold claiming)
+sits beside them.
+
+``status.json`` is the group ``flashnode``'s to read (the console's view-only level), so it never
+holds what a task printed: each running task's last output line and the lines a failure's reason
+quotes go to ``status-owner.json`` beside it, the agent's user's alone, written with the same
+``updated_at`` (``write``). ``read`` puts them back where it may read that file and it belongs
+to the same snapshot; elsewhere the snapshot says ``output_hidden``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -24,6 +31,7 @@ from flashnode.errors import ExitCode, disk_full
 from flashnode.sanitise import sanitise
 
 STATUS_FILE = "status.json"
+OWNER_FILE = "status-owner.json"  # what a task printed: the agent's user's alone (``write``)
 STALE_PERIODS = 3  # a snapshot older than this many of its promised periods is stale ...
 STALE_FLOOR_S = 30.0  # ... and never one younger than this
 DEFAULT_FRESH_FOR_S = 5.0  # the promise of a snapshot that states none (heartbeat_seconds)
@@ -37,10 +45,34 @@ class StatusSink(Protocol):
     def tick(self) -> None: ...
 
 
+# A failed task's reason quotes its last stderr lines after how it ended (``execute._verdict``).
+_QUOTED_OUTPUT = re.compile(r"(exit code -?\d+|killed by signal \d+): ")
+
+
+def without_output(reason: str, where: str = "owner only") -> str:
+    """A reason without the task's own lines it quotes (what the group ``flashnode`` reads:
+    status.json, the ledger, the console's view-only level); ``where``: where they are."""
+    found = _QUOTED_OUTPUT.search(reason)
+    if found is None:
+        return reason
+    return reason[: found.end(1)] + f" (the task's last lines: {where})"
+
+
 def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
-    """Readable by the agent's user and the ``flashnode`` group only. Padded with spaces to a
-    whole number of blocks, with room to spare, so that on a full disk the next snapshot can
-    still be written in place (and say that the disk is full)."""
+    """Readable by the agent's user and the ``flashnode`` group only: what a task printed (each
+    running attempt's ``last_output``, the lines ``last_ended``'s reason quotes) is taken out
+    and, when there is any, written first to ``OWNER_FILE``, the agent's user's alone, with
+    the snapshot's ``updated_at``. Padded with spaces to a whole number of blocks, with room to
+    spare, so that on a full disk the next snapshot can still be written in place (and say
+    that the disk is full)."""
+    snapshot, hidden = _split(snapshot)
+    if hidden is not None:
+        data = json.dumps(hidden, sort_keys=True).encode() + b"\n"
+        try:
+            statefile.write(state_dir / OWNER_FILE, data, 0o600)
+        except OSError as exc:  # the owner's last lines wait; status.json still says the rest
+            if disk_full(exc) is None:
+                raise
     data = json.dumps(snapshot, sort_keys=True).encode() + b"\n"
     data = data.ljust(-(-(len(data) + SLACK_BYTES) // BLOCK_BYTES) * BLOCK_BYTES)
     path = state_dir / STATUS_FILE
@@ -52,9 +84,55 @@ def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
         statefile.overwrite(path, data.rstrip(b" "))
 
 
+def _split(snapshot: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the snapshot without what a task printed, that part: None when there is none)."""
+    outputs: dict[str, str] = {}
+    running = []
+    for attempt in snapshot.get("running") or []:
+        attempt = dict(attempt)
+        line = attempt.pop("last_output", None)
+        if isinstance(line, str) and line:
+            outputs[str(attempt.get("lease_id") or "")] = line
+        running.append(attempt)
+    shared = {**snapshot, "running": running}
+    last = snapshot.get("last_ended")
+    reason = last.get("reason") if isinstance(last, dict) else None
+    kept = without_output(reason) if isinstance(reason, str) else reason
+    if isinstance(last, dict) and kept != reason:
+        shared["last_ended"] = {**last, "reason": kept}
+    if not outputs and kept == reason:
+        return shared, None
+    hidden = {"updated_at": snapshot.get("updated_at"), "last_output": outputs, "reason": reason}
+    return shared, hidden
+
+
+def _merge(state_dir: Path, snapshot: dict[str, Any]) -> None:
+    """Put back what a task printed (``OWNER_FILE``) where this user may read it and it was
+    written with this snapshot; else say it is hidden, when it is."""
+    try:
+        hidden = json.loads((state_dir / OWNER_FILE).read_text())
+    except PermissionError:
+        snapshot["output_hidden"] = True
+        return
+    except (OSError, ValueError):
+        return
+    if not isinstance(hidden, dict) or hidden.get("updated_at") != snapshot.get("updated_at"):
+        return
+    lines = hidden.get("last_output")
+    lines = lines if isinstance(lines, dict) else {}
+    for attempt in snapshot.get("running") or []:
+        line = lines.get(attempt.get("lease_id")) if isinstance(attempt, dict) else None
+        if isinstance(line, str):
+            attempt["last_output"] = line
+    last, reason = snapshot.get("last_ended"), hidden.get("reason")
+    if isinstance(last, dict) and isinstance(reason, str):
+        last["reason"] = reason
+
+
 def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
     """The running agent's snapshot, or None when no agent runs on this state dir. ``strict``:
-    PermissionError when this user may not read it (rather than None: "no agent")."""
+    PermissionError when this user may not read it (rather than None: "no agent"). What the
+    tasks printed is in it where this user may read ``OWNER_FILE`` (else ``output_hidden``)."""
     snapshot: dict[str, Any] | None = None
     for _ in range(3):  # a snapshot written in place (a full disk) may be read half-written
         try:
@@ -80,6 +158,7 @@ def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
     )
     for attempt in snapshot.get("running", []):
         attempt.update(ages(attempt, now))
+    _merge(state_dir, snapshot)
     return snapshot
 
 
@@ -299,7 +378,8 @@ def render(
             f"    use now      cpu {percent(use.get('cpu_percent'))}"
             f"   memory {size(use.get('memory_bytes'))}   gpu {percent(use.get('gpu_percent'))}"
         )
-        lines.append(f"    last output  {a.get('last_output') or '-'}")
+        none = "owner only (sudo flashnode status)" if snapshot.get("output_hidden") else "-"
+        lines.append(f"    last output  {a.get('last_output') or none}")
     return "\n".join(sanitise(line) for line in lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +204,12 @@ def test_an_unwritable_status_file_is_said_once_and_its_recovery_too(
     ]
 
 
-def test_the_status_line_and_state_never_carry_what_a_task_printed(tmp_path: Path) -> None:
-    """systemd's STATUS is any local user's to read (`systemctl status`): a task's last line
-    (a job's secret) stays in the running task's own entry, which only the owner's group reads."""
+def test_what_a_task_printed_is_the_owners_alone_beside_status_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd's STATUS is any local user's to read (`systemctl status`), status.json the group
+    flashnode's: a task's last line (a job's secret) is in neither, but in the owner's file
+    beside it, which `status.read` puts back for who may read it."""
     clock = FakeClock()
     lines = Lines()
     publisher = Publisher(clock, lines)
@@ -213,5 +217,31 @@ def test_the_status_line_and_state_never_carry_what_a_task_printed(tmp_path: Pat
     publisher.publish(view(tmp_path, running=({**task, "last_output": "token=hunter2"},)))
     assert all("hunter2" not in line for line in lines.lines), lines.lines
     snapshot = written(tmp_path)
-    assert "hunter2" not in snapshot["state"]
-    assert snapshot["running"][0]["last_output"] == "token=hunter2"
+    assert "hunter2" not in json.dumps(snapshot)
+    owners = tmp_path / status.OWNER_FILE
+    assert stat.S_IMODE(owners.stat().st_mode) == 0o600
+    assert json.loads(owners.read_text())["updated_at"] == snapshot["updated_at"]
+    monkeypatch.setattr(status, "agent_alive", lambda pid: pid == os.getpid())  # the publisher's
+    read = status.read(tmp_path)
+    assert read is not None and read["running"][0]["last_output"] == "token=hunter2"
+
+
+def test_an_earlier_snapshots_last_lines_are_never_put_back_into_a_later_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    publisher = Publisher(clock, Lines())
+    task = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "phase": "execute"}
+    publisher.publish(view(tmp_path, running=({**task, "last_output": "step 1"},)))
+    clock.sleep(60)  # a heartbeat period on: rewritten, the task printed nothing since
+    publisher.publish(view(tmp_path, running=(task,), beats=1))
+    monkeypatch.setattr(status, "agent_alive", lambda pid: pid == os.getpid())
+    read = status.read(tmp_path)
+    assert read is not None and "last_output" not in read["running"][0]
+    assert "output_hidden" not in read
+
+
+def test_a_member_of_the_group_is_told_the_last_line_is_the_owners() -> None:
+    task = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "phase": "execute"}
+    snapshot = {"running": [task], "output_hidden": True, "updated_at": 0.0}
+    assert "last output  owner only (sudo flashnode status)" in status.render(snapshot, None, 1.0)
