@@ -55,6 +55,7 @@ from flashnode.errors import (
     disk_full,
     disk_full_error,
 )
+from flashnode.owner.status import without_output
 from flashnode.runners.base import Handle
 from flashnode.sandbox import logcap
 from flashnode.sandbox.removal import remove_tree
@@ -324,6 +325,13 @@ class Attempt(AttemptHooks):
         self._record(Outcome.DROPPED, reason)
         return Outcome.DROPPED
 
+    def _ledger_reason(self, reason: str, lease_id: str) -> str:
+        """The reason as the ledger keeps it (group flashnode reads it): without the stderr
+        lines it quotes, saying where the owner finds them."""
+        if self.ctx.settings.keep_logs > 0:
+            return without_output(reason, f"flashnode logs {lease_id}, while kept")
+        return without_output(reason, "not kept, keep_logs = 0")
+
     def _record(self, outcome: Outcome, reason: str, lease_id: str = "") -> None:
         """The attempt's one ledger line; a ledger that cannot be written is logged, never
         raised."""
@@ -355,7 +363,7 @@ class Attempt(AttemptHooks):
             "checkpoints_shipped": self.record.checkpoints_shipped,
             "checkpoint_step": self.record.checkpoint_step,
             "outcome": outcome.value,
-            "reason": reason,
+            "reason": self._ledger_reason(reason, lease.lease_id if lease else lease_id),
             "timings": dict(self.record.timings),
             "started_at": self.record.claimed_at,
             "ended_at": ended_at,

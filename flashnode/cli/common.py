@@ -193,6 +193,9 @@ def history(config_file: Path | None, state_dir: Path | None, count: int, as_jso
         records = ledger.records(last=count)
     except PermissionError:
         needs_root(f"cannot read {ledger.path}", group=True)
+    for r in records:  # the lines an older agent wrote quote what the task printed
+        if isinstance(r.get("reason"), str):
+            r["reason"] = status.without_output(r["reason"], "not kept in the ledger")
     if as_json:
         for r in records:
             click.echo(json.dumps(r, sort_keys=True))

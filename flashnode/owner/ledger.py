@@ -100,7 +100,7 @@ class Ledger:
         on an OSError keep it for later, and say so in the log once per stretch of failures."""
         reason = record.get("reason")
         if isinstance(reason, str):
-            where = f"flashnode logs {record.get('lease_id') or '<lease>'}"
+            where = f"flashnode logs {record.get('lease_id') or '<lease>'}, while kept"
             record = {**record, "reason": without_output(reason, where)}
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         with self._lock:

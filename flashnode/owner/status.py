@@ -16,6 +16,7 @@ to the same snapshot; elsewhere the snapshot says ``output_hidden``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,7 +47,7 @@ class StatusSink(Protocol):
 
 
 # A failed task's reason quotes its last stderr lines after how it ended (``execute._verdict``).
-_QUOTED_OUTPUT = re.compile(r"(exit code -?\d+|killed by signal \d+): ")
+_QUOTED_OUTPUT = re.compile(r"^(exit code -?\d+|killed by signal \d+): ")
 
 
 def without_output(reason: str, where: str = "owner only") -> str:
@@ -67,17 +68,16 @@ def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
     that the disk is full)."""
     snapshot, hidden = _split(snapshot)
     if hidden is not None:
-        data = json.dumps(hidden, sort_keys=True).encode() + b"\n"
-        try:
-            statefile.write(state_dir / OWNER_FILE, data, 0o600)
-        except OSError as exc:  # the owner's last lines wait; status.json still says the rest
-            if disk_full(exc) is None:
-                raise
+        with contextlib.suppress(OSError):  # a line too long for a full disk: status.json says
+            _write_padded(state_dir / OWNER_FILE, hidden, 0o600, None)  # the rest (``read``)
+    _write_padded(state_dir / STATUS_FILE, snapshot, 0o640, statefile.STATUS_GROUP)
+
+
+def _write_padded(path: Path, snapshot: dict[str, Any], mode: int, group: str | None) -> None:
     data = json.dumps(snapshot, sort_keys=True).encode() + b"\n"
     data = data.ljust(-(-(len(data) + SLACK_BYTES) // BLOCK_BYTES) * BLOCK_BYTES)
-    path = state_dir / STATUS_FILE
     try:
-        statefile.write(path, data, 0o640, statefile.STATUS_GROUP)
+        statefile.write(path, data, mode, group)
     except OSError as exc:
         if disk_full(exc) is None:
             raise
@@ -106,18 +106,22 @@ def _split(snapshot: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | N
     return shared, hidden
 
 
-def _merge(state_dir: Path, snapshot: dict[str, Any]) -> None:
+def _merge(state_dir: Path, snapshot: dict[str, Any]) -> bool:
     """Put back what a task printed (``OWNER_FILE``) where this user may read it and it was
-    written with this snapshot; else say it is hidden, when it is."""
+    written with this snapshot; else say it is hidden, when it is. False: the owner's part is
+    of a later snapshot (published since status.json was read: read both again)."""
     try:
         hidden = json.loads((state_dir / OWNER_FILE).read_text())
     except PermissionError:
         snapshot["output_hidden"] = True
-        return
+        return True
     except (OSError, ValueError):
-        return
-    if not isinstance(hidden, dict) or hidden.get("updated_at") != snapshot.get("updated_at"):
-        return
+        return True
+    if not isinstance(hidden, dict):
+        return True
+    theirs, ours = hidden.get("updated_at"), snapshot.get("updated_at")
+    if theirs != ours:
+        return not (_number(theirs) and _number(ours) and theirs > ours)
     lines = hidden.get("last_output")
     lines = lines if isinstance(lines, dict) else {}
     for attempt in snapshot.get("running") or []:
@@ -127,13 +131,34 @@ def _merge(state_dir: Path, snapshot: dict[str, Any]) -> None:
     last, reason = snapshot.get("last_ended"), hidden.get("reason")
     if isinstance(last, dict) and isinstance(reason, str):
         last["reason"] = reason
+    return True
 
 
 def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
     """The running agent's snapshot, or None when no agent runs on this state dir. ``strict``:
     PermissionError when this user may not read it (rather than None: "no agent"). What the
     tasks printed is in it where this user may read ``OWNER_FILE`` (else ``output_hidden``)."""
-    snapshot: dict[str, Any] | None = None
+    snapshot: dict[str, Any] = {}
+    for _ in range(3):  # again while a publish falls between the two files' reads
+        found = _load(state_dir, strict)
+        pid = found.get("pid") if found is not None else None
+        if isinstance(pid, bool) or not isinstance(pid, int) or not agent_alive(pid):
+            return None
+        snapshot = found or {}
+        if _merge(state_dir, snapshot):
+            break
+    now = time.time()
+    beat = snapshot.get("last_heartbeat_at")
+    snapshot["last_heartbeat_age_s"] = (
+        round(now - beat, 1) if isinstance(beat, (int, float)) else None
+    )
+    for attempt in snapshot.get("running", []):
+        attempt.update(ages(attempt, now))
+    return snapshot
+
+
+def _load(state_dir: Path, strict: bool) -> dict[str, Any] | None:
+    snapshot = None
     for _ in range(3):  # a snapshot written in place (a full disk) may be read half-written
         try:
             snapshot = json.loads((state_dir / STATUS_FILE).read_text())
@@ -146,20 +171,7 @@ def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
             return None
         except OSError:
             return None
-    if not isinstance(snapshot, dict):
-        return None
-    pid = snapshot.get("pid")
-    if isinstance(pid, bool) or not isinstance(pid, int) or not agent_alive(pid):
-        return None
-    now = time.time()
-    beat = snapshot.get("last_heartbeat_at")
-    snapshot["last_heartbeat_age_s"] = (
-        round(now - beat, 1) if isinstance(beat, (int, float)) else None
-    )
-    for attempt in snapshot.get("running", []):
-        attempt.update(ages(attempt, now))
-    _merge(state_dir, snapshot)
-    return snapshot
+    return snapshot if isinstance(snapshot, dict) else None
 
 
 def staleness(snapshot: dict[str, Any], now: float) -> dict[str, Any]:

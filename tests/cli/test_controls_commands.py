@@ -430,7 +430,7 @@ def test_history_cuts_a_long_reason_at_the_terminals_width(
     flashnode: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On an 80-column terminal a long reason ends in "…" at the 80th column; --json keeps it."""
-    reason = "exit code 1: " + "Traceback line " * 40
+    reason = "a check failed: " + "out/metrics.json line " * 40
     line = {
         "lease_id": "ls-1",
         "job_id": "j",
@@ -444,7 +444,7 @@ def test_history_cuts_a_long_reason_at_the_terminals_width(
     shown = CliRunner().invoke(main, argv, env={"FLASHNODE_STATE_DIR": None})
     header, row = shown.output.splitlines()
     assert shown.exit_code == 0 and len(row) == 80 and row.endswith("…"), shown.output
-    assert row[header.index("[facts]") :].startswith("exit code 1: Traceback")
+    assert row[header.index("[facts]") :].startswith("a check failed: out/")
     code, out = flashnode("history", "--json", "--state-dir", str(tmp_path))
     assert code == 0 and json.loads(out)["reason"] == reason
 
@@ -498,7 +498,7 @@ def test_a_task_cannot_forge_a_stream_header_in_merged_logs(tmp_path: Path) -> N
 
 def test_history_to_a_pipe_is_whole_whatever_columns_says(tmp_path: Path) -> None:
     line = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "outcome": "failed"}
-    line["reason"] = "exit code 1: " + "Traceback line " * 40
+    line["reason"] = "a check failed: " + "out/metrics.json line " * 40
     (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNODE_")}
     argv = [sys.executable, "-m", "flashnode", "history", "--state-dir", str(tmp_path)]
@@ -506,3 +506,16 @@ def test_history_to_a_pipe_is_whole_whatever_columns_says(tmp_path: Path) -> Non
         argv, capture_output=True, text=True, env={**env, "COLUMNS": "80"}, timeout=60
     )
     assert shown.returncode == 0 and line["reason"].strip() in shown.stdout, shown.stdout
+
+
+def test_history_never_shows_the_stderr_an_older_agents_ledger_line_quotes(
+    flashnode: Callable[..., Any], tmp_path: Path
+) -> None:
+    """An earlier version kept a failure's stderr lines in the ledger, which group flashnode
+    reads: `history` shows how it ended, not what the task printed."""
+    line = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "outcome": "failed"}
+    line["reason"] = "exit code 1: API_KEY=sk-42"
+    (tmp_path / "ledger.jsonl").write_text(json.dumps(line) + "\n")
+    for argv in (("history",), ("history", "--json")):
+        code, out = flashnode(*argv, "--state-dir", str(tmp_path))
+        assert code == 0 and "exit code 1" in out and "sk-42" not in out, out
