@@ -205,7 +205,7 @@ def test_a_view_login_gets_nothing_a_task_printed_from_any_endpoint(
             ),
         )
         lease = row["lease_id"]
-        assert row["reason"] == f"exit code 3 (the task's last lines: flashnode logs {lease})"
+        assert row["reason"] == f"exit code 3 (the task's last lines: flashnode logs {lease}, while kept)"
         running = coordinator.submit(argv_job(["sh", "-c", f"{say}; sleep 60"]))
         state = wait_for(
             "the running task's lines",
