@@ -455,6 +455,10 @@ def _fix(fix: Any, indent: str) -> list[str]:
 
 
 def _heartbeat(snapshot: dict[str, Any]) -> str:
+    controls = snapshot.get("controls") if isinstance(snapshot.get("controls"), dict) else {}
+    held = [h for h in controls.get("held_by") or [] if isinstance(h, dict)]
+    if any(h.get("rule") == "credentials" for h in held):
+        return "none: the coordinator refuses this node's credentials (see claiming, below)"
     if not snapshot.get("registered"):
         return "none yet: not registered with the coordinator"
     age = snapshot.get("last_heartbeat_age_s")

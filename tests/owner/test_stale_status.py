@@ -140,3 +140,11 @@ def test_an_exit_before_the_running_agent_started_no_longer_holds_but_one_beside
     beside = {"at": NOW - 60, "code": 78, "error": "configuration error", "fix": "correct it"}
     assert status.current_exit(beside, running) == beside
     assert "an agent that started beside this one: exit 78" in status.render(running, beside, NOW)
+
+
+def test_a_refused_token_is_why_no_heartbeat_goes_not_a_registration_to_come() -> None:
+    held = {"rule": "credentials", "reason": "the coordinator refused this node's token (401)"}
+    snapshot = {"registered": False, "controls": {"held_by": [held]}, "updated_at": 0.0}
+    text = status.render(snapshot, None, 1.0)
+    assert "heartbeat   none: the coordinator refuses this node's credentials" in text, text
+    assert "not registered" not in text
