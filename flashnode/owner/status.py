@@ -455,8 +455,9 @@ def _fix(fix: Any, indent: str) -> list[str]:
 
 
 def _heartbeat(snapshot: dict[str, Any]) -> str:
-    controls = snapshot.get("controls") if isinstance(snapshot.get("controls"), dict) else {}
-    held = [h for h in controls.get("held_by") or [] if isinstance(h, dict)]
+    controls = snapshot.get("controls")
+    held = controls.get("held_by") if isinstance(controls, dict) else None
+    held = [h for h in held or [] if isinstance(h, dict)]
     if any(h.get("rule") == "credentials" for h in held):
         return "none: the coordinator refuses this node's credentials (see claiming, below)"
     if not snapshot.get("registered"):
