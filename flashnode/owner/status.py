@@ -16,8 +16,8 @@ to the same snapshot; elsewhere the snapshot says ``output_hidden``.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,8 +31,12 @@ from flashnode.clock import duration, moment
 from flashnode.errors import ExitCode, disk_full
 from flashnode.sanitise import sanitise
 
+log = logging.getLogger(__name__)
+
 STATUS_FILE = "status.json"
 OWNER_FILE = "status-owner.json"  # what a task printed: the agent's user's alone (``write``)
+MERGE_TRIES = 5  # reads of both files while a publish falls between them (``read``) ...
+MERGE_WAIT_S = 0.05  # ... this far apart
 STALE_PERIODS = 3  # a snapshot older than this many of its promised periods is stale ...
 STALE_FLOOR_S = 30.0  # ... and never one younger than this
 DEFAULT_FRESH_FOR_S = 5.0  # the promise of a snapshot that states none (heartbeat_seconds)
@@ -62,15 +66,39 @@ def without_output(reason: str, where: str = "owner only") -> str:
 def write(state_dir: Path, snapshot: dict[str, Any]) -> None:
     """Readable by the agent's user and the ``flashnode`` group only: what a task printed (each
     running attempt's ``last_output``, the lines ``last_ended``'s reason quotes) is taken out
-    and, when there is any, written first to ``OWNER_FILE``, the agent's user's alone, with
-    the snapshot's ``updated_at``. Padded with spaces to a whole number of blocks, with room to
-    spare, so that on a full disk the next snapshot can still be written in place (and say
-    that the disk is full)."""
-    snapshot, hidden = _split(snapshot)
+    and written first to ``OWNER_FILE``, the agent's user's alone, with the snapshot's
+    ``updated_at`` (status.json then says ``owner_part``); that file is made at the first
+    snapshot, so that on a full disk it too can be written in place. Both are padded with
+    spaces to a whole number of blocks, with room to spare, so that on a full disk the next
+    snapshot can still be written in place (and say that the disk is full)."""
+    shared, hidden = _split(snapshot)
+    owners = state_dir / OWNER_FILE
+    if hidden is not None or not owners.exists():
+        part = hidden or {"updated_at": snapshot.get("updated_at"), "last_output": {}}
+        try:
+            _write_padded(owners, part, 0o600, None)
+        except OSError as exc:  # status.json still says the rest; ``read`` says this is missing
+            _owner_failed(exc)
+        else:
+            _owner_failed(None)
     if hidden is not None:
-        with contextlib.suppress(OSError):  # a line too long for a full disk: status.json says
-            _write_padded(state_dir / OWNER_FILE, hidden, 0o600, None)  # the rest (``read``)
-    _write_padded(state_dir / STATUS_FILE, snapshot, 0o640, statefile.STATUS_GROUP)
+        shared["owner_part"] = True
+    _write_padded(state_dir / STATUS_FILE, shared, 0o640, statefile.STATUS_GROUP)
+
+
+_failing = [False]  # the owner's part could not be written, and that is logged already
+
+
+def _owner_failed(exc: OSError | None) -> None:
+    if exc is None:
+        _failing[0] = False
+    elif not _failing[0]:
+        _failing[0] = True
+        log.error(
+            "cannot write %s (%s): `flashnode status` shows the owner no task output",
+            OWNER_FILE,
+            exc.strerror or exc,
+        )
 
 
 def _write_padded(path: Path, snapshot: dict[str, Any], mode: int, group: str | None) -> None:
@@ -108,14 +136,16 @@ def _split(snapshot: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | N
 
 def _merge(state_dir: Path, snapshot: dict[str, Any]) -> bool:
     """Put back what a task printed (``OWNER_FILE``) where this user may read it and it was
-    written with this snapshot; else say it is hidden, when it is. False: the owner's part is
-    of a later snapshot (published since status.json was read: read both again)."""
+    written with this snapshot; else say it is hidden, when it is. False: read both again (the
+    owner's part is of a later snapshot, published since status.json was read, or torn)."""
     try:
         hidden = json.loads((state_dir / OWNER_FILE).read_text())
     except PermissionError:
         snapshot["output_hidden"] = True
         return True
-    except (OSError, ValueError):
+    except ValueError:  # written in place on a full disk, and read half way
+        return False
+    except OSError:
         return True
     if not isinstance(hidden, dict):
         return True
@@ -131,6 +161,7 @@ def _merge(state_dir: Path, snapshot: dict[str, Any]) -> bool:
     last, reason = snapshot.get("last_ended"), hidden.get("reason")
     if isinstance(last, dict) and isinstance(reason, str):
         last["reason"] = reason
+    snapshot.pop("owner_part", None)
     return True
 
 
@@ -139,7 +170,9 @@ def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
     PermissionError when this user may not read it (rather than None: "no agent"). What the
     tasks printed is in it where this user may read ``OWNER_FILE`` (else ``output_hidden``)."""
     snapshot: dict[str, Any] = {}
-    for _ in range(3):  # again while a publish falls between the two files' reads
+    for tries in range(MERGE_TRIES):  # again while a publish falls between the two reads
+        if tries:
+            time.sleep(MERGE_WAIT_S)
         found = _load(state_dir, strict)
         pid = found.get("pid") if found is not None else None
         if isinstance(pid, bool) or not isinstance(pid, int) or not agent_alive(pid):
@@ -147,6 +180,8 @@ def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
         snapshot = found or {}
         if _merge(state_dir, snapshot):
             break
+    if snapshot.pop("owner_part", None) and not snapshot.get("output_hidden"):
+        snapshot["output_unavailable"] = True  # its file is missing, or of another snapshot
     now = time.time()
     beat = snapshot.get("last_heartbeat_at")
     snapshot["last_heartbeat_age_s"] = (
@@ -390,7 +425,11 @@ def render(
             f"    use now      cpu {percent(use.get('cpu_percent'))}"
             f"   memory {size(use.get('memory_bytes'))}   gpu {percent(use.get('gpu_percent'))}"
         )
-        none = "owner only (sudo flashnode status)" if snapshot.get("output_hidden") else "-"
+        none = "-"
+        if snapshot.get("output_hidden"):
+            none = "owner only (sudo flashnode status)"
+        elif snapshot.get("output_unavailable"):
+            none = f"not available ({OWNER_FILE} not written: see the agent's log)"
         lines.append(f"    last output  {a.get('last_output') or none}")
     return "\n".join(sanitise(line) for line in lines)
 
