@@ -325,13 +325,6 @@ class Attempt(AttemptHooks):
         self._record(Outcome.DROPPED, reason)
         return Outcome.DROPPED
 
-    def _ledger_reason(self, reason: str, lease_id: str) -> str:
-        """The reason as the ledger keeps it (group flashnode reads it): without the stderr
-        lines it quotes, saying where the owner finds them."""
-        if self.ctx.settings.keep_logs > 0:
-            return without_output(reason, f"flashnode logs {lease_id}, while kept")
-        return without_output(reason, "not kept, keep_logs = 0")
-
     def _record(self, outcome: Outcome, reason: str, lease_id: str = "") -> None:
         """The attempt's one ledger line; a ledger that cannot be written is logged, never
         raised."""
@@ -363,7 +356,13 @@ class Attempt(AttemptHooks):
             "checkpoints_shipped": self.record.checkpoints_shipped,
             "checkpoint_step": self.record.checkpoint_step,
             "outcome": outcome.value,
-            "reason": self._ledger_reason(reason, lease.lease_id if lease else lease_id),
+            # The ledger keeps it without the stderr lines it quotes (``Ledger.append``), which
+            # are in the kept logs, unless none are kept.
+            "reason": (
+                reason
+                if self.ctx.settings.keep_logs
+                else without_output(reason, "not kept, keep_logs = 0")
+            ),
             "timings": dict(self.record.timings),
             "started_at": self.record.claimed_at,
             "ended_at": ended_at,

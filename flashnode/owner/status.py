@@ -11,7 +11,8 @@ sits beside them.
 holds what a task printed: each running task's last output line and the lines a failure's reason
 quotes go to ``status-owner.json`` beside it, the agent's user's alone, written with the same
 ``updated_at`` (``write``). ``read`` puts them back where it may read that file and it belongs
-to the same snapshot; elsewhere the snapshot says ``output_hidden``.
+to the same snapshot; elsewhere the snapshot says ``output_hidden`` (the file is not this
+user's) or ``output_unavailable`` (it was not written).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def _merge(state_dir: Path, snapshot: dict[str, Any]) -> bool:
 def read(state_dir: Path, strict: bool = False) -> dict[str, Any] | None:
     """The running agent's snapshot, or None when no agent runs on this state dir. ``strict``:
     PermissionError when this user may not read it (rather than None: "no agent"). What the
-    tasks printed is in it where this user may read ``OWNER_FILE`` (else ``output_hidden``)."""
+    tasks printed is in it where this user may read ``OWNER_FILE`` (the module docstring)."""
     snapshot: dict[str, Any] = {}
     for tries in range(MERGE_TRIES):  # again while a publish falls between the two reads
         if tries:
