@@ -3,6 +3,7 @@ writes outputs without starting a process."""
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import json
 import os
@@ -13,6 +14,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import pytest
+
+from flashnode import statefile
 from flashnode.attempt import AttemptContext
 from flashnode.attempt.outbox import Outbox
 from flashnode.config.settings import Settings
@@ -312,3 +316,30 @@ def node_view(tmp_path: Path, **changes: Any) -> NodeView:
         reload_refused=None,
     )
     return replace(base, **changes)
+
+
+class QuietSink:
+    """A publisher's status sink that keeps nothing (systemd's and the terminal's stand-in)."""
+
+    def status(self, text: str) -> None:
+        pass
+
+    def send(self, **fields: object) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+def view_only_reads(path: Path) -> str | None:
+    """What a member of group ``flashnode`` (the console's view-only level, who may run
+    ``flashnode status`` and ``flashnode history``) can read of ``path``; None: nothing."""
+    try:
+        gid = grp.getgrnam(statefile.STATUS_GROUP).gr_gid
+    except KeyError:
+        pytest.skip("no group flashnode on this machine")
+    st = os.stat(path)
+    mode = st.st_mode & 0o777
+    if mode & 0o004 or (st.st_gid == gid and mode & 0o040):
+        return path.read_text()
+    return None

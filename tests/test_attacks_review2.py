@@ -5,15 +5,19 @@ while the hole it demonstrates was open."""
 from __future__ import annotations
 
 import dataclasses
-import grp
-import os
-import stat
 from pathlib import Path
 
-import pytest
-from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, node_view
+from fakes import (
+    FakeClock,
+    FakeCoordinator,
+    FakeRunner,
+    QuietSink,
+    context,
+    lease,
+    node_view,
+    view_only_reads,
+)
 
-from flashnode import statefile
 from flashnode.node.decision import Decision
 from flashnode.node.publisher import Publisher
 from flashnode.node.workers import Workers
@@ -24,29 +28,8 @@ from flashnode.owner.status import without_output
 SECRET = "API_KEY=sk-hostile-0123456789"  # what a task printed: the owner's alone, says b78eb92
 
 
-def _view_only_reads(path: Path) -> str | None:
-    """What a member of group ``flashnode`` (the console's view-only level, who may run
-    ``flashnode status`` and ``flashnode history``) can read of ``path``; None: nothing."""
-    try:
-        gid = grp.getgrnam(statefile.STATUS_GROUP).gr_gid
-    except KeyError:
-        pytest.skip("no group flashnode on this machine")
-    st = os.stat(path)
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o004 or (st.st_gid == gid and mode & 0o040):
-        return path.read_text()
-    return None
 
 
-class _Lines:
-    def status(self, text: str) -> None:
-        pass
-
-    def send(self, **fields: object) -> None:
-        pass
-
-    def tick(self) -> None:
-        pass
 
 
 def test_a_view_only_member_reads_no_task_output_in_status_json(tmp_path: Path) -> None:
@@ -67,9 +50,9 @@ def test_a_view_only_member_reads_no_task_output_in_status_json(tmp_path: Path) 
             "reason": f"exit code 1: {SECRET}",  # Workers._last: the failure's stderr lines
         },
     )
-    publisher = Publisher(FakeClock(), sink=_Lines())
+    publisher = Publisher(FakeClock(), sink=QuietSink())
     publisher.publish(view)
-    seen = _view_only_reads(tmp_path / status.STATUS_FILE)
+    seen = view_only_reads(tmp_path / status.STATUS_FILE)
     assert seen is None or SECRET not in seen
 
 
@@ -78,7 +61,7 @@ def test_a_view_only_member_reads_no_task_output_in_the_ledger(tmp_path: Path) -
     assert SECRET not in without_output(reason)  # what the console shows that level
     ledger = Ledger.shared(tmp_path / "ledger.jsonl")
     ledger.append({"lease_id": "ls-1", "outcome": "failed", "reason": reason})
-    seen = _view_only_reads(tmp_path / "ledger.jsonl")
+    seen = view_only_reads(tmp_path / "ledger.jsonl")
     assert seen is None or SECRET not in seen
 
 

@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import grp
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeCoordinator, FakeRunner, context, lease, node_view
+from fakes import (
+    FakeClock,
+    FakeCoordinator,
+    FakeRunner,
+    QuietSink,
+    context,
+    lease,
+    node_view,
+    view_only_reads,
+)
 
 from flashnode import statefile
 from flashnode.attempt import Attempt, Outcome
@@ -27,28 +34,8 @@ from flashnode.sandbox.procs.helpers import json_schema_problem
 SECRET = "API_KEY=sk-hostile-0123456789"  # what a task printed / wrote: the owner's alone
 
 
-def _view_only_reads(path: Path) -> str | None:
-    """What a member of group ``flashnode`` can read of ``path``; None: nothing."""
-    try:
-        gid = grp.getgrnam(statefile.STATUS_GROUP).gr_gid
-    except KeyError:
-        pytest.skip("no group flashnode on this machine")
-    st = os.stat(path)
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o004 or (st.st_gid == gid and mode & 0o040):
-        return path.read_text()
-    return None
 
 
-class _Lines:
-    def status(self, text: str) -> None:
-        pass
-
-    def send(self, **fields: object) -> None:
-        pass
-
-    def tick(self) -> None:
-        pass
 
 
 TASK = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "phase": "execute"}
@@ -75,7 +62,7 @@ def test_an_upgraded_nodes_ledger_still_hands_the_group_the_stderr_an_older_agen
     path.write_text(json.dumps(old) + "\n")  # as the agent before the upgrade appended it
     ledger = Ledger.shared(path)  # the upgraded agent starts
     ledger.append({"lease_id": "ls-1", "outcome": "committed", "reason": ""})
-    seen = _view_only_reads(path)
+    seen = view_only_reads(path)
     assert seen is None or SECRET not in seen
 
 
@@ -103,13 +90,13 @@ def test_a_value_a_task_wrote_in_metrics_json_reaches_the_group_through_the_sche
     assert attempt.run() is Outcome.FAILED
     reason = attempt.ended[1] if attempt.ended else ""
     assert SECRET in reason  # the attack took: the task's own value is in its reason
-    seen = _view_only_reads(tmp_path / "ledger.jsonl")
+    seen = view_only_reads(tmp_path / "ledger.jsonl")
     assert seen is None or SECRET not in seen
     last = {"lease_id": "ls-0", "job_id": "j1", "task_id": "t", "outcome": "failed"}
-    Publisher(clock, sink=_Lines()).publish(
+    Publisher(clock, sink=QuietSink()).publish(
         node_view(tmp_path, counters={}, last_ended={**last, "reason": reason})
     )
-    seen = _view_only_reads(tmp_path / status.STATUS_FILE)
+    seen = view_only_reads(tmp_path / status.STATUS_FILE)
     assert seen is None or SECRET not in seen
 
 
@@ -124,7 +111,7 @@ def test_on_a_full_disk_the_owner_loses_the_running_tasks_last_line(
     to a new updated_at, and the owner's `flashnode status` shows `last output  -` (as if the
     task printed nothing) while the task prints on: before the change it showed the line."""
     clock = FakeClock()
-    publisher = Publisher(clock, _Lines())
+    publisher = Publisher(clock, QuietSink())
     publisher.publish(node_view(tmp_path, counters={}, running=({**TASK, "last_output": "a"},)))
     real = statefile.write
 
@@ -151,7 +138,7 @@ def test_a_status_read_racing_a_publish_drops_the_last_line_for_the_owner(
     is shown no last line at all (nor told why): the read is not retried as a torn status.json
     is."""
     clock = FakeClock()
-    publisher = Publisher(clock, _Lines())
+    publisher = Publisher(clock, QuietSink())
     publisher.publish(node_view(tmp_path, counters={}, running=({**TASK, "last_output": "a"},)))
     raced: list[bool] = []
 
@@ -226,5 +213,5 @@ def test_an_output_name_the_task_chose_reaches_the_group_through_the_ledger(
     ctx = context(tmp_path, clock, FakeCoordinator(clock), _NamingRunner())
     ctx = dataclasses.replace(ctx, ledger=Ledger.shared(tmp_path / "ledger.jsonl"))
     assert Attempt(ctx, lease(0)).run() is Outcome.FAILED
-    seen = _view_only_reads(tmp_path / "ledger.jsonl")
+    seen = view_only_reads(tmp_path / "ledger.jsonl")
     assert seen is None or SECRET not in seen

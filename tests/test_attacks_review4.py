@@ -20,23 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, node_view
+from fakes import FakeClock, QuietSink, node_view
 
 from flashnode import statefile
 from flashnode.node.publisher import Publisher
 from flashnode.owner import status
-
-
-class _Lines:
-    def status(self, text: str) -> None:
-        pass
-
-    def send(self, **fields: object) -> None:
-        pass
-
-    def tick(self) -> None:
-        pass
-
 
 TASK = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "phase": "execute"}
 LINE = "epoch 7 loss 0.12"
@@ -64,7 +52,7 @@ def test_a_full_disk_before_any_task_printed_shows_the_owner_no_output_at_all(
     never created, the error is swallowed, status.json moves on in place without the line, and
     the owner's `flashnode status` says `last output  -` for as long as the disk stays full."""
     clock = FakeClock()
-    publisher = Publisher(clock, _Lines())
+    publisher = Publisher(clock, QuietSink())
     publisher.publish(node_view(tmp_path, counters={}))  # the agent's start: idle
     assert (tmp_path / status.STATUS_FILE).exists()
 
@@ -92,7 +80,7 @@ def test_the_reread_gives_up_while_status_json_is_still_being_written(
     sees the new owner part while status.json is still the old one spends them in microseconds
     and returns the old snapshot without its line, and without saying so."""
     clock = FakeClock()
-    publisher = Publisher(clock, _Lines())
+    publisher = Publisher(clock, QuietSink())
     publisher.publish(node_view(tmp_path, counters={}, running=_running("a")))
     owner = tmp_path / status.OWNER_FILE
     before = owner.read_bytes()
@@ -138,7 +126,7 @@ def test_a_torn_owner_file_is_not_read_again_as_a_torn_status_json_is(
     status-owner.json is taken as "no owner part" (ValueError: nothing merged, nothing said),
     and the owner is shown no line."""
     clock = FakeClock()
-    publisher = Publisher(clock, _Lines())
+    publisher = Publisher(clock, QuietSink())
     publisher.publish(node_view(tmp_path, counters={}, running=_running(LINE)))
     owner = tmp_path / status.OWNER_FILE
     whole = owner.read_text()
@@ -163,7 +151,7 @@ def test_a_torn_owner_file_is_not_read_again_as_a_torn_status_json_is(
 # --- 4. any error on the owner file is swallowed, unlogged --------------------------------------
 
 
-def test_an_owner_file_error_other_than_a_full_disk_is_neither_raised_nor_logged(
+def test_an_owner_file_that_cannot_be_written_is_logged_and_shown_as_not_available(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """c09a9a0 let only a full disk pass; 39d0f17 wraps the owner write in
@@ -180,9 +168,11 @@ def test_an_owner_file_error_other_than_a_full_disk_is_neither_raised_nor_logged
 
     monkeypatch.setattr(statefile, "write", broken)
     caplog.set_level(logging.INFO)
-    Publisher(clock, _Lines()).publish(node_view(tmp_path, counters={}, running=_running(LINE)))
+    Publisher(clock, QuietSink()).publish(node_view(tmp_path, counters={}, running=_running(LINE)))
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert said, "the owner's lines are lost with nothing in the log"
+    monkeypatch.setattr(status, "agent_alive", lambda pid: pid == os.getpid())
+    assert "last output  not available" in _shown(tmp_path)
 
 
 # --- sanity: the fakes write what the tests above assume ----------------------------------------
@@ -192,7 +182,7 @@ def test_sanity_an_ordinary_publish_gives_the_owner_the_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = FakeClock()
-    Publisher(clock, _Lines()).publish(node_view(tmp_path, counters={}, running=_running(LINE)))
+    Publisher(clock, QuietSink()).publish(node_view(tmp_path, counters={}, running=_running(LINE)))
     monkeypatch.setattr(status, "agent_alive", lambda pid: pid == os.getpid())
     assert f"last output  {LINE}" in _shown(tmp_path)
     hidden = json.loads((tmp_path / status.OWNER_FILE).read_text())

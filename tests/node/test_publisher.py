@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -13,7 +12,6 @@ from typing import Any
 import pytest
 from fakes import FakeClock, node_view
 
-from flashnode import statefile
 from flashnode.clock import stamp
 from flashnode.node.decision import Decision, Hold
 from flashnode.node.publisher import NEWS_GAP_S, Publisher
@@ -248,23 +246,3 @@ def test_a_member_of_the_group_is_told_the_last_line_is_the_owners() -> None:
     snapshot = {"running": [task], "output_hidden": True, "updated_at": 0.0}
     assert "last output  owner only (sudo flashnode status)" in status.render(snapshot, None, 1.0)
 
-
-def test_the_owner_is_told_when_the_task_output_could_not_be_kept_not_shown_none(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real = statefile.write
-
-    def broken(path: Path, data: bytes, *args: Any, **kw: Any) -> None:
-        if path.name == status.OWNER_FILE:
-            raise OSError(errno.EIO, "Input/output error", str(path))
-        real(path, data, *args, **kw)
-
-    monkeypatch.setattr(statefile, "write", broken)
-    task = {"lease_id": "ls-1", "job_id": "j", "task_id": "t", "phase": "execute"}
-    Publisher(FakeClock(), Lines()).publish(
-        view(tmp_path, running=({**task, "last_output": "step 3"},))
-    )
-    monkeypatch.setattr(status, "agent_alive", lambda pid: pid == os.getpid())
-    read = status.read(tmp_path)
-    assert read is not None and read.get("output_unavailable") is True
-    assert "last output  not available" in status.render(read, None, read["updated_at"])
