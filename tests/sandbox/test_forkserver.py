@@ -5,15 +5,18 @@ supervisor holds only what is its own."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import psutil
+import pytest
 from harness import wait_for
 
 from flashnode.sandbox import procs
+from flashnode.sandbox.procs import forkserver
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
 from flashnode.sandbox.procs.supervisor import SERVER, sweep_homes
 from flashnode.sandbox.procs.task import TaskProcess
@@ -138,3 +141,27 @@ def test_what_the_agent_holds_of_a_supervisor_goes_to_no_program_it_starts(
         proc.kill()
         wait_for("its end", proc.exited.is_set)
         proc.close()
+
+
+def test_a_fork_server_that_does_not_answer_is_ended_and_the_next_start_gets_a_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server stopped (SIGSTOP) or stuck would hold every task's start and every slot's
+    turnover behind it, for good: past ``ANSWER_S`` the start fails (the attempt lapses, as
+    when no supervisor can be forked), the server is killed, and the next start gets a new
+    one."""
+    first = start(tmp_path, "first", "exit 0")
+    wait_for("the first task's end", first.exited.is_set)
+    first.close()
+    stuck = SERVER._popen
+    assert stuck is not None
+    os.kill(stuck.pid, signal.SIGSTOP)
+    monkeypatch.setattr(forkserver, "ANSWER_S", 0.5)
+    with pytest.raises(OSError, match="its fork server did not answer in 0.5 s"):
+        start(tmp_path, "held", "exit 0")
+    assert stuck.poll() == -signal.SIGKILL  # ended, not left stopped
+    again = start(tmp_path, "again", "echo again; exit 3")
+    wait_for("the next task's end", again.exited.is_set)
+    assert again.returncode == 3
+    again.close()
+    assert SERVER._popen is not None and SERVER._popen.pid != stuck.pid

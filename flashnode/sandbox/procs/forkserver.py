@@ -15,7 +15,8 @@ One request, one ``SOCK_SEQPACKET`` message: the supervisor's spec (JSON) with i
 attached in the order of its ``fds`` (name -> the agent's number, which the supervisor gets it
 at: a launch chain's command line names its stderr's pipe by number). The answer: ``pid <pid>``
 with a pidfd of the supervisor attached (opened before the server can reap it: it names that
-process and no other), or ``error <text>``.
+process and no other), or ``error <text>``. A server that has not answered within ``ANSWER_S``
+(stopped, stuck) is killed, that start fails, and the next one starts a new server.
 
 Run as ``python -I -m flashnode.sandbox.procs.forkserver FD TARGET`` (``FD``: its end of the
 agent's socket pair).
@@ -41,6 +42,7 @@ from typing import Any
 
 MAX_MESSAGE = 1 << 20  # a spec is a few kilobytes: the chain's command line and its paths
 MAX_FDS = 16
+ANSWER_S = 10.0  # a server that has not answered a request by then is ended and started again
 
 
 class Child:
@@ -90,11 +92,18 @@ class ForkServer:
             try:
                 socket.send_fds(sock, [message], list(fds.values()))
             except OSError:  # it went since its last answer: nothing was forked, ask a new one
-                self._stop()
+                self._stop(kill=True)
                 sock = self._server()
                 socket.send_fds(sock, [message], list(fds.values()))
+            sock.settimeout(ANSWER_S)
             try:
                 data, got, _flags, _addr = socket.recv_fds(sock, 4096, 1)
+            except TimeoutError:  # stopped or stuck: every start would wait behind it
+                self._stop(kill=True)
+                raise OSError(
+                    f"cannot start a task's supervisor: its fork server did not answer in"
+                    f" {ANSWER_S:g} s (it is started again)"
+                ) from None
             except OSError:
                 data, got = b"", []
             for fd in got:  # received inheritable (recv_fds cannot ask otherwise): made not
@@ -134,11 +143,16 @@ class ForkServer:
         self._sock, self._owner = ours, os.getpid()
         return ours
 
-    def _stop(self) -> None:
+    def _stop(self, kill: bool = False) -> None:
+        """Close the server's socket, so that it exits, and wait for it; ``kill``: it does not
+        answer (SIGKILL, which also ends it stopped; the supervisors it forked are not its)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self._popen is not None:
+            if kill:
+                with contextlib.suppress(ProcessLookupError):
+                    self._popen.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(5)  # it exits when its socket closes
             self._popen = None
