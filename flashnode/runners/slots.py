@@ -2,9 +2,10 @@
 
 A ``SlotPool`` owns, for each slot, what lies between one task of the slot and the next:
 
-* the **turnover** after a task (``turn_over``), on the pool's worker thread, off the attempt's
-  way: the task's cgroup removed, the keyrings of the slot's user cleared, then the slot's next
-  chain started. In this order: no process of the slot's user may live beside a chain waiting for
+* the **turnover** after a task (``turn_over``), on the slot's worker thread, off the attempt's
+  way (and off the other slots': one slot's task that is slow to go holds up no other): the
+  task's cgroup removed, the keyrings of the slot's user cleared, then the slot's next chain
+  started. In this order: no process of the slot's user may live beside a chain waiting for
   the next task (same user: it could trace it, or write a script of its own into its pipe). Then,
   with the slot's next start no longer waiting, the task's supervisor (root's) is let go of;
 * the **chain kept ahead** for the slot's next task (``procs.launch.Launch``: its cgroup, namespaces
@@ -94,7 +95,7 @@ class SlotPool:
         self._lock = threading.Lock()
         self._ahead: dict[int, ChainAhead] = {}  # slot -> its chain kept ahead
         self._turnovers: dict[int, threading.Event] = {}  # slot -> its turnover done
-        self._worker = Background("turnovers")
+        self._workers: dict[int, Background] = {}  # slot -> its turnovers' thread
         self._closed = False
 
     def take(self, slot: int, sandbox: Sandbox | None) -> ChainAhead | None:
@@ -123,15 +124,14 @@ class SlotPool:
         let_go: Callable[[], None] = lambda: None,
     ) -> None:
         """The slot's task has ended and its processes are gone: the slot's turnover (the
-        module docstring), queued on the pool's worker thread; the slot's next ``take`` waits
+        module docstring), queued on the slot's worker thread; the slot's next ``take`` waits
         for it. ``user``: the slot's (None: the agent's own, the same-user mode); ``cgroup``:
         the task's; ``let_go``: lets go of the task's supervisor (root's, never in the task's
         cgroup), queued after the turnover: the slot's next start does not wait for it."""
         with self._lock:
-            self._turnovers[slot] = self._worker.submit(
-                lambda: self._turn_over(slot, user, cgroup)
-            )
-        self._worker.submit(lambda: self._let_go(slot, let_go))
+            worker = self._workers.setdefault(slot, Background(f"turnovers-{slot}"))
+            self._turnovers[slot] = worker.submit(lambda: self._turn_over(slot, user, cgroup))
+        worker.submit(lambda: self._let_go(slot, let_go))
 
     @staticmethod
     def _let_go(slot: int, let_go: Callable[[], None]) -> None:
@@ -198,7 +198,10 @@ class SlotPool:
         """Wait for the turnovers queued so far (none starts a chain from here on), then end
         every chain still kept."""
         self._closed = True
-        self._worker.drain()
+        with self._lock:
+            workers = list(self._workers.values())
+        for worker in workers:
+            worker.drain()
         with self._lock:
             left, self._ahead = list(self._ahead.values()), {}
         for ahead in left:

@@ -182,6 +182,30 @@ def test_the_next_start_of_a_slot_does_not_wait_for_its_last_tasks_supervisor_to
     assert p.events[-1] == "supervisor let go of"
 
 
+def test_a_slot_whose_last_supervisor_is_slow_to_go_holds_up_no_other_slots_next_start(
+    tmp_path: Path,
+) -> None:
+    p = Pool(tmp_path)
+    held, gone = threading.Event(), threading.Event()
+
+    def let_go() -> None:  # slot 0's supervisor takes its time to exit
+        held.set()
+        gone.wait(10)
+
+    p.pool.turn_over(0, USER, FakeCgroup("lease-0", p.events), let_go)
+    assert held.wait(10)
+    other = procs.TaskUser("flashnode-task-1", USER.uid + 1, USER.gid + 1)
+    p.task_ended(slot=1, user=other)
+    started = threading.Thread(target=lambda: p.pool.take(1, BLANK), daemon=True)
+    started.start()
+    started.join(5)  # slot 0's let-go still waits: slot 1's turnover must not be behind it
+    try:
+        assert not started.is_alive(), "slot 1's next start waited for slot 0's supervisor"
+    finally:
+        gone.set()
+        p.pool.close()
+
+
 def test_a_slot_whose_last_cgroup_would_not_go_keeps_no_chain_beside_it(tmp_path: Path) -> None:
     """A process that would not die keeps its cgroup, and lives as the slot's user: no chain
     of that user may wait beside it."""
