@@ -453,7 +453,8 @@ def _registration(edges: _Edges, node: str) -> Callable[[Settings], NodeRegistra
         devices = nvml.refresh() if nvml is not None else []
         gpus.set_devices(devices)
         offer = capabilities(current).offer(current, runner.module_capable, runner.pools(current))
-        return inventory.registration(current, node, offer, [d.info for d in devices])
+        passed = [d.info for d in devices] if runner.passes_gpus(current) else []
+        return inventory.registration(current, node, offer, passed)
 
     return registration
 

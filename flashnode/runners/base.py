@@ -164,6 +164,12 @@ class Runner(ABC):
         advertises (a pool left out is never placed here). All of them by default."""
         return tuple(settings.pools)
 
+    def passes_gpus(self, settings: Settings) -> bool:
+        """Whether a task of any pool ``pools`` advertises (or of no pool) can be given this
+        machine's GPUs: where none can, the node registers none, and no GPU lease comes here
+        only to lapse. Yes by default."""
+        return True
+
     def ready(self) -> bool:
         """Whether the runner can take a task now (e.g. its container engine answers)."""
         return True

@@ -286,3 +286,19 @@ def test_under_gvisor_an_owner_rule_pauses_the_container_and_lets_it_go_on(
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     entry = agent.wait_ledger()[-1]
     assert entry["outcome"] == "committed" and entry["timings"]["suspended"] > 0
+
+
+def test_a_node_whose_tasks_all_run_under_gvisor_without_its_gpu_proxy_registers_no_gpu(
+    runsc: str,
+    recording_coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+    fake_nvml: Any,
+) -> None:
+    """Its GPU leases could only lapse (no GPU reaches a gVisor container without --nvproxy,
+    which .ci/run does not give it): the machine's GPU is not registered."""
+    gpu = "devices 1\nname NVIDIA H200\nmemory_mb 143771\ndriver 550.54.15\ncc 9 0\nutil 0 0\n"
+    env = {**fake_nvml.script(gpu), "FLASHNODE_CONTAINER_RUNTIME": runsc}
+    agent = start(start_agent, recording_coordinator.url, unique("rt-nogpu"), env=env)
+    agent.wait_log("registered as node", timeout=60)
+    [registration] = recording_coordinator.recorded("/nodes/register")
+    assert registration["capabilities"]["gpus"] == [], registration["capabilities"]

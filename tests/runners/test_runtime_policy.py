@@ -6,6 +6,7 @@ engine, runc and gVisor: ``test_container_runtimes.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,25 @@ def test_a_gpu_task_under_gvisor_without_its_gpu_proxy_lapses_saying_why(
     r.check(task("team", gpus=1), s)  # runc passes it
     proxied = runner(monkeypatch, Engine("runc", "runsc", args=("--nvproxy=true",)), **given)
     proxied.check(task(None, gpus=1), s)
+
+
+def test_a_node_none_of_whose_runtimes_passes_a_gpu_registers_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its GPU leases could only lapse here: the node registers no GPU where no task of any
+    pool it advertises (nor of no pool) can be given one."""
+    gvisor = Engine("runc", "runsc", args=("--platform=ptrace",))
+    every = {"allowed_images": (IMAGE,), "pools": ("team",), "container_runtime": "runsc"}
+    assert runner(monkeypatch, gvisor, **every).passes_gpus(settings(**every)) is False
+    public = {"allowed_images": (IMAGE,), "pools": ("team",), "public_runtime": "runsc"}
+    assert runner(monkeypatch, gvisor, **public).passes_gpus(settings(**public)) is True
+    proxied = Engine("runc", "runsc", args=("--nvproxy=true",))
+    assert runner(monkeypatch, proxied, **every).passes_gpus(settings(**every)) is True
+    plain = {"allowed_images": (IMAGE,), "pools": ("team",)}
+    podman = runner(monkeypatch, Engine("runc"), **plain)
+    assert podman.passes_gpus(settings(**plain)) is True
+    podman.dialect = dataclasses.replace(podman.dialect, passes_gpus=False)  # drops requests
+    assert podman.passes_gpus(settings(**plain)) is False
 
 
 class Probed:

@@ -146,6 +146,19 @@ class ContainerRunner(Runner):
         coordinator never places its tasks here (docs/protocol.md §6, the pool gate)."""
         return tuple(p for p in settings.pools if not self._missing_runtime(settings, p))
 
+    def passes_gpus(self, settings: Settings) -> bool:
+        """Where the engine drops device requests (Podman's Docker API), or every advertised
+        pool's runtime (and that of work from no pool) passes none (gVisor without
+        ``--nvproxy``), no task here gets a GPU."""
+        if not self.dialect.passes_gpus:
+            return False
+        for pool in (None, *self.pools(settings)):
+            runtime = settings.runtime_for(pool)
+            found = self.runtimes.get(runtime or "")
+            if runtime is None or found is None or found.passes_gpus(runtime):
+                return True
+        return False
+
     def _imports_modules(self, image: str) -> bool:
         """Run the import probe in a sandboxed container, bounded in time; the container is
         removed in every case, created-but-never-started included."""
