@@ -30,7 +30,7 @@ they stand on: the engine's errors, a client, and the image policy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -92,16 +92,25 @@ class Runtime(NamedTuple):
 
     def passes_gpus(self, name: str) -> bool:
         """Whether a GPU reaches a task under it: runc's device requests do; gVisor passes
-        one only through its GPU proxy (``--nvproxy``, in releases after Debian's of 2022)."""
-        return not self.own_kernel(name) or any(
-            a.lstrip("-") in ("nvproxy", "nvproxy=true") for a in self.args
-        )
+        one only through its GPU proxy (``--nvproxy``, in releases after Debian's of 2022;
+        a Go boolean flag: one dash or two, and any of Go's words for true)."""
+        return not self.own_kernel(name) or any(_flag_on(a, "nvproxy") for a in self.args)
+
+
+def _flag_on(arg: str, name: str) -> bool:
+    key, given, value = arg.lstrip("-").partition("=")
+    return key == name and (not given or value in ("1", "t", "T", "true", "TRUE", "True"))
 
 
 def engine_runtimes(client: Any) -> dict[str, Runtime]:
     """The runtimes the engine has registered (``docker info``'s Runtimes: runc, and what the
     owner added, e.g. runsc)."""
-    found = client.info().get("Runtimes") or {}
+    return runtimes_in(client.info())
+
+
+def runtimes_in(info: Mapping[str, Any]) -> dict[str, Runtime]:
+    """The runtimes of an answer to ``docker info``."""
+    found = info.get("Runtimes") or {}
     return {
         str(name): Runtime(str(given.get("path", "")), tuple(given.get("runtimeArgs") or ()))
         for name, given in found.items()

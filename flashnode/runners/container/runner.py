@@ -27,10 +27,10 @@ from flashnode.runners.container import (
     Runtime,
     brief,
     connect,
-    engine_runtimes,
     image_present,
     image_problem,
     runtime_fix,
+    runtimes_in,
 )
 from flashnode.runners.container.dialect import Dialect, dialect
 from flashnode.runners.container.engine import Engine
@@ -40,6 +40,7 @@ from flashnode.runners.findings import Finding
 from flashnode.runners.plan import RunnerFacts, TaskPlan
 from flashnode.runners.spec import machine_cpus, min_cpus
 from flashnode.sandbox.procs.supervisor import HOMES, Gone, Supervised, new_home, sweep_homes
+from flashnode.sandbox.removal import remove_tree
 from flashnode.sandbox.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ContainerRunner(Runner):
         self._rejoined_homes: set[str] = set()  # ... and their watches' directories
         self.module_images: set[str] = set()
         self.runtimes: dict[str, Runtime] = {}  # the engine's, read at each (re)configure
+        self.default_runtime: str | None = None  # ... and its default runtime
         self.dialect = Dialect()  # what the engine does differently, asked of it at ``create``
         self._apply(settings)
 
@@ -123,13 +125,24 @@ class ContainerRunner(Runner):
             log.info("module tasks on, in %s", ", ".join(sorted(self.module_images)))
 
     def _engine_runtimes(self) -> dict[str, Runtime]:
+        """The engine's runtimes, and its default (``default_runtime``: a container created
+        with none named runs under it, gVisor where the owner's daemon.json says so)."""
         try:
-            return engine_runtimes(self.client)
+            info = self.client.info()
         except ENGINE_ERRORS as exc:
             log.warning("cannot read the engine's runtimes: %s", brief(exc))
             return self.runtimes  # what it had: an engine away now is the guards' to notice
+        default = info.get("DefaultRuntime")
+        self.default_runtime = default if isinstance(default, str) and default else None
+        return runtimes_in(info)
+
+    def _runtime(self, settings: Settings, pool: str | None) -> str | None:
+        """The runtime a task of ``pool`` runs under: the one the settings name, else the
+        engine's default (None: not known)."""
+        return settings.runtime_for(pool) or self.default_runtime
 
     def _own_kernel(self, runtime: str | None) -> bool:
+        runtime = runtime or self.default_runtime
         found = self.runtimes.get(runtime or "")
         return runtime is not None and found is not None and found.own_kernel(runtime)
 
@@ -153,7 +166,7 @@ class ContainerRunner(Runner):
         if not self.dialect.passes_gpus:
             return False
         for pool in (None, *self.pools(settings)):
-            runtime = settings.runtime_for(pool)
+            runtime = self._runtime(settings, pool)
             found = self.runtimes.get(runtime or "")
             if runtime is None or found is None or found.passes_gpus(runtime):
                 return True
@@ -228,7 +241,7 @@ class ContainerRunner(Runner):
                 f"refused: a GPU task cannot get its GPUs from {self.dialect.name} here (its"
                 " Docker API drops device requests): run GPU work under Docker"
             )
-        runtime = self.settings.runtime_for(task.pool)
+        runtime = self._runtime(self.settings, task.pool)
         found = self.runtimes.get(runtime or "")
         if task.gpus and runtime is not None and found and not found.passes_gpus(runtime):
             raise AttemptLapsed(
@@ -330,8 +343,12 @@ class ContainerRunner(Runner):
         name = kwargs["name"] = f"flashnode-{secrets.token_hex(8)}"
         try:
             home = new_home(s.state_dir / HOMES)
-            watch = Supervised.watch(name, s.docker_host, home, s.reattach_seconds)
         except OSError as exc:
+            raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
+        try:
+            watch = Supervised.watch(name, s.docker_host, home, s.reattach_seconds)
+        except OSError as exc:  # a watch forked whose answer was lost goes by itself
+            remove_tree(home)
             raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
         doing = "create"
         try:
