@@ -206,7 +206,7 @@ def test_a_view_login_gets_nothing_a_task_printed_from_any_endpoint(
         )
         lease = row["lease_id"]
         assert row["reason"] == f"exit code 3 (the task's last lines: flashnode logs {lease}, while kept)"
-        running = coordinator.submit(argv_job(["sh", "-c", f"{say}; sleep 60"]))
+        running = coordinator.submit(argv_job(["sh", "-c", f"{say}; sleep 600"]))
         state = wait_for(
             "the running task's lines",
             lambda: (
@@ -239,7 +239,11 @@ def test_a_view_login_gets_nothing_a_task_printed_from_any_endpoint(
         answers = {path: viewer.get(path) for path in paths}
         leaked = [path for path, r in answers.items() if marker in r.text]
         assert not leaked, f"a view-only login read what a task printed from {leaked}"
-        seen = answers["/api/state"].json()
+        seen = wait_for(  # the task as the viewer sees it (one answer of the page's polling)
+            "the running task in the viewer's state",
+            lambda: (s := viewer.get("/api/state").json())["running"] and s,
+        )
+        assert marker not in json.dumps(seen)
         assert seen["running"][0]["job_id"] == running  # it does see the task, not its lines
         assert seen["running"][0]["output"] is None and seen["running"][0]["output_hidden"]
         rows = [r for r in answers["/api/history"].json() if r["job_id"] == failed]
