@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import docker.errors
 import pytest
+from scripted_engine import Engine, Images
 
 from flashnode.config.settings import Settings
 from flashnode.coordinator.lease import Task
@@ -28,50 +28,6 @@ from flashnode.sandbox.procs import supervisor
 from flashnode.sandbox.workspace import Workspace
 
 IMAGE = "flashnode-test/busybox:1"
-
-
-# --- a scripted engine (as tests/runners/test_runtime_policy.py's) ------------------------------
-
-
-class Containers:
-    def list(self, **_: Any) -> list[Any]:
-        return []
-
-
-class Image:
-    id = "sha256:" + "0" * 64
-
-
-class Images:
-    def __init__(self, present: bool = False) -> None:
-        self.present = present
-
-    def get(self, name: str) -> Any:
-        if self.present:
-            return Image()
-        raise docker.errors.ImageNotFound(name)
-
-
-class Engine:
-    """An engine that answers and has ``runtimes`` (each given ``args``); ``default``: its
-    default runtime (``docker info``'s DefaultRuntime: runc unless the owner's daemon.json says
-    ``"default-runtime"``)."""
-
-    def __init__(self, *runtimes: str, args: tuple[str, ...] = (), default: str = "runc") -> None:
-        self.runtimes, self.args, self.default = runtimes, list(args), default
-        self.containers = Containers()
-        self.images = Images()
-
-    def ping(self) -> bool:
-        return True
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "DefaultRuntime": self.default,
-            "Runtimes": {
-                r: {"path": f"/usr/bin/{r}", "runtimeArgs": self.args} for r in self.runtimes
-            },
-        }
 
 
 def settings(state_dir: Path = Path("/nonexistent"), **given: Any) -> Settings:

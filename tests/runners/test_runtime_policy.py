@@ -13,6 +13,7 @@ from typing import Any
 
 import docker.errors
 import pytest
+from scripted_engine import Containers, Engine
 
 from flashnode.config.settings import Settings
 from flashnode.coordinator.lease import Task
@@ -27,35 +28,6 @@ from flashnode.runners.findings import Ok, Problem
 from flashnode.runners.registry import capabilities
 
 IMAGE = "flashnode-test/busybox:1"
-
-
-class Containers:
-    def list(self, **_: Any) -> list[Any]:
-        return []
-
-
-class Images:
-    def get(self, name: str) -> Any:
-        raise docker.errors.ImageNotFound(name)
-
-
-class Engine:
-    """An engine that answers, has ``runtimes``, and no image."""
-
-    def __init__(self, *runtimes: str, args: tuple[str, ...] = ()) -> None:
-        self.runtimes, self.args = runtimes, list(args)
-        self.containers = Containers()
-        self.images = Images()
-
-    def ping(self) -> bool:
-        return True
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "Runtimes": {
-                r: {"path": f"/usr/bin/{r}", "runtimeArgs": self.args} for r in self.runtimes
-            }
-        }
 
 
 def runner(monkeypatch: pytest.MonkeyPatch, engine: Engine, **given: Any) -> ContainerRunner:
