@@ -59,7 +59,7 @@ class BuildBox:
         token: str,
         cgroup: cgroups.AttemptCgroup | None,
         sandbox: Sandbox | None,
-        rlimits: list[str],
+        rlimits: dict[str, int],
         watch: BuildWatch,
     ) -> None:
         self.user, self.token, self.cgroup, self.sandbox = user, token, cgroup, sandbox

@@ -11,10 +11,11 @@ Privileges. No code of a job runs as root, as the agent, or as any user somethin
 
 * A root agent builds as its build user (``procs.BUILD_USER``, which nothing else runs as), one
   build at a time, in a sandbox (private ``/tmp``, ``/var/tmp``, ``/dev/shm``, IPC), in a cgroup
-  of its own with the per-task limits, through ``setpriv`` (no supplementary groups, no
-  capabilities, no_new_privs). uv itself runs so, and its network access with it (an owner's
-  per-uid firewall rules apply to it). Before a build starts and after it ends every process of
-  that user is killed, and nothing is copied, published or built again until none is left.
+  of its own with the per-task limits, as a task is launched (``procs.enter``: no
+  supplementary groups, no capabilities, no_new_privs). uv itself runs so, and its network
+  access with it (an owner's per-uid firewall rules apply to it). Before a build starts and
+  after it ends every process of that user is killed, and nothing is copied, published or
+  built again until none is left.
 * By default uv installs binary wheels only (``--only-binary :all:``): installing a wheel unpacks
   files and runs nothing of them. Bytecode is compiled by the base interpreter, isolated and
   without site (``-I -S``): no ``.pth`` file a wheel installed runs. When the owner allows source
@@ -318,7 +319,7 @@ class UvBuilder:
     def _box(self, user: procs.TaskUser | None, token: str, work: Path, room: DiskRoom) -> BuildBox:
         """Where the build's steps run: nothing of the build user's is left from before, a
         cgroup of its own, a sandbox, no file past the room, the watch on the room."""
-        rlimits = [f"--fsize={room.bytes}", "--core=0"]
+        rlimits = {"fsize": room.bytes, "core": 0}
         if user is None:
             return BuildBox(None, token, None, None, rlimits, BuildWatch(work, room, self.clock))
         real = work.resolve()
@@ -334,7 +335,7 @@ class UvBuilder:
                 f"{len(left)} process(es) of {user.name} would not end: no build starts"
             )
         if self.limits.pids is not None:
-            rlimits.append(f"--nproc={self.limits.pids}")
+            rlimits["nproc"] = self.limits.pids
         cgroup = None
         if self.hierarchy is not None:
             self.hierarchy.sweep(self._cgroup_prefix)  # what a crash of this agent left
@@ -436,7 +437,7 @@ class _Runner:
                 box.user if box else None,
                 box.sandbox if box else None,
                 box.cgroup if box else None,
-                box.rlimits if box else (),
+                box.rlimits if box else None,
                 cwd=self.work / "home",
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

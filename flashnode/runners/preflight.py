@@ -3,7 +3,7 @@
 ``work`` runs :func:`problems` after loading its settings and stops at the first fatal one with its
 exit code and one line; ``doctor`` prints every finding of :func:`check`. So the two agree on
 every point by construction. The checks are local (no coordinator): the state dir, the stored
-credentials, and the runner's prerequisites (the task user and ``setpriv`` and ``task_python`` for
+credentials, and the runner's prerequisites (the task user, its sandbox and ``task_python`` for
 the trusted runner; the engine and the allowed images for the docker runner).
 
 Nothing here changes the host: a state dir that does not exist yet is checked for whether it

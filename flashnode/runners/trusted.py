@@ -521,7 +521,7 @@ class TrustedRunner(Runner):
                 raise AttemptLapsed(f"cannot create the task's cgroup: {exc.strerror}") from None
         try:
             return self._chain(cwd, cgroup, user, sandbox)
-        except OSError as exc:  # its programs are the node's (unshare, setpriv, sh)
+        except OSError as exc:  # the node's (its supervisor, the last step's sh)
             if cgroup is not None:
                 cgroup.remove()
             raise AttemptLapsed(

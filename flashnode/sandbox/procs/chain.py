@@ -1,25 +1,28 @@
-"""The launch chain's command line: ``unshare``, the setup script run as root in the new
-namespaces, ``prlimit``, ``setpriv``, and the last step's shell, which takes the task's
-environment and arguments from a script on its standard input (``env_script``).
+"""The launch chain: its steps as root (``plan``, taken by ``enter``: the cgroup, the
+namespaces and mounts, the limits, the task's user) and its last step's shell, which takes the
+task's environment and arguments from a script on its standard input (``env_script``).
 
 The privilege boundary: every process that runs with the agent's privileges on the way to the
-task (``unshare``, the setup shell, ``setpriv``) is started with a fixed, minimal environment.
-The task's own environment and arguments are applied by the last step, a shell already running as
-the task's user, which reads them as a script from its standard input and then execs the task.
-So no payload variable (``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ...) ever reaches a privileged
-process.
+task (the chain's first process, which takes ``plan``'s steps) is started with a fixed, minimal
+environment. The task's own environment and arguments are applied by the last step, a shell
+already running as the task's user, which reads them as a script from its standard input and
+then execs the task. So no payload variable (``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ...) ever
+reaches a privileged process.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import resource
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from flashnode.sandbox.cgroups import AttemptCgroup
-from flashnode.sandbox.procs import TaskUser
+from flashnode.sandbox.procs import TaskUser, enter
 from flashnode.sandbox.procs.mounts import (
     ENVS_STAGE,
     ENVS_TABLE,
@@ -32,7 +35,7 @@ from flashnode.sandbox.procs.mounts import (
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The only environment of the privileged steps before the task's own exec.
 PRIVILEGED_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-SETUP_FAILED = 125  # the exit status of a setup step that failed (with a "flashnode:" line)
+SETUP_FAILED = enter.SETUP_FAILED  # a setup step failed (with a "flashnode:" line)
 LAUNCHED = b"flashnode launched the task\n"  # the last step's word before the exec
 
 
@@ -88,63 +91,6 @@ def env_file(env: Mapping[str, str], argv: Sequence[str]) -> int:
     return fd
 
 
-# As root, in the new namespaces: join the cgroup ($1: its cgroup.procs files), make the private
-# directories ($2: tmpfs options; $5: a table of them all, for one `mount -a` instead of a mount
-# each), give the task this namespace's message queues where the host's are mounted ($6:
-# ``mqueue_mounts``, read by the agent: the shell's `read` takes a byte per system call), bind the
-# read-only views ($3: lines, a source then its target in the working directory, so that paths may
-# hold spaces), bind the working directory with them at /work and enter it there ($7), cover the
-# lent directories ($8: a table; after the views, whose sources they are), cover the job
-# environments' directory ($9) with the empty tmpfs that $5's table put together over the private
-# /tmp, with what is kept of it bound in (``envs_fstab``): moved over it, it uncovers the private
-# /tmp again; hide device files ($4), run the rest. Paths
-# in the working directory are taken from the directory the chain is in, not its path, which a
-# private directory may cover by now (--no-canonicalize). Every step a process fewer where the
-# shell can do it itself: this runs before every task. Each failure goes to stderr: the launch's
-# fault channel (module docstring).
-SETUP = r"""
-fail() { echo "flashnode: $*" >&2; exit 125; }
-for f in $1; do echo $$ > "$f" || fail "cannot join cgroup $f"; done
-# (The mount points the table makes, task users pass through: a subshell's umask, not the task's.)
-[ -z "$5" ] || (umask 022 && mount --no-canonicalize -a -T "$5") \
-  || fail "cannot mount the private directories"
-for d in $PRIVATE; do
-  case "
-${10}
-" in *"
-$d
-"*) continue ;; esac  # put together below, with the agent's own install kept in it
-  [ -n "$5" ] || [ ! -d "$d" ] || mount -t tmpfs -o "$2" flashnode-private "$d" \
-    || fail "cannot mount $d"
-done
-[ -z "${10}" ] || printf '%s\n' "${10}" | while IFS= read -r d && IFS= read -r s \
-    && IFS= read -r kept; do
-  to="$s${kept#"$d"}"
-  mount -t tmpfs -o "$2" flashnode-private "$s" && mkdir "$to" \
-    && mount --no-canonicalize --bind "$kept" "$to" \
-    && mount --no-canonicalize -o remount,bind,ro,nosuid,nodev "$to" \
-    && mount --no-canonicalize --move "$s" "$d" || fail "cannot mount $d keeping $kept"
-done || exit 125
-for q in $6; do  # every mount of the host's message queues: this namespace's instead
-  mount -t mqueue -o nosuid,nodev,noexec flashnode-mqueue "$q" || fail "cannot mount $q"
-done
-[ -z "$3" ] || printf '%s\n' "$3" | while IFS= read -r src && IFS= read -r dst; do
-  mount --no-canonicalize --bind "$src" "$dst" \
-    && mount --no-canonicalize -o remount,bind,ro,nosuid,nodev "$dst" \
-    || fail "cannot mount /work/$dst read-only"
-done || exit 125
-[ -z "$7" ] || { mount --no-canonicalize --rbind . /work && cd /work; } \
-  || fail "cannot bind the workspace at /work"
-[ -z "$8" ] || mount -a -T "$8" || fail "cannot cover the lent directories"
-# The cover is what lies on /tmp (its 0711, where the private /tmp is sticky), and once moved
-# the task's own /tmp is back: sticky and writable (shell tests, not a process each).
-[ -z "$9" ] || { [ ! -k $ENVS_STAGE ] && mount --no-canonicalize --move $ENVS_STAGE "$9"; } \
-  || fail "cannot cover the job environments"
-[ -z "$5" ] || { [ -k /tmp ] && [ -w /tmp ]; } || fail "the private /tmp is not in place"
-for dev in $4; do mount --bind /dev/null "$dev" || fail "cannot hide $dev"; done
-shift 10
-exec "$@"
-"""
 # As the task's user: take the task's environment and arguments from the script on stdin (once it
 # is whole), then run the task with stdin from /dev/null.
 APPLY_ENV = '. /dev/stdin && [ "$FLASHNODE_GO" = 1 ] || exit 125; exec "$@" </dev/null'
@@ -170,61 +116,71 @@ def _may_drop_bounding_set() -> bool:
     return bool(int(eff.split()[1], 16) & (1 << 8))
 
 
+def plan(
+    cgroup: AttemptCgroup | None,
+    user: TaskUser | None,
+    sandbox: Sandbox | None,
+    rlimits: Mapping[str, int] | None = None,
+) -> dict[str, Any] | None:
+    """The steps (``enter.enter``) that put a chain in ``cgroup``, in ``sandbox``, as ``user``,
+    with ``rlimits`` (``enter.RLIMITS``' names: soft and hard, set before the user is taken),
+    as JSON; None when there are none."""
+    if cgroup is None and user is None and sandbox is None and not rlimits:
+        return None
+    if sandbox and any("\n" in p for bind in sandbox.read_only_binds for p in bind):
+        raise ValueError("a read-only view's path holds a newline")
+    if sandbox and bool(sandbox.envs) != os.path.basename(sandbox.fstab).startswith(ENVS_TABLE):
+        raise ValueError("the job environments' cover is put together by the sandbox's table")
+    steps: dict[str, Any] = {
+        "cgroup": list(cgroup.procs_files) if cgroup else [],
+        "sandbox": sandbox is not None,
+        "rlimits": dict(rlimits or {}),
+        "user": None,
+    }
+    if user is not None:
+        # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can
+        # raise the task's privileges again.
+        bounding = _may_drop_bounding_set()
+        steps["user"] = {"uid": user.uid, "gid": user.gid, "bounding": bounding}
+    if sandbox is not None:
+        agent = agent_kept() if sandbox.keep_agent and not sandbox.fstab else ()
+        steps |= {
+            "no_network": sandbox.no_network,
+            "fstab": sandbox.fstab,
+            "private": list(PRIVATE_DIRS),
+            "tmpfs": f"mode=1777,size={sandbox.tmp_bytes}",
+            "agent": [list(k) for k in agent],
+            "mqueues": mqueue_mounts(),
+            "binds": [list(b) for b in sandbox.read_only_binds],
+            "work": sandbox.work,
+            "covers": sandbox.covers,
+            "envs": sandbox.envs,
+            "envs_stage": ENVS_STAGE,
+            "hidden": list(sandbox.hidden_devices),
+        }
+    return steps
+
+
+def last_step(stderr_fd: int | None = None) -> list[str]:
+    """The command line of the chain's last step, as the task's user: it takes the task's
+    environment and arguments from stdin (``env_script``). ``stderr_fd``: a launch's (the
+    chain's stderr is its fault channel; the task's stderr comes on this descriptor)."""
+    apply = APPLY_ENV
+    if stderr_fd is not None:
+        apply = APPLY_LAUNCH % (LAUNCHED.decode().replace("\n", "\\n"), stderr_fd)
+    return ["/bin/sh", "-c", apply, "flashnode-task"]
+
+
 def command(
     cgroup: AttemptCgroup | None,
     user: TaskUser | None,
     sandbox: Sandbox | None,
-    stderr_fd: int | None = None,
-    rlimits: Sequence[str] = (),
+    rlimits: Mapping[str, int] | None = None,
 ) -> list[str]:
-    """The command line of the chain that runs a task in ``cgroup``, in ``sandbox``, as ``user``;
-    its last step takes the task's environment and arguments from stdin (``env_script``).
-    ``stderr_fd``: a launch's (the chain's stderr is its fault channel; the task's stderr
-    comes on this descriptor). ``rlimits``: ``prlimit`` options (``--fsize=N``), set before the
-    user is taken."""
-    apply = APPLY_ENV
-    if stderr_fd is not None:
-        apply = APPLY_LAUNCH % (LAUNCHED.decode().replace("\n", "\\n"), stderr_fd)
-    cmd = ["/bin/sh", "-c", apply, "flashnode-task"]
-    if user is not None:
-        # No supplementary groups, no capabilities, and no_new_privs: no setuid binary can raise
-        # the task's privileges again.
-        cmd = [
-            "setpriv",
-            f"--reuid={user.uid}",
-            f"--regid={user.gid}",
-            "--clear-groups",
-            "--inh-caps=-all",
-            *(["--bounding-set=-all"] if _may_drop_bounding_set() else []),
-            "--no-new-privs",
-            "--",
-            *cmd,
-        ]
-    if rlimits:
-        cmd = ["prlimit", *rlimits, "--", *cmd]
-    if cgroup is None and sandbox is None:
-        return cmd
-    if sandbox and any("\n" in p for bind in sandbox.read_only_binds for p in bind):
-        raise ValueError("a read-only view's path holds a newline")
-    procs = " ".join(cgroup.procs_files) if cgroup else ""
-    tmpfs = f"nosuid,nodev,mode=1777,size={sandbox.tmp_bytes}" if sandbox else ""
-    binds = "\n".join(f"{s}\n{d}" for s, d in sandbox.read_only_binds) if sandbox else ""
-    setup = SETUP.replace("$PRIVATE", " ".join(PRIVATE_DIRS) if sandbox else "")
-    setup = setup.replace("$ENVS_STAGE", ENVS_STAGE)
-    hidden = " ".join(sandbox.hidden_devices) if sandbox else ""
-    fstab = sandbox.fstab if sandbox else ""
-    queues = " ".join(mqueue_mounts()) if sandbox else ""
-    work = "1" if sandbox and sandbox.work else ""
-    covers = sandbox.covers if sandbox else ""
-    envs = sandbox.envs if sandbox else ""
-    if sandbox and bool(sandbox.envs) != os.path.basename(sandbox.fstab).startswith(ENVS_TABLE):
-        raise ValueError("the job environments' cover is put together by the sandbox's table")
-    agent = ""
-    if sandbox and sandbox.keep_agent and not sandbox.fstab:
-        agent = "\n".join("\n".join(k) for k in agent_kept())
-    args = [procs, tmpfs, binds, hidden, fstab, queues, work, covers, envs, agent]
-    cmd = ["/bin/sh", "-c", setup, "flashnode-setup", *args, *cmd]
-    if sandbox is not None:
-        net = ["--net"] if sandbox.no_network else []
-        cmd = ["unshare", "--mount", "--ipc", *net, "--propagation", "private", "--", *cmd]
-    return cmd
+    """The command line of a whole chain as a program (the agent's own helpers: ``plan``'s
+    steps taken by ``enter.py`` run by path, then ``last_step``)."""
+    steps = plan(cgroup, user, sandbox, rlimits)
+    if steps is None:
+        return last_step()
+    entry = [sys.executable, "-I", "-S", enter.__file__, json.dumps(steps)]
+    return [*entry, *last_step()]

@@ -28,7 +28,7 @@ def popen_as(
     user: TaskUser | None,
     sandbox: Sandbox | None = None,
     cgroup: AttemptCgroup | None = None,
-    rlimits: Sequence[str] = (),
+    rlimits: Mapping[str, int] | None = None,
     **kwargs: Any,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` as ``user`` (None: as the agent's own user) with exactly ``env``, which no
@@ -155,16 +155,25 @@ def json_schema_problem(schema: dict[str, Any], metrics: Any) -> str | None:
 
 def sandbox_works() -> str | None:
     """None if this process can give a task private namespaces and tmpfs mounts; else why not."""
-    probe = "mount -t tmpfs -o nosuid,nodev,size=1m flashnode-probe /tmp"
     try:
-        done = subprocess.run(
-            ["unshare", "--mount", "--ipc", "--propagation", "private", "/bin/sh", "-c", probe],
-            capture_output=True,
-            timeout=30,
-            env=PRIVILEGED_ENV,
+        proc = popen_as(
+            ["true"],
+            {"PATH": SYSTEM_PATH},
+            None,
+            Sandbox(1 << 20, keep_agent=True),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd="/",
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except OSError as exc:
         return type(exc).__name__
-    if done.returncode != 0:
-        return done.stderr.decode(errors="replace").strip()[:200] or f"exit {done.returncode}"
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return "TimeoutExpired"
+    if proc.returncode != 0:
+        why = err.decode(errors="replace").strip().removeprefix("flashnode: ")
+        return why[:200] or f"exit {proc.returncode}"
     return None

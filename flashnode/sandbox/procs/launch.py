@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flashnode.sandbox.cgroups import AttemptCgroup
 from flashnode.sandbox.procs import TaskUser
-from flashnode.sandbox.procs.chain import PRIVILEGED_ENV, command
+from flashnode.sandbox.procs.chain import PRIVILEGED_ENV, last_step, plan
 from flashnode.sandbox.procs.mounts import Sandbox
 from flashnode.sandbox.procs.supervisor import Supervised, new_home
 
@@ -65,7 +65,8 @@ class Launch:
                 **({"hold": hold} if hold is not None else {}),
             }
             self.supervised = Supervised.start(
-                command(cgroup, user, sandbox, err_w),
+                last_step(err_w),
+                plan(cgroup, user, sandbox),
                 cwd,
                 PRIVILEGED_ENV,
                 fds,

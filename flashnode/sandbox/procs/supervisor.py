@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import os
 import select
@@ -47,7 +48,7 @@ from typing import Any
 # upgraded under a supervisor that waits for its agent.
 from flashnode.sandbox.cgroups import AttemptCgroup
 from flashnode.sandbox.logcap import CappedFile, latest_line
-from flashnode.sandbox.procs import forkserver, reap, start_time
+from flashnode.sandbox.procs import enter, forkserver, reap, start_time
 from flashnode.sandbox.removal import remove_tree
 
 HOMES = "tasks"  # <state dir>/tasks/<dir>: each running task's supervisor
@@ -234,8 +235,12 @@ class _Supervisor(_Lifeline):
     def __init__(self, spec: Mapping[str, Any]) -> None:
         super().__init__(spec)
         fds: dict[str, int] = spec["fds"]
+        steps = spec.get("enter")
         self.popen = subprocess.Popen(
             spec["command"],
+            # The chain's steps as root, in its own process before its exec (this process has
+            # no thread: the fork server's fork, single-threaded).
+            preexec_fn=None if steps is None else functools.partial(enter.child, steps),
             env=spec["env"],
             cwd=spec["cwd"],
             stdin=fds["script_r"],
@@ -530,15 +535,17 @@ class Supervised:
     def start(
         cls,
         command: Sequence[str],
+        steps: Mapping[str, Any] | None,
         cwd: Path,
         env: Mapping[str, str],
         fds: Mapping[str, int],
         home: Path,
         reattach_seconds: float,
     ) -> Supervised:
-        """Start a supervisor of ``command`` (the launch chain), handing it ``fds`` (the chain's
-        ends of its pipes and the agent's ends it reads: kept at their numbers)."""
-        spec = {"command": list(command), "cwd": str(cwd), "env": dict(env)}
+        """Start a supervisor of ``command`` (the launch chain's last step, after ``steps``:
+        ``chain.plan``'s), handing it ``fds`` (the chain's ends of its pipes and the agent's
+        ends it reads: kept at their numbers)."""
+        spec = {"command": list(command), "enter": steps, "cwd": str(cwd), "env": dict(env)}
         return cls._spawn(spec, fds, home, reattach_seconds)
 
     @classmethod
