@@ -108,8 +108,8 @@ class TrustedRunner(Runner):
         self._task_cpus: dict[str, float | None] = {}
         self._cpu_cap: float | None = None
         self._cpu_lock = threading.Lock()
-        # One table of a task's private mounts, for one `mount` per task instead of one each
-        # (the job environments' cover is put together by a table that adds to it: ``_tables``).
+        # One table of a task's private mounts, written once (the job environments' cover is
+        # put together by a table that adds to it: ``_tables``).
         private = private_table(PRIVATE_TMP_BYTES)
         self._fstab = ""
         if sandbox:

@@ -5,6 +5,7 @@ setup that cannot be taken whole runs nothing."""
 from __future__ import annotations
 
 import json
+import os
 import pwd
 import shutil
 import signal
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import ended_in_sandbox
+from harness import ended_in_sandbox, wait_for
 
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs import enter
@@ -140,3 +141,60 @@ def test_a_mount_table_with_an_option_it_does_not_know_mounts_nothing(
 
 def test_a_mount_tables_paths_are_read_as_fstab_escapes_them() -> None:
     assert enter._unescape("/tmp/job\\040env\\134x") == "/tmp/job env\\x"
+
+
+class _Joined:
+    """A stand-in cgroup whose processes file is ``path`` (a FIFO: joining it blocks)."""
+
+    def __init__(self, path: Path) -> None:
+        self.procs_files = [str(path)]
+
+
+def test_a_setup_that_hangs_is_ended_by_sigterm_as_the_programs_were(tmp_path: Path) -> None:
+    """The chain's first process is a fork of a supervisor, which catches SIGTERM to outlive its
+    agent's stop: the setup itself does not, or a stop sent while it hangs would be lost."""
+    fifo = tmp_path / "procs"
+    os.mkfifo(fifo)
+    code = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\n"  # as the supervisor does
+        "from flashnode.sandbox.procs import enter\n"
+        "print('setting up', flush=True)\n"
+        "enter.child({'cgroup': [sys.argv[1]], 'sandbox': False, 'rlimits': {}, 'user': None})\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", code, str(fifo)], stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stdout.readline() == b"setting up\n"
+        wait_for("the setup to block joining", lambda: _blocked_in_open(proc.pid))
+        proc.terminate()
+        try:
+            ended = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            ended = proc.wait()
+        assert ended == -signal.SIGTERM
+
+
+def _blocked_in_open(pid: int) -> bool:
+    return Path(f"/proc/{pid}/wchan").read_text() not in ("0", "")
+
+
+@pytest.mark.usefixtures("as_root")
+def test_a_launch_whose_setup_does_not_finish_in_time_fails_to_start_as_the_nodes_fault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its supervisor answers once the chain's setup is done: one that hangs (a lent directory
+    on a stuck mount) fails the start with an OSError, which the runner makes the node's lapse,
+    never an agent error charged to the task; the chain, let go, runs nothing."""
+    from flashnode.sandbox.procs import supervisor
+    from flashnode.sandbox.procs.launch import Launch
+
+    fifo = tmp_path / "procs"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(supervisor, "ANSWER_S", 0.5)
+    with pytest.raises(OSError, match="cannot start a task's supervisor"):
+        Launch(tmp_path, _Joined(fifo), homes=tmp_path / "homes")  # type: ignore[arg-type]
+    reader = os.open(fifo, os.O_RDONLY)  # the setup goes on, and finds no script
+    try:
+        wait_for("the chain to join", lambda: os.read(reader, 64) != b"")
+    finally:
+        os.close(reader)

@@ -176,11 +176,12 @@ def command(
     user: TaskUser | None,
     sandbox: Sandbox | None,
     rlimits: Mapping[str, int] | None = None,
+    env: Mapping[str, str] = PRIVILEGED_ENV,
 ) -> list[str]:
     """The command line of a whole chain as a program (the agent's own helpers: ``plan``'s
-    steps taken by ``enter.py`` run by path, then ``last_step``)."""
+    steps taken by ``enter.py`` run by path, then ``last_step`` with exactly ``env``)."""
     steps = plan(cgroup, user, sandbox, rlimits)
     if steps is None:
         return last_step()
-    entry = [sys.executable, "-I", "-S", enter.__file__, json.dumps(steps)]
+    entry = [sys.executable, "-I", "-S", enter.__file__, json.dumps(steps | {"env": env})]
     return [*entry, *last_step()]

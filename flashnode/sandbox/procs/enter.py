@@ -101,14 +101,17 @@ def _unescape(field: str) -> str:
 
 def mount_table(path: str) -> None:
     """Mount each line of the table at ``path`` in order, as ``mount -a -T`` does with the
-    options the agent's tables use (``mounts.py``); any other option fails the setup."""
+    options the agent's tables use (``mounts.py``): lines split at newlines and fields at ASCII
+    blanks only (what the tables escape), the whole table read and checked before its first
+    mount; any other option fails the setup."""
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as fh:
-            lines = fh.read().splitlines()
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as fh:
+            lines = fh.read().split("\n")
     except OSError as exc:
         raise SetupFailed(f"cannot read the mount table {path}: {exc.strerror}") from None
+    entries = []
     for line in lines:
-        fields = line.split()
+        fields = [f for f in re.split("[ \t]+", line) if f]
         if not fields or fields[0].startswith("#"):
             continue
         if len(fields) < 4:
@@ -124,6 +127,8 @@ def mount_table(path: str) -> None:
                 data.append(option)
             else:
                 raise SetupFailed(f"the mount table {path} has an unknown option {option!r}")
+        entries.append((src, dst, fstype, flags, ",".join(data) or None, mkdir))
+    for src, dst, fstype, flags, options, mkdir in entries:
         if mkdir:
             _makedirs(dst)
         if flags & MS_BIND and not flags & MS_REMOUNT:
@@ -131,7 +136,7 @@ def mount_table(path: str) -> None:
             if flags & ~MS_BIND:
                 _mount(None, dst, None, MS_REMOUNT | flags, None)
         else:
-            _mount(src, dst, fstype, flags, ",".join(data) or None)
+            _mount(src, dst, fstype, flags, options)
 
 
 def _makedirs(path: str) -> None:
@@ -284,6 +289,9 @@ def child(plan: Mapping[str, Any]) -> None:
     """``enter``, in a forked chain before its exec (stderr: its fault channel); a failure, or
     any error, ends the process with ``SETUP_FAILED`` and a ``flashnode:`` line."""
     try:
+        # Ended as the programs were, not as its parent is (a supervisor catches these).
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
         enter(plan)
     except BaseException as exc:  # nothing may run half set up, nor return into the parent's code
         why = str(exc) if isinstance(exc, SetupFailed) else f"cannot set up the task: {exc!r}"
@@ -294,14 +302,16 @@ def child(plan: Mapping[str, Any]) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    """``enter`` the plan in ``argv[0]`` (JSON), then exec the rest of ``argv``."""
+    """``enter`` the plan in ``argv[0]`` (JSON), then exec the rest of ``argv`` with the plan's
+    ``env``: exactly that (the interpreter may have added to its own: PEP 538's locale)."""
     # What the interpreter ignores from its start (an ignored signal stays ignored across exec):
     # a write past the file size limit ends the helper as it ends any other program.
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_DFL)
-    child(json.loads(argv[0]))
+    plan = json.loads(argv[0])
+    child(plan)
     try:
-        os.execv(argv[1], list(argv[1:]))
+        os.execve(argv[1], list(argv[1:]), plan["env"])
     except OSError as exc:
         os.write(2, f"flashnode: cannot run {argv[1]}: {exc.strerror}\n".encode())
         os._exit(SETUP_FAILED)

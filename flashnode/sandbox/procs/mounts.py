@@ -94,8 +94,8 @@ class Sandbox:
 
 def private_table(tmp_bytes: int) -> str:
     """The table of a task's private tmpfs mounts (those of ``PRIVATE_DIRS`` that exist here,
-    ``tmp_bytes`` each), for ``Sandbox.fstab`` once written. Each mount's source name is new
-    (``mount -a`` skips a mount it finds already there: never one of the host's)."""
+    ``tmp_bytes`` each), for ``Sandbox.fstab`` once written (``enter.mount_table`` mounts it).
+    Each mount's source name is new: no mount of the host's is named."""
     source = f"flashnode-private-{secrets.token_hex(4)}"
     options = f"nosuid,nodev,mode=1777,size={tmp_bytes}"
     return "".join(f"{source} {d} tmpfs {options} 0 0\n" for d in PRIVATE_DIRS if os.path.isdir(d))
@@ -134,12 +134,11 @@ def envs_fstab(directory: Path, private: str, envs: str, kept: Iterable[str]) ->
     private mounts, an empty tmpfs over the private /tmp (``ENVS_STAGE``), each of ``kept``
     bound into it read-only at its place under ``envs`` (its mount point made on the way), then
     the tmpfs made read-only; the chain then moves it over ``envs``, which uncovers the private
-    /tmp. One ``mount -a`` for all of it, where a ``mount`` per step cost a process each before
-    every task. Named for what it holds, so that a chain started under another table can tell;
-    written anew at every call (a file of that name that is there already is never trusted:
-    ``EnvsTables`` keeps the tables it wrote). ValueError for a kept path outside ``envs``, with
-    a newline, or that leaves it on the way (``..``, a link), or for private mounts without a
-    /tmp."""
+    /tmp. One table for all of it (``enter.mount_table``). Named for what it holds, so that a
+    chain started under another table can tell; written anew at every call (a file of that name
+    that is there already is never trusted: ``EnvsTables`` keeps the tables it wrote).
+    ValueError for a kept path outside ``envs``, with a newline, or that leaves it on the way
+    (``..``, a link), or for private mounts without a /tmp."""
     kept = sorted(kept)
     real = os.path.realpath(envs)
     if any(

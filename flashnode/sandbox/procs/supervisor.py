@@ -235,9 +235,9 @@ class _Supervisor(_Lifeline):
     def __init__(self, spec: Mapping[str, Any]) -> None:
         super().__init__(spec)
         fds: dict[str, int] = spec["fds"]
-        steps = spec.get("enter")
+        steps = spec["enter"]
         self.popen = subprocess.Popen(
-            spec["command"],
+            spec["last_step"],
             # The chain's steps as root, in its own process before its exec (this process has
             # no thread: the fork server's fork, single-threaded).
             preexec_fn=None if steps is None else functools.partial(enter.child, steps),
@@ -545,7 +545,9 @@ class Supervised:
         """Start a supervisor of ``command`` (the launch chain's last step, after ``steps``:
         ``chain.plan``'s), handing it ``fds`` (the chain's ends of its pipes and the agent's
         ends it reads: kept at their numbers)."""
-        spec = {"command": list(command), "enter": steps, "cwd": str(cwd), "env": dict(env)}
+        # Named anew ("last_step", not the whole chain's "command"): a supervisor of an older
+        # version fails on it rather than run the last step without the steps before it.
+        spec = {"last_step": list(command), "enter": steps, "cwd": str(cwd), "env": dict(env)}
         return cls._spawn(spec, fds, home, reattach_seconds)
 
     @classmethod
@@ -585,12 +587,12 @@ class Supervised:
             theirs.close()
         try:
             return cls(ours, home, child, answered)
-        except Gone:
+        except Gone as exc:
             ours.close()
             child.kill()
             child.wait(None)
             child.close()
-            raise
+            raise OSError(f"cannot start a task's supervisor: {exc}") from None
 
     @classmethod
     def connect(cls, home: Path) -> Supervised:
