@@ -130,6 +130,16 @@ def start(
 
 def ours(engine: Any, node: str) -> list[Any]:
     # ignore_removed: a container removed between the listing and its inspection is not ours.
-    return list(
-        engine.containers.list(all=True, filters={"label": f"{LABEL}={node}"}, ignore_removed=True)
-    )
+    # Podman answers that inspection 500 "no such container" (not Docker's 404, which the SDK
+    # ignores): the listing is asked again.
+    for _ in range(20):
+        try:
+            return list(
+                engine.containers.list(
+                    all=True, filters={"label": f"{LABEL}={node}"}, ignore_removed=True
+                )
+            )
+        except docker.errors.APIError as exc:
+            if "no such container" not in str(exc):
+                raise
+    raise AssertionError("the engine's listing kept naming containers that were gone")
