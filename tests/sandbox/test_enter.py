@@ -178,23 +178,23 @@ def _blocked_in_open(pid: int) -> bool:
     return Path(f"/proc/{pid}/wchan").read_text() not in ("0", "")
 
 
-@pytest.mark.usefixtures("as_root")
-def test_a_launch_whose_setup_does_not_finish_in_time_fails_to_start_as_the_nodes_fault(
+def test_a_supervisor_that_does_not_answer_fails_the_start_as_the_nodes_fault(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its supervisor answers once the chain's setup is done: one that hangs (a lent directory
-    on a stuck mount) fails the start with an OSError, which the runner makes the node's lapse,
-    never an agent error charged to the task; the chain, let go, runs nothing."""
-    from flashnode.sandbox.procs import supervisor
+    """No answer from a launch's supervisor (stuck, or gone) fails the start with an OSError,
+    which the runner makes the node's lapse, never an agent error charged to the task; the
+    supervisor is ended."""
+    from flashnode.sandbox.procs import forkserver
     from flashnode.sandbox.procs.launch import Launch
+    from flashnode.sandbox.procs.supervisor import Gone, Supervised
 
-    fifo = tmp_path / "procs"
-    os.mkfifo(fifo)
-    monkeypatch.setattr(supervisor, "ANSWER_S", 0.5)
-    with pytest.raises(OSError, match="cannot start a task's supervisor"):
-        Launch(tmp_path, _Joined(fifo), homes=tmp_path / "homes")  # type: ignore[arg-type]
-    reader = os.open(fifo, os.O_RDONLY)  # the setup goes on, and finds no script
-    try:
-        wait_for("the chain to join", lambda: os.read(reader, 64) != b"")
-    finally:
-        os.close(reader)
+    def silent(self: Supervised) -> None:
+        raise Gone("no answer")
+
+    ended: list[int] = []
+    kill = forkserver.Child.kill
+    monkeypatch.setattr(Supervised, "answer", silent)
+    monkeypatch.setattr(forkserver.Child, "kill", lambda c: ended.append(c.pid) or kill(c))
+    with pytest.raises(OSError, match="cannot start a task's supervisor: no answer"):
+        Launch(tmp_path, homes=tmp_path / "homes")
+    assert len(ended) == 1

@@ -327,8 +327,10 @@ def test_the_task_holds_no_descriptor_of_its_launchs_fault_channel(tmp_path: Pat
     from flashnode.sandbox.procs.task import TaskProcess
 
     launch = Launch(tmp_path)
-    fault = os.readlink(f"/proc/{launch.pid}/fd/2")  # the chain's stderr: its fault channel
-    assert fault.startswith("pipe:[")
+    fault = wait_for(  # the chain's stderr, once its first process has set it: its fault channel
+        "the chain's fault channel",
+        lambda: (link := os.readlink(f"/proc/{launch.pid}/fd/2")).startswith("pipe:[") and link,
+    )
     fds = tmp_path / "fds"
     proc = TaskProcess(
         ["sh", "-c", FORGER.format(fds=fds)],

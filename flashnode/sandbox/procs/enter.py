@@ -14,10 +14,11 @@ for good: no supplementary groups, no capabilities (inheritable, ambient, boundi
 be dropped), no_new_privs. Each failure is a ``SetupFailed``; the chain then writes
 ``flashnode: <why>`` on its fault channel and exits ``SETUP_FAILED`` (``child``).
 
-Two ways in: ``child`` in a process the supervisor forks for the chain (before its exec: the
-hot path, no program and no interpreter started), and ``main``, run as a program by path for the
-agent's own helpers (``python -I -S .../enter.py PLAN ARGV...``: the agent has threads, so it
-runs no Python code between a fork and an exec). This module imports nothing of the package.
+Two ways in: ``start``, the supervisor's fork of the chain (the hot path: no program and no
+interpreter started; its pid comes at once, its setup runs on beside its parent), and ``main``,
+run as a program by path for the agent's own helpers (``python -I -S .../enter.py PLAN
+ARGV...``: the agent has threads, so it runs no Python code between a fork and an exec). This
+module imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import signal
 import stat
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 SETUP_FAILED = 125  # the exit status of a chain whose setup failed (with a "flashnode:" line)
 
@@ -285,6 +286,52 @@ def enter(plan: Mapping[str, Any]) -> None:
         _become(plan["user"])
 
 
+def start(
+    plan: Mapping[str, Any] | None,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    stdio: tuple[int, int, int],
+    keep: int,
+) -> int:
+    """Fork the chain's first process and return its pid at once: in a session of its own,
+    umask 077, ``stdio`` as its standard streams (its stderr: the fault channel), ``keep`` open
+    at its number, no other descriptor, the signals a program starts with; in ``cwd``, it takes
+    ``plan``'s steps (None: none), then execs ``argv`` with exactly ``env``. What fails on the
+    way ends it with ``SETUP_FAILED`` and a ``flashnode:`` line, as a failed step does (the
+    caller learns it from its exit). Only for a process without threads: the fork runs Python
+    code before its exec."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setsid()
+        os.umask(0o077)
+        for fd, number in zip(stdio, (0, 1, 2), strict=True):
+            os.dup2(fd, number)
+        os.set_inheritable(keep, True)
+        os.closerange(3, keep)
+        os.closerange(keep + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as its parent's interpreter set them
+            signal.signal(sig, signal.SIG_DFL)
+        os.chdir(cwd)
+    except BaseException as exc:
+        _fail(f"cannot start the task's launch: {exc!r}")
+    child(plan or {"cgroup": [], "sandbox": False, "rlimits": {}, "user": None})
+    try:
+        os.execve(argv[0], list(argv), env)
+    except BaseException as exc:
+        _fail(f"cannot run {argv[0]}: {exc!r}")
+    os._exit(SETUP_FAILED)
+
+
+def _fail(why: str) -> NoReturn:
+    try:
+        os.write(2, f"flashnode: {why}\n".encode("utf-8", "replace"))
+    finally:
+        os._exit(SETUP_FAILED)
+
+
 def child(plan: Mapping[str, Any]) -> None:
     """``enter``, in a forked chain before its exec (stderr: its fault channel); a failure, or
     any error, ends the process with ``SETUP_FAILED`` and a ``flashnode:`` line."""
@@ -294,11 +341,7 @@ def child(plan: Mapping[str, Any]) -> None:
             signal.signal(sig, signal.SIG_DFL)
         enter(plan)
     except BaseException as exc:  # nothing may run half set up, nor return into the parent's code
-        why = str(exc) if isinstance(exc, SetupFailed) else f"cannot set up the task: {exc!r}"
-        try:
-            os.write(2, f"flashnode: {why}\n".encode("utf-8", "replace"))
-        finally:
-            os._exit(SETUP_FAILED)
+        _fail(str(exc) if isinstance(exc, SetupFailed) else f"cannot set up the task: {exc!r}")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -313,8 +356,7 @@ def main(argv: Sequence[str]) -> None:
     try:
         os.execve(argv[1], list(argv[1:]), plan["env"])
     except OSError as exc:
-        os.write(2, f"flashnode: cannot run {argv[1]}: {exc.strerror}\n".encode())
-        os._exit(SETUP_FAILED)
+        _fail(f"cannot run {argv[1]}: {exc.strerror}")
 
 
 if __name__ == "__main__":

@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import functools
 import json
 import os
 import select
 import signal
 import socket
 import struct
-import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -231,29 +229,41 @@ class _ContainerWatch(_Lifeline):
                 time.sleep(2.0)
 
 
+class _Chain:
+    """The chain's first process, this supervisor's child: its pid, and its exit status once
+    reaped (as Popen's: a negative number, the signal that ended it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
 class _Supervisor(_Lifeline):
     def __init__(self, spec: Mapping[str, Any]) -> None:
         super().__init__(spec)
         fds: dict[str, int] = spec["fds"]
-        steps = spec["enter"]
-        self.popen = subprocess.Popen(
-            spec["last_step"],
-            # The chain's steps as root, in its own process before its exec (this process has
-            # no thread: the fork server's fork, single-threaded).
-            preexec_fn=None if steps is None else functools.partial(enter.child, steps),
-            env=spec["env"],
-            cwd=spec["cwd"],
-            stdin=fds["script_r"],
-            stdout=fds["out_w"],
-            stderr=fds["fault_w"],
-            pass_fds=(fds["err_w"],),
-            start_new_session=True,
-            close_fds=True,
-            umask=0o077,
+        # Its first process takes the chain's steps as root, then execs the last step; its pid
+        # comes at once, its setup goes on beside this one's answer (this process has no thread:
+        # the fork server's fork).
+        self.chain = _Chain(
+            enter.start(
+                spec["enter"],
+                spec["last_step"],
+                spec["env"],
+                spec["cwd"],
+                (fds["script_r"], fds["out_w"], fds["fault_w"]),
+                fds["err_w"],
+            )
         )
         for name in ("script_r", "out_w", "err_w", "fault_w"):
             os.close(fds[name])
-        self.pid = self.popen.pid
+        self.pid = self.chain.pid
         self.start_time = start_time(self.pid)
         self.pidfd: int | None = os.pidfd_open(self.pid)
         self.outs: dict[int, Any] = {}  # output pipe -> its CappedFile, once the task is told
@@ -293,10 +303,10 @@ class _Supervisor(_Lifeline):
             if self.exited_at is not None and self.returncode is None:
                 self._finish_exit()
             self._write_last()
-        if self.popen.returncode is None:  # told it is done before the chain ended (discarded)
+        if self.chain.returncode is None:  # told it is done before the chain ended (discarded)
             with contextlib.suppress(OSError):
                 os.killpg(self.pid, signal.SIGKILL)
-            self.popen.wait()
+            self.chain.wait()
         with contextlib.suppress(OSError):
             os.unlink(SOCK)
 
@@ -386,7 +396,7 @@ class _Supervisor(_Lifeline):
                 ready.register(fd, select.POLLIN)
             if ready.poll(0):
                 return  # the loop reads it, and comes back
-        rc = self.popen.wait()
+        rc = self.chain.wait()
         while self.fault_fd is not None:  # the chain's fault channel: closed by now, or soon
             chunk = b""
             with contextlib.suppress(BlockingIOError):
@@ -434,13 +444,13 @@ class _Supervisor(_Lifeline):
         paths, version = identity.get("cgroup"), identity.get("cgroup_version")
         if isinstance(paths, dict) and version in (1, 2):
             cgroup = AttemptCgroup(version, {k: Path(v) for k, v in paths.items()})
-        if self.popen.returncode is None:  # its group's number is its own until it is reaped
+        if self.chain.returncode is None:  # its group's number is its own until it is reaped
             with contextlib.suppress(OSError):
                 os.killpg(self.pid, signal.SIGKILL)
         if cgroup is not None:
             cgroup.kill()
-        if self.popen.returncode is None:
-            self.popen.wait()  # first: a zombie of its own would look alive to ``reap``
+        if self.chain.returncode is None:
+            self.chain.wait()  # first: a zombie of its own would look alive to ``reap``
         reap(identity)
         if cgroup is not None:
             cgroup.remove()
