@@ -198,3 +198,17 @@ def test_a_supervisor_that_does_not_answer_fails_the_start_as_the_nodes_fault(
     with pytest.raises(OSError, match="cannot start a task's supervisor: no answer"):
         Launch(tmp_path, homes=tmp_path / "homes")
     assert len(ended) == 1
+
+
+def test_a_launchs_group_is_its_own_as_soon_as_its_pid_is_known(tmp_path: Path) -> None:
+    """What ends a chain signals its group by the chain's pid (``discard``, the task's end): from
+    the moment the launch returns, that group exists and is the chain's, never a signal sent to
+    no group while the chain's first process has not made its session yet."""
+    from flashnode.sandbox.procs.launch import Launch
+
+    for _ in range(20):
+        launch = Launch(tmp_path, homes=tmp_path / "homes")
+        try:
+            assert os.getsid(launch.pid) == launch.pid and os.getpgid(launch.pid) == launch.pid
+        finally:
+            launch.discard()

@@ -294,18 +294,32 @@ def start(
     stdio: tuple[int, int, int],
     keep: int,
 ) -> int:
-    """Fork the chain's first process and return its pid at once: in a session of its own,
+    """Fork the chain's first process and return its pid once it is in a session of its own:
     umask 077, ``stdio`` as its standard streams (its stderr: the fault channel), ``keep`` open
     at its number, no other descriptor, the signals a program starts with; in ``cwd``, it takes
     ``plan``'s steps (None: none), then execs ``argv`` with exactly ``env``. What fails on the
     way ends it with ``SETUP_FAILED`` and a ``flashnode:`` line, as a failed step does (the
     caller learns it from its exit). Only for a process without threads: the fork runs Python
     code before its exec."""
-    pid = os.fork()
+    # Its pid is returned once its session is its own: its group can be signalled from then on.
+    ready_r, ready_w = os.pipe()
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(ready_r)
+        os.close(ready_w)
+        raise
     if pid:
+        os.close(ready_w)
+        try:
+            os.read(ready_r, 1)  # "" once it has its session (or has ended)
+        finally:
+            os.close(ready_r)
         return pid
     try:
         os.setsid()
+        os.close(ready_w)
+        os.close(ready_r)
         os.umask(0o077)
         for fd, number in zip(stdio, (0, 1, 2), strict=True):
             os.dup2(fd, number)
