@@ -15,10 +15,9 @@ be dropped), no_new_privs. Each failure is a ``SetupFailed``; the chain then wri
 ``flashnode: <why>`` on its fault channel and exits ``SETUP_FAILED`` (``child``).
 
 Two ways in: ``start``, the supervisor's fork of the chain (the hot path: no program and no
-interpreter started; its pid comes at once, its setup runs on beside its parent), and ``main``,
-run as a program by path for the agent's own helpers (``python -I -S .../enter.py PLAN
-ARGV...``: the agent has threads, so it runs no Python code between a fork and an exec). This
-module imports nothing of the package.
+interpreter started), and ``main``, run as a program by path for the agent's own helpers
+(``python -I -S .../enter.py PLAN ARGV...``: the agent has threads, so it runs no Python code
+between a fork and an exec). This module imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -294,15 +293,16 @@ def start(
     stdio: tuple[int, int, int],
     keep: int,
 ) -> int:
-    """Fork the chain's first process and return its pid once it is in a session of its own:
-    umask 077, ``stdio`` as its standard streams (its stderr: the fault channel), ``keep`` open
-    at its number, no other descriptor, the signals a program starts with; in ``cwd``, it takes
-    ``plan``'s steps (None: none), then execs ``argv`` with exactly ``env``. What fails on the
-    way ends it with ``SETUP_FAILED`` and a ``flashnode:`` line, as a failed step does (the
-    caller learns it from its exit). Only for a process without threads: the fork runs Python
-    code before its exec."""
-    # Its pid is returned once its session is its own: its group can be signalled from then on.
-    ready_r, ready_w = os.pipe()
+    """Fork the chain's first process and return its pid once its setup is done (or failed): in
+    a session of its own, umask 077, ``stdio`` as its standard streams (its stderr: the fault
+    channel), ``keep`` open at its number, no other descriptor, the signals a program starts
+    with; in ``cwd``, it takes ``plan``'s steps (None: none), then execs ``argv`` with exactly
+    ``env``. What fails on the way ends it with ``SETUP_FAILED`` and a ``flashnode:`` line, as
+    a failed step does (the caller learns it from its exit). So a pid, once known, is a chain
+    set up and waiting (its group, its private directories in place), as Popen's was after its
+    exec; a setup that hangs holds this call. Only for a process without threads: the fork runs
+    Python code before its exec."""
+    ready_r, ready_w = os.pipe()  # closed by its exec (close-on-exec) or its exit: "" here
     try:
         pid = os.fork()
     except BaseException:
@@ -312,22 +312,21 @@ def start(
     if pid:
         os.close(ready_w)
         try:
-            os.read(ready_r, 1)  # "" once it has its session (or has ended)
+            os.read(ready_r, 1)
         finally:
             os.close(ready_r)
         return pid
     try:
+        _default_signals()
         os.setsid()
-        os.close(ready_w)
-        os.close(ready_r)
         os.umask(0o077)
         for fd, number in zip(stdio, (0, 1, 2), strict=True):
             os.dup2(fd, number)
         os.set_inheritable(keep, True)
-        os.closerange(3, keep)
-        os.closerange(keep + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as its parent's interpreter set them
-            signal.signal(sig, signal.SIG_DFL)
+        top = max(resource.getrlimit(resource.RLIMIT_NOFILE))  # close_range: one system call
+        for low, high in ((3, min(keep, ready_w)), (min(keep, ready_w) + 1, max(keep, ready_w))):
+            os.closerange(low, high)
+        os.closerange(max(keep, ready_w) + 1, top)
         os.chdir(cwd)
     except BaseException as exc:
         _fail(f"cannot start the task's launch: {exc!r}")
@@ -337,6 +336,14 @@ def start(
     except BaseException as exc:
         _fail(f"cannot run {argv[0]}: {exc!r}")
     os._exit(SETUP_FAILED)
+
+
+def _default_signals() -> None:
+    """The signals a program starts with: not the interpreter's ignored SIGPIPE and SIGXFSZ (an
+    ignored signal stays ignored across exec), not a supervisor's caught SIGINT, SIGHUP and
+    SIGTERM (a stop sent during the setup ends it, as it ended the programs)."""
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _fail(why: str) -> NoReturn:
@@ -350,9 +357,7 @@ def child(plan: Mapping[str, Any]) -> None:
     """``enter``, in a forked chain before its exec (stderr: its fault channel); a failure, or
     any error, ends the process with ``SETUP_FAILED`` and a ``flashnode:`` line."""
     try:
-        # Ended as the programs were, not as its parent is (a supervisor catches these).
-        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        _default_signals()
         enter(plan)
     except BaseException as exc:  # nothing may run half set up, nor return into the parent's code
         _fail(str(exc) if isinstance(exc, SetupFailed) else f"cannot set up the task: {exc!r}")
@@ -361,10 +366,6 @@ def child(plan: Mapping[str, Any]) -> None:
 def main(argv: Sequence[str]) -> None:
     """``enter`` the plan in ``argv[0]`` (JSON), then exec the rest of ``argv`` with the plan's
     ``env``: exactly that (the interpreter may have added to its own: PEP 538's locale)."""
-    # What the interpreter ignores from its start (an ignored signal stays ignored across exec):
-    # a write past the file size limit ends the helper as it ends any other program.
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
-        signal.signal(sig, signal.SIG_DFL)
     plan = json.loads(argv[0])
     child(plan)
     try:

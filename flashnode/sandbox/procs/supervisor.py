@@ -249,8 +249,7 @@ class _Supervisor(_Lifeline):
         super().__init__(spec)
         fds: dict[str, int] = spec["fds"]
         # Its first process takes the chain's steps as root, then execs the last step; its pid
-        # comes at once, its setup goes on beside this one's answer (this process has no thread:
-        # the fork server's fork).
+        # comes once it is set up (this process has no thread: the fork server's fork).
         self.chain = _Chain(
             enter.start(
                 spec["enter"],
