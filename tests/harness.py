@@ -39,6 +39,16 @@ def shared_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=SHARED_ROOT))
 
 
+def slot_user(slot: int = 0) -> Any:
+    """The task user of ``slot`` (a ``procs.TaskUser``), as ``./scripts/task-users`` makes it."""
+    import pwd
+
+    from flashnode.sandbox import procs
+
+    user = pwd.getpwnam(f"flashnode-task-{slot}")
+    return procs.TaskUser(user.pw_name, user.pw_uid, user.pw_gid)
+
+
 @contextlib.contextmanager
 def tmpfs_disk(prefix: str, options: str) -> Iterator[Path]:
     """A tmpfs (``options``: its size and inodes) standing in for the owner's disk, in a

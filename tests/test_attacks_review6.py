@@ -21,31 +21,23 @@ regression each:
 
 from __future__ import annotations
 
-import pwd
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import ended_in_sandbox
+from harness import ended_in_sandbox, shared_dir, slot_user
 
-from flashnode.sandbox import procs
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
 from flashnode.sandbox.procs.helpers import popen_as
 from flashnode.sandbox.procs.mounts import Sandbox, cover_fstab
 
 
-def _task_user() -> procs.TaskUser:
-    user = pwd.getpwnam("flashnode-task-0")  # what ./scripts/task-users makes
-    return procs.TaskUser(user.pw_name, user.pw_uid, user.pw_gid)
-
-
 @pytest.fixture
 def base() -> Iterator[Path]:
     """A directory outside the private ones (a task gets its own /tmp)."""
-    root = Path(tempfile.mkdtemp(prefix="flashnode-review6-", dir="/var/lib"))
+    root = shared_dir("flashnode-review6-")
     root.chmod(0o755)
     try:
         yield root
@@ -70,7 +62,7 @@ def test_a_lent_directory_whose_name_holds_a_no_break_space_is_covered_and_tasks
     work = base / "work"
     work.mkdir()
     work.chmod(0o777)
-    user = _task_user()
+    user = slot_user()
     argv = ["sh", "-c", 'ls -A -- "$0" 2>&1; echo listed', str(lent)]
     proc = ended_in_sandbox(argv, Sandbox(1 << 20, work=True, covers=covers), work, tmp_path, user)
     assert proc.launched, f"the setup failed: {proc.setup_failure()}"
@@ -88,7 +80,7 @@ def test_a_helper_gets_exactly_the_environment_it_is_given(base: Path) -> None:
     proc = popen_as(
         ["env"],
         {"PATH": SYSTEM_PATH},
-        _task_user(),
+        slot_user(),
         Sandbox(1 << 20, keep_agent=True),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

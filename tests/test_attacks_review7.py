@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import processes_in, wait_for
+from harness import processes_in, shared_dir, slot_user, wait_for
 
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs import supervisor
@@ -51,15 +49,10 @@ from flashnode.sandbox.procs.task import TaskProcess
 ANSWER_S = supervisor.ANSWER_S  # the supervisor's answer deadline (10 s), before any patch
 
 
-def _task_user() -> procs.TaskUser:
-    user = pwd.getpwnam("flashnode-task-0")  # what ./scripts/task-users makes
-    return procs.TaskUser(user.pw_name, user.pw_uid, user.pw_gid)
-
-
 @pytest.fixture
 def base() -> Iterator[Path]:
     """A directory outside the private ones (a task gets its own /tmp)."""
-    root = Path(tempfile.mkdtemp(prefix="flashnode-review7-", dir="/var/lib"))
+    root = shared_dir("flashnode-review7-")
     root.chmod(0o755)
     try:
         yield root
@@ -87,7 +80,7 @@ def _hanging_start(base: Path) -> TaskProcess:
         stderr=base / "err",
         log_max_bytes=4096,
         on_exit=lambda: None,
-        user=_task_user(),
+        user=slot_user(),
         sandbox=Sandbox(1 << 20, fstab=str(fifo), work=True),
         homes=base / "homes",
     )

@@ -6,28 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import ended_in_sandbox, wait_for
+from harness import ended_in_sandbox, shared_dir, slot_user, wait_for
 
 from flashnode.sandbox import procs
 from flashnode.sandbox.procs import enter
 from flashnode.sandbox.procs.chain import SYSTEM_PATH
 from flashnode.sandbox.procs.helpers import popen_as
 from flashnode.sandbox.procs.mounts import Sandbox
-
-
-def _task_user() -> procs.TaskUser:
-    user = pwd.getpwnam("flashnode-task-0")  # what ./scripts/task-users makes
-    return procs.TaskUser(user.pw_name, user.pw_uid, user.pw_gid)
 
 
 def _status(text: str) -> dict[str, list[str]]:
@@ -45,7 +38,7 @@ def _assert_nothing_to_regain(status: dict[str, list[str]], user: procs.TaskUser
 @pytest.fixture
 def work() -> Iterator[Path]:
     """A task's working directory outside the private directories (a task gets its own /tmp)."""
-    root = Path(tempfile.mkdtemp(prefix="flashnode-enter-test-", dir="/var/lib"))
+    root = shared_dir("flashnode-enter-")
     root.chmod(0o777)
     try:
         yield root
@@ -57,7 +50,7 @@ def work() -> Iterator[Path]:
 def test_a_launched_task_has_no_group_capability_or_way_back_to_root(
     tmp_path: Path, work: Path
 ) -> None:
-    user = _task_user()
+    user = slot_user()
     argv = ["sh", "-c", "cat /proc/self/status"]
     proc = ended_in_sandbox(argv, Sandbox(1 << 20, work=True), work, tmp_path, user)
     assert proc.launched, proc.setup_failure()
@@ -68,7 +61,7 @@ def test_a_launched_task_has_no_group_capability_or_way_back_to_root(
 def test_a_helper_run_as_a_program_has_no_group_capability_or_way_back_to_root(
     tmp_path: Path, work: Path
 ) -> None:
-    user = _task_user()
+    user = slot_user()
     proc = popen_as(
         ["cat", "/proc/self/status"],
         {"PATH": SYSTEM_PATH},
