@@ -61,6 +61,7 @@ def test_a_pip_that_cannot_reach_an_index_stops_the_build_saying_so(tmp_path: Pa
         "PIP_FIND_LINKS": "",
         "PIP_INDEX_URL": "",
         "PIP_EXTRA_INDEX_URL": "",
+        "FLASHNODE_FETCH_RETRY_SECONDS": "0",  # each fetch is tried three times
     }
     done = _build(BUILD, cut_off)
     assert done.returncode == 1, done.stdout + done.stderr
