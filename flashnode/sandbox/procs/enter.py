@@ -330,7 +330,8 @@ def start(
         os.chdir(cwd)
     except BaseException as exc:
         _fail(f"cannot start the task's launch: {exc!r}")
-    child(plan or {"cgroup": [], "sandbox": False, "rlimits": {}, "user": None})
+    if plan is not None:
+        child(plan)
     try:
         os.execve(argv[0], list(argv), env)
     except BaseException as exc:
