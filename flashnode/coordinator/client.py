@@ -24,6 +24,7 @@ import httpcore
 import httpx
 
 from flashnode import __version__
+from flashnode.allocator import STREAM_CHUNK
 from flashnode.config.urls import is_loopback
 from flashnode.coordinator.answers import Done, check, detail_of, json_object
 from flashnode.coordinator.ids import SAFE_ID
@@ -51,7 +52,6 @@ from flashnode.sanitise import sanitise
 API = "/v1alpha1"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
 ANSWER_DEADLINE_S = 60.0
-CHUNK = 1024 * 1024
 
 
 def _segment(value: str, what: str) -> str:
@@ -416,7 +416,7 @@ def _mapped(exc: Exception, what: str) -> CoordinatorError:
 def _exactly(fh: BinaryIO, size: int, digest: Any, key: str) -> Iterator[bytes]:
     left = size
     while left > 0:
-        chunk = fh.read(min(CHUNK, left))
+        chunk = fh.read(min(STREAM_CHUNK, left))
         if not chunk:
             raise AttemptFailed(f"{key.rsplit('/', 1)[-1]} shrank while it was uploaded")
         digest.update(chunk)

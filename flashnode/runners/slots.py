@@ -133,6 +133,15 @@ class SlotPool:
             self._turnovers[slot] = worker.submit(lambda: self._turn_over(slot, user, cgroup))
         worker.submit(lambda: self._let_go(slot, let_go))
 
+    def prime(self, slot: int, user: procs.TaskUser) -> None:
+        """The slot has no task (the agent has just started, and none of an earlier run's runs
+        in it): a turnover without a task, queued as ``turn_over``'s, so that its first task
+        starts as every later one does, in a chain kept ahead (and its user's keyrings are
+        cleared of what an earlier run's task left)."""
+        with self._lock:
+            worker = self._workers.setdefault(slot, Background(f"turnovers-{slot}"))
+            self._turnovers[slot] = worker.submit(lambda: self._turn_over(slot, user, None))
+
     @staticmethod
     def _let_go(slot: int, let_go: Callable[[], None]) -> None:
         try:
@@ -159,7 +168,7 @@ class SlotPool:
             if gone and user is not None and self._ahead_ok and not self._closed:
                 self._launch_ahead(slot, user)
         except Exception:  # the next start takes the plain way
-            log.exception("slot %d: the turnover after its task failed", slot)
+            log.exception("slot %d: its turnover failed", slot)
 
     def _launch_ahead(self, slot: int, user: procs.TaskUser) -> None:
         assert self._hierarchy is not None

@@ -398,6 +398,9 @@ class TrustedRunner(Runner):
         for slot, user in enumerate(self.users or []):
             if user.uid not in running:
                 self._hold(slot, user)
+        for slot, user in enumerate(self.users or []):
+            if user.uid not in running and slot not in self._lost_slots:
+                self.slots.prime(slot, user)
 
     def close(self) -> None:
         self.slots.close()

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from flashnode.allocator import STREAM_CHUNK
 from flashnode.errors import AttemptFailed, AttemptLapsed, disk_full, disk_full_error
 from flashnode.sandbox.removal import remove_tree
 
 MAX_MEMBERS = 100_000
-COPY_CHUNK = 1024 * 1024
 
 
 def unpack(
@@ -144,7 +144,7 @@ def _write_member(src: IO[bytes], path: Path, executable: bool, budget: _Budget,
             ) from None
         raise
     with os.fdopen(fd, "wb") as out:
-        while chunk := src.read(COPY_CHUNK):
+        while chunk := src.read(STREAM_CHUNK):
             budget.spend(len(chunk))
             out.write(chunk)
 

@@ -235,6 +235,27 @@ def test_take_waits_for_the_slots_turnover(tmp_path: Path) -> None:
     assert p.events[:2] == ["remove lease-slow", "clear keyrings of flashnode-task-0"]
 
 
+def test_a_primed_slot_clears_its_users_keyrings_then_keeps_a_chain_for_its_first_task(
+    tmp_path: Path,
+) -> None:
+    """An agent's start, for a slot with no task: a turnover without a task's cgroup, so that the
+    slot's first task starts in a chain kept ahead as every later one does."""
+    p = Pool(tmp_path)
+    p.pool.prime(0, USER)
+    chain = p.pool.take(0, BLANK)  # waits for the prime, as for a turnover
+    assert chain is not None and chain.launch.user == USER
+    (created,) = (e for e in p.events if e.startswith("create "))
+    assert p.events == ["clear keyrings of flashnode-task-0", created, f"launch {chain.work.name}"]
+
+
+def test_a_slot_primed_after_close_keeps_no_chain(tmp_path: Path) -> None:
+    p = Pool(tmp_path)
+    p.pool.close()
+    p.pool.prime(0, USER)
+    assert p.pool.take(0, BLANK) is None
+    assert p.launched == []
+
+
 def test_a_chain_kept_ahead_goes_to_the_next_task_of_its_slot_only(tmp_path: Path) -> None:
     p = Pool(tmp_path)
     p.task_ended(slot=0)
@@ -336,7 +357,7 @@ def test_a_turnover_that_fails_is_logged_and_the_next_task_still_starts(
     p.task_ended()
     with caplog.at_level(logging.ERROR):
         assert p.pool.take(0, BLANK) is None
-    assert "slot 0: the turnover after its task failed" in caplog.text
+    assert "slot 0: its turnover failed" in caplog.text
     assert p.launched == []
 
 

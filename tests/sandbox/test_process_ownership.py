@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import threading
@@ -23,6 +24,8 @@ from harness import (
     ended_in_sandbox,
     pid_alive,
     processes_with,
+    shared_dir,
+    slot_user,
     wait_for,
 )
 
@@ -374,17 +377,24 @@ def ahead_cgroups(agent: AgentProcess) -> set[Path]:
 
 
 def waiting_chain(agent: AgentProcess) -> int | None:
-    """The pid of the chain ``agent`` keeps ahead once it waits for its script: alone in its
+    """The pid of the one chain ``agent`` keeps ahead once it waits for its script: alone in its
     cgroup, the slot's user (while it sets up, its steps run as root beside it)."""
-    pids = [
-        int(p) for cg in ahead_cgroups(agent) for p in (cg / "cgroup.procs").read_text().split()
-    ]
-    if len(pids) != 1:
-        return None
-    try:
-        return pids[0] if os.stat(f"/proc/{pids[0]}").st_uid != 0 else None
-    except OSError:
-        return None
+    chains = waiting_chains(agent)
+    return chains.popitem()[1] if len(chains) == 1 else None
+
+
+def waiting_chains(agent: AgentProcess) -> dict[int, int]:
+    """Slot -> the pid of its chain kept ahead, for the chains that wait for their script."""
+    prefix = f"ahead-{hashlib.sha256(str(agent.state_dir.resolve()).encode()).hexdigest()[:12]}-"
+    chains: dict[int, int] = {}
+    for cg in ahead_cgroups(agent):
+        pids = [int(p) for p in (cg / "cgroup.procs").read_text().split()]
+        try:
+            if len(pids) == 1 and os.stat(f"/proc/{pids[0]}").st_uid != 0:
+                chains[int(cg.name.removeprefix(prefix).split("-")[0])] = pids[0]
+        except OSError:
+            continue
+    return chains
 
 
 @pytest.mark.usefixtures("task_cgroups")
@@ -438,6 +448,63 @@ def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_
     assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
     metrics = json.loads(coordinator.artifact(f"jobs/{second}/task-000/metrics.json"))
     assert metrics == {"pid": chain}
+
+
+@pytest.mark.usefixtures("task_cgroups")
+def test_an_agent_keeps_a_chain_ahead_from_its_start_and_its_first_task_runs_in_it(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Not only after a task: a slot's first task after the agent's start also starts with one
+    exec, in the chain the agent started for it (its pid is the chain's)."""
+    agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+    chain = wait_for("a chain kept ahead before any task", lambda: waiting_chain(agent))
+    job = coordinator.submit(
+        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > metrics.json'], max_attempts=1)
+    )
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    metrics = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
+    assert metrics == {"pid": chain}
+
+
+@pytest.mark.usefixtures("task_cgroups")
+def test_an_agent_started_again_keeps_no_chain_ahead_beside_a_task_it_rejoined(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The attack a chain kept ahead must never meet: a running task of the same user, which
+    could trace it or write a script of its own into it. An agent started again while a task of
+    its earlier run runs on keeps chains ahead for its free slots only; the task's slot gets its
+    chain once the task has ended (its turnover)."""
+    gate = shared_dir("rejoined-")
+    gate.chmod(0o777)
+    script = f"id -u > {gate}/uid; until [ -e {gate}/go ]; do sleep 0.05; done; {METRICS}"
+    job = coordinator.submit(argv_job(["sh", "-c", script], lease_seconds=60, max_attempts=1))
+    try:
+        first = start_agent(coordinator.url, *TRUSTED, "--slots", "2", env=FAST)
+        uid = int(wait_for("the task to run", lambda: _read(gate / "uid"), timeout=60))
+        first.signal(signal.SIGTERM)  # a stop lets go of the task: it runs on
+        assert first.wait(15) == 0, first.log
+        busy = next(slot for slot in (0, 1) if slot_user(slot).uid == uid)
+        second = start_agent(
+            coordinator.url, *TRUSTED, "--slots", "2", env=FAST, state_dir=first.state_dir
+        )
+        second.wait_log("re-attached 1 task(s)")
+        # Both slots' primes are queued at once at the start: once the free slot's chain
+        # waits, one wrongly kept for the busy slot would have been started too.
+        chains = wait_for("the free slot's chain", lambda: waiting_chains(second))
+        assert set(chains) == {1 - busy}, chains
+        (gate / "go").touch()
+        assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", second.log
+        wait_for("the task's slot's chain", lambda: busy in waiting_chains(second))
+    finally:
+        (gate / "go").touch()
+        shutil.rmtree(gate, ignore_errors=True)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def _live(proc: Path, uid: int) -> bool:

@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from flashnode import logcontext
+from flashnode.allocator import STREAM_CHUNK
 from flashnode.attempt.phases.transfer import transfer
 from flashnode.attempt.record import Finished, Outcome
 from flashnode.coordinator import retry, validators
@@ -126,7 +127,7 @@ def _parse_json(data: bytes) -> Any:
 def _sha256(ws: Workspace, f: OutputFile) -> str:
     digest = hashlib.sha256()
     with open_output(ws, f) as fh:
-        while chunk := fh.read(1 << 20):
+        while chunk := fh.read(STREAM_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
