@@ -265,7 +265,9 @@ def floor(url: str, pool: str, case: Case, parallel: bool) -> dict[str, float]:
             out = work / "out"
             if case.kind == "out":
                 files = sorted(out.glob("data-*"))
+                began = time.monotonic()
                 each([lambda p=p: put_file(c, api, p, prefix + p.name) for p in files], parallel)
+                timings["upload"] = round(time.monotonic() - began, 4)
             if case.kind == "ckpt":
                 d = out / "ckpt" / "checkpoint-1"
                 base = f"{prefix}ckpt/{lid}/1/"
@@ -437,8 +439,13 @@ class Agent:
         self.log = (self.state / "agent.log").open("wb")
         self.before = {n["node_id"] for n in httpx.get(url + "/v1alpha1/nodes", timeout=60).json()}
         self.url = url
-        self.proc = subprocess.Popen(
-            cmd, env=base, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL
+        self.proc = subprocess.Popen(  # cwd: not a checkout's (-m puts it first on sys.path)
+            cmd,
+            env=base,
+            stdout=self.log,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+            cwd=self.state,
         )
         self.node = wait_for(f"{kind} to register", self._registered, timeout=60)
         if kind == "old":
