@@ -2,8 +2,8 @@
 
 ``recover`` rejoins the tasks an earlier run let go of at a restart (their attempts are handed
 back, to go on in their slots), commits the results it finished (the outbox), lets the rest
-lapse (their processes reaped first), has the runner reconcile what it left, and removes the
-workspaces no record names, with a ledger line each.
+lapse (their processes reaped first), has the runner reconcile what it left, removes the
+workspaces no record names, with a ledger line each, and has the runner prime its first tasks.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def recover(ctx: AttemptContext, count: Callable[[Outcome], None]) -> list[tuple
         for lease_id in stale:  # ended by a crash before its task started: no record
             if _ledger_lapsed(ctx, lease_id, "agent restarted before the task started"):
                 count(Outcome.LAPSED)
+        ctx.runner.prime()  # after the sweep of attempts/, where it makes directories
     except Exception:
         log.exception("cleaning up after an earlier run failed")
     return rejoined

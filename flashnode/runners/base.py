@@ -22,7 +22,8 @@
   ``rejoin`` takes it over from its recorded identity (a runner that cannot returns False and
   None: the task is ended and its lease lapses).
 * ``reconcile`` runs at agent start (after every ``rejoin``) and removes what an earlier run of
-  this agent left behind; ``reap`` does it for one recorded task.
+  this agent left behind; ``reap`` does it for one recorded task; ``prime`` then makes ready
+  what the first tasks need.
 
 Runners are chosen by name from ``flashnode.runners.registry``, which says what each can do
 (``Capabilities``), and imported only when chosen (the Docker SDK costs an agent that never uses
@@ -207,6 +208,10 @@ class Runner(ABC):
 
     def reconcile(self) -> None:  # noqa: B027 - optional hook
         """Remove leftovers of an earlier run of this agent that no record names."""
+
+    def prime(self) -> None:  # noqa: B027 - optional hook
+        """At agent start, once every leftover of an earlier run is dealt with (``reconcile``,
+        then the stale workspaces removed): make ready what the first tasks will need."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """The agent stops (every attempt has ended): release what the runner keeps between

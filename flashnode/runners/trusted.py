@@ -386,6 +386,27 @@ class TrustedRunner(Runner):
         self._lost_slots.add(slot)
         return None
 
+    def prime(self) -> None:
+        """Each free slot's chain started ahead for its first task (``SlotPool.prime``): not
+        for a slot whose rejoined task runs on (its turnover will), nor one whose user still
+        has a process that outlived an earlier run (no chain waits beside one)."""
+        running = set(self._rejoined_uids)
+        for slot, user in enumerate(self.users or []):
+            if user.uid in running or slot in self._lost_slots:
+                continue
+            left = procs.processes_of(user.uid)
+            if left:
+                log.warning(
+                    "slot %d: %d process(es) of %s outlived an earlier run (pid %d): no chain"
+                    " is started ahead for its first task",
+                    slot,
+                    len(left),
+                    user.name,
+                    left[0],
+                )
+                continue
+            self.slots.prime(slot, user)
+
     def slot_usable(self, slot: int) -> bool:
         return slot not in self._lost_slots
 
@@ -398,9 +419,6 @@ class TrustedRunner(Runner):
         for slot, user in enumerate(self.users or []):
             if user.uid not in running:
                 self._hold(slot, user)
-        for slot, user in enumerate(self.users or []):
-            if user.uid not in running and slot not in self._lost_slots:
-                self.slots.prime(slot, user)
 
     def close(self) -> None:
         self.slots.close()

@@ -488,8 +488,8 @@ def test_an_agent_started_again_keeps_no_chain_ahead_beside_a_task_it_rejoined(
             coordinator.url, *TRUSTED, "--slots", "2", env=FAST, state_dir=first.state_dir
         )
         second.wait_log("re-attached 1 task(s)")
-        # Both slots' primes are queued at once at the start: once the free slot's chain
-        # waits, one wrongly kept for the busy slot would have been started too.
+        # (The rejoined task's user is not held by this agent while it runs, so a chain of
+        # that user could not start either: this holds the outcome, whichever step keeps it.)
         chains = wait_for("the free slot's chain", lambda: waiting_chains(second))
         assert set(chains) == {1 - busy}, chains
         (gate / "go").touch()
@@ -498,6 +498,30 @@ def test_an_agent_started_again_keeps_no_chain_ahead_beside_a_task_it_rejoined(
     finally:
         (gate / "go").touch()
         shutil.rmtree(gate, ignore_errors=True)
+
+
+@pytest.mark.usefixtures("task_cgroups")
+def test_no_chain_is_started_ahead_beside_a_process_of_its_user_that_outlived_a_run(
+    coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The attack: a process of the slot's user that no cgroup holds any more (a task of an
+    earlier run that escaped its reaping) waits for the next agent's chain, to trace it or
+    write a script of its own into it. An agent started beside it keeps no chain ahead for
+    that slot, and says why."""
+    user = slot_user(0)
+    m = marker()
+    lurker = subprocess.Popen(
+        ["sleep", m], user=user.uid, group=user.gid, extra_groups=[], start_new_session=True
+    )
+    try:
+        agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
+        agent.wait_log("outlived an earlier run")  # said before the agent registers
+        agent.wait_log("registered as node")
+        assert ahead_cgroups(agent) == set()
+        assert f"(pid {lurker.pid})" in agent.log
+    finally:
+        lurker.kill()
+        lurker.wait()
 
 
 def _read(path: Path) -> str | None:
