@@ -1,4 +1,4 @@
-r"""The C allocator's settings for an agent that runs for months (issue 44): memory it frees
+"""The C allocator's settings for an agent that runs for months (issue 44): memory it frees
 goes back to the system instead of staying resident.
 
 glibc's malloc raises its mmap threshold each time a block it had mapped on its own is freed (up
@@ -19,8 +19,9 @@ value. Anywhere but glibc (musl, macOS) nothing is done.
 
 The price of a fixed threshold is paid by a loop that allocates a block that big again and
 again: each is mapped, its pages faulted in (zeroed by the kernel) and unmapped. Bulk data moves
-in ``STREAM_CHUNK``\ s, below the threshold, so that each chunk comes from the heap and reuses
-the last one's memory (a 1 GiB upload read in 1 MiB chunks took twice the CPU to read and hash).
+in chunks of ``STREAM_CHUNK`` bytes, below the threshold, so that each comes from the heap and
+reuses the last one's memory (a 1 GiB upload read in 1 MiB chunks took twice the CPU to read
+and hash).
 """
 
 from __future__ import annotations

@@ -134,8 +134,8 @@ class SlotPool:
         worker.submit(lambda: self._let_go(slot, let_go))
 
     def prime(self, slot: int, user: procs.TaskUser) -> None:
-        """The slot has no task (the agent has just started, and none of an earlier run's runs
-        in it): a turnover without a task, queued as ``turn_over``'s, so that its first task
+        """The slot has no task (the agent has just started, and no task of an earlier run
+        runs in it): a turnover without a task, queued as ``turn_over``'s, so that its first task
         starts as every later one does, in a chain kept ahead (and its user's keyrings are
         cleared of what an earlier run's task left)."""
         with self._lock:
