@@ -397,6 +397,15 @@ def waiting_chains(agent: AgentProcess) -> dict[int, int]:
     return chains
 
 
+def next_task_pid(coordinator: CoordinatorServer, agent: AgentProcess) -> int:
+    """The pid of a task run now by ``agent`` (the pid of the chain it ran in)."""
+    job = coordinator.submit(
+        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > metrics.json'], max_attempts=1)
+    )
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
+    return int(json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))["pid"])
+
+
 @pytest.mark.usefixtures("task_cgroups")
 def test_the_chain_kept_ahead_goes_with_the_agent_and_its_cgroup_at_the_next_start(
     coordinator: CoordinatorServer, start_agent: Callable[..., AgentProcess]
@@ -442,12 +451,7 @@ def test_the_chain_kept_ahead_waits_alone_and_the_next_task_of_its_slot_runs_in_
     mine = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _live(p, uid)}
     assert mine == {chain}, {p: _describe(p) for p in mine}
 
-    second = coordinator.submit(
-        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > metrics.json'], max_attempts=1)
-    )
-    assert coordinator.wait_state(second, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
-    metrics = json.loads(coordinator.artifact(f"jobs/{second}/task-000/metrics.json"))
-    assert metrics == {"pid": chain}
+    assert next_task_pid(coordinator, agent) == chain
 
 
 @pytest.mark.usefixtures("task_cgroups")
@@ -458,12 +462,7 @@ def test_an_agent_keeps_a_chain_ahead_from_its_start_and_its_first_task_runs_in_
     exec, in the chain the agent started for it (its pid is the chain's)."""
     agent = start_agent(coordinator.url, *TRUSTED, env=FAST)
     chain = wait_for("a chain kept ahead before any task", lambda: waiting_chain(agent))
-    job = coordinator.submit(
-        argv_job(["sh", "-c", 'echo "{\\"pid\\": $$}" > metrics.json'], max_attempts=1)
-    )
-    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}) == "SUCCEEDED", agent.log
-    metrics = json.loads(coordinator.artifact(f"jobs/{job}/task-000/metrics.json"))
-    assert metrics == {"pid": chain}
+    assert next_task_pid(coordinator, agent) == chain
 
 
 @pytest.mark.usefixtures("task_cgroups")
