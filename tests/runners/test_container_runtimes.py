@@ -14,10 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from boxes import box_job, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, wait_for
-from seat import TICKING, Seat, release, running
+from seat import TICKING, Seat, goes_on, last_tick, release, running
 from test_container import COUNTING, PROBE
 
 from flashnode.config.settings import Settings
@@ -280,12 +281,51 @@ def test_under_gvisor_an_owner_rule_pauses_the_container_and_lets_it_go_on(
 
     seat.active()
     wait_for("the container to be paused", paused, timeout=15)
+    paused_at = last_tick(container)
     seat.idle()
     wait_for("the container to run again", lambda: not paused(), timeout=15)
+    goes_on(container, paused_at)
     release(container)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     entry = agent.wait_ledger()[-1]
     assert entry["outcome"] == "committed" and entry["timings"]["suspended"] > 0
+
+
+def engine_shims_of_no_container(engine: Any) -> set[str]:
+    """The ids that containerd shims still serve which the engine has no container for."""
+    containers = {c.id for c in engine.containers.list(all=True, ignore_removed=True)}
+    served = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if argv and "containerd-shim" in argv[0] and "-id" in argv[:-1]:
+            served.add(argv[argv.index("-id") + 1])
+    return served - containers
+
+
+def test_under_gvisor_a_task_whose_program_is_not_in_its_image_fails_and_leaves_no_engine_process(
+    runsc: str,
+    engine: Any,
+    image: str,
+    coordinator: CoordinatorServer,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """runsc fails the start of such a container, and Docker's containerd then keeps its shim
+    for good, through the container's removal: one process a task, a job's way to fill the
+    owner's memory. The agent's own probe at its start (python in an image that has none) is
+    such a start too."""
+    left = engine_shims_of_no_container(engine)
+    job = coordinator.submit(box_job(["/no/such/program"], max_attempts=1))
+    node = unique("rt-missing")
+    agent = start(start_agent, coordinator.url, node, env={"FLASHNODE_CONTAINER_RUNTIME": runsc})
+    assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "FAILED"
+    wait_for("its container removed", lambda: ours(engine, node) == [])
+    wait_for(
+        "no engine process left for a container the engine no longer has",
+        lambda: engine_shims_of_no_container(engine) <= left,
+    )
+    [entry] = agent.wait_ledger(1)
+    assert entry["outcome"] == "failed" and entry["runtime"] == "runsc", entry
+    assert entry["reason"].startswith("exit code 127"), entry
 
 
 def test_a_node_whose_tasks_all_run_under_gvisor_without_its_gpu_proxy_registers_no_gpu(

@@ -1,7 +1,7 @@
 """What the runner does differently under Podman (``dialect.py``), against scripted engines: told
 apart by what the engine says of itself, a container given explicit rlimits and Podman's extra
-tmpfs shut (the task's own settings kept), a rootless engine on cgroup v1 refused (it ignores
-the limits), a GPU lease refused. The real Podman service: ``test_podman.py``."""
+tmpfs shut (the task's own settings kept), Docker's containers under gVisor given an init, a
+rootless engine on cgroup v1 refused (it ignores the limits), a GPU lease refused. The real Podman service: ``test_podman.py``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def test_docker_is_left_as_it_is() -> None:
     kwargs = {"tmpfs": {"/tmp": "size=1"}}
     assert spoken.apply(dict(kwargs)) == kwargs
     assert spoken.describe() == "Docker 20.10.24, cgroup v2" and spoken.passes_gpus
+
+
+def test_under_gvisor_dockers_containers_run_its_init_and_podmans_none() -> None:
+    # Docker's containerd keeps the shim of a gVisor container whose start failed; the init
+    # makes such a start an exit 127. Podman's go with the container, and it may have no init.
+    docker_spoken = dialect(Engine(DOCKER), "unix:///nonexistent.sock")
+    assert docker_spoken.apply({}, own_kernel=True) == {"init": True}
+    assert "init" not in docker_spoken.apply({}, own_kernel=False)
+    podman_spoken = dialect(Engine(PODMAN), "unix:///nonexistent.sock")
+    assert "init" not in podman_spoken.apply({}, own_kernel=True)
 
 
 def test_under_podman_a_container_gets_explicit_rlimits_and_no_writable_run_or_var_tmp() -> None:

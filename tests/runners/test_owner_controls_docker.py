@@ -10,7 +10,7 @@ from typing import Any
 
 from boxes import box_job, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, wait_for
-from seat import TICKING, Seat, release, running
+from seat import TICKING, Seat, goes_on, last_tick, release, running
 
 
 def test_an_owner_rule_pauses_the_container_then_unpauses_it_and_the_cap_applies(
@@ -37,9 +37,11 @@ def test_an_owner_rule_pauses_the_container_then_unpauses_it_and_the_cap_applies
         return dict(container.attrs["State"])
 
     wait_for("the container to be paused", lambda: state()["Paused"], timeout=15)
+    paused_at = last_tick(container)
     wait_for("the status", lambda: (running(agent) or {}).get("suspended_s") is not None)
     seat.idle()
     wait_for("the container to run again", lambda: not state()["Paused"], timeout=15)
+    goes_on(container, paused_at)
     release(container)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     entry = agent.wait_ledger()[-1]

@@ -24,7 +24,7 @@ import pytest
 from badcoord import BadCoordinator, lease_answer
 from boxes import IMAGE, LABEL, box_job, import_image, ours, start, unique
 from harness import AgentProcess, CoordinatorServer, processes_in, wait_for
-from seat import TICKING, Seat, release, running
+from seat import TICKING, Seat, goes_on, last_tick, release, running
 from test_container import COUNTING, FAKE_PYTHON, PROBE, PYBOX
 from test_container_runtimes import HIDE
 
@@ -235,8 +235,10 @@ def test_under_podman_an_owner_rule_pauses_the_container_and_lets_it_go_on(
 
     seat.active()
     wait_for("the container to be paused", paused, timeout=15)
+    paused_at = last_tick(container)
     seat.idle()
     wait_for("the container to run again", lambda: not paused(), timeout=15)
+    goes_on(container, paused_at)
     release(container)
     assert coordinator.wait_state(job, {"SUCCEEDED", "FAILED"}, timeout=90) == "SUCCEEDED"
     entry = agent.wait_ledger()[-1]

@@ -102,14 +102,9 @@ def _flag_on(arg: str, name: str) -> bool:
     return key == name and (not given or value in ("1", "t", "T", "true", "TRUE", "True"))
 
 
-def engine_runtimes(client: Any) -> dict[str, Runtime]:
-    """The runtimes the engine has registered (``docker info``'s Runtimes: runc, and what the
-    owner added, e.g. runsc)."""
-    return runtimes_in(client.info())
-
-
 def runtimes_in(info: Mapping[str, Any]) -> dict[str, Runtime]:
-    """The runtimes of an answer to ``docker info``."""
+    """The runtimes the engine has registered, read from its answer to ``docker info``
+    (Runtimes: runc, and what the owner added, e.g. runsc)."""
     found = info.get("Runtimes") or {}
     return {
         str(name): Runtime(str(given.get("path", "")), tuple(given.get("runtimeArgs") or ()))

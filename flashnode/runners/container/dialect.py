@@ -1,6 +1,6 @@
 """What an engine does differently from Docker behind the same API (``Dialect``), asked of the
-engine once: Podman's Docker-compatible socket runs the runner's containers too, given three
-things Docker never needs.
+engine once: Podman's Docker-compatible socket runs the runner's containers too, given what
+Docker never needs, and Docker is given one thing Podman does not need.
 
 * **rlimits.** Docker's containers inherit the engine's own limits; Podman, as root, sets
   ``nofile`` and ``nproc`` to 1048576 in every container unless told otherwise, and the start
@@ -11,6 +11,13 @@ things Docker never needs.
 * **the read-only root.** Podman mounts writable tmpfs at ``/run`` and ``/var/tmp`` under a
   read-only root (bounded by nothing but the memory limit, unseen by the disk watch): under
   Podman they are mounted read-only and tiny, so a task writes where it does under Docker.
+* **an init under gVisor.** Docker's containerd keeps the shim of a gVisor container whose
+  start failed (a program not in the image: runsc fails the start, and the shim's task stays
+  "created" through the container's removal), one process a failed start, for good: a job
+  could fill the owner's memory with them. Under a runtime with its own kernel, Docker's
+  containers run its init (``docker-init``, tini) first: it starts, and a missing program is
+  its exit 127. Podman needs no such init (its conmon goes with the container) and may have
+  none installed.
 * **GPUs.** The runner asks for a task's GPUs as Docker's device requests (``--gpus``), which
   Podman 4's compat API drops without a word (its container gets none): under Podman a GPU
   task is refused rather than run without its GPUs.
@@ -46,7 +53,8 @@ class Dialect:
     """``name``: "Docker" or "Podman"; ``version``: as the engine says; ``rootless``: it runs as
     a user, not root; ``ulimits``: set on every container (name -> (soft, hard)); ``tmpfs``:
     mounted in every container besides the task's ``/tmp``; ``passes_gpus``: a device request
-    reaches the container."""
+    reaches the container; ``init_own_kernel``: a container under a runtime with its own kernel
+    runs the engine's init first."""
 
     name: str = "Docker"
     version: str = ""
@@ -55,15 +63,17 @@ class Dialect:
     ulimits: dict[str, tuple[int, int]] = field(default_factory=dict)
     tmpfs: dict[str, str] = field(default_factory=dict)
     passes_gpus: bool = True
+    init_own_kernel: bool = True
 
     def describe(self) -> str:
         rootless = ", rootless" if self.rootless else ""
         cgroups = f", cgroup v{self.cgroup_version}" if self.cgroup_version else ""
         return f"{self.name} {self.version or '(version unknown)'}{rootless}{cgroups}"
 
-    def apply(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, kwargs: dict[str, Any], own_kernel: bool = False) -> dict[str, Any]:
         """``kwargs`` of a container's create, with what this engine needs added (limits the
-        caller set itself, e.g. ``fsize``, are kept)."""
+        caller set itself, e.g. ``fsize``, are kept); ``own_kernel``: its runtime gives it a
+        kernel of its own (``Runtime.own_kernel``)."""
         given = list(kwargs.get("ulimits") or [])
         named = {u["Name"] for u in given}
         given += [
@@ -75,6 +85,8 @@ class Dialect:
             kwargs["ulimits"] = given
         if self.tmpfs:
             kwargs["tmpfs"] = {**self.tmpfs, **(kwargs.get("tmpfs") or {})}
+        if own_kernel and self.init_own_kernel:
+            kwargs["init"] = True
         return kwargs
 
     def problems(self) -> list[str]:
@@ -111,6 +123,7 @@ def dialect(client: Any, docker_host: str) -> Dialect:
         ulimits=_engine_limits(docker_host),
         tmpfs={"/run": _SHUT, "/var/tmp": _SHUT},
         passes_gpus=False,
+        init_own_kernel=False,
     )
 
 

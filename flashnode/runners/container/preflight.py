@@ -19,10 +19,10 @@ from flashnode.runners.container import (
     ENGINE_ERRORS,
     brief,
     connect,
-    engine_runtimes,
     image_present,
     pin_problem,
     runtime_fix,
+    runtimes_in,
 )
 from flashnode.runners.container.dialect import Dialect, dialect
 from flashnode.runners.findings import Finding, Ok, Problem
@@ -107,7 +107,7 @@ def runtimes(
     if not named:
         return
     try:
-        registered = engine_runtimes(client)
+        info = client.info()
     except ENGINE_ERRORS as exc:
         yield Problem(
             "runtimes",
@@ -116,6 +116,9 @@ def runtimes(
             code=ExitCode.UNAVAILABLE,
         )
         return
+    registered = runtimes_in(info)
+    default = str(info.get("DefaultRuntime") or "")
+    default_own = default in registered and registered[default].own_kernel(default)
     host = _host_kernel()
     spoken = spoken or Dialect()
     for runtime in named:
@@ -142,8 +145,8 @@ def runtimes(
             continue
         found = registered[runtime]
         path, gvisor = found.path, found.own_kernel(runtime)
-        kernel, why = _probe(s, client, image, runtime, spoken)
-        if why is not None and _probe(s, client, image, None, spoken)[1] is not None:
+        kernel, why = _probe(s, client, image, (runtime, gvisor), spoken)
+        if why is not None and _probe(s, client, image, (None, default_own), spoken)[1] is not None:
             yield Problem(  # the image's fault, not the runtime's: it cannot tell
                 what,
                 f"registered, but `cat /proc/version` fails in {image} under the engine's"
@@ -192,11 +195,13 @@ def _host_kernel() -> str:
 
 
 def _probe(
-    s: Settings, client: Any, image: str, runtime: str | None, spoken: Dialect
+    s: Settings, client: Any, image: str, under: tuple[str | None, bool], spoken: Dialect
 ) -> tuple[str, str | None]:
-    """``cat /proc/version`` in a locked-down container under ``runtime`` (None: the engine's
-    default): (what it printed, None) or ("", why it failed). The container is removed by name
-    in every case (a create that timed out may still have made it)."""
+    """``cat /proc/version`` in a locked-down container under ``under``'s runtime (None: the
+    engine's default) and whether it has its own kernel: (what it printed, None) or ("", why it
+    failed). The container is removed by name in every case (a create that timed out may still
+    have made it)."""
+    runtime, own_kernel = under
     user = s.container_user or ("65534:65534" if os.geteuid() == 0 else f"{os.geteuid()}")
     name = f"flashnode-doctor-{secrets.token_hex(8)}"
     try:
@@ -213,7 +218,7 @@ def _probe(
             "pids_limit": 64,
             "runtime": runtime,
         }
-        container = client.containers.create(**spoken.apply(probe))
+        container = client.containers.create(**spoken.apply(probe, own_kernel))
         container.start()
         status = int(container.wait(timeout=RUNTIME_PROBE_WAIT_S).get("StatusCode", 1))
         out = container.logs(stdout=True, stderr=True).decode(errors="replace").strip()

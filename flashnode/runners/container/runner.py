@@ -197,7 +197,8 @@ class ContainerRunner(Runner):
                 "pids_limit": 256,
                 "runtime": runtime,
             }
-            container = self.client.containers.create(**self.dialect.apply(probe))
+            made = self.dialect.apply(probe, self._own_kernel(runtime))
+            container = self.client.containers.create(**made)
             container.start()
             status = container.wait(timeout=PROBE_WAIT_S)
             return int(status.get("StatusCode", 1)) == 0
@@ -352,7 +353,8 @@ class ContainerRunner(Runner):
             raise AttemptLapsed(f"cannot start the container's watch ({exc})") from None
         doing = "create"
         try:
-            container = self.client.containers.create(**self.dialect.apply(kwargs))
+            made = self.dialect.apply(kwargs, self._own_kernel(runtime))
+            container = self.client.containers.create(**made)
             doing = "start"
             plan.record({"container": container.id, "supervisor": str(home)})
             container.start()
