@@ -183,13 +183,17 @@ class ProbeEngine(Engine):
     """An engine whose probe containers fail under the runtimes in ``broken`` (None: the
     default), and see gVisor's kernel under runsc."""
 
-    def __init__(self, *runtimes: str, broken: tuple[str | None, ...]) -> None:
-        super().__init__(*runtimes)
+    def __init__(
+        self, *runtimes: str, broken: tuple[str | None, ...], default: str | None = None
+    ) -> None:
+        super().__init__(*runtimes, default=default)
         self.broken = broken
+        self.made: list[dict[str, Any]] = []  # each create's arguments
         engine = self
 
         class Made(Containers):
             def create(self, image: str, command: list[str], **kw: Any) -> Probed:
+                engine.made.append(kw)
                 runtime = kw.get("runtime")
                 gvisor = "Linux version 4.4.0 #1 SMP Sun Jan 10 15:06:54 PST 2016"
                 out = gvisor if runtime == "runsc" else Path("/proc/version").read_text()
@@ -209,6 +213,7 @@ def test_the_doctor_tells_a_broken_runtime_from_an_image_it_cannot_probe_in() ->
     [broken] = runtimes(s, ProbeEngine("runc", "runsc", broken=("runsc",)), IMAGE)
     assert isinstance(broken, Problem) and broken.fatal
     assert "did not run under it" in broken.why and "--network=none" in broken.fix
+    assert "docker run --rm --runtime runsc --init" in broken.fix  # the probe's own way
     # cat fails under the default runtime too: the image cannot tell, the runtime is not blamed.
     [unsure] = runtimes(s, ProbeEngine("runc", "runsc", broken=("runsc", None)), IMAGE)
     assert isinstance(unsure, Problem) and not unsure.fatal
@@ -227,3 +232,24 @@ def test_the_doctor_fails_a_missing_runtime_work_from_no_pool_needs_and_warns_of
     assert "work from no pool cannot run here" in public.why
     assert public.fix.startswith("the engine calls it 'runsc': name it so")
     assert isinstance(pool, Problem) and not pool.fatal and "pool lab cannot run here" in pool.why
+
+
+def test_probe_containers_under_gvisor_run_the_engines_init_as_tasks_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Docker's containerd keeps the shim of a gVisor container whose start failed (a program
+    not in the image): the doctor's probe and the module probe there run the engine's init
+    first, under gVisor named or the engine's default (the tasks': test_container_runtimes.py)."""
+    doctor = ProbeEngine("runc", "runsc", broken=())
+    list(runtimes(settings(allowed_images=(IMAGE,), container_runtime="runsc"), doctor, IMAGE))
+    assert [(kw["runtime"], kw.get("init")) for kw in doctor.made] == [("runsc", True)]
+    under_runc = ProbeEngine("runc", "runsc", broken=())
+    list(runtimes(settings(allowed_images=(IMAGE,), container_runtime="runc"), under_runc, IMAGE))
+    assert [(kw["runtime"], kw.get("init")) for kw in under_runc.made] == [("runc", None)]
+    for engine, given in (
+        (ProbeEngine("runc", "runsc", broken=()), {"container_runtime": "runsc"}),
+        (ProbeEngine("runc", "runsc", broken=(), default="runsc"), {}),
+    ):
+        engine.images.present = True
+        runner(monkeypatch, engine, allowed_images=(IMAGE,), **given)
+        assert [kw.get("init") for kw in engine.made] == [True], given

@@ -155,10 +155,11 @@ def runtimes(
                 code=None,
             )
         elif why is not None:
+            init = " --init" if gvisor and spoken.init_own_kernel else ""  # as the probe ran
             yield Problem(
                 what,
                 f"a probe container in {image} did not run under it ({why})",
-                f"run `docker run --rm --runtime {runtime} {image} true` and fix what it says"
+                f"run `docker run --rm --runtime {runtime}{init} {image} true` and fix what it says"
                 ' (gVisor: runtimeArgs ["--platform=ptrace", "--network=none"] in'
                 " /etc/docker/daemon.json; the owner's manual, Isolation)",
                 code=code,
