@@ -2,15 +2,18 @@
 200 MiB and 1 GiB, each against a bare httpx client's floor on the same real coordinator, and
 against flashnode 0.4.1 where it can do the same work.
 
-    .venv/bin/python benchmarks/bulk.py [--quick] [--rounds N] [--cases a,b]
+    .venv/bin/python benchmarks/bulk.py [--quick] [--rounds N] [--cases a,b] [--no-recycle]
 
 As root (the trusted runner runs tasks as ``flashbulk-N``, made here where missing, so that it
 never shares users with other agents or the tests). Per case and round, the contenders run in a
 shuffled order, each against its own job and pool on the one coordinator; a round's figures are
 the coordinator's own clock from the lease's claim to its accepted commit (for a restore: the
 second attempt's claim), the agent's peak RSS above what it held just before (``VmHWM`` and
-``VmRSS`` sampled every 20 ms) and the load average then. Medians over the rounds, raw figures
-in ``benchmarks/bulk.json``. A benchmark, not a test: nothing here asserts.
+``VmRSS`` sampled every 20 ms), the coordinator's CPU and the load average then. An agent is
+started, registered and claiming before its job is submitted (a restore's: after the seeding
+attempt), and just before each job the case's size in page cache is written and freed
+(``recycle``). Medians over the rounds, raw figures in ``benchmarks/bulk.json``. A benchmark,
+not a test: nothing here asserts.
 
 The floor does the same work with the least code: claim, run the same writer, then every file
 read once (hashed as it streams) and PUT, the checkpoint's parts registered and committed, the
@@ -56,6 +59,7 @@ MiB, GiB = 1 << 20, 1 << 30
 CHUNK = MiB
 PARALLEL = 4
 BEFORE: list[str] = []  # the tree of the agent "before" runs from (--before)
+RECYCLE = [True]  # page cache freed before each job (recycle); --no-recycle empties it
 
 # The task, for the agents and the floor alike. No braces: the coordinator formats a command
 # with each task's params. Writes a 1 MiB pattern (not zeros: nothing on the way may shortcut).
@@ -148,6 +152,12 @@ def state_parent() -> Path:
     parent = Path("/var/lib/flashnode-bulk")
     parent.mkdir(mode=0o755, exist_ok=True)
     return parent
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's own CPU seconds (all its threads; not its children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stamps(server: CoordinatorServer, job: str) -> tuple[float, float]:
@@ -476,8 +486,7 @@ class Agent:
 
     def cpu(self) -> float:
         """The agent's own CPU seconds (its threads; not its tasks')."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
@@ -532,22 +541,53 @@ def one(server: CoordinatorServer, case: Case, who: str, shard: dict[str, Any] |
         params["dataset_slices"] = [[{"name": "ds", "entries": [shard]}]]
         argv = case.argv("/work/data/ds/" + shard["path"])
     spec = argv_job(argv, pool=pool, max_attempts=3, lease_seconds=600, **params)
+    agent = None
+    if not who.startswith("floor") and case.kind != "restore":
+        # Started, registered and claiming before its job comes, as a daemon is: what is timed
+        # is its work, not its start. (A restore's agent starts after the seed's attempt, which
+        # it would otherwise claim itself.)
+        agent = Agent(who, server.url, pool, {})
     load = os.getloadavg()[0]
+    if case.kind != "restore":
+        recycle(case)
     job = server.submit(spec)
+    assert server.proc is not None
+    coordinator_cpu = cpu_seconds(server.proc.pid)
     if case.kind == "restore":
         seed_checkpoint(server.url, pool, case)
+        recycle(case)
     extra: dict[str, Any] = {}
     if who.startswith("floor"):
         extra["timings"] = floor(server.url, pool, case, parallel=who == "floor-par")
     else:
-        agent = Agent(who, server.url, pool, {})
-        state = server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=900)
-        extra = agent.finish(60)
-        extra["state"] = state
+        agent = agent or Agent(who, server.url, pool, {})
+        # It stops after its one task: waited for, not the coordinator asked every 0.1 s (3 ms
+        # of its CPU each, taken from the agent's transfers on the one coordinator thread).
+        extra = agent.finish(900)
+        extra["state"] = server.job(job)["state"]
     server.wait_state(job, {"SUCCEEDED", "FAILED", "PARTIAL"}, timeout=60)
     claimed, committed = stamps(server, job)
+    extra["coordinator_cpu_s"] = round(cpu_seconds(server.proc.pid) - coordinator_cpu, 3)
     clear_artifacts(server, job)
     return {"case": case.name, "who": who, "seconds": committed - claimed, "load": load, **extra}
+
+
+def recycle(case: Case) -> None:
+    """Page cache written and freed at once, enough for what the case writes (the task's files,
+    the coordinator's copy of them, a download), just before each contender's job. On a VM
+    whose host takes back the guest's free memory (virtio-balloon free page reporting, as here)
+    a page that has been free for a few seconds costs about ten times a page's usual time when
+    it is first written again (12 against 1 us for 4 KiB here); without this, which contender's
+    writes got freshly freed pages depended on who ran right after a job's files were deleted.
+    ``--no-recycle``: without it."""
+    if not RECYCLE:
+        return
+    path = state_parent() / "recycle"
+    block = bytes(MiB)
+    with path.open("wb") as fh:
+        for _ in range((2 * case.total + 256 * MiB) // MiB):
+            fh.write(block)
+    path.unlink()  # before its writeback: freed without touching the disk
 
 
 def clear_artifacts(server: CoordinatorServer, job: str) -> None:
@@ -592,12 +632,15 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "bulk.json"))
     ap.add_argument("--before", default="", help="a tree of flashnode to A/B against")
     ap.add_argument("--table", default="", help="print the table of this bulk.json, run nothing")
+    ap.add_argument("--no-recycle", action="store_true", help="no page cache freed before a job")
     args = ap.parse_args()
     if args.table:
         print(table(Path(args.table)))
         return 0
     if args.before:
         BEFORE.append(args.before)
+    if args.no_recycle:
+        RECYCLE.clear()
     rounds = args.rounds or (1 if args.quick else 3)
     task_users()
     root = Path(tempfile.mkdtemp(prefix="bulk-coord-", dir=state_parent()))
@@ -625,6 +668,7 @@ def main() -> int:
                     print(
                         f"{case.name:22} {who:9} {res['seconds']:7.2f} s"
                         f"  rss+{res.get('rss_increase_mb', 0):6.1f} MB  load {res['load']:.2f}"
+                        f"  coordinator cpu {res['coordinator_cpu_s']:.2f} s"
                         f"  {res.get('state', '')} {res.get('timings') or ''}",
                         flush=True,
                     )
@@ -639,6 +683,7 @@ def main() -> int:
             {
                 "machine": machine(),
                 "rounds": rounds,
+                "recycle": bool(RECYCLE),
                 "quick": args.quick,
                 "summary": summary,
                 "raw": results,
@@ -731,6 +776,9 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 got = [(r.get("timings") or {}).get(phase) for r in mine if r["who"] == who]
                 if got and all(got):
                     row[f"{phase}_s_{who}"] = round(statistics.median(got), 3)
+        for who in med:  # the same bytes each: more CPU is the machine's, or asked of it
+            cpu = [r["coordinator_cpu_s"] for r in mine if r["who"] == who]
+            row[f"coordinator_cpu_s_{who}"] = round(statistics.median(cpu), 3)
         floors = [r["seconds"] for r in mine if r["who"] == "floor"]
         if floors:
             row["floor_range"] = [round(min(floors), 3), round(max(floors), 3)]
