@@ -4,6 +4,7 @@ supervisor holds only what is its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -44,7 +45,14 @@ def gone(pid: int) -> bool:
 
 
 def descriptors(pid: int) -> list[str]:
-    return [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    """What ``pid`` holds. A descriptor it closed between the listing and the readlink was not
+    held: a supervisor closes some of its own after it answered (its chain's fault pipe once
+    the pipe's end is read), and a loaded machine may look at it just then."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return held
 
 
 AGENT = """
