@@ -47,9 +47,6 @@ log = logging.getLogger(__name__)
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
 NOT_THE_SIZE = "the origin's size is not the manifest's"
-# The owner's floor is asked for room this far ahead of what is written (a socket read is 64
-# KiB: asking for each cost a download 7 % of the agent's CPU).
-ROOM_STEP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -75,10 +72,9 @@ class _Progress:
     etag: str | None = None
     requests: int = 0
     resumes: int = 0
-    room_to: int = 0  # the offset up to which the owner's floor has been asked for room
 
     def restart(self) -> None:
-        self.offset = self.room_to = 0
+        self.offset = 0
         self.hasher = hashlib.sha256()
 
 
@@ -288,11 +284,8 @@ class Fetcher:
             for chunk in response.iter_raw():  # as they arrive: at most one read's worth
                 if progress.offset + len(chunk) > entry.size:
                     raise DataIntegrityError(f"{where}: {NOT_THE_SIZE}")
-                end = progress.offset + len(chunk)
-                if self.room is not None and end > progress.room_to:  # before the write
-                    ahead = max(end, min(progress.offset + ROOM_STEP, entry.size))
-                    self.room(ahead - max(progress.offset, progress.room_to), where)
-                    progress.room_to = ahead
+                if self.room is not None:  # the owner's floor, before the write
+                    self.room(len(chunk), where)
                 _write_all(fd, chunk, where)
                 progress.hasher.update(chunk)
                 progress.offset += len(chunk)

@@ -859,25 +859,3 @@ def test_a_shard_the_disk_has_no_room_for_stops_before_the_chunk_that_would_pass
         fetcher.fetch(entry(origin.url("/big"), data), tmp_path / "x", stop=threading.Event())
     assert not (tmp_path / "x").exists()
     assert 0 < sum(weighed) <= 1 << 20
-
-
-def test_the_owner_s_floor_is_asked_for_each_mib_before_any_byte_of_it_is_written(
-    origin: Origin, fetcher: Fetcher, tmp_path: Path
-) -> None:
-    """Room is asked ahead of the writes, a MiB at a time rather than for every socket read:
-    when it is asked, nothing past what was asked before is on disk, and every byte of the
-    shard was asked for."""
-    data = os.urandom((3 << 20) + 4321)
-    origin.add("/big", data)
-    dest = tmp_path / "x"
-    weighed: list[int] = []
-
-    def room(nbytes: int, what: str) -> None:
-        written = dest.stat().st_size if dest.exists() else 0
-        assert written <= sum(weighed), "bytes written before room was asked for them"
-        weighed.append(nbytes)
-
-    fetcher.room = room
-    fetcher.fetch(entry(origin.url("/big"), data), dest, stop=threading.Event())
-    assert sum(weighed) == len(data) and dest.read_bytes() == data
-    assert len(weighed) == 4, weighed
