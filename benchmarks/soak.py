@@ -48,6 +48,12 @@ import bench  # noqa: E402
 from bench import TRIVIAL, events_by_task, pct  # noqa: E402
 from harness import CoordinatorServer, argv_job, free_port, wait_for  # noqa: E402
 
+# The agent's interpreter: benchmarks/.venv-ours (``benchmarks/venvs``: the package's own
+# dependencies, as an owner's install has them) where it exists. The checkout's .venv also holds
+# the test extras, and with pytest's pygments there httpx imports its CLI too: about 1 MB and
+# 2,000 interned strings no owner's agent has (RESULTS.md, "A daemon that never grows").
+OURS_PYTHON = HERE / ".venv-ours" / "bin" / "python"
+AGENT_PYTHON = str(OURS_PYTHON if OURS_PYTHON.exists() else Path(sys.executable))
 TASK_USER = "flashsoak"  # slot N runs as flashsoak-N
 PARENT = Path("/var/lib/flashnode-soak")
 DRAIN = signal.SIGRTMIN + 2  # what `flashnode drain` sends
@@ -316,7 +322,9 @@ class Agent:
         src: Path | None = None,
     ) -> None:
         """``src``: a tree whose ``flashnode`` package to run instead of this checkout's (a
-        baseline: ``git archive REV flashnode | tar -x -C DIR``)."""
+        baseline: ``git archive REV flashnode | tar -x -C DIR``). The agent runs on the
+        dependencies an owner's install has (``AGENT_PYTHON``), with this checkout's (or
+        ``src``'s) package first on its path."""
         PARENT.mkdir(mode=0o755, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix="soak-", dir=PARENT))
         self.dir.chmod(0o755)
@@ -329,15 +337,14 @@ class Agent:
             "FLASHNODE_UI_LISTEN": listen,
             "FLASHNODE_SLOTS": str(slots),
         }
-        if src is not None:
-            env["PYTHONPATH"] = str(src)
+        env["PYTHONPATH"] = str(src if src is not None else ROOT)
         self.log = (self.dir / "agent.log").open("wb")  # beside the state dir, not in it
         self.proc = subprocess.Popen(
             [
                 *(
-                    (sys.executable, "-c", TRACE, str(self.dir / "trace.jsonl"), str(trace))
+                    (AGENT_PYTHON, "-c", TRACE, str(self.dir / "trace.jsonl"), str(trace))
                     if trace
-                    else (sys.executable, "-m", "flashnode")
+                    else (AGENT_PYTHON, "-m", "flashnode")
                 ),
                 *("work", "--coordinator", url),
                 *("--runner", "trusted", "--pool", pool, "--state-dir", str(self.state)),
