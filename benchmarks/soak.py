@@ -7,7 +7,8 @@ processes, and its state dir (bytes and entries, by top-level name).
 
 Needs root (the agent runs tasks as its own users, ``flashsoak-N``, made here where missing, so
 that it never shares a uid with the tests' ``flashnode-task-N`` or another engineer's agents).
-Runs the agent from this checkout (``python -m flashnode``); its state dir goes under
+Runs the agent from this checkout (``python -m flashnode``, on ``benchmarks/.venv-ours``'s
+interpreter and dependencies where ``benchmarks/venvs`` made it); its state dir goes under
 ``/var/lib/flashnode-soak`` (not /tmp: see RESULTS.md, issue 31), its console on at a free port,
 with a viewer logged in that polls what the console's page polls (``--no-viewer``: none). Also
 runs bench.py's isolated floor before and after the soak, so the soak's per-task cycle can be
