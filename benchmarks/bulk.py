@@ -3,6 +3,7 @@
 against flashnode 0.4.1 where it can do the same work.
 
     .venv/bin/python benchmarks/bulk.py [--quick] [--rounds N] [--cases a,b] [--no-recycle]
+        [--claim-backoff S]
 
 As root (the trusted runner runs tasks as ``flashbulk-N``, made here where missing, so that it
 never shares users with other agents or the tests). Per case and round, the contenders run in a
@@ -60,6 +61,9 @@ CHUNK = MiB
 PARALLEL = 4
 BEFORE: list[str] = []  # the tree of the agent "before" runs from (--before)
 RECYCLE = [True]  # page cache freed before each job (recycle); --no-recycle empties it
+# Our agent's wait between two empty claims (--claim-backoff; drawn from half of it to all of it):
+# when a job comes, the agent claims it within this, where the floor claims at once.
+CLAIM_BACKOFF = ["0.5"]
 
 # The task, for the agents and the floor alike. No braces: the coordinator formats a command
 # with each task's params. Writes a 1 MiB pattern (not zeros: nothing on the way may shortcut).
@@ -428,7 +432,8 @@ class Agent:
                 base["PYTHONPATH"] = os.environ["BULK_PYTHONPATH"]
             base["FLASHNODE_TASK_USER"] = TASK_USER
             base["FLASHNODE_UI_LISTEN"] = "off"
-            base["FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS"] = "0.5"
+            base["FLASHNODE_CLAIM_BACKOFF_MIN_SECONDS"] = CLAIM_BACKOFF[0]
+            base["FLASHNODE_CLAIM_BACKOFF_MAX_SECONDS"] = CLAIM_BACKOFF[0]
             base["FLASHNODE_MAX_OUTPUT_FILE_BYTES"] = str(2 * GiB)
             base["FLASHNODE_DATASET_CACHE_BYTES"] = str(4 * GiB)
             base["FLASHNODE_DATASET_ALLOW_PRIVATE_ORIGINS"] = "true"
@@ -633,12 +638,14 @@ def main() -> int:
     ap.add_argument("--before", default="", help="a tree of flashnode to A/B against")
     ap.add_argument("--table", default="", help="print the table of this bulk.json, run nothing")
     ap.add_argument("--no-recycle", action="store_true", help="no page cache freed before a job")
+    ap.add_argument("--claim-backoff", default="0.5", help="our agent's claim backoff (s)")
     args = ap.parse_args()
     if args.table:
         print(table(Path(args.table)))
         return 0
     if args.before:
         BEFORE.append(args.before)
+    CLAIM_BACKOFF[0] = args.claim_backoff
     if args.no_recycle:
         RECYCLE.clear()
     rounds = args.rounds or (1 if args.quick else 3)
